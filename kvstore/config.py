@@ -1,0 +1,92 @@
+"""StoreConfig: the one typed, validated configuration of an in-process Store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvstore.errors import InvalidArgument
+
+GiB = 1 << 30
+
+
+class StoreConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    path: Path
+    """Store directory: holds the NVMe tier (LMDB), the master key file and the audit log."""
+
+    hbm_bytes: Annotated[int, Field(ge=0)] = 1 * GiB
+    """Capacity of the HBM tier (device block pool; a CPU arena where there is no GPU). 0 disables it."""
+
+    dram_bytes: Annotated[int, Field(ge=0)] = 4 * GiB
+    """Capacity of the DRAM tier (host slab pool, page-locked when CUDA is present). 0 disables it."""
+
+    nvme_bytes: Annotated[int, Field(ge=0)] = 64 * GiB
+    """Capacity of the NVMe tier (raw block bytes; LMDB's map is sized with headroom). 0 disables it."""
+
+    device: str | None = None
+    """Device of the HBM pool (``"cuda"``, ``"cuda:1"``, ``"cpu"``); None = cuda when available."""
+
+    master_key: bytes | None = None
+    """32-byte master key wrapping the tenants' data keys. None: env KVSTORE_MASTER_KEY, then
+    ``master_key_file`` (generated with mode 0600 on first open when absent)."""
+
+    master_key_file: Path | None = None
+    """Where the master key lives; default ``<path>/master.key``."""
+
+    encrypt: bool = True
+    """AES-256-GCM on the NVMe tier; False stores values with an xxh3 checksum instead."""
+
+    compression_level: Annotated[int, Field(ge=0, le=22)] = 1
+    """zstd level of the NVMe codec; 0 turns compression off."""
+
+    codec_threads: Annotated[int, Field(ge=1, le=64)] = 2
+    """Threads that encode/decode chunks of one value in parallel."""
+
+    durable: bool = True
+    """LMDB syncs on every commit: a put that returned survives a crash (kill -9)."""
+
+    persist_on_close: bool = True
+    """On a graceful close, write the HBM/DRAM blocks that have no NVMe copy to NVMe (as room
+    allows, ancestors first), so a restart finds the warm cache. A crash keeps only what was
+    already committed."""
+
+    high_watermark: Annotated[float, Field(gt=0, le=1)] = 0.95
+    """A tier starts evicting when a new block would take it above this fraction of capacity."""
+
+    low_watermark: Annotated[float, Field(gt=0, le=1)] = 0.85
+    """... and evicts down to this fraction."""
+
+    policy: str = "lru"
+    """Placement policy name (see ``policy.POLICIES``)."""
+
+    default_ttl_s: Annotated[float, Field(gt=0)] | None = None
+    """TTL of blocks whose tenant has no TTL policy; None = no expiry."""
+
+    @field_validator("master_key")
+    @classmethod
+    def _key_len(cls, v: bytes | None) -> bytes | None:
+        if v is not None and len(v) != 32:
+            raise ValueError(f"master_key must be 32 bytes, got {len(v)}")
+        return v
+
+    @model_validator(mode="after")
+    def _watermarks(self) -> StoreConfig:
+        if self.low_watermark > self.high_watermark:
+            raise ValueError("low_watermark must be <= high_watermark")
+        if self.hbm_bytes == 0 and self.dram_bytes == 0 and self.nvme_bytes == 0:
+            raise ValueError("at least one tier needs a capacity > 0")
+        return self
+
+    @classmethod
+    def build(cls, **kwargs: object) -> StoreConfig:
+        """Like the constructor, but raises :class:`kvstore.errors.InvalidArgument`."""
+        from pydantic import ValidationError
+
+        try:
+            return cls(**kwargs)  # type: ignore[arg-type]
+        except ValidationError as exc:
+            raise InvalidArgument(f"bad StoreConfig: {exc}") from None

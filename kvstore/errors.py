@@ -1,0 +1,79 @@
+"""Typed errors of kvstore.
+
+Every error a caller can provoke is a subclass of :class:`KVStoreError` and carries a ``code``
+naming the gRPC status it maps to; the service maps them in one place (``kvstore.service``).
+Expected outcomes (a miss, "no room in this tier") are return values, not exceptions;
+``assert`` is kept for our own invariants.
+"""
+
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Base of all kvstore errors. ``code`` is the gRPC status name it maps to."""
+
+    code = "INTERNAL"
+
+
+class InvalidArgument(KVStoreError, ValueError):
+    """The request is malformed: bad spec, wrong shape/dtype, keys that do not match, ..."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class ShapeMismatch(InvalidArgument):
+    """A tensor's shape does not match what the ModelSpec and key count require."""
+
+
+class DTypeMismatch(InvalidArgument):
+    """A tensor's dtype is not the ModelSpec's KV dtype."""
+
+
+class UnknownTier(InvalidArgument):
+    """A tier name that this store does not have."""
+
+
+class NotFound(KVStoreError, KeyError):
+    """A named object (session, tenant) does not exist. Block misses are not errors."""
+
+    code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else self.__class__.__name__
+
+
+class ResourceExhausted(KVStoreError):
+    """A capacity or quota cannot hold the request, even after eviction.
+
+    ``resource`` names the limit that was hit (e.g. ``"hbm"``, ``"quota:tenant-a:nvme"``).
+    """
+
+    code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, *, resource: str = "") -> None:
+        super().__init__(message)
+        self.resource = resource
+
+
+class PermissionDenied(KVStoreError):
+    code = "PERMISSION_DENIED"
+
+
+class Unauthenticated(KVStoreError):
+    code = "UNAUTHENTICATED"
+
+
+class FailedPrecondition(KVStoreError):
+    """The store is in a state that does not allow the call (e.g. closed)."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class IntegrityError(KVStoreError):
+    """Stored bytes failed authentication or checksum. Internal: callers see a miss."""
+
+    code = "DATA_LOSS"
+
+
+class KeyUnavailable(IntegrityError):
+    """The tenant's data key is gone (tenant deleted): its stored bytes are unreadable."""

@@ -1,0 +1,122 @@
+"""PrefixIndex: the Store's tree of resident blocks, per tenant.
+
+A block is identified by ``(tenant, key)``; its parent is the key of the preceding block of
+the same prefix (``ROOT_KEY`` for the first). The index answers the questions the Store's
+mechanism needs, in time proportional to the answer:
+
+* the longest usable prefix of a key chain (every block present, visible, of the spec's
+  fingerprint, and chained parent→child);
+* eviction candidates of a tier: unpinned, not in flight, not protected, and with no child in
+  the same or a faster tier (leaf-first, which keeps the tier order along every path);
+* the subtree under a block (deepest first), for drops and deletions.
+
+Plain bookkeeping; the Store's lock serialises all calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from kvstore.block import BlockMeta, Tier
+
+Ident = tuple[str, bytes]
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._metas: dict[Ident, BlockMeta] = {}
+        self._children: dict[Ident, set[bytes]] = {}
+        self._by_tier: dict[Tier, dict[Ident, BlockMeta]] = {t: {} for t in Tier}
+        self._persisted: dict[Ident, BlockMeta] = {}  # blocks above NVMe that keep an NVMe copy
+
+    def __len__(self) -> int:
+        return len(self._metas)
+
+    def __iter__(self) -> Iterator[BlockMeta]:
+        return iter(list(self._metas.values()))
+
+    def get(self, tenant: str, key: bytes) -> BlockMeta | None:
+        return self._metas.get((tenant, key))
+
+    def add(self, meta: BlockMeta) -> None:
+        ident = (meta.tenant, meta.key)
+        assert ident not in self._metas, "block added twice"
+        self._metas[ident] = meta
+        self._by_tier[meta.tier][ident] = meta
+        self._children.setdefault((meta.tenant, meta.parent), set()).add(meta.key)
+        parent = self._metas.get((meta.tenant, meta.parent))
+        if parent is not None:
+            parent.children += 1
+        meta.children = len(self._children.get(ident, ()))
+        self._track_persisted(meta)
+
+    def remove(self, meta: BlockMeta) -> None:
+        ident = (meta.tenant, meta.key)
+        del self._metas[ident]
+        del self._by_tier[meta.tier][ident]
+        self._persisted.pop(ident, None)
+        siblings = self._children.get((meta.tenant, meta.parent))
+        if siblings is not None:
+            siblings.discard(meta.key)
+            if not siblings:
+                del self._children[(meta.tenant, meta.parent)]
+        parent = self._metas.get((meta.tenant, meta.parent))
+        if parent is not None:
+            parent.children -= 1
+
+    def set_tier(self, meta: BlockMeta, tier: Tier) -> None:
+        ident = (meta.tenant, meta.key)
+        del self._by_tier[meta.tier][ident]
+        meta.tier = tier
+        self._by_tier[tier][ident] = meta
+        self._track_persisted(meta)
+
+    def set_persisted(self, meta: BlockMeta, persisted: bool) -> None:
+        meta.persisted = persisted
+        self._track_persisted(meta)
+
+    def _track_persisted(self, meta: BlockMeta) -> None:
+        ident = (meta.tenant, meta.key)
+        if meta.persisted and meta.tier < Tier.NVME:
+            self._persisted[ident] = meta
+        else:
+            self._persisted.pop(ident, None)
+
+    # -- queries ------------------------------------------------------------------------------
+    def children(self, meta: BlockMeta) -> list[BlockMeta]:
+        keys = self._children.get((meta.tenant, meta.key), ())
+        return [self._metas[(meta.tenant, k)] for k in keys if (meta.tenant, k) in self._metas]
+
+    def in_tier(self, tier: Tier) -> Iterable[BlockMeta]:
+        return self._by_tier[tier].values()
+
+    def persisted_copies(self) -> Iterable[BlockMeta]:
+        """Blocks living above NVMe that also hold an NVMe copy."""
+        return self._persisted.values()
+
+    def candidates(self, tier: Tier, protected: set[Ident], tenant: str | None = None) -> list[BlockMeta]:
+        """Evictable leaves of ``tier`` (optionally of one tenant only)."""
+        out = []
+        for ident, m in self._by_tier[tier].items():
+            if m.pins or m.in_flight or ident in protected:
+                continue
+            if tenant is not None and m.tenant != tenant:
+                continue
+            if m.children and any(c.tier <= tier for c in self.children(m)):
+                continue
+            out.append(m)
+        return out
+
+    def subtree(self, meta: BlockMeta) -> list[BlockMeta]:
+        """``meta`` and all its descendants, deepest first."""
+        order: list[BlockMeta] = []
+        stack = [meta]
+        while stack:
+            m = stack.pop()
+            order.append(m)
+            stack.extend(self.children(m))
+        order.sort(key=lambda m: -m.depth)
+        return order
+
+    def of_tenant(self, tenant: str) -> list[BlockMeta]:
+        return [m for (t, _), m in self._metas.items() if t == tenant]

@@ -1,0 +1,113 @@
+"""Block keys: content keys chained over the prefix.
+
+``key_i = H(seed, parent_key, namespace, fingerprint, token_ids of block i, extra keys of block i)``
+
+H is BLAKE2b-256 with a fixed personalisation, fed length-prefixed fields, so the function is
+identical in every process and across restarts (the NVMe tier outlives the process) and two
+different field sequences never hash the same input. Only FULL blocks get a key; a trailing
+partial block is not cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument
+
+KEY_BYTES = 32
+#: parent of the first block of every prefix; part of the chain's explicit seed.
+ROOT_KEY = b"\x00" * KEY_BYTES
+_PERSON = b"kvstore-key-v1"
+
+ExtraKeys = Sequence[bytes | str]
+
+
+def _field(h: Any, data: bytes) -> None:
+    h.update(struct.pack("<Q", len(data)))
+    h.update(data)
+
+
+def _as_token_array(token_ids: Any) -> np.ndarray:
+    if hasattr(token_ids, "detach"):  # a torch tensor, without importing torch here
+        token_ids = token_ids.detach().cpu().numpy()
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise InvalidArgument(f"token_ids must be one-dimensional, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidArgument(f"token_ids must be integers, got dtype {arr.dtype}")
+    if arr.size and int(arr.min()) < 0:
+        raise InvalidArgument("token_ids must be non-negative")
+    return arr.astype("<i8", copy=False)
+
+
+def _encode_extra(extra: ExtraKeys | None) -> bytes:
+    if not extra:
+        return b""
+    parts = []
+    for item in extra:
+        if isinstance(item, str):
+            item = item.encode()
+        if not isinstance(item, (bytes, bytearray)):
+            raise InvalidArgument(f"extra keys must be bytes or str, got {type(item).__name__}")
+        parts.append(struct.pack("<Q", len(item)) + bytes(item))
+    return b"".join(parts)
+
+
+def chain_key(parent: bytes, namespace: str, fingerprint: bytes, tokens: bytes, extra: bytes) -> bytes:
+    """One link of the chain. ``tokens`` is the little-endian int64 encoding of the block's ids."""
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=_PERSON)
+    _field(h, parent)
+    _field(h, namespace.encode())
+    _field(h, fingerprint)
+    _field(h, tokens)
+    _field(h, extra)
+    return h.digest()
+
+
+def block_keys(
+    namespace: str,
+    fingerprint: bytes,
+    block_tokens: int,
+    token_ids: Any,
+    extra_keys: Sequence[ExtraKeys | None] | None = None,
+    parent: bytes = ROOT_KEY,
+) -> list[bytes]:
+    """Keys of every full block of ``token_ids``.
+
+    ``extra_keys``, if given, has one entry per full block (``None`` or a sequence of bytes/str,
+    e.g. multimodal content hashes of the items that block covers). ``parent`` lets a caller
+    continue a chain from a known key.
+    """
+    if not isinstance(namespace, str) or not namespace:
+        raise InvalidArgument("namespace (tenant) must be a non-empty string")
+    if len(parent) != KEY_BYTES:
+        raise InvalidArgument(f"parent key must be {KEY_BYTES} bytes")
+    arr = _as_token_array(token_ids)
+    n_blocks = arr.size // block_tokens
+    if extra_keys is not None and len(extra_keys) > n_blocks:
+        raise InvalidArgument(
+            f"extra_keys has {len(extra_keys)} entries but token_ids has only {n_blocks} full blocks"
+        )
+    keys: list[bytes] = []
+    for i in range(n_blocks):
+        tokens = arr[i * block_tokens : (i + 1) * block_tokens].tobytes()
+        extra = _encode_extra(extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None)
+        parent = chain_key(parent, namespace, fingerprint, tokens, extra)
+        keys.append(parent)
+    return keys
+
+
+def check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    """Validate a caller-supplied key list; returns it as a list of ``bytes``."""
+    out = []
+    for i, k in enumerate(keys):
+        if not isinstance(k, (bytes, bytearray)) or len(k) != KEY_BYTES:
+            raise InvalidArgument(f"key {i} must be {KEY_BYTES} bytes, got {type(k).__name__} of len "
+                                  f"{len(k) if hasattr(k, '__len__') else '?'}")
+        out.append(bytes(k))
+    return out

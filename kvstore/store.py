@@ -1,0 +1,872 @@
+"""Store: the tiered KV-cache store (in-process API).
+
+Primitives and what each guarantees (see DESIGN.md §7 for the invariants):
+
+* ``put``     — writes the blocks of a key chain, all or nothing: on any error every block the
+  call inserted is removed again. New blocks land in the fastest enabled tier that can make
+  room (session blocks must land in HBM); the tier of a block is never faster than its parent's.
+* ``lookup``  — the longest usable prefix of a chain (all ancestors present, visible, same
+  fingerprint, not expired) and the tier of each block. Never another tenant's blocks.
+* ``get``     — the bytes of the longest usable prefix, bit-exact; blocks found below HBM are
+  promoted (copied up; an NVMe copy is kept so a crash cannot lose a committed block). A block
+  that fails its integrity check is a miss, is deleted, and is counted.
+* eviction    — when a tier would pass its high watermark, the policy ranks the evictable
+  leaves (unpinned, not in flight) and the Store demotes or drops them down to the low
+  watermark; moves are two-phase (in flight → published or aborted).
+* sessions    — ACTIVE/RESUMED pin their blocks in HBM; PAUSED demotes them to DRAM and keeps
+  them; CLOSED unpins them.
+* TTL/quotas  — per tenant; expired blocks are invisible and deleted from every tier; a tenant
+  over quota evicts its own blocks first, never another tenant's.
+
+Thread-safe: one lock owns the index and every pool.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kernels.copy import copy_bytes
+from kvstore.block import BlockMeta, SessionState, Tier
+from kvstore.config import StoreConfig
+from kvstore.errors import (
+    DTypeMismatch,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    ShapeMismatch,
+)
+from kvstore.index import Ident, PrefixIndex
+from kvstore.keys import ROOT_KEY, block_keys, check_keys
+from kvstore.spec import ModelSpec
+from kvstore.stats import Counters
+from tiers.base import BlockRef
+from tiers.memory import MemoryTier, default_device, dram_tier, hbm_tier
+from tiers.nvme import NVMeRecord, NVMeTier
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """Longest usable prefix: ``num_blocks`` blocks, ``tiers[i]`` the tier name of block i."""
+
+    num_blocks: int
+    tiers: list[str]
+
+
+@dataclass(slots=True)
+class TenantPolicy:
+    ttl_s: float | None = None
+    quota_bytes: dict[Tier, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Session:
+    sid: str
+    state: SessionState
+    keys: dict[bytes, None] = field(default_factory=dict)  # insertion-ordered set
+
+
+class Store:
+    """Use :meth:`Store.open`; see the module docstring for the contracts."""
+
+    def __init__(self, config: StoreConfig, *, clock: Clock = time.time) -> None:
+        from kvstore.codec import Codec, CodecConfig
+        from kvstore.keyring import Keyring, load_master_key
+        from policy import make_policy
+
+        self.config = config
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._closed = False
+        self._index = PrefixIndex()
+        self._specs: dict[bytes, ModelSpec] = {}
+        self._sessions: dict[tuple[str, str], _Session] = {}
+        self._tenant_policy: dict[str, TenantPolicy] = {}
+        self._tenant_usage: dict[tuple[str, Tier], int] = {}
+        self._protected: set[Ident] = set()
+        self.counters = Counters()
+        self.policy = make_policy(config.policy, self._specs.get)
+
+        path = config.path
+        path.mkdir(parents=True, exist_ok=True)
+        self._mem: dict[Tier, MemoryTier] = {}
+        device = torch.device(config.device) if config.device else default_device()
+        self.device = device
+        if config.hbm_bytes:
+            self._mem[Tier.HBM] = hbm_tier(config.hbm_bytes, device)
+        if config.dram_bytes:
+            self._mem[Tier.DRAM] = dram_tier(config.dram_bytes)
+        self._nvme: NVMeTier | None = None
+        self.keyring = None
+        if config.nvme_bytes:
+            self._nvme = NVMeTier(path / "nvme", config.nvme_bytes, durable=config.durable)
+            master = load_master_key(config.master_key, key_file=config.master_key_file
+                                     or path / "master.key", create=True)
+            self.keyring = Keyring(master, self._nvme.key_backend())
+            self._nvme.codec = Codec(
+                CodecConfig(compression_level=config.compression_level,
+                            encrypt=config.encrypt, threads=config.codec_threads),
+                self.keyring if config.encrypt else None)
+            self._recover()
+        self.tiers: list[Tier] = sorted([*self._mem, *([Tier.NVME] if self._nvme else [])])
+
+    @classmethod
+    def open(cls, config: StoreConfig, *, clock: Clock = time.time) -> Store:
+        """Open (or create) the store at ``config.path``; rebuilds the index from NVMe."""
+        return cls(config, clock=clock)
+
+    # -- recovery -----------------------------------------------------------------------------
+    def _recover(self) -> None:
+        assert self._nvme is not None
+        for rec, spec in self._nvme.records():
+            if spec is None:
+                continue
+            self._specs.setdefault(rec.fingerprint, spec)
+            meta = BlockMeta(key=rec.key, tenant=rec.tenant, fingerprint=rec.fingerprint,
+                             parent=rec.parent, depth=rec.depth, nbytes=rec.nbytes,
+                             tokens=rec.tokens, tier=Tier.NVME, created=rec.created,
+                             last_access=rec.created, ttl_deadline=rec.ttl_deadline,
+                             persisted=True)
+            self._index.add(meta)
+            self._charge(meta, Tier.NVME, +1)
+            self.policy.on_insert(meta, rec.created)
+        # A block whose ancestor was never committed (it lived above NVMe at a crash) can
+        # never be part of a usable prefix: drop it and its subtree.
+        for meta in sorted(self._index, key=lambda m: m.depth):
+            if self._index.get(meta.tenant, meta.key) is not meta or meta.parent == ROOT_KEY:
+                continue
+            if self._index.get(meta.tenant, meta.parent) is None:
+                self._drop(meta, reason="orphans_dropped")
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FailedPrecondition("store is closed")
+
+    def _ref(self, meta: BlockMeta) -> BlockRef:
+        return BlockRef(meta.tenant, meta.key, self._specs[meta.fingerprint])
+
+    def _backend(self, tier: Tier) -> Any:
+        if tier == Tier.NVME and self._nvme is not None:
+            return self._nvme
+        return self._mem[tier]
+
+    def _charge(self, meta: BlockMeta, tier: Tier, sign: int) -> None:
+        k = (meta.tenant, tier)
+        self._tenant_usage[k] = self._tenant_usage.get(k, 0) + sign * meta.nbytes
+
+    def _ttl_deadline(self, tenant: str, ttl_s: float | None, now: float) -> float | None:
+        if ttl_s is None:
+            pol = self._tenant_policy.get(tenant)
+            ttl_s = pol.ttl_s if pol and pol.ttl_s is not None else self.config.default_ttl_s
+        return None if ttl_s is None else now + ttl_s
+
+    @staticmethod
+    def _expired(meta: BlockMeta, now: float) -> bool:
+        return meta.ttl_deadline is not None and now >= meta.ttl_deadline
+
+    def _register_spec(self, spec: ModelSpec) -> None:
+        if not isinstance(spec, ModelSpec):
+            raise InvalidArgument(f"spec must be a ModelSpec, got {type(spec).__name__}")
+        self._specs.setdefault(spec.fingerprint, spec)
+
+    @staticmethod
+    def _check_tenant(tenant: str) -> None:
+        if not isinstance(tenant, str) or not tenant or len(tenant) > 256:
+            raise InvalidArgument("tenant must be a non-empty string of at most 256 characters")
+
+    # -- keys ---------------------------------------------------------------------------------
+    def block_keys(self, tenant: str, spec: ModelSpec, token_ids: Any,
+                   extra_keys: Sequence[Any] | None = None) -> list[bytes]:
+        """Chained keys of every full block of ``token_ids`` in ``tenant``'s namespace."""
+        self._check_tenant(tenant)
+        return block_keys(tenant, spec.fingerprint, spec.block_tokens, token_ids, extra_keys)
+
+    # -- put ----------------------------------------------------------------------------------
+    def put(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes], kv: torch.Tensor, *,
+            session: str | None = None, ttl_s: float | None = None) -> None:
+        """Store ``kv`` ([len(keys), 2, L, H, T, D] of the spec's dtype) under the key chain."""
+        if not isinstance(kv, torch.Tensor):
+            raise InvalidArgument(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        keys = check_keys(keys)
+        want = (len(keys), *spec.block_shape)
+        if tuple(kv.shape) != want:
+            raise ShapeMismatch(f"kv has shape {tuple(kv.shape)}, expected {want} "
+                                f"([num_keys, 2, layers, kv_heads, block_tokens, head_dim])")
+        if kv.dtype != spec.torch_dtype:
+            raise DTypeMismatch(f"kv has dtype {kv.dtype}, spec says {spec.torch_dtype}")
+        if not keys:
+            return
+        kv = kv.contiguous()
+        flat = kv.view(torch.uint8).reshape(len(keys), -1)
+        self._put(tenant, spec, keys, lambda i: flat[i], session, ttl_s)
+
+    def put_bytes(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes],
+                  buffers: Sequence[Any], *, session: str | None = None,
+                  ttl_s: float | None = None) -> None:
+        """Like :meth:`put`, each block given as a contiguous buffer of ``spec.block_nbytes``."""
+        keys = check_keys(keys)
+        if len(buffers) != len(keys):
+            raise ShapeMismatch(f"{len(buffers)} buffers for {len(keys)} keys")
+        views = []
+        for i, b in enumerate(buffers):
+            v = b.reshape(-1).view(torch.uint8) if isinstance(b, torch.Tensor) else \
+                np.frombuffer(b, dtype=np.uint8)
+            if v.shape[0] != spec.block_nbytes:
+                raise ShapeMismatch(f"buffer {i} has {v.shape[0]} bytes, a block of this spec "
+                                    f"has {spec.block_nbytes}")
+            views.append(v)
+        self._put(tenant, spec, keys, views.__getitem__, session, ttl_s)
+
+    def _put(self, tenant: str, spec: ModelSpec, keys: list[bytes], data: Callable[[int], Any],
+             session: str | None, ttl_s: float | None) -> None:
+        self._check_tenant(tenant)
+        if ttl_s is not None and not ttl_s > 0:
+            raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s}")
+        with self._lock:
+            self._check_open()
+            self._register_spec(spec)
+            sess = None
+            if session is not None:
+                sess = self._sessions.get((tenant, session))
+                if sess is None:
+                    raise NotFound(f"unknown session {session!r} of tenant {tenant!r}")
+            now = self._clock()
+            deadline = self._ttl_deadline(tenant, ttl_s, now)
+            inserted: list[BlockMeta] = []
+            held: list[BlockMeta] = []
+            guarded: list[Ident] = []
+            try:
+                parent_tier = self.tiers[0]
+                for i, key in enumerate(keys):
+                    parent = keys[i - 1] if i else ROOT_KEY
+                    m = self._index.get(tenant, key)
+                    if m is not None and self._expired(m, now):
+                        self._drop(m, reason="expired")
+                        m = None
+                    if m is not None and (m.fingerprint != spec.fingerprint or m.parent != parent):
+                        raise InvalidArgument(f"key {i} is already stored with another "
+                                              f"fingerprint or parent: keys must be a chain "
+                                              f"from block_keys() for this spec")
+                    if m is None:
+                        m = self._insert_new(tenant, spec, key, parent, i, data(i), now,
+                                             deadline, parent_tier, pinned=sess is not None)
+                        inserted.append(m)
+                    else:
+                        self._touch(m, now)
+                        if deadline is not None and (m.ttl_deadline is None
+                                                     or m.ttl_deadline < deadline):
+                            m.ttl_deadline = deadline
+                        if sess is not None and m.tier > self.tiers[0]:
+                            self._promote([m])  # session blocks live in HBM
+                            if m.tier > self.tiers[0]:
+                                raise ResourceExhausted(
+                                    f"cannot bring block {i} of session {session!r} into "
+                                    f"{self.tiers[0].label}: it is full of pinned blocks",
+                                    resource=self.tiers[0].label)
+                    if (tenant, key) not in self._protected:
+                        self._protected.add((tenant, key))
+                        guarded.append((tenant, key))
+                    held.append(m)
+                    parent_tier = m.tier
+                if sess is not None:
+                    for m in held:
+                        self._session_add(sess, m)
+            except BaseException:
+                for m in reversed(inserted):
+                    if self._index.get(m.tenant, m.key) is m:
+                        self._remove(m)
+                raise
+            finally:
+                self._protected.difference_update(guarded)
+            self.counters.add("blocks_put", len(inserted))
+
+    def _insert_new(self, tenant: str, spec: ModelSpec, key: bytes, parent: bytes, depth: int,
+                    data: Any, now: float, deadline: float | None, parent_tier: Tier,
+                    pinned: bool) -> BlockMeta:
+        meta = BlockMeta(key=key, tenant=tenant, fingerprint=spec.fingerprint, parent=parent,
+                         depth=depth, nbytes=spec.block_nbytes, tokens=spec.block_tokens,
+                         tier=parent_tier, created=now, last_access=now, access_count=1,
+                         ttl_deadline=deadline)
+        ref = BlockRef(tenant, key, spec)
+        # Session blocks must live in HBM (when there is one); others may spill down.
+        choices = [t for t in self.tiers if t >= parent_tier]
+        if pinned and Tier.HBM in self._mem:
+            choices = [Tier.HBM] if parent_tier == Tier.HBM else []
+        for tier in choices:
+            meta.tier = tier
+            if not self._make_room(tier, meta):
+                continue
+            if self._write(tier, ref, meta, data):
+                self._index.add(meta)
+                self._charge(meta, tier, +1)
+                self.policy.on_insert(meta, now)
+                return meta
+        raise ResourceExhausted(
+            f"no room for a {spec.block_nbytes}-byte block of tenant {tenant!r} in "
+            f"{[t.label for t in choices] or 'hbm'}: capacity is held by pinned or in-flight "
+            f"blocks, or the tenant's quota is reached", resource=choices[0].label if choices
+            else "hbm")
+
+    def _write(self, tier: Tier, ref: BlockRef, meta: BlockMeta, data: Any) -> bool:
+        if tier == Tier.NVME:
+            assert self._nvme is not None
+            host = data.cpu().numpy() if isinstance(data, torch.Tensor) else data
+            ok = self._nvme.put_record(ref, host, self._record(meta))
+            if ok:
+                meta.persisted = True
+            return ok
+        return self._mem[tier].put(ref, data)
+
+    @staticmethod
+    def _record(meta: BlockMeta) -> NVMeRecord:
+        return NVMeRecord(meta.tenant, meta.key, meta.parent, meta.depth, meta.tokens,
+                          meta.nbytes, meta.created, meta.ttl_deadline, meta.fingerprint)
+
+    # -- room: quotas, watermarks, eviction ---------------------------------------------------
+    def _quota(self, tenant: str, tier: Tier) -> int | None:
+        pol = self._tenant_policy.get(tenant)
+        return pol.quota_bytes.get(tier) if pol else None
+
+    def _make_room(self, tier: Tier, meta: BlockMeta) -> bool:
+        """Evict until ``meta`` fits in ``tier`` within capacity, watermark and quota."""
+        backend = self._backend(tier)
+        need = backend.charge(meta.nbytes)
+        quota = self._quota(meta.tenant, tier)
+        if quota is not None:
+            if meta.nbytes > quota:
+                return False
+            while self._tenant_usage.get((meta.tenant, tier), 0) + meta.nbytes > quota:
+                if not self._evict_some(tier, tenant=meta.tenant):
+                    self.counters.add("quota_rejections")
+                    return False
+        cap = backend.capacity
+        if need > cap:
+            return False
+        high, low = self.config.high_watermark * cap, self.config.low_watermark * cap
+        used = backend.usage().used_bytes
+        if used + need <= high and backend.can_fit(meta.nbytes):
+            return True
+        target = min(low, cap - need)
+        while backend.usage().used_bytes + need > target or not backend.can_fit(meta.nbytes):
+            if not self._evict_some(tier):
+                break
+        return backend.usage().used_bytes + need <= cap and backend.can_fit(meta.nbytes)
+
+    def _evict_some(self, tier: Tier, tenant: str | None = None) -> bool:
+        """Evict the policy's first choice among the evictable leaves; False if none."""
+        now = self._clock()
+        cands = self._index.candidates(tier, self._protected, tenant)
+        if tier == Tier.NVME:  # NVMe copies of blocks living above are evictable too
+            cands += [m for m in self._index.persisted_copies()
+                      if not m.in_flight and (m.tenant, m.key) not in self._protected
+                      and (tenant is None or m.tenant == tenant)]
+        if not cands:
+            return False
+        for victim in self.policy.rank(tier, cands, now):
+            if tier == Tier.NVME and victim.tier < Tier.NVME:
+                self._drop_copy(victim)
+                return True
+            if self._evict(victim, tier, now):
+                return True
+        return False
+
+    def _evict(self, meta: BlockMeta, tier: Tier, now: float) -> bool:
+        slower = [t for t in self.tiers if t > tier]
+        dest = self.policy.demote_to(meta, tier, slower, now)
+        if dest is not None and self.policy.admit(meta, dest, now):
+            if meta.persisted and dest == Tier.NVME:
+                self._release(meta, tier)  # the NVMe copy is already committed
+                self._index.set_tier(meta, Tier.NVME)
+                self.counters.add("demotions")
+                return True
+            if self._move(meta, dest):
+                self.counters.add("demotions")
+                return True
+        sub = self._index.subtree(meta)
+        if any(m.pins or m.in_flight for m in sub):
+            return False
+        for m in sub:
+            self._remove(m)
+        self.counters.add("evictions", len(sub))
+        return True
+
+    # -- moves (two-phase) --------------------------------------------------------------------
+    def _move(self, meta: BlockMeta, dest: Tier) -> bool:
+        """Move ``meta``'s bytes to ``dest``: prepare (in flight), copy, complete or abort.
+
+        Moving up out of NVMe copies (the NVMe copy stays); every other move frees the source.
+        """
+        src = meta.tier
+        ref = self._ref(meta)
+        meta.in_flight = True
+        ident = (meta.tenant, meta.key)
+        guard = ident not in self._protected  # NOTE: callers may hold their own protection
+        if guard:
+            self._protected.add(ident)
+        try:
+            if not self._make_room(dest, meta):
+                return False
+            if not self._copy(meta, ref, src, dest):
+                return False
+        finally:
+            meta.in_flight = False
+            if guard:
+                self._protected.discard(ident)
+        keep_src = src == Tier.NVME
+        if not keep_src:
+            self._release(meta, src)
+        self._charge(meta, dest, +1)
+        self._index.set_tier(meta, dest)
+        self.counters.add(f"moved_{src.label}_to_{dest.label}")
+        self.counters.add(f"bytes_{src.label}_to_{dest.label}", meta.nbytes)
+        return True
+
+    def _copy(self, meta: BlockMeta, ref: BlockRef, src: Tier, dest: Tier) -> bool:
+        if dest == Tier.NVME:
+            view = self._mem[src].view(ref)
+            host = view.numpy() if view.device.type == "cpu" else view.cpu().numpy()
+            ok = self._write(Tier.NVME, ref, meta, host)
+            return ok
+        dst = self._mem[dest]
+        if not dst.reserve(ref):
+            return False
+        out = dst.view(ref)
+        if src == Tier.NVME:
+            assert self._nvme is not None
+            host = out.numpy() if out.device.type == "cpu" else np.empty(ref.nbytes, np.uint8)
+            if not self._nvme.get_into(ref, host):
+                dst.delete(ref)
+                self._lost(meta)
+                return False
+            if host is not None and out.device.type != "cpu":
+                copy_bytes(out, host)
+            return True
+        copy_bytes(out, self._mem[src].view(ref))
+        return True
+
+    def _release(self, meta: BlockMeta, tier: Tier) -> None:
+        """Free ``meta``'s bytes in ``tier`` (not its NVMe copy unless ``tier`` is NVMe)."""
+        ref = self._ref(meta)
+        self._backend(tier).delete(ref)
+        self._charge(meta, tier, -1)
+
+    def _drop_copy(self, meta: BlockMeta) -> None:
+        assert self._nvme is not None and meta.persisted and meta.tier < Tier.NVME
+        self._nvme.delete(self._ref(meta))
+        self._charge(meta, Tier.NVME, -1)
+        self._index.set_persisted(meta, False)
+        self.counters.add("nvme_copies_dropped")
+
+    def _lost(self, meta: BlockMeta) -> None:
+        """An NVMe value failed its integrity check (the tier already deleted it)."""
+        self.counters.add("integrity_failures")
+        if self._index.get(meta.tenant, meta.key) is not meta:
+            return
+        self._charge(meta, Tier.NVME, -1)
+        self._index.set_persisted(meta, False)
+        if meta.tier == Tier.NVME or meta.in_flight:
+            meta.in_flight = False
+            for m in self._index.subtree(meta):
+                self._remove(m, nvme_gone=(m is meta))
+
+    def _remove(self, meta: BlockMeta, nvme_gone: bool = False) -> None:
+        """Delete ``meta`` from every tier and the index (callers handle its subtree)."""
+        ref = self._ref(meta)
+        if meta.tier != Tier.NVME:
+            self._release(meta, meta.tier)
+        if meta.persisted and not nvme_gone and self._nvme is not None:
+            self._nvme.delete(ref)
+            self._charge(meta, Tier.NVME, -1)
+        elif meta.tier == Tier.NVME and not nvme_gone:
+            self._nvme.delete(ref)  # type: ignore[union-attr]
+            self._charge(meta, Tier.NVME, -1)
+        for sid in list(meta.sessions):
+            for (t, s), sess in self._sessions.items():
+                if t == meta.tenant and s == sid:
+                    sess.keys.pop(meta.key, None)
+        self._index.remove(meta)
+        self.policy.on_remove(meta)
+
+    def _drop(self, meta: BlockMeta, reason: str) -> int:
+        sub = self._index.subtree(meta)
+        for m in sub:
+            self._remove(m)
+        self.counters.add(reason, len(sub))
+        return len(sub)
+
+    def _touch(self, meta: BlockMeta, now: float) -> None:
+        meta.last_access = now
+        meta.access_count += 1
+        self.policy.on_access(meta, now)
+
+    # -- lookup / get -------------------------------------------------------------------------
+    def _chain(self, tenant: str, spec: ModelSpec, keys: list[bytes], now: float) -> list[BlockMeta]:
+        out: list[BlockMeta] = []
+        for i, key in enumerate(keys):
+            m = self._index.get(tenant, key)
+            if m is None or m.in_flight or m.fingerprint != spec.fingerprint:
+                break
+            if m.parent != (keys[i - 1] if i else ROOT_KEY):
+                break
+            if self._expired(m, now):
+                self._drop(m, reason="expired")
+                break
+            out.append(m)
+        return out
+
+    def lookup(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes]) -> LookupResult:
+        """Longest usable prefix of ``keys`` for ``tenant`` and the tier of each block."""
+        self._check_tenant(tenant)
+        keys = check_keys(keys)
+        with self._lock:
+            self._check_open()
+            chain = self._chain(tenant, spec, keys, self._clock())
+            self.counters.add("lookups")
+            return LookupResult(len(chain), [m.tier.label for m in chain])
+
+    def get(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes], *,
+            device: str | torch.device | None = None) -> torch.Tensor:
+        """The blocks of the longest usable prefix of ``keys``: a tensor
+        ``[n, 2, L, H, T, D]`` (n ≤ len(keys); n < len(keys) means the rest missed)."""
+        keys = check_keys(keys)
+        dev = torch.device(device) if device is not None else self.device
+        out = torch.empty((len(keys), *spec.block_shape), dtype=spec.torch_dtype, device=dev)
+        if not keys:
+            return out
+        flat = out.view(torch.uint8).reshape(len(keys), -1)
+        n = self._get(tenant, spec, keys, lambda i: flat[i])
+        return out[:n]
+
+    def get_into(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes],
+                 outs: Sequence[Any]) -> int:
+        """Copy the longest usable prefix into ``outs`` (one buffer of ``block_nbytes`` per key,
+        numpy/memoryview/tensor); returns the number of leading blocks written."""
+        keys = check_keys(keys)
+        if len(outs) != len(keys):
+            raise ShapeMismatch(f"{len(outs)} output buffers for {len(keys)} keys")
+        views = []
+        for i, o in enumerate(outs):
+            v = o.reshape(-1).view(torch.uint8) if isinstance(o, torch.Tensor) else \
+                np.frombuffer(o, dtype=np.uint8)
+            if v.shape[0] != spec.block_nbytes:
+                raise ShapeMismatch(f"output {i} has {v.shape[0]} bytes, need {spec.block_nbytes}")
+            views.append(v)
+        return self._get(tenant, spec, keys, views.__getitem__)
+
+    def _get(self, tenant: str, spec: ModelSpec, keys: list[bytes],
+             out: Callable[[int], Any]) -> int:
+        self._check_tenant(tenant)
+        with self._lock:
+            self._check_open()
+            now = self._clock()
+            chain = self._chain(tenant, spec, keys, now)
+            served = 0
+            idents = [(m.tenant, m.key) for m in chain if (m.tenant, m.key) not in self._protected]
+            self._protected.update(idents)
+            try:
+                for m in chain:
+                    if not self._serve(m, out(served), now):
+                        break
+                    served += 1
+            finally:
+                self._protected.difference_update(idents)
+            self.counters.add("hits", served)
+            self.counters.add("misses", len(keys) - served)
+            return served
+
+    def _serve(self, meta: BlockMeta, dst: Any, now: float) -> bool:
+        first = self.tiers[0]
+        if meta.tier != first and meta.tier in (Tier.DRAM, Tier.NVME):
+            parent = self._index.get(meta.tenant, meta.parent)
+            if parent is None or parent.tier == first:
+                self._move(meta, first)  # promotion is best effort: serve from below if no room
+            if self._index.get(meta.tenant, meta.key) is not meta:
+                return False  # lost to an integrity failure while promoting
+        self.counters.add(f"hits_{meta.tier.label}")
+        ref = self._ref(meta)
+        if meta.tier == Tier.NVME:
+            assert self._nvme is not None
+            is_np = isinstance(dst, np.ndarray)
+            host = dst if is_np else (dst.numpy() if dst.device.type == "cpu"
+                                      else np.empty(ref.nbytes, np.uint8))
+            if not self._nvme.get_into(ref, host):
+                self._lost(meta)
+                return False
+            if not is_np and dst.device.type != "cpu":
+                copy_bytes(dst, host)
+        else:
+            self._mem[meta.tier].get_into(ref, dst)
+        self._touch(meta, now)
+        return True
+
+    # -- delete / tenants / models ------------------------------------------------------------
+    def delete(self, tenant: str, keys: Sequence[bytes]) -> int:
+        """Delete the blocks (and the descendants that depend on them); returns how many."""
+        self._check_tenant(tenant)
+        keys = check_keys(keys)
+        with self._lock:
+            self._check_open()
+            n = 0
+            for key in keys:
+                m = self._index.get(tenant, key)
+                if m is not None:
+                    n += self._drop(m, reason="deleted")
+            return n
+
+    def drop_tenant(self, tenant: str) -> int:
+        """Remove every block of ``tenant`` from every tier and destroy its data key."""
+        self._check_tenant(tenant)
+        with self._lock:
+            self._check_open()
+            n = 0
+            for m in sorted(self._index.of_tenant(tenant), key=lambda m: -m.depth):
+                if self._index.get(m.tenant, m.key) is m:
+                    self._remove(m)
+                    n += 1
+            for k in [k for k in self._sessions if k[0] == tenant]:
+                del self._sessions[k]
+            self._tenant_policy.pop(tenant, None)
+            if self.keyring is not None:
+                self.keyring.destroy(tenant)
+            self.counters.add("deleted", n)
+            return n
+
+    def purge_model(self, fingerprint: bytes) -> int:
+        """Remove every block of a model fingerprint (e.g. after a rollout)."""
+        with self._lock:
+            self._check_open()
+            victims = sorted((m for m in self._index if m.fingerprint == fingerprint),
+                             key=lambda m: -m.depth)
+            for m in victims:
+                self._remove(m)
+            self.counters.add("deleted", len(victims))
+            return len(victims)
+
+    def set_tenant_policy(self, tenant: str, ttl_s: float | None = None,
+                          quota_bytes: dict[str, int] | None = None) -> None:
+        """Per-tenant TTL (applies to blocks put from now on) and per-tier quotas in bytes."""
+        self._check_tenant(tenant)
+        if ttl_s is not None and not ttl_s > 0:
+            raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s}")
+        quotas: dict[Tier, int] = {}
+        for name, q in (quota_bytes or {}).items():
+            if not isinstance(q, int) or q < 0:
+                raise InvalidArgument(f"quota for {name!r} must be a non-negative int")
+            quotas[Tier.parse(name)] = q
+        with self._lock:
+            self._tenant_policy[tenant] = TenantPolicy(ttl_s, quotas)
+
+    def expire(self) -> int:
+        """Delete every expired block from every tier; returns how many."""
+        with self._lock:
+            self._check_open()
+            now = self._clock()
+            n = 0
+            for m in sorted(self._index, key=lambda m: m.depth):
+                if self._index.get(m.tenant, m.key) is m and self._expired(m, now):
+                    n += self._drop(m, reason="expired")
+            return n
+
+    # -- sessions -----------------------------------------------------------------------------
+    def _session(self, tenant: str, session: str) -> _Session:
+        self._check_tenant(tenant)
+        sess = self._sessions.get((tenant, session))
+        if sess is None:
+            raise NotFound(f"unknown session {session!r} of tenant {tenant!r}")
+        return sess
+
+    def _session_blocks(self, tenant: str, sess: _Session) -> list[BlockMeta]:
+        out = [self._index.get(tenant, k) for k in sess.keys]
+        return [m for m in out if m is not None]
+
+    def _session_add(self, sess: _Session, meta: BlockMeta) -> None:
+        if meta.key in sess.keys:
+            return
+        sess.keys[meta.key] = None
+        meta.sessions.add(sess.sid)
+        if sess.state in (SessionState.ACTIVE, SessionState.RESUMED):
+            meta.pins += 1
+        elif sess.state == SessionState.PAUSED:
+            meta.paused += 1
+
+    def open_session(self, tenant: str, session: str) -> None:
+        """Start (or re-open) a session: blocks put with ``session=`` are pinned in HBM."""
+        self._check_tenant(tenant)
+        if not isinstance(session, str) or not session:
+            raise InvalidArgument("session id must be a non-empty string")
+        with self._lock:
+            self._check_open()
+            self._sessions.setdefault((tenant, session), _Session(session, SessionState.ACTIVE))
+
+    def pause_session(self, tenant: str, session: str) -> int:
+        """Unpin the session's blocks and demote them to DRAM (kept); returns blocks moved."""
+        with self._lock:
+            self._check_open()
+            sess = self._session(tenant, session)
+            if sess.state == SessionState.PAUSED:
+                return 0
+            blocks = self._session_blocks(tenant, sess)
+            for m in blocks:
+                m.pins -= 1
+                m.paused += 1
+            sess.state = SessionState.PAUSED
+            moved = 0
+            if Tier.HBM in self._mem and Tier.DRAM in self._mem:
+                for m in sorted(blocks, key=lambda m: -m.depth):  # leaves first: tier order
+                    if m.tier != Tier.HBM or m.pins:
+                        continue
+                    if any(c.tier == Tier.HBM for c in self._index.children(m)):
+                        continue  # a shared prefix another HBM branch still needs
+                    moved += self._move(m, Tier.DRAM)
+            return moved
+
+    def resume_session(self, tenant: str, session: str) -> int:
+        """Pin the session's blocks again and prefetch them to HBM; returns blocks moved."""
+        with self._lock:
+            self._check_open()
+            sess = self._session(tenant, session)
+            if sess.state != SessionState.PAUSED:
+                return 0
+            blocks = self._session_blocks(tenant, sess)
+            for m in blocks:
+                m.paused -= 1
+                m.pins += 1
+            sess.state = SessionState.RESUMED
+            return self._promote(sorted(blocks, key=lambda m: m.depth))
+
+    def close_session(self, tenant: str, session: str) -> None:
+        """Unpin the session's blocks; they stay as shareable prefix cache under policy."""
+        with self._lock:
+            self._check_open()
+            sess = self._session(tenant, session)
+            for m in self._session_blocks(tenant, sess):
+                if sess.state == SessionState.PAUSED:
+                    m.paused -= 1
+                else:
+                    m.pins -= 1
+                m.sessions.discard(session)
+            del self._sessions[(tenant, session)]
+
+    def session_state(self, tenant: str, session: str) -> SessionState:
+        with self._lock:
+            return self._session(tenant, session).state
+
+    def _promote(self, chain: list[BlockMeta], tier: Tier | None = None) -> int:
+        """Move a chain (ancestors first) up to ``tier``; stops at the first block that cannot
+        move, so the tier order holds at every step. The chain is protected meanwhile."""
+        target = tier if tier is not None else self.tiers[0]
+        moved = 0
+        idents = [(m.tenant, m.key) for m in chain if (m.tenant, m.key) not in self._protected]
+        self._protected.update(idents)
+        try:
+            for m in chain:
+                if m.tier <= target:
+                    continue
+                parent = self._index.get(m.tenant, m.parent)
+                if parent is not None and parent.tier > target:
+                    break
+                if not self._move(m, target):
+                    break
+                moved += 1
+        finally:
+            self._protected.difference_update(idents)
+        return moved
+
+    def prefetch(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes],
+                 tier: str | Tier = "hbm") -> int:
+        """Bring the longest usable prefix up to ``tier`` ahead of use; returns blocks moved."""
+        t = Tier.parse(tier)
+        if t not in self.tiers:
+            from kvstore.errors import UnknownTier
+
+            raise UnknownTier(f"tier {t.label!r} is not enabled in this store")
+        keys = check_keys(keys)
+        with self._lock:
+            self._check_open()
+            return self._promote(self._chain(tenant, spec, keys, self._clock()), t)
+
+    # -- stats / lifecycle --------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Per tier used/capacity bytes and block counts, plus the counters."""
+        with self._lock:
+            tiers = {}
+            for t in self.tiers:
+                u = self._backend(t).usage()
+                tiers[t.label] = {"used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes,
+                                  "blocks": u.blocks}
+            c = self.counters.snapshot()
+            if self._nvme is not None:
+                c["integrity_failures"] = c.get("integrity_failures", 0)
+            tenants: dict[str, dict[str, int]] = {}
+            for (tenant, tier), n in self._tenant_usage.items():
+                if n:
+                    tenants.setdefault(tenant, {})[tier.label] = n
+            return {
+                "tiers": tiers,
+                "blocks": len(self._index),
+                "sessions": len(self._sessions),
+                "tenants": tenants,
+                "hits": c.get("hits", 0),
+                "misses": c.get("misses", 0),
+                "evictions": c.get("evictions", 0),
+                "demotions": c.get("demotions", 0),
+                "integrity_failures": c.get("integrity_failures", 0),
+                "counters": c,
+                "policy": self.policy.name,
+            }
+
+    def flush(self) -> int:
+        """Commit an NVMe copy of every block above NVMe that has none, ancestors first, as far
+        as the NVMe tier has room (nothing is evicted for it); returns how many were written."""
+        with self._lock:
+            self._check_open()
+            if self._nvme is None:
+                return 0
+            n = 0
+            for m in sorted(self._index, key=lambda m: m.depth):
+                if m.persisted or m.tier == Tier.NVME or m.in_flight:
+                    continue
+                parent = self._index.get(m.tenant, m.parent)
+                if parent is not None and not parent.persisted:
+                    continue  # a copy without its ancestors could never be served
+                if not self._nvme.can_fit(m.nbytes):
+                    break
+                ref = self._ref(m)
+                view = self._mem[m.tier].view(ref)
+                host = view.numpy() if view.device.type == "cpu" else view.cpu().numpy()
+                if self._write(Tier.NVME, ref, m, host):
+                    self._index.set_persisted(m, True)
+                    self._charge(m, Tier.NVME, +1)
+                    n += 1
+            self.counters.add("flushed", n)
+            return n
+
+    def close(self) -> None:
+        """Close the store. Blocks committed to NVMe come back on the next :meth:`open`
+        (with ``persist_on_close``, the warm blocks of HBM and DRAM are committed first)."""
+        with self._lock:
+            if self._closed:
+                return
+            if self.config.persist_on_close:
+                self.flush()
+            self._closed = True
+            for t in self._mem.values():
+                t.close()
+            if self._nvme is not None:
+                self._nvme.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,100 @@
+"""Memory tiers: HBM (device block pool) and DRAM (host slab pool).
+
+Both are one preallocated flat uint8 arena with an :class:`~tiers.arena.ExtentAllocator`
+handing out contiguous slots; a block's bytes live at ``arena[offset : offset + nbytes]``.
+
+* HBM: the arena is on the accelerator (``cuda``) when there is one, a CPU tensor otherwise —
+  the same code path.
+* DRAM: a host arena, page-locked (pinned) when CUDA is present so device copies are async DMA.
+
+Not thread-safe by itself: the Store is the one owner and serialises calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kernels.copy import copy_bytes
+from kvstore.block import Tier
+from tiers.arena import ExtentAllocator
+from tiers.base import BlockRef, TierUsage
+
+
+class MemoryTier:
+    def __init__(self, tier: Tier, capacity: int, device: str | torch.device = "cpu",
+                 pin: bool = False, alignment: int = 256) -> None:
+        self.tier = tier
+        self.device = torch.device(device)
+        self._alloc = ExtentAllocator(capacity, alignment)
+        self.capacity = self._alloc.capacity
+        self.pinned = bool(pin and self.device.type == "cpu" and torch.cuda.is_available())
+        # torch.empty does not touch the pages on CPU: untouched capacity costs no RSS.
+        self._arena = torch.empty(self.capacity, dtype=torch.uint8, device=self.device,
+                                  pin_memory=self.pinned)
+        self._slots: dict[tuple[str, bytes], tuple[int, int]] = {}  # ident -> (offset, nbytes)
+
+    # -- allocation (the prepare half of a move) ----------------------------------------------
+    def reserve(self, ref: BlockRef) -> bool:
+        """Allocate a slot for ``ref``; False when no free extent is large enough."""
+        assert ref.ident not in self._slots, "reserve of a block the tier already holds"
+        off = self._alloc.alloc(ref.nbytes)
+        if off is None:
+            return False
+        self._slots[ref.ident] = (off, ref.nbytes)
+        return True
+
+    def view(self, ref: BlockRef) -> torch.Tensor:
+        """The block's bytes inside the arena (a view; valid until the block is deleted)."""
+        off, n = self._slots[ref.ident]
+        return self._arena[off : off + n]
+
+    # -- TierBackend --------------------------------------------------------------------------
+    def put(self, ref: BlockRef, data: Any) -> bool:
+        if not self.reserve(ref):
+            return False
+        copy_bytes(self.view(ref), data)
+        return True
+
+    def get_into(self, ref: BlockRef, out: Any) -> bool:
+        if ref.ident not in self._slots:
+            return False
+        copy_bytes(out, self.view(ref))
+        return True
+
+    def delete(self, ref: BlockRef) -> bool:
+        slot = self._slots.pop(ref.ident, None)
+        if slot is None:
+            return False
+        self._alloc.free(slot[0])
+        return True
+
+    def contains(self, ref: BlockRef) -> bool:
+        return ref.ident in self._slots
+
+    def can_fit(self, nbytes: int) -> bool:
+        return self._alloc.can_fit(nbytes)
+
+    def charge(self, nbytes: int) -> int:
+        """Bytes a block of ``nbytes`` occupies here (after slot alignment)."""
+        return self._alloc.rounded(nbytes) if self.capacity else nbytes
+
+    def usage(self) -> TierUsage:
+        return TierUsage(self.tier, self._alloc.used, self.capacity, len(self._slots))
+
+    def close(self) -> None:
+        self._slots.clear()
+        self._arena = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def hbm_tier(capacity: int, device: str | torch.device | None = None) -> MemoryTier:
+    return MemoryTier(Tier.HBM, capacity, device if device is not None else default_device())
+
+
+def dram_tier(capacity: int) -> MemoryTier:
+    return MemoryTier(Tier.DRAM, capacity, "cpu", pin=True)

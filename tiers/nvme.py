@@ -1,0 +1,248 @@
+"""NVMe tier: LMDB under the store's directory; survives restart.
+
+Layout (one LMDB environment, four named databases):
+
+* ``blocks``: ``tenant_prefix(16) + key(32)`` -> codec value (header + shuffled, zstd-compressed,
+  AES-256-GCM encrypted payload; see ``kvstore.codec``).
+* ``meta``:   same key -> :class:`NVMeRecord` packed (tenant, parent, depth, ...), written in the
+  same transaction as the value, so after a crash either both exist or neither does.
+* ``specs``:  fingerprint -> canonical ModelSpec JSON (to rebuild the index on open).
+* ``keys``:   tenant -> wrapped data key (the keyring's backend; see ``kvstore.keyring``).
+
+Every put is one write transaction; with ``durable=True`` LMDB syncs on commit, so a block whose
+put returned survives ``kill -9``. A value that fails its integrity check is deleted and
+counted, never returned. Not thread-safe by itself beyond LMDB's own rules: the Store serialises
+writers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterator, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+
+from kvstore.block import Tier
+from kvstore.errors import IntegrityError
+from kvstore.spec import ModelSpec
+from tiers.base import BlockRef, TierUsage
+
+_META = struct.Struct("<32sIIQdd16sB")  # parent, depth, tokens, nbytes, created, ttl, fp, has_ttl
+TENANT_PREFIX_BYTES = 16
+
+
+def tenant_prefix(tenant: str) -> bytes:
+    return hashlib.blake2b(tenant.encode(), digest_size=TENANT_PREFIX_BYTES,
+                           person=b"kvstore-tenant").digest()
+
+
+@dataclass(frozen=True, slots=True)
+class NVMeRecord:
+    tenant: str
+    key: bytes
+    parent: bytes
+    depth: int
+    tokens: int
+    nbytes: int
+    created: float
+    ttl_deadline: float | None
+    fingerprint: bytes
+
+    def pack(self) -> bytes:
+        t = self.tenant.encode()
+        ttl = self.ttl_deadline if self.ttl_deadline is not None else 0.0
+        return struct.pack("<H", len(t)) + t + _META.pack(
+            self.parent, self.depth, self.tokens, self.nbytes, self.created, ttl,
+            self.fingerprint, self.ttl_deadline is not None)
+
+    @classmethod
+    def unpack(cls, key: bytes, raw: bytes) -> NVMeRecord:
+        (n,) = struct.unpack_from("<H", raw)
+        tenant = bytes(raw[2 : 2 + n]).decode()
+        parent, depth, tokens, nbytes, created, ttl, fp, has_ttl = _META.unpack_from(raw, 2 + n)
+        return cls(tenant, key, parent, depth, tokens, nbytes, created,
+                   ttl if has_ttl else None, fp)
+
+
+class _KeyBackend(MutableMapping[str, bytes]):
+    """The keyring's persistent store: wrapped data keys in the ``keys`` database.
+
+    Names are stored as ``b"k" + name`` so any string (even empty) is a valid LMDB key."""
+
+    def __init__(self, env: lmdb.Environment, db: Any) -> None:
+        self._env, self._db = env, db
+
+    def __getitem__(self, tenant: str) -> bytes:
+        with self._env.begin(db=self._db) as txn:
+            v = txn.get(b"k" + tenant.encode())
+        if v is None:
+            raise KeyError(tenant)
+        return bytes(v)
+
+    def __setitem__(self, tenant: str, wrapped: bytes) -> None:
+        with self._env.begin(db=self._db, write=True) as txn:
+            txn.put(b"k" + tenant.encode(), wrapped)
+        self._env.sync(True)
+
+    def __delitem__(self, tenant: str) -> None:
+        with self._env.begin(db=self._db, write=True) as txn:
+            old = txn.get(b"k" + tenant.encode())
+            if old is None:
+                raise KeyError(tenant)
+            # NOTE: overwrite before delete so the freed page does not keep the wrapped key
+            # in the clear of LMDB's own structures (best effort: SSDs may keep old copies).
+            txn.put(b"k" + tenant.encode(), b"\x00" * len(old))
+            txn.delete(b"k" + tenant.encode())
+        self._env.sync(True)
+
+    def __iter__(self) -> Iterator[str]:
+        with self._env.begin(db=self._db) as txn:
+            return iter([bytes(k)[1:].decode() for k in txn.cursor().iternext(values=False)])
+
+    def __len__(self) -> int:
+        with self._env.begin(db=self._db) as txn:
+            return txn.stat(self._db)["entries"]
+
+
+class NVMeTier:
+    tier = Tier.NVME
+
+    def __init__(self, path: Path, capacity: int, *, durable: bool = True,
+                 map_size: int | None = None) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.capacity = capacity
+        # Room for LMDB's own pages and for values that do not compress (header overhead).
+        self._env = lmdb.open(
+            str(self.path), map_size=map_size or max(capacity * 2 + (256 << 20), 1 << 26),
+            max_dbs=8, sync=durable, metasync=durable, readahead=False, lock=True)
+        self._blocks = self._env.open_db(b"blocks")
+        self._meta = self._env.open_db(b"meta")
+        self._specs = self._env.open_db(b"specs")
+        self._keys = self._env.open_db(b"keys")
+        self.codec: Any = None  # set by the Store once the keyring (which lives here) is built
+        self._sizes: dict[tuple[str, bytes], int] = {}
+        self._used = 0
+        self._known_specs: set[bytes] = set()
+        self.integrity_failures = 0
+
+    # -- open / recovery ----------------------------------------------------------------------
+    def key_backend(self) -> MutableMapping[str, bytes]:
+        return _KeyBackend(self._env, self._keys)
+
+    def records(self) -> Iterator[tuple[NVMeRecord, ModelSpec | None]]:
+        """Every committed block's record and spec (rebuilds the Store's index on open)."""
+        with self._env.begin() as txn:
+            specs: dict[bytes, ModelSpec | None] = {}
+            for fp, raw in txn.cursor(db=self._specs):
+                try:
+                    specs[bytes(fp)] = ModelSpec.from_dict(json.loads(bytes(raw)))
+                except (ValueError, TypeError):
+                    specs[bytes(fp)] = None
+            out = []
+            for k, raw in txn.cursor(db=self._meta):
+                k = bytes(k)
+                try:
+                    rec = NVMeRecord.unpack(k[TENANT_PREFIX_BYTES:], bytes(raw))
+                except (struct.error, UnicodeDecodeError):
+                    continue  # a damaged record is a lost block, not a crash at open
+                out.append((rec, specs.get(rec.fingerprint)))
+        for rec, spec in out:
+            self._sizes[(rec.tenant, rec.key)] = rec.nbytes
+            self._used += rec.nbytes
+            self._known_specs.add(rec.fingerprint)
+        return iter(out)
+
+    # -- TierBackend --------------------------------------------------------------------------
+    @staticmethod
+    def _dbkey(ref: BlockRef) -> bytes:
+        return tenant_prefix(ref.tenant) + ref.key
+
+    def put_record(self, ref: BlockRef, data: np.ndarray, record: NVMeRecord) -> bool:
+        """Encode and commit value + record in one transaction. False when there is no room."""
+        if ref.ident in self._sizes:
+            return True
+        if self._used + ref.nbytes > self.capacity:
+            return False
+        value = self.codec.encode(ref.tenant, ref.key, ref.spec, data)
+        k = self._dbkey(ref)
+        fp = ref.spec.fingerprint
+        try:
+            with self._env.begin(write=True) as txn:
+                if fp not in self._known_specs:
+                    txn.put(fp, json.dumps(ref.spec.to_dict()).encode(), db=self._specs)
+                txn.put(k, value, db=self._blocks)
+                txn.put(k, record.pack(), db=self._meta)
+        except lmdb.MapFullError:
+            return False
+        self._known_specs.add(fp)
+        self._sizes[ref.ident] = ref.nbytes
+        self._used += ref.nbytes
+        return True
+
+    def put(self, ref: BlockRef, data: np.ndarray) -> bool:
+        rec = NVMeRecord(ref.tenant, ref.key, b"\x00" * 32, 0, ref.spec.block_tokens,
+                         ref.nbytes, 0.0, None, ref.spec.fingerprint)
+        return self.put_record(ref, data, rec)
+
+    def get_into(self, ref: BlockRef, out: np.ndarray) -> bool:
+        if ref.ident not in self._sizes:
+            return False
+        try:
+            with self._env.begin(db=self._blocks, buffers=True) as txn:
+                value = txn.get(self._dbkey(ref))
+                if value is None:
+                    raise IntegrityError("value missing for a recorded block")
+                self.codec.decode(ref.tenant, ref.key, ref.spec, value, out=out)
+            return True
+        except IntegrityError:
+            self.integrity_failures += 1
+            self.delete(ref)
+            return False
+
+    def delete(self, ref: BlockRef) -> bool:
+        n = self._sizes.pop(ref.ident, None)
+        if n is None:
+            return False
+        self._used -= n
+        k = self._dbkey(ref)
+        with self._env.begin(write=True) as txn:
+            txn.delete(k, db=self._blocks)
+            txn.delete(k, db=self._meta)
+        return True
+
+    def update_ttl(self, ref: BlockRef, ttl_deadline: float | None) -> None:
+        k = self._dbkey(ref)
+        with self._env.begin(write=True, db=self._meta) as txn:
+            raw = txn.get(k)
+            if raw is None:
+                return
+            rec = NVMeRecord.unpack(ref.key, bytes(raw))
+            txn.put(k, NVMeRecord(rec.tenant, rec.key, rec.parent, rec.depth, rec.tokens,
+                                  rec.nbytes, rec.created, ttl_deadline, rec.fingerprint).pack())
+
+    def contains(self, ref: BlockRef) -> bool:
+        return ref.ident in self._sizes
+
+    def can_fit(self, nbytes: int) -> bool:
+        return self._used + nbytes <= self.capacity
+
+    def charge(self, nbytes: int) -> int:
+        return nbytes
+
+    def usage(self) -> TierUsage:
+        return TierUsage(Tier.NVME, self._used, self.capacity, len(self._sizes))
+
+    def sync(self) -> None:
+        self._env.sync(True)
+
+    def close(self) -> None:
+        if self.codec is not None:
+            self.codec.close()
+        self._env.close()
