@@ -13,22 +13,31 @@ import numpy as np
 import torch
 
 
-def to_tensor(buf: Any) -> torch.Tensor:
-    """A flat uint8 tensor view of a tensor or numpy array (no copy)."""
+def _host_view(buf: Any) -> np.ndarray | None:
+    """A flat uint8 numpy view of a CPU buffer, or None for a device tensor."""
     if isinstance(buf, torch.Tensor):
-        return buf.reshape(-1).view(torch.uint8) if buf.dtype != torch.uint8 else buf.reshape(-1)
-    return torch.from_numpy(np.asarray(buf).reshape(-1).view(np.uint8))
+        if buf.device.type != "cpu":
+            return None
+        t = buf.reshape(-1)
+        return (t if t.dtype == torch.uint8 else t.view(torch.uint8)).numpy()
+    if isinstance(buf, np.ndarray):
+        return buf.reshape(-1).view(np.uint8)
+    return np.frombuffer(buf, dtype=np.uint8)
 
 
 def copy_bytes(dst: Any, src: Any) -> None:
-    """Copy ``src`` into ``dst``; both flat uint8 buffers of equal length (numpy or torch)."""
-    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
-        np.copyto(dst, src)
+    """Copy ``src`` into ``dst``: flat buffers of equal byte length (numpy, tensor, bytes-like)."""
+    d, s = _host_view(dst), _host_view(src)
+    if d is not None and s is not None:
+        if d.shape != s.shape:
+            raise ValueError(f"copy_bytes: length mismatch {d.shape[0]} != {s.shape[0]}")
+        np.copyto(d, s)
         return
-    d, s = to_tensor(dst), to_tensor(src)
-    if d.numel() != s.numel():
-        raise ValueError(f"copy_bytes: length mismatch {d.numel()} != {s.numel()}")
-    if d.device.type == "cpu" and s.device.type == "cpu":
-        np.copyto(d.numpy(), s.numpy())
+    dt = dst.reshape(-1).view(torch.uint8) if d is None else torch.from_numpy(d)
+    if s is None:
+        st = src.reshape(-1).view(torch.uint8)
     else:
-        d.copy_(s, non_blocking=s.is_pinned() or d.is_pinned())
+        st = torch.from_numpy(s if s.flags.writeable else s.copy())
+    if dt.numel() != st.numel():
+        raise ValueError(f"copy_bytes: length mismatch {dt.numel()} != {st.numel()}")
+    dt.copy_(st, non_blocking=st.is_pinned() or dt.is_pinned())

@@ -722,12 +722,19 @@ class Store:
             sess.state = SessionState.PAUSED
             moved = 0
             if Tier.HBM in self._mem and Tier.DRAM in self._mem:
-                for m in sorted(blocks, key=lambda m: -m.depth):  # leaves first: tier order
-                    if m.tier != Tier.HBM or m.pins:
-                        continue
-                    if any(c.tier == Tier.HBM for c in self._index.children(m)):
-                        continue  # a shared prefix another HBM branch still needs
-                    moved += self._move(m, Tier.DRAM)
+                # The session's blocks are protected while it moves them, so making room in
+                # DRAM for one never pushes an already-moved one further down.
+                idents = [(m.tenant, m.key) for m in blocks]
+                self._protected.update(idents)
+                try:
+                    for m in sorted(blocks, key=lambda m: -m.depth):  # leaves first
+                        if m.tier != Tier.HBM or m.pins:
+                            continue
+                        if any(c.tier == Tier.HBM for c in self._index.children(m)):
+                            continue  # a shared prefix another HBM branch still needs
+                        moved += self._move(m, Tier.DRAM)
+                finally:
+                    self._protected.difference_update(idents)
             return moved
 
     def resume_session(self, tenant: str, session: str) -> int:

@@ -1,0 +1,73 @@
+"""Shared fixtures: a small spec, KV tensors, a settable clock and a store factory."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.config import StoreConfig
+from kvstore.spec import ModelSpec
+from kvstore.store import Store
+
+torch.set_num_threads(1)
+MASTER = bytes(range(32))
+
+
+class FakeClock:
+    """An injected clock: tests set time instead of sleeping."""
+
+    def __init__(self, t: float = 1_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+@pytest.fixture
+def spec() -> ModelSpec:
+    return ModelSpec(model="m", revision="r1", num_layers=2, num_kv_heads=2, head_dim=8,
+                     dtype="float16", block_tokens=4)
+
+
+def make_kv(spec: ModelSpec, n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((n, *spec.block_shape), generator=g).to(spec.torch_dtype)
+
+
+def tokens(n_blocks: int, spec: ModelSpec, start: int = 0) -> list[int]:
+    return list(range(start, start + n_blocks * spec.block_tokens))
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def open_store(tmp_path: Path, clock: FakeClock) -> Iterator[Callable[..., Store]]:
+    """``open_store(hbm_blocks=, dram_blocks=, nvme_blocks=, spec=, **config)``."""
+    opened: list[Store] = []
+
+    def _open(spec: ModelSpec, hbm_blocks: int = 4, dram_blocks: int = 4,
+              nvme_blocks: int = 64, path: Path | None = None, **kw: object) -> Store:
+        n = spec.block_nbytes
+        cfg = StoreConfig(path=path or tmp_path / "store", hbm_bytes=hbm_blocks * n,
+                          dram_bytes=dram_blocks * n, nvme_bytes=nvme_blocks * n,
+                          master_key=MASTER, **kw)
+        s = Store.open(cfg, clock=clock)
+        opened.append(s)
+        return s
+
+    yield _open
+    for s in opened:
+        s.close()
+
+
+os.environ.setdefault("KVSTORE_TEST", "1")

@@ -1,0 +1,308 @@
+"""The Store's public behaviour, one scenario per test: state before, action, state after."""
+
+import pytest
+import torch
+
+from conftest import make_kv, tokens
+from kvstore import SessionState
+from kvstore.errors import (DTypeMismatch, InvalidArgument, NotFound, ResourceExhausted,
+                            ShapeMismatch, UnknownTier)
+
+
+def test_put_lookup_get_round_trip_across_tiers(open_store, spec):
+    s = open_store(spec, hbm_blocks=2, dram_blocks=2, nvme_blocks=16)
+    keys = s.block_keys("a", spec, tokens(6, spec) + [1, 2])  # trailing partial block ignored
+    assert len(keys) == 6
+    kv = make_kv(spec, 6)
+    s.put("a", spec, keys, kv)
+    m = s.lookup("a", spec, keys)
+    assert m.num_blocks == 6
+    assert m.tiers == sorted(m.tiers, key=["hbm", "dram", "nvme"].index)  # tier order along path
+    assert set(m.tiers) == {"hbm", "dram", "nvme"}
+    out = s.get("a", spec, keys)
+    assert out.dtype == kv.dtype and torch.equal(out, kv)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float8"])
+def test_every_dtype_round_trips_bit_exact_through_nvme(open_store, spec, dtype):
+    from kvstore.spec import ModelSpec
+    sp = ModelSpec(**{**spec.to_dict(), "dtype": dtype})
+    s = open_store(sp, hbm_blocks=0, dram_blocks=0, nvme_blocks=8)
+    keys = s.block_keys("a", sp, tokens(3, sp))
+    kv = torch.randn((3, *sp.block_shape)).to(sp.torch_dtype)
+    s.put("a", sp, keys, kv)
+    assert s.lookup("a", sp, keys).tiers == ["nvme"] * 3
+    out = s.get("a", sp, keys)
+    assert torch.equal(out.view(torch.uint8), kv.view(torch.uint8))
+
+
+def test_lookup_returns_longest_usable_prefix(open_store, spec):
+    s = open_store(spec)
+    keys = s.block_keys("a", spec, tokens(5, spec))
+    s.put("a", spec, keys[:3], make_kv(spec, 3))
+    assert s.lookup("a", spec, keys).num_blocks == 3
+    got = s.get("a", spec, keys)
+    assert got.shape[0] == 3
+    s.delete("a", [keys[1]])  # deleting a middle block removes what depends on it
+    assert s.lookup("a", spec, keys).num_blocks == 1
+    st = s.stats()
+    assert st["misses"] == 2 and st["hits"] == 3
+
+
+def test_other_spec_never_matches(open_store, spec):
+    from kvstore.spec import ModelSpec
+    s = open_store(spec)
+    keys = s.block_keys("a", spec, tokens(2, spec))
+    s.put("a", spec, keys, make_kv(spec, 2))
+    other = ModelSpec(**{**spec.to_dict(), "revision": "r2"})
+    assert s.lookup("a", other, keys).num_blocks == 0
+
+
+def test_tenant_isolation_lookup_and_get(open_store, spec):
+    s = open_store(spec, hbm_blocks=1, dram_blocks=1, nvme_blocks=8)
+    toks = tokens(4, spec)
+    ka = s.block_keys("a", spec, toks)
+    s.put("a", spec, ka, make_kv(spec, 4))
+    kb = s.block_keys("b", spec, toks)
+    assert set(ka).isdisjoint(kb)
+    # B with its own keys for the same tokens, and B with A's very keys: both miss
+    assert s.lookup("b", spec, kb).num_blocks == 0
+    assert s.lookup("b", spec, ka).num_blocks == 0
+    assert s.get("b", spec, ka).shape[0] == 0
+    assert s.delete("b", ka) == 0
+    assert s.lookup("a", spec, ka).num_blocks == 4
+    # B putting under A's keys does not touch A's blocks
+    s.put("b", spec, ka, make_kv(spec, 4, seed=9))
+    assert torch.equal(s.get("a", spec, ka), make_kv(spec, 4))
+
+
+def test_bad_input_gets_typed_errors_and_writes_nothing(open_store, spec):
+    s = open_store(spec)
+    keys = s.block_keys("a", spec, tokens(2, spec))
+    with pytest.raises(ShapeMismatch, match="expected"):
+        s.put("a", spec, keys, make_kv(spec, 3))
+    with pytest.raises(DTypeMismatch, match="dtype"):
+        s.put("a", spec, keys, make_kv(spec, 2).float())
+    with pytest.raises(InvalidArgument, match="32 bytes"):
+        s.put("a", spec, [b"short", keys[1]], make_kv(spec, 2))
+    with pytest.raises(InvalidArgument, match="torch.Tensor"):
+        s.put("a", spec, keys, [[0]])
+    with pytest.raises(UnknownTier, match="tiers are"):
+        s.prefetch("a", spec, keys, tier="tape")
+    with pytest.raises(NotFound, match="session"):
+        s.put("a", spec, keys, make_kv(spec, 2), session="nope")
+    with pytest.raises(ShapeMismatch):
+        s.put_bytes("a", spec, keys, [b"x" * 10, b"y" * 10])
+    assert s.stats()["blocks"] == 0
+
+
+def test_keys_that_are_not_a_chain_are_refused(open_store, spec):
+    s = open_store(spec)
+    keys = s.block_keys("a", spec, tokens(3, spec))
+    s.put("a", spec, keys, make_kv(spec, 3))
+    with pytest.raises(InvalidArgument, match="chain"):
+        s.put("a", spec, [keys[0], keys[2]], make_kv(spec, 2))
+    assert s.lookup("a", spec, [keys[0], keys[2]]).num_blocks == 1
+
+
+def test_everything_pinned_gives_resource_exhausted_and_put_is_atomic(open_store, spec):
+    s = open_store(spec, hbm_blocks=3, dram_blocks=2, nvme_blocks=8)
+    s.open_session("a", "s1")
+    keys = s.block_keys("a", spec, tokens(3, spec))
+    s.put("a", spec, keys, make_kv(spec, 3), session="s1")
+    assert s.lookup("a", spec, keys).tiers == ["hbm"] * 3
+    s.open_session("a", "s2")
+    other = s.block_keys("a", spec, tokens(2, spec, start=100))
+    with pytest.raises(ResourceExhausted, match="pinned") as e:
+        s.put("a", spec, other, make_kv(spec, 2), session="s2")
+    assert e.value.resource == "hbm"
+    assert s.lookup("a", spec, other).num_blocks == 0  # nothing half-written
+    assert s.lookup("a", spec, keys).tiers == ["hbm"] * 3  # pinned blocks untouched
+    # without a session the same put spills below HBM instead
+    s.put("a", spec, other, make_kv(spec, 2, seed=2))
+    assert s.lookup("a", spec, other).tiers == ["dram", "dram"]
+
+
+def test_failed_put_rolls_back_the_blocks_it_inserted(open_store, spec):
+    s = open_store(spec, hbm_blocks=2, dram_blocks=0, nvme_blocks=0)
+    s.open_session("a", "s")
+    keys = s.block_keys("a", spec, tokens(3, spec))
+    with pytest.raises(ResourceExhausted):
+        s.put("a", spec, keys, make_kv(spec, 3), session="s")
+    assert s.lookup("a", spec, keys).num_blocks == 0
+    assert s.stats()["tiers"]["hbm"]["used_bytes"] == 0
+
+
+def test_eviction_is_lru_leaf_first_and_demotes(open_store, spec, clock):
+    s = open_store(spec, hbm_blocks=4, dram_blocks=4, nvme_blocks=32,
+                   high_watermark=1.0, low_watermark=1.0)
+    old = s.block_keys("a", spec, tokens(2, spec, start=0))
+    new = s.block_keys("a", spec, tokens(2, spec, start=1000))
+    s.put("a", spec, old, make_kv(spec, 2))
+    clock.advance(1)
+    s.put("a", spec, new, make_kv(spec, 2, seed=1))
+    clock.advance(1)
+    s.get("a", spec, new)  # new is hot
+    more = s.block_keys("a", spec, tokens(2, spec, start=2000))
+    s.put("a", spec, more, make_kv(spec, 2, seed=2))
+    assert s.lookup("a", spec, old).tiers == ["dram", "dram"]  # demoted, not dropped
+    assert s.lookup("a", spec, new).tiers == ["hbm", "hbm"]
+    assert s.stats()["demotions"] >= 2
+    # promotion on hit brings the old prefix back up, bit-exact
+    assert torch.equal(s.get("a", spec, old), make_kv(spec, 2))
+    assert s.lookup("a", spec, old).tiers == ["hbm", "hbm"]
+
+
+def test_ttl_expiry_with_injected_clock(open_store, spec, clock):
+    s = open_store(spec, hbm_blocks=1, dram_blocks=1, nvme_blocks=8)
+    keys = s.block_keys("a", spec, tokens(3, spec))
+    s.put("a", spec, keys, make_kv(spec, 3), ttl_s=10)
+    clock.advance(9.9)
+    assert s.lookup("a", spec, keys).num_blocks == 3
+    clock.advance(0.2)
+    assert s.lookup("a", spec, keys).num_blocks == 0
+    assert s.get("a", spec, keys).shape[0] == 0
+    assert s.expire() == 0 and s.stats()["blocks"] == 0
+    assert s.stats()["tiers"]["nvme"]["used_bytes"] == 0
+
+
+def test_tenant_ttl_policy_and_sweep(open_store, spec, clock):
+    s = open_store(spec)
+    s.set_tenant_policy("a", ttl_s=5)
+    ka = s.block_keys("a", spec, tokens(2, spec))
+    kb = s.block_keys("b", spec, tokens(2, spec))
+    s.put("a", spec, ka, make_kv(spec, 2))
+    s.put("b", spec, kb, make_kv(spec, 2))
+    clock.advance(6)
+    assert s.expire() == 2
+    assert s.lookup("a", spec, ka).num_blocks == 0 and s.lookup("b", spec, kb).num_blocks == 2
+
+
+def test_quota_evicts_own_blocks_first_never_another_tenants(open_store, spec, clock):
+    s = open_store(spec, hbm_blocks=6, dram_blocks=0, nvme_blocks=0)
+    s.set_tenant_policy("a", quota_bytes={"hbm": 2 * spec.block_nbytes})
+    kb = s.block_keys("b", spec, tokens(3, spec))
+    s.put("b", spec, kb, make_kv(spec, 3))
+    for i in range(3):
+        clock.advance(1)
+        ka = s.block_keys("a", spec, tokens(2, spec, start=100 * (i + 1)))
+        s.put("a", spec, ka, make_kv(spec, 2, seed=i))
+        assert s.stats()["tenants"]["a"]["hbm"] <= 2 * spec.block_nbytes
+    assert s.lookup("b", spec, kb).num_blocks == 3
+    assert s.lookup("a", spec, ka).num_blocks == 2
+    with pytest.raises(ResourceExhausted) as e:
+        s.put("a", spec, s.block_keys("a", spec, tokens(3, spec, start=7000)), make_kv(spec, 3))
+    assert s.lookup("b", spec, kb).num_blocks == 3
+
+
+def test_sessions_pin_pause_resume_close(open_store, spec):
+    s = open_store(spec, hbm_blocks=4, dram_blocks=4, nvme_blocks=16)
+    s.open_session("a", "chat")
+    keys = s.block_keys("a", spec, tokens(3, spec))
+    kv = make_kv(spec, 3)
+    s.put("a", spec, keys, kv, session="chat")
+    assert s.session_state("a", "chat") == SessionState.ACTIVE
+    # pinned: a flood of other blocks cannot push them out of HBM
+    for i in range(4):
+        s.put("a", spec, s.block_keys("a", spec, tokens(2, spec, start=1000 * (i + 1))),
+              make_kv(spec, 2, seed=i))
+    assert s.lookup("a", spec, keys).tiers == ["hbm"] * 3
+    assert s.pause_session("a", "chat") == 3
+    assert s.lookup("a", spec, keys).tiers == ["dram"] * 3
+    assert s.resume_session("a", "chat") == 3
+    assert s.lookup("a", spec, keys).tiers == ["hbm"] * 3
+    assert torch.equal(s.get("a", spec, keys), kv)
+    s.close_session("a", "chat")
+    with pytest.raises(NotFound):
+        s.pause_session("a", "chat")
+    # unpinned now: the flood may push them down
+    for i in range(4):
+        s.put("a", spec, s.block_keys("a", spec, tokens(2, spec, start=9000 + 100 * i)),
+              make_kv(spec, 2, seed=i))
+    assert s.lookup("a", spec, keys).tiers != ["hbm"] * 3
+
+
+def test_restart_serves_committed_blocks(open_store, spec, tmp_path):
+    path = tmp_path / "persist"
+    s = open_store(spec, hbm_blocks=2, dram_blocks=2, nvme_blocks=16, path=path)
+    keys = s.block_keys("a", spec, tokens(6, spec))
+    kv = make_kv(spec, 6)
+    s.put("a", spec, keys, kv)
+    s.close()
+    s2 = open_store(spec, hbm_blocks=2, dram_blocks=2, nvme_blocks=16, path=path)
+    assert s2.lookup("a", spec, keys).num_blocks == 6
+    assert torch.equal(s2.get("a", spec, keys), kv)
+
+
+def test_restart_without_flush_keeps_only_nvme_committed_prefix(open_store, spec, tmp_path):
+    path = tmp_path / "p2"
+    s = open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=16, path=path,
+                   persist_on_close=False)
+    keys = s.block_keys("a", spec, tokens(4, spec))
+    s.put("a", spec, keys, make_kv(spec, 4))
+    s.close()
+    s2 = open_store(spec, hbm_blocks=2, dram_blocks=0, nvme_blocks=16, path=path)
+    assert s2.lookup("a", spec, keys).tiers == ["nvme"] * 4
+
+
+def test_drop_tenant_removes_everything_and_shreds_the_key(open_store, spec, tmp_path):
+    s = open_store(spec, hbm_blocks=1, dram_blocks=1, nvme_blocks=16)
+    keys = s.block_keys("a", spec, tokens(4, spec))
+    s.put("a", spec, keys, make_kv(spec, 4))
+    kb = s.block_keys("b", spec, tokens(2, spec))
+    s.put("b", spec, kb, make_kv(spec, 2))
+    assert s.drop_tenant("a") == 4
+    assert s.lookup("a", spec, keys).num_blocks == 0
+    assert s.stats()["tenants"].get("a") is None
+    assert s.lookup("b", spec, kb).num_blocks == 2
+    from kvstore.errors import KeyUnavailable
+    with pytest.raises(KeyUnavailable):
+        s.keyring.data_key("a", create=False)
+
+
+def test_purge_model(open_store, spec):
+    from kvstore.spec import ModelSpec
+    s = open_store(spec)
+    other = ModelSpec(**{**spec.to_dict(), "revision": "r2"})
+    k1 = s.block_keys("a", spec, tokens(2, spec))
+    k2 = s.block_keys("a", other, tokens(2, other))
+    s.put("a", spec, k1, make_kv(spec, 2))
+    s.put("a", other, k2, make_kv(other, 2))
+    assert s.purge_model(spec.fingerprint) == 2
+    assert s.lookup("a", spec, k1).num_blocks == 0 and s.lookup("a", other, k2).num_blocks == 2
+
+
+def test_get_into_caller_buffers(open_store, spec):
+    import numpy as np
+    s = open_store(spec, hbm_blocks=1, dram_blocks=1)
+    keys = s.block_keys("a", spec, tokens(3, spec))
+    kv = make_kv(spec, 3)
+    s.put_bytes("a", spec, keys, [kv[i].numpy().tobytes() for i in range(3)])
+    outs = [bytearray(spec.block_nbytes) for _ in range(4)]
+    more = keys + s.block_keys("a", spec, tokens(4, spec))[3:]
+    assert s.get_into("a", spec, more, outs) == 3
+    assert all(bytes(outs[i]) == kv[i].numpy().tobytes() for i in range(3))
+    assert np.frombuffer(outs[3], np.uint8).sum() == 0
+
+
+def test_closed_store_refuses_calls(open_store, spec):
+    from kvstore.errors import FailedPrecondition
+    s = open_store(spec)
+    s.close()
+    with pytest.raises(FailedPrecondition):
+        s.lookup("a", spec, [])
+
+
+def test_watermarks_evict_down_to_low(open_store, spec, clock):
+    s = open_store(spec, hbm_blocks=10, dram_blocks=10, nvme_blocks=32,
+                   high_watermark=0.9, low_watermark=0.5)
+    for i in range(9):
+        clock.advance(1)
+        s.put("a", spec, s.block_keys("a", spec, tokens(1, spec, start=100 * i)),
+              make_kv(spec, 1, seed=i))
+    assert s.stats()["tiers"]["hbm"]["blocks"] == 9
+    clock.advance(1)
+    s.put("a", spec, s.block_keys("a", spec, tokens(1, spec, start=5000)), make_kv(spec, 1))
+    # 9 + 1 > 0.9 * 10: evict until the new block fits under 0.5 * 10
+    assert s.stats()["tiers"]["hbm"]["blocks"] == 5
+    assert s.stats()["tiers"]["dram"]["blocks"] == 5
