@@ -1,0 +1,165 @@
+"""Bearer tokens, roles, tenant isolation, shared namespaces and the audit of admin actions."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from kvstore.audit import AuditLog
+from kvstore.client import AdminClient, Client
+from kvstore.errors import IntegrityError, PermissionDenied, Unauthenticated
+from proto.kvstore.v1 import kvstore_pb2 as pb
+from proto.kvstore.v1 import kvstore_pb2_grpc
+from service_harness import SPEC, fresh_tokens, random_kv, start
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def sidecar(tmp_path):
+    sc = start(tmp_path)
+    yield sc
+    sc.stop()
+
+
+def _raw_lookup(target: str, metadata):
+    with grpc.insecure_channel(target) as ch:
+        stub = kvstore_pb2_grpc.KVStoreStub(ch)
+        stub.WhoAmI(pb.WhoAmIRequest(), metadata=metadata, timeout=5)
+
+
+@pytest.mark.parametrize("metadata", [
+    (),
+    (("authorization", "Bearer kvs_not-a-real-token"),),
+    (("authorization", "Basic dXNlcjpwYXNz"),),
+    (("authorization", "Bearer "),),
+], ids=["missing", "unknown", "wrong-scheme", "empty"])
+def test_bad_tokens_are_unauthenticated(sidecar, metadata):
+    with pytest.raises(grpc.RpcError) as err:
+        _raw_lookup(sidecar.target, metadata)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_tenant_calling_admin_is_permission_denied_and_audited(sidecar):
+    token = sidecar.admin().create_tenant("sneaky")
+    with AdminClient(sidecar.target, token) as not_admin:
+        with pytest.raises(PermissionDenied):
+            not_admin.create_tenant("evil")
+        with pytest.raises(PermissionDenied):
+            not_admin.audit()
+    entries = sidecar.admin().audit()
+    assert entries[-1]["principal"] == "sneaky" and entries[-1]["result"] == "PERMISSION_DENIED"
+
+
+def test_admin_token_has_no_data_plane(sidecar):
+    c = sidecar.client(sidecar.admin_token, local=False)
+    with pytest.raises(PermissionDenied):
+        c.lookup(SPEC, [bytes(32)])
+
+
+def test_another_tenants_blocks_are_a_plain_miss(sidecar):
+    a = sidecar.tenant("alice")
+    b = sidecar.tenant("bob")
+    keys = a.block_keys(SPEC, fresh_tokens(2))
+    a.put(SPEC, keys, random_kv(2))
+    assert b.lookup(SPEC, keys).num_blocks == 0  # same keys, bob's namespace: a miss
+    assert len(b.get(SPEC, keys)) == 0
+    assert b.delete(keys) == 0
+    assert a.lookup(SPEC, keys).num_blocks == 2
+    with pytest.raises(PermissionDenied):  # naming alice's namespace is not a way in either
+        b.lookup(SPEC, keys, namespace="alice")
+
+
+def test_shared_namespace_read_by_grantees_written_by_publisher_only(sidecar):
+    admin = sidecar.admin()
+    pub = sidecar.client(admin.create_tenant("sysprompt", role="publisher", namespaces=["shared:sys"]))
+    reader = sidecar.client(admin.create_tenant("reader", namespaces=["shared:sys"]))
+    outsider = sidecar.tenant("outsider")
+    tokens = fresh_tokens(2)
+    keys = pub.block_keys(SPEC, tokens, namespace="shared:sys")
+    kv = random_kv(2, seed=21)
+    pub.put(SPEC, keys, kv, namespace="shared:sys")
+
+    assert reader.lookup(SPEC, token_ids=tokens, namespace="shared:sys").num_blocks == 2
+    assert torch.equal(reader.get(SPEC, keys, namespace="shared:sys").view(torch.int16), kv.view(torch.int16))
+    with pytest.raises(PermissionDenied):
+        reader.put(SPEC, keys, kv, namespace="shared:sys")
+    with pytest.raises(PermissionDenied):
+        reader.delete(keys, namespace="shared:sys")
+    with pytest.raises(PermissionDenied):
+        outsider.lookup(SPEC, keys, namespace="shared:sys")
+    assert reader.lookup(SPEC, keys).num_blocks == 0  # its own namespace does not hold them
+
+    admin.grant("outsider", "shared:sys")
+    assert outsider.lookup(SPEC, keys, namespace="shared:sys").num_blocks == 2
+    admin.grant("outsider", "shared:sys", revoke=True)
+    with pytest.raises(PermissionDenied):
+        outsider.lookup(SPEC, keys, namespace="shared:sys")
+
+
+def test_rotate_invalidates_the_old_token(sidecar):
+    admin = sidecar.admin()
+    old = admin.create_tenant("rot")
+    new = admin.rotate_token("rot")
+    assert new != old
+    with pytest.raises(Unauthenticated):
+        Client(sidecar.target, old, local=False).whoami()
+    assert sidecar.client(new, local=False).whoami()["principal"] == "rot"
+
+
+def test_delete_tenant_revokes_token_and_destroys_its_blocks(sidecar):
+    admin = sidecar.admin()
+    token = admin.create_tenant("gone")
+    c = sidecar.client(token)
+    keys = c.block_keys(SPEC, fresh_tokens(2))
+    c.put(SPEC, keys, random_kv(2))
+    admin.delete_tenant("gone")
+    with pytest.raises(Unauthenticated):
+        c.lookup(SPEC, keys)
+    token = admin.create_tenant("gone")  # the name can be reused; nothing of the old one remains
+    assert sidecar.client(token).lookup(SPEC, keys).num_blocks == 0
+
+
+def test_every_admin_action_is_audited_with_its_result(sidecar):
+    admin = sidecar.admin()
+    admin.create_tenant("aud")
+    admin.rotate_token("aud")
+    admin.grant("aud", "shared:x")
+    admin.set_policy("aud", ttl_s=10.0, quota_bytes={"hbm": 1 << 20})
+    admin.get_policy("aud")
+    admin.list_tenants()
+    admin.purge_model(SPEC)
+    admin.delete_tenant("aud")
+    with pytest.raises(Exception):
+        admin.delete_tenant("aud")  # NOT_FOUND, audited too
+    actions = [(e["action"], e["result"]) for e in admin.audit()]
+    assert actions == [
+        ("tenant.create", "OK"), ("tenant.rotate", "OK"), ("namespace.grant", "OK"), ("policy.set", "OK"),
+        ("policy.get", "OK"), ("tenant.list", "OK"), ("model.purge", "OK"), ("tenant.delete", "OK"),
+        ("tenant.delete", "NOT_FOUND"),
+    ]
+    assert all(e["principal"] == "admin" for e in admin.audit())
+
+
+def test_audit_log_is_append_only_and_chained(tmp_path):
+    log = AuditLog(tmp_path / "audit.log", clock=lambda: 5.0, fsync=False)
+    for i in range(3):
+        log.append("admin", "tenant.create", f"t{i}", "OK")
+    assert log.verify() == 3
+    log.close()
+    reopened = AuditLog(tmp_path / "audit.log", clock=lambda: 6.0, fsync=False)
+    assert reopened.append("admin", "x", "y", "OK").seq == 4
+    reopened.close()
+    lines = (tmp_path / "audit.log").read_text().splitlines()
+    lines[1] = lines[1].replace('"t1"', '"tX"')
+    (tmp_path / "audit.log").write_text("\n".join(lines) + "\n")
+    with pytest.raises(IntegrityError):
+        AuditLog(tmp_path / "audit.log", clock=lambda: 7.0, fsync=False).verify()
+
+
+def test_tokens_are_stored_hashed(sidecar):
+    token = sidecar.admin().create_tenant("hashed")
+    text = (sidecar.data_dir / "auth.json").read_text()
+    assert token not in text and sidecar.admin_token not in text
+    assert "token_sha256" in text

@@ -1,0 +1,211 @@
+"""Put/Get through both data planes, sessions, prefetch, delete, TTL and restart, end to end."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+import torch
+
+from kvstore.errors import KVStoreError, NotFound
+from kvstore.spec import ModelSpec
+from proto.kvstore.v1 import kvstore_pb2 as pb
+from proto.kvstore.v1 import kvstore_pb2_grpc
+from service_harness import SPEC, fresh_tokens, random_kv, restart, start
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def sidecar(tmp_path):
+    sc = start(tmp_path)
+    yield sc
+    sc.stop()
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["shm", "stream"])
+def test_put_get_bit_exact_through_each_plane(sidecar, local):
+    c = sidecar.tenant(f"t-{int(local)}", local=local)
+    assert c.uses_shared_memory is local
+    keys = c.block_keys(SPEC, fresh_tokens(5))
+    assert len(keys) == 5
+    kv = random_kv(5, seed=3)
+    c.put(SPEC, keys, kv)
+
+    hit = c.lookup(SPEC, keys)
+    assert hit.num_blocks == 5 and len(hit.tiers) == 5
+    got = c.get(SPEC, keys)
+    assert got.dtype == kv.dtype and torch.equal(got.view(torch.int16), kv.view(torch.int16))
+
+
+def test_blocks_larger_than_a_chunk_stream_in_pieces(sidecar):
+    spec = ModelSpec(model="big", revision="r", num_layers=4, num_kv_heads=4, head_dim=64, dtype="bfloat16")
+    c = sidecar.tenant("chunky", local=False, chunk_bytes=16 * 1024)
+    assert spec.block_nbytes > 16 * 1024
+    keys = c.block_keys(spec, fresh_tokens(3, spec))
+    kv = random_kv(3, spec, seed=9)
+    c.put(spec, keys, kv)
+    assert torch.equal(c.get(spec, keys).view(torch.int16), kv.view(torch.int16))
+
+
+def test_local_blocks_move_with_one_copy_and_round_trip(sidecar):
+    c = sidecar.tenant("zerocopy", local=True)
+    keys = c.block_keys(SPEC, fresh_tokens(4))
+    kv = random_kv(4, seed=5)
+    with c.local_blocks(SPEC, 4) as src, c.local_blocks(SPEC, 4) as dst:
+        src.tensor.copy_(kv)
+        c.put(SPEC, keys, src.tensor)
+        assert c.get_into(SPEC, keys, dst.tensor) == 4
+        assert torch.equal(dst.tensor.view(torch.int16), kv.view(torch.int16))
+
+
+def test_lookup_by_token_ids_returns_keys_and_longest_prefix(sidecar):
+    c = sidecar.tenant("prefix")
+    tokens = fresh_tokens(4)
+    keys = c.block_keys(SPEC, tokens)
+    c.put(SPEC, keys[:2], random_kv(2))
+    hit = c.lookup(SPEC, token_ids=tokens)
+    assert hit.num_blocks == 2
+    assert hit.keys == keys
+    assert len(c.get(SPEC, keys)) == 2  # a miss stops the prefix
+
+
+def test_sessions_follow_their_states_and_unknown_is_not_found(sidecar):
+    c = sidecar.tenant("sess")
+    keys = c.block_keys(SPEC, fresh_tokens(2))
+    c.open_session("s1")
+    c.put(SPEC, keys, random_kv(2), session="s1")
+    assert c.lookup(SPEC, keys).tiers == ["hbm", "hbm"]
+    c.pause_session("s1")
+    assert c.lookup(SPEC, keys).tiers == ["dram", "dram"]
+    c.resume_session("s1")
+    assert c.lookup(SPEC, keys).tiers == ["hbm", "hbm"]
+    c.close_session("s1")
+    with pytest.raises(NotFound):
+        c.pause_session("s1")
+    with pytest.raises(NotFound):
+        c.put(SPEC, c.block_keys(SPEC, fresh_tokens(1)), random_kv(1), session="nope")
+
+
+def test_prefetch_brings_blocks_up(sidecar):
+    c = sidecar.tenant("pf")
+    keys = c.block_keys(SPEC, fresh_tokens(2))
+    c.open_session("s")
+    c.put(SPEC, keys, random_kv(2), session="s")
+    c.pause_session("s")
+    assert c.lookup(SPEC, keys).tiers == ["dram", "dram"]
+    c.close_session("s")
+    assert c.prefetch(SPEC, keys, "hbm") == 2
+    assert c.lookup(SPEC, keys).tiers == ["hbm", "hbm"]
+
+
+def test_delete_removes_blocks_and_is_audited(sidecar):
+    c = sidecar.tenant("del")
+    keys = c.block_keys(SPEC, fresh_tokens(3))
+    c.put(SPEC, keys, random_kv(3))
+    assert c.delete(keys[1:2]) == 2  # the block and its descendant
+    assert c.lookup(SPEC, keys).num_blocks == 1
+    entries = sidecar.admin().audit()
+    assert any(e["action"] == "blocks.delete" and e["principal"] == "del" and e["target"] == "del"
+               and e["result"] == "OK" for e in entries)
+
+
+def test_ttl_expiry_through_the_service(sidecar):
+    admin = sidecar.admin()
+    c = sidecar.client(admin.create_tenant("ttl"))
+    admin.set_policy("ttl", ttl_s=60.0)
+    keys = c.block_keys(SPEC, fresh_tokens(2))
+    c.put(SPEC, keys, random_kv(2))
+    short = c.block_keys(SPEC, fresh_tokens(1))
+    c.put(SPEC, short, random_kv(1), ttl_s=5.0)
+    sidecar.clock.now += 30
+    assert c.lookup(SPEC, keys).num_blocks == 2
+    assert c.lookup(SPEC, short).num_blocks == 0
+    sidecar.clock.now += 31
+    assert c.lookup(SPEC, keys).num_blocks == 0
+    assert len(c.get(SPEC, keys)) == 0
+
+
+def test_restart_keeps_nvme_blocks_tokens_and_policies(tmp_path):
+    sc = start(tmp_path)
+    admin = sc.admin()
+    token = admin.create_tenant("durable")
+    admin.set_policy("durable", quota_bytes={"nvme": 1 << 28})
+    c = sc.client(token)
+    keys = c.block_keys(SPEC, fresh_tokens(3))
+    kv = random_kv(3, seed=11)
+    c.put(SPEC, keys, kv)
+    sc = restart(sc)
+    try:
+        c = sc.client(token)
+        hit = c.lookup(SPEC, keys)
+        assert hit.num_blocks == 3
+        assert torch.equal(c.get(SPEC, keys).view(torch.int16), kv.view(torch.int16))
+        assert sc.admin().get_policy("durable")["quota_bytes"] == {"nvme": 1 << 28}
+    finally:
+        sc.stop()
+
+
+def test_cancelled_put_leaves_nothing_visible(sidecar):
+    token = sidecar.admin().create_tenant("cancel")
+    c = sidecar.client(token, local=False)
+    keys = c.block_keys(SPEC, fresh_tokens(3))
+    release = threading.Event()
+
+    def messages():
+        yield pb.PutChunk(header=pb.PutHeader(target=pb.Target(spec=_spec_pb(), keys=b"".join(keys))))
+        data = bytes(SPEC.block_nbytes)
+        import xxhash
+
+        yield pb.PutChunk(chunk=pb.BlockChunk(block=0, offset=0, data=data, xxh3=xxhash.xxh3_64_intdigest(data)))
+        release.wait(5)  # the stream stalls after one block; the client cancels it
+
+    with grpc.insecure_channel(sidecar.target) as ch:
+        stub = kvstore_pb2_grpc.KVStoreStub(ch)
+        future = stub.Put.future(messages(), metadata=(("authorization", f"Bearer {token}"),))
+        threading.Timer(0.3, future.cancel).start()
+        with pytest.raises(grpc.FutureCancelledError):
+            future.result(timeout=5)
+        release.set()
+    assert c.lookup(SPEC, keys).num_blocks == 0
+
+
+def test_deadline_exceeded_put_leaves_nothing_visible(sidecar):
+    token = sidecar.admin().create_tenant("deadline")
+    c = sidecar.client(token, local=False)
+    keys = c.block_keys(SPEC, fresh_tokens(2))
+
+    def messages():
+        yield pb.PutChunk(header=pb.PutHeader(target=pb.Target(spec=_spec_pb(), keys=b"".join(keys))))
+        threading.Event().wait(1.0)
+
+    with grpc.insecure_channel(sidecar.target) as ch:
+        stub = kvstore_pb2_grpc.KVStoreStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Put(messages(), metadata=(("authorization", f"Bearer {token}"),), timeout=0.3)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert c.lookup(SPEC, keys).num_blocks == 0
+
+
+def test_stats_are_scoped_to_the_caller(sidecar):
+    a = sidecar.tenant("stats-a")
+    b = sidecar.tenant("stats-b")
+    a.put(SPEC, a.block_keys(SPEC, fresh_tokens(1)), random_kv(1))
+    b.put(SPEC, b.block_keys(SPEC, fresh_tokens(1)), random_kv(1))
+    seen = a.stats()["tenants"]
+    assert "stats-a" in seen and "stats-b" not in seen
+    assert {"stats-a", "stats-b"} <= set(sidecar.admin().stats()["tenants"])
+
+
+def _spec_pb():
+    from kvstore.client import spec_to_pb
+
+    return spec_to_pb(SPEC)
+
+
+def test_client_errors_are_typed(sidecar):
+    c = sidecar.tenant("typed")
+    with pytest.raises(KVStoreError) as err:
+        c.resume_session("missing")
+    assert err.value.code == "NOT_FOUND"
