@@ -75,6 +75,11 @@ class _Session:
     keys: dict[bytes, None] = field(default_factory=dict)  # insertion-ordered set
 
 
+def _later(a: float | None, b: float | None) -> float | None:
+    """The later of two TTL deadlines, None meaning never."""
+    return None if a is None or b is None else max(a, b)
+
+
 class Store:
     """Use :meth:`Store.open`; see the module docstring for the contracts."""
 
@@ -263,9 +268,7 @@ class Store:
                         inserted.append(m)
                     else:
                         self._touch(m, now)
-                        if deadline is not None and (m.ttl_deadline is None
-                                                     or m.ttl_deadline < deadline):
-                            m.ttl_deadline = deadline
+                        m.ttl_deadline = _later(m.ttl_deadline, deadline)
                         if sess is not None and m.tier > self.tiers[0]:
                             self._promote([m])  # session blocks live in HBM
                             if m.tier > self.tiers[0]:

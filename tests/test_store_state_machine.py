@@ -1,0 +1,201 @@
+"""Hypothesis state machine over the Store with tiny capacities.
+
+After every step it checks DESIGN.md invariants through the public API only:
+1. whatever get returns is exactly the bytes put for that key;
+2. blocks of an ACTIVE/RESUMED session stay resident in HBM (pinned: never evicted);
+3. a tenant never finds another tenant's blocks;
+4. no tier's usage exceeds its capacity, no tenant exceeds its quota;
+5. deleted, dropped or expired blocks are never found.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from conftest import MASTER, FakeClock
+from kvstore.config import StoreConfig
+from kvstore.errors import ResourceExhausted
+from kvstore.spec import ModelSpec
+from kvstore.store import Store
+
+SPEC = ModelSpec(model="sm", revision="r", num_layers=2, num_kv_heads=2, head_dim=16,
+                 dtype="float16", block_tokens=2)
+N = SPEC.block_nbytes
+assert N % 256 == 0  # a whole number of arena slots, so capacities are exact
+TENANTS = ["a", "b"]
+CHAINS = 4
+CHAIN_BLOCKS = 4
+QUOTA_B_HBM = 2 * N
+
+
+def chain_tokens(c: int) -> list[int]:
+    # chains 0/1 and 2/3 share their first block: a shared prefix
+    first = [c // 2, c // 2]
+    rest = [100 + 10 * c + j for j in range(2 * (CHAIN_BLOCKS - 1))]
+    return first + rest
+
+
+def block_value(tenant: str, key: bytes) -> torch.Tensor:
+    """Content is a pure function of (tenant, key), as content keys promise."""
+    seed = int.from_bytes(key[:4], "little") ^ (7 if tenant == "a" else 13)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(SPEC.block_shape, generator=g).to(SPEC.torch_dtype)
+
+
+class StoreMachine(RuleBasedStateMachine):
+    @initialize()
+    def setup(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="kvsm-"))
+        self.clock = FakeClock()
+        self.store = Store.open(StoreConfig(path=self.dir, hbm_bytes=4 * N, dram_bytes=3 * N,
+                                            nvme_bytes=6 * N, master_key=MASTER),
+                                clock=self.clock)
+        self.store.set_tenant_policy("b", quota_bytes={"hbm": QUOTA_B_HBM})
+        self.keys = {(t, c): self.store.block_keys(t, SPEC, chain_tokens(c))
+                     for t in TENANTS for c in range(CHAINS)}
+        self.live: dict[tuple[str, bytes], float | None] = {}  # -> ttl deadline (None: never)
+        self.sessions: dict[tuple[str, str], tuple[str, list[bytes]]] = {}  # -> (state, keys)
+
+    def teardown(self) -> None:
+        if hasattr(self, "store"):
+            self.store.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    # -- rules --------------------------------------------------------------------------------
+    @rule(t=st.sampled_from(TENANTS), c=st.integers(0, CHAINS - 1),
+          n=st.integers(1, CHAIN_BLOCKS), ttl=st.sampled_from([None, None, 5.0]),
+          sid=st.sampled_from([None, None, "s1", "s2"]))
+    def put(self, t, c, n, ttl, sid):
+        keys = self.keys[(t, c)][:n]
+        if sid is not None and (t, sid) not in self.sessions:
+            return
+        kv = torch.stack([block_value(t, k) for k in keys])
+        try:
+            self.store.put(t, SPEC, keys, kv, ttl_s=ttl, session=sid)
+        except ResourceExhausted:
+            return  # allowed: pinned blocks or the quota hold the room; nothing was written
+        now = self.clock()
+        for k in keys:
+            new = None if ttl is None else now + ttl
+            if (t, k) in self.live and not self._expired(t, k):
+                old = self.live[(t, k)]
+                new = None if old is None or new is None else max(old, new)
+            self.live[(t, k)] = new
+        if sid is not None:
+            state, skeys = self.sessions[(t, sid)]
+            self.sessions[(t, sid)] = (state, skeys + [k for k in keys if k not in skeys])
+
+    @rule(t=st.sampled_from(TENANTS), c=st.integers(0, CHAINS - 1))
+    def get(self, t, c):
+        keys = self.keys[(t, c)]
+        out = self.store.get(t, SPEC, keys)
+        for i in range(out.shape[0]):
+            assert (t, keys[i]) in self.live, "served a block that was never put or was removed"
+            assert not self._expired(t, keys[i]), "served an expired block"
+            assert torch.equal(out[i].view(torch.uint8), block_value(t, keys[i]).view(torch.uint8))
+
+    @rule(t=st.sampled_from(TENANTS), c=st.integers(0, CHAINS - 1), i=st.integers(0, 3))
+    def delete(self, t, c, i):
+        key = self.keys[(t, c)][i]
+        self.store.delete(t, [key])
+        # the block and everything chained below it are gone
+        for cc in range(CHAINS):
+            ks = self.keys[(t, cc)]
+            if key in ks:
+                for k in ks[ks.index(key):]:
+                    self.live.pop((t, k), None)
+
+    @rule(t=st.sampled_from(TENANTS))
+    def drop_tenant(self, t):
+        self.store.drop_tenant(t)
+        self.live = {k: v for k, v in self.live.items() if k[0] != t}
+        self.sessions = {k: v for k, v in self.sessions.items() if k[0] != t}
+        if t == "b":
+            self.store.set_tenant_policy("b", quota_bytes={"hbm": QUOTA_B_HBM})
+
+    @rule(dt=st.sampled_from([1.0, 3.0, 6.0]))
+    def advance(self, dt):
+        self.clock.advance(dt)
+
+    @rule()
+    def expire(self):
+        self.store.expire()
+
+    @rule(t=st.sampled_from(TENANTS), sid=st.sampled_from(["s1", "s2"]))
+    def open_session(self, t, sid):
+        self.store.open_session(t, sid)
+        self.sessions.setdefault((t, sid), ("active", []))
+
+    @precondition(lambda self: self.sessions)
+    @rule(data=st.data(), action=st.sampled_from(["pause", "resume", "close"]))
+    def session_call(self, data, action):
+        t, sid = data.draw(st.sampled_from(sorted(self.sessions)))
+        state, keys = self.sessions[(t, sid)]
+        if action == "pause":
+            self.store.pause_session(t, sid)
+            self.sessions[(t, sid)] = ("paused", keys)
+        elif action == "resume":
+            self.store.resume_session(t, sid)
+            if state == "paused":
+                self.sessions[(t, sid)] = ("resumed", keys)
+        else:
+            self.store.close_session(t, sid)
+            del self.sessions[(t, sid)]
+
+    # -- invariants ---------------------------------------------------------------------------
+    def _expired(self, t, k) -> bool:
+        d = self.live.get((t, k))
+        return d is not None and self.clock() >= d
+
+    @invariant()
+    def found_blocks_are_live_and_own(self):
+        if not hasattr(self, "store"):
+            return
+        for (t, c), keys in self.keys.items():
+            m = self.store.lookup(t, SPEC, keys)
+            order = ["hbm", "dram", "nvme"]
+            assert [order.index(x) for x in m.tiers] == sorted(order.index(x) for x in m.tiers)
+            for k in keys[: m.num_blocks]:
+                assert (t, k) in self.live, "found a removed block or another tenant's"
+                assert not self._expired(t, k), "found an expired block"
+
+    @invariant()
+    def usage_within_capacity_and_quota(self):
+        if not hasattr(self, "store"):
+            return
+        st_ = self.store.stats()
+        for tier, u in st_["tiers"].items():
+            assert 0 <= u["used_bytes"] <= u["capacity_bytes"], tier
+        assert st_["tenants"].get("b", {}).get("hbm", 0) <= QUOTA_B_HBM
+
+    @invariant()
+    def pinned_blocks_stay_in_hbm(self):
+        if not hasattr(self, "store"):
+            return
+        for (t, sid), (state, keys) in self.sessions.items():
+            if state == "paused":
+                continue
+            for k in keys:
+                if (t, k) not in self.live or self._expired(t, k):
+                    continue
+                # find the chain this key sits in and look it up through its prefix
+                for (tt, c), ks in self.keys.items():
+                    if tt == t and k in ks:
+                        idx = ks.index(k)
+                        m = self.store.lookup(t, SPEC, ks[: idx + 1])
+                        assert m.num_blocks == idx + 1, "a pinned block was evicted"
+                        assert m.tiers[idx] == "hbm", "a pinned block left HBM"
+                        break
+
+
+StoreMachine.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=30, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestStoreMachine = StoreMachine.TestCase
