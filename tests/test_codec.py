@@ -258,3 +258,51 @@ def test_corrupt_zstd_frame_with_valid_checksums_is_an_integrity_error() -> None
         value[hn - 16 : hn] = checksum(value[: hn - 16])
         with pytest.raises(IntegrityError, match="chunk 0: decompression"):
             codec.decode("t", KEY_A, spec, value)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), level=st.sampled_from([0, 1]), encrypt=st.booleans())
+def test_any_single_flipped_bit_is_detected(data: st.DataObject, level: int, encrypt: bool) -> None:
+    spec = _spec("bfloat16", layers=1, heads=1, head_dim=64, tokens=16)
+    block = _kv_bytes(spec, seed=3)
+    cfg = CodecConfig(compression_level=level, encrypt=encrypt, chunk_bytes=1024 * 4)
+    with Codec(cfg, Keyring(MASTER, {}) if encrypt else None) as codec:
+        value = bytearray(codec.encode("t", KEY_A, spec, block))
+        pos = data.draw(st.integers(0, len(value) - 1))
+        value[pos] ^= 1 << data.draw(st.integers(0, 7))
+        with pytest.raises(IntegrityError):
+            codec.decode("t", KEY_A, spec, value)
+
+
+def test_concurrent_callers_share_one_codec(keyring: Keyring) -> None:
+    import threading
+
+    spec = _spec("float16")
+    blocks = [_kv_bytes(spec, seed) for seed in range(6)]
+    failures: list[str] = []
+    with Codec(CodecConfig(chunk_bytes=4096, threads=2), keyring) as codec:
+        def worker(j: int) -> None:
+            for _ in range(5):
+                key = bytes([j]) * 32
+                value = codec.encode(f"t{j % 2}", key, spec, blocks[j])
+                if not np.array_equal(codec.decode(f"t{j % 2}", key, spec, value), blocks[j]):
+                    failures.append(f"worker {j}")
+
+        threads = [threading.Thread(target=worker, args=(j,)) for j in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert failures == []
+
+
+def test_buffer_inputs_of_any_kind(codec: Codec) -> None:
+    spec = _spec("float32", layers=1)
+    block = _kv_bytes(spec, seed=5)
+    as_floats = block.view(np.float32).reshape(spec.block_shape)  # any contiguous array works
+    value = codec.encode("t", KEY_A, spec, as_floats)
+    assert np.array_equal(codec.decode("t", KEY_A, spec, memoryview(bytes(value))), block)
+    value2 = codec.encode("t", KEY_A, spec, block.tobytes())
+    assert np.array_equal(codec.decode("t", KEY_A, spec, value2), block)
+    with pytest.raises(InvalidArgument):
+        codec.encode("t", KEY_A, spec, as_floats[:, :, :, ::2])  # not contiguous

@@ -1,0 +1,262 @@
+"""Envelope keys: a master key, and per-tenant data keys wrapped by it.
+
+Primitives and what each guarantees:
+
+* :func:`load_master_key` finds the 32-byte master key: an explicit value first, then an
+  environment variable (hex or base64), then a key file. With ``create=True`` and no key anywhere
+  it generates one and writes the key file atomically with mode 0600 (the file is created with
+  that mode, so it is never group/world-readable, not even momentarily). A key of the wrong
+  length, or a key file with any group/other permission bit set, is refused with
+  :class:`~kvstore.errors.InvalidArgument`.
+* :class:`Keyring` hands out one random AES-256 data key per tenant. Keys are stored wrapped
+  (AES-256-GCM under the master key, the tenant name as associated data, so a wrapped key cannot
+  be moved to another tenant) in a caller-supplied ``MutableMapping[str, bytes]`` (the NVMe tier
+  supplies an LMDB-backed one; tests use a dict), and cached unwrapped in memory.
+  :meth:`Keyring.destroy` deletes the wrapped key and the cached copy: every value encrypted
+  under it becomes unreadable (crypto-shredding), and ``data_key(tenant, create=False)`` then
+  raises :class:`~kvstore.errors.KeyUnavailable`.
+* A wrong master key is detected when the keyring opens (a check entry under the reserved name
+  ``""`` is stored in the backend on first use) and when a wrapped key fails to unwrap; both raise
+  :class:`~kvstore.errors.FailedPrecondition` — deliberately NOT an IntegrityError, so a store
+  that treats integrity failures as "delete the block" never wipes data because it was opened
+  with the wrong key.
+
+NOTE: Python cannot reliably zero ``bytes``; destroyed keys leave the in-memory cache but may
+linger in freed memory until reused. Crypto-shredding is about the persisted wrapped key.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import stat
+import threading
+from collections.abc import Callable, Mapping, MutableMapping
+from pathlib import Path
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from kvstore.errors import FailedPrecondition, InvalidArgument, KeyUnavailable
+
+KEY_BYTES = 32
+DEFAULT_ENV_VAR = "KVSTORE_MASTER_KEY"
+
+_WRAP_MAGIC = b"KVK1"
+_NONCE_BYTES = 12
+_WRAPPED_BYTES = len(_WRAP_MAGIC) + _NONCE_BYTES + KEY_BYTES + 16
+_AAD_PREFIX = b"kvstore-keyring-v1\x00"
+#: backend entry holding a value wrapped under the master key, to detect a wrong master key.
+_CHECK_NAME = ""
+_CHECK_PLAINTEXT = b"kvstore master key check v1".ljust(KEY_BYTES, b"\x00")
+
+RandomBytes = Callable[[int], bytes]
+
+
+# -- master key -------------------------------------------------------------------------------
+def _parse_key_text(text: str, source: str) -> bytes:
+    """A 32-byte key from hex (64 digits) or base64 (standard or URL-safe) text."""
+    text = text.strip()
+    if len(text) == 2 * KEY_BYTES:
+        try:
+            return bytes.fromhex(text)
+        except ValueError:
+            pass
+    try:
+        key = base64.b64decode(text.replace("-", "+").replace("_", "/"), validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidArgument(
+            f"master key from {source} is neither hex nor base64 (expected {KEY_BYTES} bytes, "
+            f"e.g. 64 hex digits)"
+        ) from None
+    return _check_key(key, source)
+
+
+def _check_key(key: object, source: str) -> bytes:
+    if not isinstance(key, (bytes, bytearray, memoryview)):
+        raise InvalidArgument(f"master key from {source} must be bytes, got {type(key).__name__}")
+    key = bytes(key)
+    if len(key) != KEY_BYTES:
+        raise InvalidArgument(f"master key from {source} must be {KEY_BYTES} bytes, got {len(key)}")
+    return key
+
+
+def _read_key_file(path: Path) -> bytes:
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidArgument(f"master key file {path} is not a regular file")
+    if st.st_mode & 0o077:
+        raise InvalidArgument(
+            f"master key file {path} has permissions {stat.S_IMODE(st.st_mode):04o}: group/other "
+            f"access is not allowed; run `chmod 600 {path}`"
+        )
+    data = path.read_bytes()
+    if len(data) == KEY_BYTES:
+        return data
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError:
+        raise InvalidArgument(
+            f"master key file {path} holds {len(data)} bytes: expected {KEY_BYTES} raw bytes, "
+            f"or hex/base64 text"
+        ) from None
+    return _parse_key_text(text, f"key file {path}")
+
+
+def _write_key_file(path: Path, key: bytes) -> bytes:
+    """Create ``path`` holding ``key`` (hex) with mode 0600; no-clobber, atomic, durable.
+
+    Returns the key now in the file: ours, or the one a concurrent creator wrote first.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # NOTE: a umask can only remove bits; this restores owner rw
+        os.write(fd, key.hex().encode() + b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)  # atomic, and fails instead of replacing a key someone else wrote
+    except FileExistsError:
+        return _read_key_file(path)
+    finally:
+        os.unlink(tmp)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return key
+
+
+def load_master_key(
+    explicit: bytes | None = None,
+    env_var: str = DEFAULT_ENV_VAR,
+    key_file: Path | str | None = None,
+    create: bool = False,
+    *,
+    environ: Mapping[str, str] | None = None,
+    random_bytes: RandomBytes = os.urandom,
+) -> bytes:
+    """The 32-byte master key: ``explicit`` > ``environ[env_var]`` > ``key_file`` > generated.
+
+    ``explicit`` is raw bytes (or hex/base64 text). The environment variable holds hex or base64.
+    The key file holds 32 raw bytes or hex/base64 text and must not be group/other accessible.
+    With ``create=True`` and no key found, a random key is written to ``key_file`` (mode 0600).
+    Raises :class:`InvalidArgument` for a malformed key, a badly-permissioned file, or no key
+    found with ``create=False`` (or with nowhere to create one).
+    """
+    if explicit is not None:
+        if isinstance(explicit, str):
+            return _parse_key_text(explicit, "the explicit setting")
+        return _check_key(explicit, "the explicit setting")
+    env = os.environ if environ is None else environ
+    text = env.get(env_var) if env_var else None
+    if text:
+        return _parse_key_text(text, f"${env_var}")
+    path = Path(key_file) if key_file is not None else None
+    if path is not None and os.path.lexists(path):
+        return _read_key_file(path)
+    if not create or path is None:
+        raise InvalidArgument(
+            f"no master key: pass one explicitly, set ${env_var}"
+            + (f", or create the key file {path}" if path is not None else ", or name a key file")
+        )
+    return _write_key_file(path, _check_key(random_bytes(KEY_BYTES), "the random generator"))
+
+
+# -- keyring ----------------------------------------------------------------------------------
+def _check_tenant(tenant: object) -> str:
+    if not isinstance(tenant, str) or not tenant:
+        raise InvalidArgument("tenant must be a non-empty string")
+    return tenant
+
+
+class Keyring:
+    """Per-tenant AES-256 data keys, wrapped by a master key, persisted in ``backend``.
+
+    Thread-safe: one lock guards the cache and every backend access.
+    """
+
+    def __init__(
+        self,
+        master_key: bytes,
+        backend: MutableMapping[str, bytes],
+        *,
+        random_bytes: RandomBytes = os.urandom,
+    ) -> None:
+        self._wrapper = AESGCM(_check_key(master_key, "Keyring(master_key)"))
+        self._backend = backend
+        self._random = random_bytes
+        self._cache: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+        with self._lock:
+            check = self._backend.get(_CHECK_NAME)
+            if check is None:
+                self._backend[_CHECK_NAME] = self._wrap(_CHECK_NAME, _CHECK_PLAINTEXT)
+            elif self._unwrap(_CHECK_NAME, check) != _CHECK_PLAINTEXT:
+                raise FailedPrecondition("keyring check entry is corrupted")
+
+    # -- wrapping ---------------------------------------------------------------------------
+    def _wrap(self, tenant: str, key: bytes) -> bytes:
+        nonce = self._random(_NONCE_BYTES)
+        return _WRAP_MAGIC + nonce + self._wrapper.encrypt(nonce, key, _AAD_PREFIX + tenant.encode())
+
+    def _unwrap(self, tenant: str, wrapped: bytes) -> bytes:
+        wrapped = bytes(wrapped)
+        who = "the keyring check entry" if tenant == _CHECK_NAME else f"tenant {tenant!r}'s data key"
+        if len(wrapped) != _WRAPPED_BYTES or not wrapped.startswith(_WRAP_MAGIC):
+            raise FailedPrecondition(f"{who} is not a wrapped key of this format (corrupted keyring?)")
+        nonce = wrapped[len(_WRAP_MAGIC) : len(_WRAP_MAGIC) + _NONCE_BYTES]
+        try:
+            return self._wrapper.decrypt(
+                nonce, wrapped[len(_WRAP_MAGIC) + _NONCE_BYTES :], _AAD_PREFIX + tenant.encode()
+            )
+        except InvalidTag:
+            raise FailedPrecondition(
+                f"{who} does not unwrap: the master key is wrong (or the keyring is corrupted)"
+            ) from None
+
+    # -- public -----------------------------------------------------------------------------
+    def data_key(self, tenant: str, create: bool = True) -> bytes:
+        """The tenant's 32-byte data key; generated and persisted on first use when ``create``.
+
+        Raises :class:`KeyUnavailable` when the tenant has no key and ``create`` is false
+        (never created, or destroyed), :class:`FailedPrecondition` when it does not unwrap.
+        """
+        tenant = _check_tenant(tenant)
+        with self._lock:
+            key = self._cache.get(tenant)
+            if key is not None:
+                return key
+            wrapped = self._backend.get(tenant)
+            if wrapped is not None:
+                key = self._unwrap(tenant, wrapped)
+            elif not create:
+                raise KeyUnavailable(f"tenant {tenant!r} has no data key (deleted or never written)")
+            else:
+                key = _check_key(self._random(KEY_BYTES), "the random generator")
+                self._backend[tenant] = self._wrap(tenant, key)
+            self._cache[tenant] = key
+            return key
+
+    def destroy(self, tenant: str) -> bool:
+        """Crypto-shred: delete the tenant's wrapped and cached key. True if it existed."""
+        tenant = _check_tenant(tenant)
+        with self._lock:
+            cached = self._cache.pop(tenant, None)
+            existed = tenant in self._backend
+            if existed:
+                del self._backend[tenant]
+            return existed or cached is not None
+
+    def tenants(self) -> list[str]:
+        """Sorted names of tenants that hold a data key."""
+        with self._lock:
+            return sorted(name for name in self._backend.keys() if name != _CHECK_NAME)
+
+
+__all__ = ["DEFAULT_ENV_VAR", "KEY_BYTES", "Keyring", "load_master_key"]
