@@ -177,3 +177,18 @@ def test_paged_gather_scatter_property(layout, num_layers, num_blocks, bs, k, he
     scatter_blocks(out, fresh, table, layout)
     again = gather_blocks(fresh, table, layout, block_tokens=bs * k)
     assert torch.equal(again.view(torch.uint8), out.view(torch.uint8))
+
+
+@pytest.mark.parametrize("layout", list(PagedLayout))
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8])
+def test_paged_one_byte_dtypes_move_bytes_exactly(layout, dtype):
+    """Regression: CPU has no index_copy_ kernel for fp8; such caches must still round-trip."""
+    layers = [t.to(dtype) for t in make_layers(layout, 2, 6, 2, 2, 4, torch.float32, seed=7)]
+    table = [4, 0, 5]
+    out = gather_blocks(layers, table, layout)
+    fresh = [torch.zeros_like(c) for c in layers]
+    scatter_blocks(out, fresh, table, layout)
+    sel = torch.tensor(table)
+    for cache, old in zip(fresh, layers):
+        got = cache.view(torch.uint8).index_select(layout.block_axis, sel)
+        assert torch.equal(got, old.view(torch.uint8).index_select(layout.block_axis, sel))

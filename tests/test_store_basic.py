@@ -306,3 +306,49 @@ def test_watermarks_evict_down_to_low(open_store, spec, clock):
     # 9 + 1 > 0.9 * 10: evict until the new block fits under 0.5 * 10
     assert s.stats()["tiers"]["hbm"]["blocks"] == 5
     assert s.stats()["tiers"]["dram"]["blocks"] == 5
+
+
+def test_embedded_master_key_is_generated_0600_and_reused(tmp_path, spec, monkeypatch):
+    import stat
+    from kvstore import Store, StoreConfig
+    monkeypatch.delenv("KVSTORE_MASTER_KEY", raising=False)
+    cfg = StoreConfig(path=tmp_path / "emb", hbm_bytes=0, dram_bytes=0,
+                      nvme_bytes=8 * spec.block_nbytes)
+    s = Store.open(cfg)
+    keys = s.block_keys("a", spec, tokens(2, spec))
+    s.put("a", spec, keys, make_kv(spec, 2))
+    s.close()
+    key_file = tmp_path / "emb" / "master.key"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    s = Store.open(cfg)
+    try:
+        assert torch.equal(s.get("a", spec, keys), make_kv(spec, 2))
+    finally:
+        s.close()
+
+
+def test_concurrent_threads_read_and_write_consistently(open_store, spec):
+    import threading
+    s = open_store(spec, hbm_blocks=3, dram_blocks=3, nvme_blocks=64)
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            for r in range(15):
+                toks = tokens(2, spec, start=10_000 * w + 100 * (r % 4))
+                keys = s.block_keys(f"t{w % 2}", spec, toks)
+                kv = make_kv(spec, 2, seed=w * 100 + r % 4)
+                s.put(f"t{w % 2}", spec, keys, kv)
+                got = s.get(f"t{w % 2}", spec, keys)
+                assert torch.equal(got, kv[: got.shape[0]])
+        except BaseException as e:  # noqa: BLE001 — surfaced by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    st = s.stats()
+    assert all(u["used_bytes"] <= u["capacity_bytes"] for u in st["tiers"].values())

@@ -1,0 +1,277 @@
+"""Paged gather/scatter: move the blocks named by an engine's block table between a paged KV
+cache and store blocks ``[n, 2, L, H, T, D]`` (``T`` = the store's block tokens).
+
+Primitives (torch reference, device-agnostic: every op runs on the tensors' device)::
+
+    gather_layer(cache, table, layout, out)      # one layer:  cache -> out   [n, 2, H, T, D]
+    scatter_layer(src, cache, table, layout)     # one layer:  src   -> cache (in place)
+    gather_blocks(layers, table, layout, out=None) -> Tensor   # all layers -> [n, 2, L, H, T, D]
+    scatter_blocks(blocks, layers, table, layout)              # all layers, in place
+
+Engine layouts (one tensor per layer, ``bs`` = engine block size in tokens):
+
+* ``PagedLayout.BLOCKS_FIRST``: ``[num_blocks, 2, bs, heads, head_dim]``
+* ``PagedLayout.KV_FIRST``:     ``[2, num_blocks, bs, heads, head_dim]``
+* ``PagedLayout.CPU_FUSED``:    ``[num_blocks, heads, bs, 2 * head_dim]`` (vLLM CPU: K in the
+  first ``head_dim`` of the last axis, V in the second)
+
+The store block size ``T`` must be a multiple ``k`` of ``bs``; store block ``i`` is made of the
+engine blocks ``table[i*k : (i+1)*k]`` in token order, so ``len(table) == n * k``.
+
+Contracts:
+
+* Copies are exact (same dtype on both sides; no conversion; 1-byte float dtypes such as fp8
+  are moved as their bytes) — gather then scatter into the same slots is the identity, and
+  scatter then gather returns the source blocks.
+* Each layer moves with one ``index_select`` into a scratch buffer (reused across layers by the
+  ``*_blocks`` calls) plus one strided ``copy_`` (scatter: ``copy_`` then ``index_copy_``);
+  ``out`` is filled in place.
+* A table is checked before use: 1-D integers in ``[0, num_blocks)``, and, for scatter, no
+  duplicates (two sources for one slot would make the result order-dependent). The check runs
+  where the table lives: pass a list or CPU tensor to keep a CUDA stream free of syncs. The
+  ``*_blocks`` calls check the table once for all layers, and everything before writing.
+* Only the cache slots named by the table are written by a scatter.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import torch
+
+from kvstore.errors import DTypeMismatch, InvalidArgument, ShapeMismatch
+
+
+class PagedLayout(str, enum.Enum):
+    """Per-layer layout of an engine's paged KV cache."""
+
+    BLOCKS_FIRST = "blocks_first"  # [num_blocks, 2, bs, heads, head_dim]
+    KV_FIRST = "kv_first"  # [2, num_blocks, bs, heads, head_dim]
+    CPU_FUSED = "cpu_fused"  # [num_blocks, heads, bs, 2 * head_dim]
+
+    @property
+    def block_axis(self) -> int:
+        return 1 if self is PagedLayout.KV_FIRST else 0
+
+
+def cache_geometry(cache: torch.Tensor, layout: PagedLayout) -> tuple[int, int, int, int]:
+    """``(num_blocks, block_size, heads, head_dim)`` of one layer's cache tensor."""
+    layout = PagedLayout(layout)
+    if cache.dim() != (4 if layout is PagedLayout.CPU_FUSED else 5):
+        raise ShapeMismatch(f"{layout.value} cache has wrong rank: {tuple(cache.shape)}")
+    if layout is PagedLayout.BLOCKS_FIRST:
+        nb, two, bs, heads, dim = cache.shape
+    elif layout is PagedLayout.KV_FIRST:
+        two, nb, bs, heads, dim = cache.shape
+    else:
+        nb, heads, bs, dim2 = cache.shape
+        two, dim = 2, dim2 // 2
+        if dim2 % 2:
+            raise ShapeMismatch(f"cpu_fused last axis must be 2*head_dim, got {dim2}")
+    if two != 2:
+        raise ShapeMismatch(f"{layout.value} cache must have a K/V axis of 2: {tuple(cache.shape)}")
+    return nb, bs, heads, dim
+
+
+def gather_layer(
+    cache: torch.Tensor,
+    table: torch.Tensor | Sequence[int],
+    layout: PagedLayout,
+    out: torch.Tensor,
+    *,
+    scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Copy the blocks named by ``table`` from one layer's cache into ``out`` ``[n, 2, H, T, D]``.
+
+    ``out`` may be a strided view (e.g. ``blocks[:, :, layer]``). ``scratch`` (optional, reused
+    across layers) receives the ``index_select``; it is resized as needed. Returns ``out``.
+    """
+    layout = PagedLayout(layout)
+    nb, k = _check_layer(cache, layout, out)
+    idx = _checked_table(table, cache.device, nb, out.shape[0] * k, unique=False)
+    _gather(cache, idx, layout, out, k, scratch)
+    return out
+
+
+def scatter_layer(
+    src: torch.Tensor,
+    cache: torch.Tensor,
+    table: torch.Tensor | Sequence[int],
+    layout: PagedLayout,
+    *,
+    scratch: torch.Tensor | None = None,
+) -> None:
+    """Copy store blocks of one layer ``src`` ``[n, 2, H, T, D]`` into the cache slots in ``table``.
+
+    ``scratch`` (optional, reused across layers) is resized to the selection's shape.
+    """
+    layout = PagedLayout(layout)
+    nb, k = _check_layer(cache, layout, src)
+    idx = _checked_table(table, cache.device, nb, src.shape[0] * k, unique=True)
+    _scatter(src, cache, idx, layout, k, scratch)
+
+
+def gather_blocks(
+    layers: Sequence[torch.Tensor],
+    table: torch.Tensor | Sequence[int],
+    layout: PagedLayout,
+    *,
+    block_tokens: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gather every layer into store blocks ``[n, 2, L, H, T, D]``.
+
+    ``T`` is ``out.shape[-2]`` when ``out`` is given, else ``block_tokens``, else the engine
+    block size. Returns ``out`` (allocated on the cache's device if not given). The table is
+    checked once for all layers.
+    """
+    layout = PagedLayout(layout)
+    first = _check_layers(layers, layout)
+    _, bs, heads, dim = cache_geometry(first, layout)
+    if out is None:
+        tokens = bs if block_tokens is None else block_tokens
+        if tokens <= 0 or tokens % bs:
+            raise ShapeMismatch(f"block_tokens {tokens} must be a positive multiple of {bs}")
+        n = len(table) // (tokens // bs)
+        out = torch.empty((n, 2, len(layers), heads, tokens, dim), dtype=first.dtype, device=first.device)
+    elif out.dim() != 6 or out.shape[2] != len(layers):
+        raise ShapeMismatch(f"out must be [n, 2, {len(layers)}, H, T, D], got {tuple(out.shape)}")
+    nb, k = _check_layer(first, layout, out[:, :, 0])
+    idx = _checked_table(table, first.device, nb, out.shape[0] * k, unique=False)
+    scratch = _scratch(out.dtype, out.device)
+    for layer, cache in enumerate(layers):
+        _gather(cache, idx, layout, out[:, :, layer], k, scratch)
+    return out
+
+
+def scatter_blocks(
+    blocks: torch.Tensor,
+    layers: Sequence[torch.Tensor],
+    table: torch.Tensor | Sequence[int],
+    layout: PagedLayout,
+) -> None:
+    """Scatter store blocks ``[n, 2, L, H, T, D]`` into every layer's cache, in place.
+
+    All checks run before the first layer is written.
+    """
+    layout = PagedLayout(layout)
+    first = _check_layers(layers, layout)
+    if blocks.dim() != 6 or blocks.shape[2] != len(layers):
+        raise ShapeMismatch(f"blocks must be [n, 2, {len(layers)}, H, T, D], got {tuple(blocks.shape)}")
+    nb, k = _check_layer(first, layout, blocks[:, :, 0])
+    idx = _checked_table(table, first.device, nb, blocks.shape[0] * k, unique=True)
+    scratch = _scratch(blocks.dtype, blocks.device)
+    for layer, cache in enumerate(layers):
+        _scatter(blocks[:, :, layer], cache, idx, layout, k, scratch)
+
+
+# -- internals ----------------------------------------------------------------------------------
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """Same bytes, viewed as uint8 for 1-byte float dtypes (fp8 has no CPU index kernels)."""
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
+
+
+def _scratch(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return _raw(torch.empty(0, dtype=dtype, device=device))
+
+
+def _gather(cache: torch.Tensor, idx: torch.Tensor, layout: PagedLayout, out: torch.Tensor,
+            k: int, scratch: torch.Tensor | None) -> None:
+    cache, out = _raw(cache), _raw(out)
+    scratch = None if scratch is None else _raw(scratch)
+    if scratch is None:
+        scratch = torch.index_select(cache, layout.block_axis, idx)
+    else:
+        torch.index_select(cache, layout.block_axis, idx, out=scratch)
+    view = _canonical_view(scratch, layout, out.shape[0], k)
+    out.unflatten(3, view.shape[3:5]).copy_(view)
+
+
+def _scatter(src: torch.Tensor, cache: torch.Tensor, idx: torch.Tensor, layout: PagedLayout,
+             k: int, scratch: torch.Tensor | None) -> None:
+    src, cache = _raw(src), _raw(cache)
+    scratch = None if scratch is None else _raw(scratch)
+    shape = list(cache.shape)
+    shape[layout.block_axis] = idx.numel()
+    if scratch is None:
+        scratch = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+    else:
+        scratch.resize_(shape)
+    view = _canonical_view(scratch, layout, src.shape[0], k)
+    view.copy_(src.unflatten(3, view.shape[3:5]))
+    cache.index_copy_(layout.block_axis, idx, scratch)
+
+
+def _check_layers(layers: Sequence[torch.Tensor], layout: PagedLayout) -> torch.Tensor:
+    """All layers share one shape, dtype and device; returns the first."""
+    if not layers:
+        raise InvalidArgument("a paged KV cache needs at least one layer")
+    first = layers[0]
+    cache_geometry(first, layout)
+    for cache in layers[1:]:
+        if cache.shape != first.shape or cache.dtype != first.dtype or cache.device != first.device:
+            raise ShapeMismatch(
+                f"cache layers differ: {tuple(cache.shape)} {cache.dtype} {cache.device} vs "
+                f"{tuple(first.shape)} {first.dtype} {first.device}"
+            )
+    return first
+
+
+def _check_layer(cache: torch.Tensor, layout: PagedLayout, blocks: torch.Tensor) -> tuple[int, int]:
+    """Check one layer's store blocks against its cache; return (num_blocks, engine blocks per store block)."""
+    nb, bs, heads, dim = cache_geometry(cache, layout)
+    if blocks.dim() != 5 or blocks.shape[1] != 2:
+        raise ShapeMismatch(f"store layer blocks must be [n, 2, H, T, D], got {tuple(blocks.shape)}")
+    _, _, b_heads, tokens, b_dim = blocks.shape
+    if (b_heads, b_dim) != (heads, dim) or tokens % bs:
+        raise ShapeMismatch(
+            f"store blocks [n, 2, {b_heads}, {tokens}, {b_dim}] do not fit cache blocks of "
+            f"{bs} tokens x {heads} heads x {dim} dims (T must be a multiple of the block size)"
+        )
+    if blocks.dtype != cache.dtype:
+        raise DTypeMismatch(f"store blocks are {blocks.dtype}, cache is {cache.dtype}")
+    if blocks.device != cache.device:
+        raise InvalidArgument(f"store blocks on {blocks.device}, cache on {cache.device}")
+    return nb, tokens // bs
+
+
+def _checked_table(table: torch.Tensor | Sequence[int], device: torch.device, num_blocks: int,
+                   expected: int, *, unique: bool) -> torch.Tensor:
+    """Validate the table where it lives (host for lists and CPU tensors) and return it as
+    int64 on ``device``."""
+    if isinstance(table, torch.Tensor):
+        if table.dim() != 1 or table.dtype.is_floating_point or table.dtype.is_complex or table.dtype == torch.bool:
+            raise InvalidArgument(
+                f"block table must be a 1-D integer tensor, got {table.dtype} {tuple(table.shape)}"
+            )
+        idx = table.to(torch.int64)
+    else:
+        idx = torch.as_tensor(list(table), dtype=torch.int64)
+    if idx.numel() != expected:
+        raise ShapeMismatch(f"block table has {idx.numel()} entries, expected {expected}")
+    if idx.numel():
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= num_blocks:
+            raise InvalidArgument(f"block table entries must be in [0, {num_blocks}), got [{lo}, {hi}]")
+        if unique and torch.unique(idx).numel() != idx.numel():
+            raise InvalidArgument("scatter block table names a cache slot twice")
+    return idx.to(device, non_blocking=True)
+
+
+def _canonical_view(sel: torch.Tensor, layout: PagedLayout, n: int, k: int) -> torch.Tensor:
+    """View a contiguous selection of ``n*k`` engine blocks as ``[n, 2, H, k, bs, D]`` (no copy).
+
+    NOTE: (k, bs) are not adjacent in memory after the permute, so merging them into T would
+    copy; callers unflatten the store side's T axis into (k, bs) instead, which is always a view.
+    """
+    if layout is PagedLayout.BLOCKS_FIRST:
+        _, _, bs, heads, dim = sel.shape
+        return sel.view(n, k, 2, bs, heads, dim).permute(0, 2, 4, 1, 3, 5)
+    if layout is PagedLayout.KV_FIRST:
+        _, _, bs, heads, dim = sel.shape
+        return sel.view(2, n, k, bs, heads, dim).permute(1, 0, 4, 2, 3, 5)
+    _, heads, bs, dim2 = sel.shape
+    return sel.view(n, k, heads, bs, 2, dim2 // 2).permute(0, 4, 2, 1, 3, 5)

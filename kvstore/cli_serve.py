@@ -1,0 +1,242 @@
+"""CLI commands of the sidecar: ``serve`` and the operators' commands (over the Admin API).
+
+::
+
+    kvstore serve [--config kvstore.toml] [--listen HOST:PORT] [--data-dir DIR]
+    kvstore tenant add NAME [--role tenant|publisher|admin] [--namespace shared:x ...]
+    kvstore tenant rotate NAME | delete NAME [--yes] | list | grant NAME shared:x [--revoke]
+    kvstore policy get NAME | set NAME [--ttl 3600] [--quota hbm=1GiB ...] [--priority N]
+    kvstore stats
+    kvstore audit [--since SEQ] [--limit N]
+
+Admin commands reach a running server: ``--target`` (env ``KVSTORE_TARGET``, default
+``127.0.0.1:50551``) with ``--token`` (env ``KVSTORE_ADMIN_TOKEN``), and ``--ca-file`` for TLS.
+
+Exposed as ``admin_app`` (a ``typer.Typer`` holding every command above) and :func:`register`,
+which adds them to the main ``kvstore`` app; the command functions are plain and importable.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvstore.errors import KVStoreError
+from kvstore.server_config import DEFAULT_LISTEN
+
+TargetOpt = Annotated[str, typer.Option("--target", envvar="KVSTORE_TARGET", help="Server address.")]
+TokenOpt = Annotated[str, typer.Option("--token", envvar="KVSTORE_ADMIN_TOKEN", help="Admin bearer token.")]
+CaOpt = Annotated[Optional[Path], typer.Option("--ca-file", envvar="KVSTORE_CA_FILE", help="CA bundle for TLS.")]
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``"512MiB"`` / ``"2g"`` / ``"1048576"`` -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise typer.BadParameter(f"bad size {text!r}: use e.g. 512MiB, 2GiB or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _admin(target: str, token: str, ca_file: Path | None):
+    from kvstore.client import AdminClient, ClientTLS
+
+    if not token:
+        raise typer.BadParameter("an admin token is required (--token or KVSTORE_ADMIN_TOKEN)")
+    return AdminClient(target, token, tls=ClientTLS(root_cert_file=ca_file) if ca_file else None)
+
+
+def _fail(exc: KVStoreError) -> None:
+    Console(stderr=True).print(f"[red]error[/red] ({exc.code}): {exc}")
+    raise typer.Exit(1)
+
+
+# -- serve ----------------------------------------------------------------------------------------
+def serve(
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file.")] = None,
+    listen: Annotated[Optional[str], typer.Option("--listen", help=f"host:port (default {DEFAULT_LISTEN}).")] = None,
+    data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="Store directory.")] = None,
+) -> None:
+    """Run the kvstore gRPC sidecar (embedded defaults when there is no config file)."""
+    from kvstore import server_config
+    from kvstore.server import serve as run
+
+    try:
+        cfg = server_config.load(config, data_dir=data_dir, overrides={"listen": listen})
+        if data_dir is not None and config is not None:
+            cfg = server_config.build({**cfg.model_dump(exclude={"store"}),
+                                       "store": {**cfg.store.model_dump(), "path": str(data_dir)}})
+        run(cfg, echo=typer.echo)
+    except KVStoreError as exc:
+        _fail(exc)
+
+
+# -- tenants --------------------------------------------------------------------------------------
+tenant_app = typer.Typer(help="Create, rotate, delete and list tenants.", no_args_is_help=True)
+
+
+@tenant_app.command("add")
+def tenant_add(
+    name: str,
+    role: Annotated[str, typer.Option(help="tenant | publisher | admin")] = "tenant",
+    namespace: Annotated[Optional[list[str]], typer.Option(
+        "--namespace", "-n", help="Shared namespace (shared:NAME) to read (tenant) or publish (publisher).")] = None,
+    target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
+) -> None:
+    """Create a tenant and print its token (shown once)."""
+    try:
+        with _admin(target, token, ca_file) as admin:
+            typer.echo(admin.create_tenant(name, role, namespace or []))
+    except KVStoreError as exc:
+        _fail(exc)
+
+
+@tenant_app.command("rotate")
+def tenant_rotate(name: str, target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None) -> None:
+    """Replace a tenant's token (the old one stops working) and print the new one."""
+    try:
+        with _admin(target, token, ca_file) as admin:
+            typer.echo(admin.rotate_token(name))
+    except KVStoreError as exc:
+        _fail(exc)
+
+
+@tenant_app.command("delete")
+def tenant_delete(
+    name: str,
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False,
+    target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
+) -> None:
+    """Delete a tenant: its token, its data key and its blocks on every tier."""
+    if not yes:
+        typer.confirm(f"delete tenant {name!r} and destroy all its blocks?", abort=True)
+    try:
+        with _admin(target, token, ca_file) as admin:
+            admin.delete_tenant(name)
+        typer.echo(f"deleted {name}")
+    except KVStoreError as exc:
+        _fail(exc)
+
+
+@tenant_app.command("list")
+def tenant_list(target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None) -> None:
+    """List principals with their roles and shared namespaces."""
+    try:
+        with _admin(target, token, ca_file) as admin:
+            rows = admin.list_tenants()
+    except KVStoreError as exc:
+        _fail(exc)
+    table = Table("name", "role", "namespaces", "created")
+    for r in rows:
+        table.add_row(r["name"], r["role"], ", ".join(r["namespaces"]), _when(r["created"]))
+    Console().print(table)
+
+
+@tenant_app.command("grant")
+def tenant_grant(
+    name: str, namespace: str,
+    revoke: Annotated[bool, typer.Option("--revoke", help="Remove the grant instead.")] = False,
+    target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
+) -> None:
+    """Grant (or revoke) a shared namespace to a tenant or publisher."""
+    try:
+        with _admin(target, token, ca_file) as admin:
+            admin.grant(name, namespace, revoke=revoke)
+        typer.echo(f"{'revoked' if revoke else 'granted'} {namespace} {'from' if revoke else 'to'} {name}")
+    except KVStoreError as exc:
+        _fail(exc)
+
+
+# -- policies -------------------------------------------------------------------------------------
+policy_app = typer.Typer(help="Per-tenant TTL, quotas and priority.", no_args_is_help=True)
+
+
+@policy_app.command("get")
+def policy_get(name: str, target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None) -> None:
+    """Print a tenant's policy as JSON."""
+    try:
+        with _admin(target, token, ca_file) as admin:
+            typer.echo(json.dumps(admin.get_policy(name), indent=2, sort_keys=True))
+    except KVStoreError as exc:
+        _fail(exc)
+
+
+@policy_app.command("set")
+def policy_set(
+    name: str,
+    ttl: Annotated[Optional[float], typer.Option("--ttl", help="Block TTL in seconds (omit: none).")] = None,
+    quota: Annotated[Optional[list[str]], typer.Option("--quota", help="TIER=SIZE, e.g. hbm=2GiB; repeat.")] = None,
+    priority: Annotated[int, typer.Option(help="Relative priority.")] = 0,
+    target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
+) -> None:
+    """Replace a tenant's policy (TTL, per-tier quotas, priority)."""
+    quotas: dict[str, int] = {}
+    for item in quota or []:
+        tier, sep, size = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"--quota {item!r}: use TIER=SIZE")
+        quotas[tier.strip()] = parse_size(size)
+    try:
+        with _admin(target, token, ca_file) as admin:
+            typer.echo(json.dumps(admin.set_policy(name, ttl_s=ttl, quota_bytes=quotas, priority=priority),
+                                  indent=2, sort_keys=True))
+    except KVStoreError as exc:
+        _fail(exc)
+
+
+# -- stats and audit ------------------------------------------------------------------------------
+def stats(target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None) -> None:
+    """Print the server's Store statistics as JSON."""
+    try:
+        with _admin(target, token, ca_file) as admin:
+            typer.echo(json.dumps(admin.stats(), indent=2, sort_keys=True))
+    except KVStoreError as exc:
+        _fail(exc)
+
+
+def audit(
+    since: Annotated[int, typer.Option("--since", help="Only entries after this sequence number.")] = 0,
+    limit: Annotated[int, typer.Option("--limit", help="At most this many entries.")] = 1000,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON lines instead of a table.")] = False,
+    target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
+) -> None:
+    """Read the audit log (who, what, when, result)."""
+    try:
+        with _admin(target, token, ca_file) as admin:
+            entries = admin.audit(since, limit)
+    except KVStoreError as exc:
+        _fail(exc)
+    if as_json:
+        for e in entries:
+            typer.echo(json.dumps(e, sort_keys=True))
+        return
+    table = Table("seq", "time", "principal", "action", "target", "result")
+    for e in entries:
+        table.add_row(str(e["seq"]), _when(e["time"]), e["principal"], e["action"], e["target"], e["result"])
+    Console().print(table)
+
+
+def _when(ts: float) -> str:
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``serve``, ``tenant``, ``policy``, ``stats`` and ``audit`` to ``app``."""
+    app.command("serve")(serve)
+    app.add_typer(tenant_app, name="tenant")
+    app.add_typer(policy_app, name="policy")
+    app.command("stats")(stats)
+    app.command("audit")(audit)
+
+
+admin_app = typer.Typer(help="kvstore sidecar: serve and administer.", no_args_is_help=True)
+register(admin_app)

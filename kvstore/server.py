@@ -1,0 +1,209 @@
+"""The kvstore sidecar: a gRPC server around one in-process Store.
+
+* :func:`create_server(config) -> (server, port)` builds everything (Store, auth registry, audit
+  log, metrics, servicers, health checking, reflection) and binds, without starting; tests use
+  ``listen = "127.0.0.1:0"``.
+* :func:`bootstrap(config)` creates the data directory and, on first start, the admin principal;
+  it returns the admin token exactly once (None afterwards).
+* :func:`serve(config)` = bootstrap + create_server + start, prints the token once, and stops
+  gracefully on SIGINT/SIGTERM.
+
+Transport security: with ``[tls]`` the port is TLS (mutual TLS when ``client_ca_file`` is set).
+Without it the server refuses to bind a non-loopback address unless ``allow_insecure_remote``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
+
+from kvstore.audit import AuditLog
+from kvstore.auth import AuthRegistry
+from kvstore.errors import FailedPrecondition, InvalidArgument
+from kvstore.metrics import ServiceMetrics, StoreCollector, serve_metrics
+from kvstore.server_config import ServerConfig
+from kvstore.shm import is_local_target
+from kvstore.service import AdminPlane, AdminServicer, DataPlane, KVStoreServicer, RpcRunner
+from proto.kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAMES = (
+    kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name,
+    admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+)
+
+
+def _credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    tls = config.tls
+    if tls is None:
+        return None
+    try:
+        key, cert = tls.key_file.read_bytes(), tls.cert_file.read_bytes()
+        ca = tls.client_ca_file.read_bytes() if tls.client_ca_file else None
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read TLS files: {exc}") from None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+class SidecarServer:
+    """A started-or-not gRPC server plus what it owns; ``stop`` closes all of it.
+
+    Behaves like ``grpc.Server`` for ``start``/``stop``/``wait_for_termination``.
+    """
+
+    def __init__(self, grpc_server: grpc.Server, store: Any, registry: AuthRegistry, audit: AuditLog,
+                 data: DataPlane, health_servicer: health.HealthServicer, metrics_registry: CollectorRegistry,
+                 config: ServerConfig) -> None:
+        self.grpc_server = grpc_server
+        self.store, self.registry, self.audit, self.data = store, registry, audit, data
+        self.health = health_servicer
+        self.metrics_registry = metrics_registry
+        self.config = config
+        self._metrics_http: Any = None
+        self._stopped = threading.Event()
+        self._sweeper: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.grpc_server.start()
+        m = self.config.metrics
+        if m.enabled and m.listen:
+            self._metrics_http = serve_metrics(self.metrics_registry, m.listen)
+        for name in ("", *SERVICE_NAMES):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.config.expire_interval_s > 0:
+            self._sweeper = threading.Thread(target=self._sweep, name="kvstore-expiry", daemon=True)
+            self._sweeper.start()
+
+    def _sweep(self) -> None:
+        """Delete expired blocks every ``expire_interval_s`` until stopped."""
+        while not self._stopped.wait(self.config.expire_interval_s):
+            try:
+                self.store.expire()
+            except FailedPrecondition:
+                return  # the store closed under us
+            except Exception:
+                log.exception("expiry sweep failed")
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop serving (in-flight calls get ``grace`` seconds), then close regions and the Store."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.health.enter_graceful_shutdown()
+        self.grpc_server.stop(self.config.grace_s if grace is None else grace).wait()
+        if self._sweeper is not None:
+            self._sweeper.join()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+        self.data.regions.close()
+        self.audit.close()
+        self.store.close()
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return self.grpc_server.wait_for_termination(timeout)
+
+
+def open_store(config: ServerConfig, clock: Callable[[], float]) -> Any:
+    from kvstore.store import Store  # the Store pulls in torch and the tiers
+
+    return Store.open(config.store, clock=clock)
+
+
+def bootstrap(config: ServerConfig, *, clock: Callable[[], float] = time.time) -> str | None:
+    """Create the data directory and the first admin; return its token once, else None."""
+    config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return AuthRegistry(config.auth_file, clock=clock).ensure_admin()
+
+
+def create_server(config: ServerConfig, *, store: Any = None,
+                  clock: Callable[[], float] = time.time) -> tuple[SidecarServer, int]:
+    """Build and bind (not start) the sidecar; returns it and the bound port (0 for unix sockets)."""
+    creds = _credentials(config)
+    if creds is None and not is_local_target(config.listen) and not config.allow_insecure_remote:
+        raise FailedPrecondition(
+            f"refusing plaintext on non-loopback address {config.listen!r}: configure [tls] "
+            "or set allow_insecure_remote = true")
+    config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    registry = AuthRegistry(config.auth_file, clock=clock)
+    audit = AuditLog(config.audit_file, clock=clock, fsync=config.audit_fsync)
+    if store is None:
+        store = open_store(config, clock)
+    metrics_registry = CollectorRegistry()
+    metrics = ServiceMetrics(metrics_registry)
+    metrics_registry.register(StoreCollector(store.stats))
+    limits = config.limits
+    data = DataPlane(store, audit, limits, metrics)
+    admin = AdminPlane(store, registry, audit)
+    admin.apply_policies()
+    rpc = RpcRunner(registry, metrics)
+
+    options = [
+        ("grpc.max_receive_message_length", limits.max_message_bytes),
+        ("grpc.max_send_message_length", limits.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    from concurrent import futures
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvstore-rpc"),
+                         options=options)
+    kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(data, rpc), server)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(admin, rpc), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", *SERVICE_NAMES):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+
+    try:
+        port = server.add_secure_port(config.listen, creds) if creds else server.add_insecure_port(config.listen)
+    except RuntimeError as exc:
+        store.close()
+        audit.close()
+        raise FailedPrecondition(f"cannot bind {config.listen!r}: {exc}") from None
+    return SidecarServer(server, store, registry, audit, data, health_servicer, metrics_registry, config), port
+
+
+def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
+          clock: Callable[[], float] = time.time) -> None:
+    """Run the sidecar until SIGINT/SIGTERM. Prints the admin token the first time only."""
+    done = threading.Event()
+
+    def _stop(signum: int, frame: Any) -> None:
+        done.set()
+
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    server = None
+    try:
+        token = bootstrap(config, clock=clock)
+        key_file = config.store.master_key_file or config.data_dir / "master.key"
+        new_key = config.store.master_key is None and not key_file.exists()
+        server, port = create_server(config, clock=clock)
+        server.start()
+        if config.listen.startswith("unix:"):
+            echo(f"kvstore serving on {config.listen}")
+        else:
+            echo(f"kvstore serving on {config.listen.rpartition(':')[0]}:{port}")
+        echo(f"data directory: {config.data_dir}")
+        if new_key and key_file.exists():
+            echo(f"generated master key: {key_file} (back it up: without it NVMe blocks are unreadable)")
+        if token is not None:
+            echo(f"admin token (shown once, store it now): {token}")
+        if config.metrics.enabled and config.metrics.listen:
+            echo(f"metrics: http://{config.metrics.listen}/metrics")
+        echo("ready (Ctrl-C or SIGTERM to stop)")
+        done.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if server is not None:
+            server.stop()

@@ -1,0 +1,200 @@
+"""ServerConfig: the one typed, validated configuration of ``kvstore serve``.
+
+Loaded from TOML (``kvstore serve --config kvstore.toml``) or built from embedded defaults when
+there is no file. Every field is documented below; a minimal file is::
+
+    listen = "127.0.0.1:50551"
+
+    [store]                     # a kvstore.config.StoreConfig
+    path = "/var/lib/kvstore"
+    hbm_bytes = 8589934592
+
+    [tls]                       # optional; mutual TLS when client_ca_file is set
+    cert_file = "server.pem"
+    key_file = "server.key"
+
+    [limits]
+    max_message_bytes = 4194304
+
+    [metrics]
+    listen = "127.0.0.1:9464"
+
+Defaults: the data directory is ``$KVSTORE_HOME``, else ``./.kvstore`` when the current
+directory is writable, else ``~/.local/share/kvstore``; the Store generates its master key file
+there on first start and the server prints the admin token once.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvstore.config import StoreConfig
+from kvstore.errors import InvalidArgument
+
+MiB = 1 << 20
+GiB = 1 << 30
+DEFAULT_LISTEN = "127.0.0.1:50551"
+
+
+class TLSConfig(BaseModel):
+    """Transport security. With ``client_ca_file`` the server requires client certificates (mTLS)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    cert_file: Path
+    """PEM certificate chain of the server."""
+
+    key_file: Path
+    """PEM private key of the server."""
+
+    client_ca_file: Path | None = None
+    """PEM CA bundle that client certificates must chain to; set = mutual TLS required."""
+
+
+class LimitsConfig(BaseModel):
+    """Bounds on what one call may ask for. Past them: RESOURCE_EXHAUSTED / INVALID_ARGUMENT
+    with a message naming the limit."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_message_bytes: Annotated[int, Field(ge=64 * 1024, le=1 * GiB)] = 4 * MiB
+    """Largest gRPC message accepted or sent; in-band blocks are streamed in chunks below it."""
+
+    chunk_bytes: Annotated[int, Field(ge=4096, le=1 * GiB)] = 4 * MiB - 4096
+    """Default payload per streamed chunk (must leave room for framing under max_message_bytes)."""
+
+    max_keys_per_call: Annotated[int, Field(ge=1)] = 65536
+    """Most blocks one Lookup/Get/Prefetch/Delete/PutLocal/GetLocal may name."""
+
+    max_blocks_per_stream: Annotated[int, Field(ge=1)] = 4096
+    """Most blocks one Put stream may carry."""
+
+    max_stream_bytes: Annotated[int, Field(ge=1)] = 2 * GiB
+    """Most payload bytes one Put stream may buffer before it commits."""
+
+    max_inflight_bytes_per_tenant: Annotated[int, Field(ge=1)] = 4 * GiB
+    """Payload bytes one tenant may have buffered across its concurrent Put streams."""
+
+    max_tokens_per_call: Annotated[int, Field(ge=1)] = 4 * MiB
+    """Most token ids a request may send for key computation."""
+
+    max_regions_per_principal: Annotated[int, Field(ge=0)] = 64
+    """Shared-memory regions one principal may have registered at once (0 disables the local plane)."""
+
+    max_region_bytes: Annotated[int, Field(ge=1)] = 64 * GiB
+    """Largest shared-memory region the server will map."""
+
+    @model_validator(mode="after")
+    def _chunk_fits(self) -> LimitsConfig:
+        if self.chunk_bytes > self.max_message_bytes - 1024:
+            raise ValueError("limits.chunk_bytes must be at least 1 KiB below max_message_bytes")
+        return self
+
+
+class MetricsConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    listen: str | None = "127.0.0.1:9464"
+    """host:port of the Prometheus HTTP endpoint; None (omit in TOML with enabled=false) = off."""
+
+    enabled: bool = True
+    """Serve metrics over HTTP."""
+
+
+class ServerConfig(BaseModel):
+    """Everything ``kvstore serve`` needs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    store: StoreConfig
+    """The embedded Store's configuration (``[store]`` table)."""
+
+    listen: str = DEFAULT_LISTEN
+    """gRPC address: ``host:port`` (port 0 = pick one) or ``unix:/path/to.sock``."""
+
+    allow_insecure_remote: bool = False
+    """Allow plaintext on a non-loopback address. Off: such a server refuses to start without TLS."""
+
+    tls: TLSConfig | None = None
+    """TLS/mTLS settings; None = plaintext (loopback/unix only unless allowed above)."""
+
+    workers: Annotated[int, Field(ge=1, le=1024)] = 16
+    """Threads serving RPCs (each stream holds one while it runs)."""
+
+    limits: LimitsConfig = LimitsConfig()
+    """Per-call bounds."""
+
+    metrics: MetricsConfig = MetricsConfig()
+    """Prometheus endpoint."""
+
+    audit_fsync: bool = True
+    """fsync every audit entry (admin actions and deletions are durable before the reply)."""
+
+    local_data_plane: bool = True
+    """Accept shared-memory region registration from same-host clients."""
+
+    expire_interval_s: Annotated[float, Field(ge=0)] = 30.0
+    """Seconds between sweeps that delete expired blocks from every tier (0 = no sweeper;
+    expired blocks are invisible to lookups either way)."""
+
+    grace_s: Annotated[float, Field(ge=0)] = 5.0
+    """On shutdown, how long in-flight calls may finish."""
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.store.path)
+
+    @property
+    def auth_file(self) -> Path:
+        return self.data_dir / "auth.json"
+
+    @property
+    def audit_file(self) -> Path:
+        return self.data_dir / "audit.log"
+
+
+def default_data_dir(env: dict[str, str] | None = None, cwd: Path | None = None) -> Path:
+    """``$KVSTORE_HOME``, else ``./.kvstore`` if the cwd is writable, else ``~/.local/share/kvstore``."""
+    env = dict(os.environ) if env is None else env
+    if env.get("KVSTORE_HOME"):
+        return Path(env["KVSTORE_HOME"]).expanduser()
+    cwd = Path.cwd() if cwd is None else cwd
+    if os.access(cwd, os.W_OK):
+        return cwd / ".kvstore"
+    base = Path(env.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return base / "kvstore"
+
+
+def build(data: dict[str, Any], *, data_dir: Path | None = None) -> ServerConfig:
+    """Validate a config mapping; ``store.path`` defaults to ``data_dir`` or :func:`default_data_dir`."""
+    data = dict(data)
+    store = dict(data.get("store") or {})
+    store.setdefault("path", str(data_dir or default_data_dir()))
+    data["store"] = store
+    try:
+        return ServerConfig(**data)
+    except ValidationError as exc:
+        raise InvalidArgument(f"bad server config: {exc}") from None
+
+
+def load(path: str | Path | None = None, *, data_dir: Path | None = None,
+         overrides: dict[str, Any] | None = None) -> ServerConfig:
+    """Load ``path`` (TOML), or the embedded defaults when None; ``overrides`` win over the file."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read config {path}: {exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise InvalidArgument(f"bad TOML in {path}: {exc}") from None
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            data[key] = value
+    return build(data, data_dir=data_dir)

@@ -1,0 +1,151 @@
+"""Memory regions shared between a client and the server on the same host.
+
+The local data plane: a client registers a region once; afterwards Put/Get carry keys and
+(offset) descriptors only, and the server copies block bytes straight between the region and
+its tiers (one copy).
+
+* :class:`ShmRegion` — POSIX shared memory (``multiprocessing.shared_memory``). The creator
+  (client) owns and unlinks it; the server attaches without taking ownership.
+* The first :data:`HEADER_BYTES` of a region hold a random nonce: the server echoes what it reads
+  there, which proves both sides see the same memory (a same-named region on another host or
+  in another container would not match). Block slots start at :data:`HEADER_BYTES`.
+* CUDA seam: a device region would implement the same :class:`Region` protocol around a CUDA IPC
+  memory handle (``torch.cuda`` / ``cudaIpcOpenMemHandle``) and return device tensors from
+  ``view``; :func:`attach_region` is where that kind is dispatched. Not served yet.
+
+Regions are not thread-safe by themselves; the client allocates slots under its own lock and
+the server only touches the slots named in one call.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from collections.abc import Callable
+from multiprocessing import shared_memory
+from typing import Protocol
+
+import _posixshmem  # CPython's POSIX shm_open (what multiprocessing.shared_memory uses)
+
+from kvstore.errors import FailedPrecondition, InvalidArgument
+
+HEADER_BYTES = 4096
+NONCE_BYTES = 16
+
+
+class Region(Protocol):
+    kind: str
+    name: str
+    size: int
+
+    def view(self, offset: int, length: int) -> memoryview: ...
+
+    def close(self) -> None: ...
+
+
+class ShmRegion:
+    """A POSIX shared-memory region. ``size`` counts mapped bytes, header included."""
+
+    kind = "posix_shm"
+
+    def __init__(self, name: str, buf: memoryview, closer: Callable[[], None],
+                 unlinker: Callable[[], None] | None) -> None:
+        self.name = name
+        self.size = len(buf)
+        self._buf = buf
+        self._closer = closer
+        self._unlinker = unlinker
+
+    @classmethod
+    def create(cls, size: int, *, prefix: str = "kvs") -> ShmRegion:
+        """Create a fresh region of ``size`` usable bytes (plus the header) and write a nonce."""
+        if size <= 0:
+            raise InvalidArgument("region size must be positive")
+        name = f"{prefix}_{secrets.token_hex(12)}"
+        shm = shared_memory.SharedMemory(name=name, create=True, size=size + HEADER_BYTES)
+        region = cls(shm.name, shm.buf, shm.close, shm.unlink)
+        shm.buf[:NONCE_BYTES] = secrets.token_bytes(NONCE_BYTES)
+        return region
+
+    @classmethod
+    def attach(cls, name: str, size: int) -> ShmRegion:
+        """Map an existing region without owning it (the creator unlinks it).
+
+        NOTE: maps with shm_open + mmap rather than ``SharedMemory``: before Python 3.13 that
+        class registers even an attached segment with the resource tracker, which would unlink
+        the client's region when the server exits.
+        """
+        if not name or "/" in name.lstrip("/") or len(name) > 200:
+            raise InvalidArgument(f"bad shared-memory name {name!r}")
+        try:
+            fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
+        except FileNotFoundError:
+            raise FailedPrecondition(f"shared-memory region {name!r} is not on this host") from None
+        except OSError as exc:
+            raise FailedPrecondition(f"cannot open shared-memory region {name!r}: {exc}") from None
+        try:
+            actual = os.fstat(fd).st_size
+            if actual < size + HEADER_BYTES:
+                raise InvalidArgument(f"region {name!r} is {actual} bytes, smaller than declared {size}")
+            mm = mmap.mmap(fd, actual)
+        finally:
+            os.close(fd)
+        return cls(name, memoryview(mm), mm.close, None)
+
+    @property
+    def nonce(self) -> bytes:
+        return bytes(self._buf[:NONCE_BYTES])
+
+    @property
+    def usable(self) -> int:
+        return self.size - HEADER_BYTES
+
+    def view(self, offset: int, length: int) -> memoryview:
+        """Bytes ``[offset, offset+length)`` of the usable area; InvalidArgument when out of range."""
+        if offset < 0 or length < 0 or offset + length > self.usable:
+            raise InvalidArgument(
+                f"slot [{offset}, {offset + length}) is outside the region's {self.usable} usable bytes"
+            )
+        start = HEADER_BYTES + offset
+        return self._buf[start : start + length]
+
+    def close(self) -> None:
+        """Unlink (owner only) and unmap. A view still exported keeps the mapping alive until it
+        is released; the name is gone either way."""
+        if self._unlinker is not None:
+            try:
+                self._unlinker()
+            except FileNotFoundError:
+                pass
+            self._unlinker = None
+        self._buf.release()
+        try:
+            self._closer()
+        except BufferError:
+            pass  # NOTE: a caller still holds a view; the mapping is freed when it is collected
+
+
+def is_local_target(target: str) -> bool:
+    """True when a gRPC target names this host: ``unix:`` paths and loopback hosts."""
+    import ipaddress
+
+    if target.startswith(("unix:", "unix-abstract:")):
+        return True
+    host = target.rpartition(":")[0] if ":" in target else target
+    host = host.strip("[]")
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def attach_region(kind: str, name: str, size: int, cuda_ipc_handle: bytes = b"") -> Region:
+    """Server side: map a client's region of ``kind`` (``posix_shm``; ``cuda_ipc`` is the seam)."""
+    if kind == "posix_shm":
+        return ShmRegion.attach(name, size)
+    if kind == "cuda_ipc":
+        raise FailedPrecondition("CUDA IPC regions are not served by this build; use posix_shm")
+    raise InvalidArgument(f"unknown region kind {kind!r}")

@@ -1,0 +1,63 @@
+"""The one place mapping kvstore's typed errors to gRPC status codes.
+
+Every :class:`kvstore.errors.KVStoreError` names its status in ``code``; the service aborts
+with :func:`to_status` and the client turns a failed call back into the same typed error with
+:func:`from_rpc_error`, so an in-process caller and a remote one see the same exceptions.
+
+Contract:
+
+* ``to_status(exc)`` -> ``(grpc.StatusCode, message)``. Unknown exceptions map to INTERNAL with
+  a generic message (details are logged by the caller, never sent).
+* ``IntegrityError`` never reaches a caller as DATA_LOSS through the data plane (a failed block
+  is a miss); if one escapes it maps to DATA_LOSS.
+* ``from_rpc_error(err)`` -> the ``KVStoreError`` subclass for the status (``KVStoreError`` with
+  ``code`` set for codes without a dedicated class).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from kvstore import errors
+
+#: status name -> the typed error the client raises for it
+_ERROR_FOR_CODE: dict[str, type[errors.KVStoreError]] = {
+    "INVALID_ARGUMENT": errors.InvalidArgument,
+    "NOT_FOUND": errors.NotFound,
+    "RESOURCE_EXHAUSTED": errors.ResourceExhausted,
+    "PERMISSION_DENIED": errors.PermissionDenied,
+    "UNAUTHENTICATED": errors.Unauthenticated,
+    "FAILED_PRECONDITION": errors.FailedPrecondition,
+    "DATA_LOSS": errors.IntegrityError,
+}
+
+
+def status_code(name: str) -> grpc.StatusCode:
+    """The grpc.StatusCode named ``name`` (``"NOT_FOUND"``); INTERNAL for unknown names."""
+    return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
+
+
+def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """Status code and message to send for ``exc``."""
+    if isinstance(exc, errors.KVStoreError):
+        message = str(exc) or type(exc).__name__
+        resource = getattr(exc, "resource", "")
+        if resource and resource not in message:
+            message = f"{message} (limit: {resource})"
+        return status_code(exc.code), message
+    return grpc.StatusCode.INTERNAL, "internal error"
+
+
+def from_rpc_error(err: grpc.RpcError) -> errors.KVStoreError:
+    """The typed error matching a failed call's status (for the client)."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    name = code.name if code is not None else "UNKNOWN"
+    message = err.details() if hasattr(err, "details") else str(err)
+    cls = _ERROR_FOR_CODE.get(name)
+    if cls is None:
+        exc = errors.KVStoreError(f"{name}: {message}")
+        exc.code = name
+        return exc
+    if cls is errors.ResourceExhausted:
+        return errors.ResourceExhausted(message or name)
+    return cls(message or name)

@@ -1,0 +1,46 @@
+"""Smoke test of bench/store_bench.py: the --quick run completes and writes well-formed JSON.
+
+No timing assertions (the CI machine's speed is not ours to judge): only the shape of the result
+and that every measurement produced a positive rate.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_store_bench_quick_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "store_bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.store_bench", "--quick", "--rounds", "1",
+         "--dir", str(tmp_path), "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=180, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    printed = json.loads(proc.stdout)
+    assert json.loads(out.read_text()) == printed
+    assert {"date", "command", "machine", "setup", "cases", "pass"} <= printed.keys()
+    assert printed["setup"]["hot_reads"] is True
+    assert set(printed["pass"]) == {"dram_get", "nvme_spill", "nvme_restore"}
+    assert {(c["block_mib"], c["dtype"]) for c in printed["cases"]} == {(2, "float16"),
+                                                                         (32, "bfloat16")}
+    for case in printed["cases"]:
+        figs = case["figures"]
+        for name in ("copy", "aesgcm_encrypt_into", "zstd1_compress", "lmdb_put_sync",
+                     "hbm.put", "hbm.get_into", "dram.put", "dram.get_into", "nvme_sync.put",
+                     "nvme_sync.get_into", "dram_nvme_sync.flush"):
+            assert figs[name]["gbps"] > 0, name
+            assert len(figs[name]["gbps_all"]) == 1
+        assert case["block_nbytes"] == case["block_mib"] << 20
+        names = {t["target"] for t in case["targets"]}
+        assert names == {"dram_get", "nvme_spill", "nvme_restore"}
+        for t in case["targets"]:
+            assert isinstance(t["pass"], bool)
+            assert t["pass"] == (t["measured"] >= t["threshold"])
+            assert t["baseline"] in figs
+    # the scratch store directory is removed after the run
+    assert not list(tmp_path.glob("store_bench-*"))

@@ -1,0 +1,102 @@
+"""The operators' CLI against a live sidecar, `serve` on embedded defaults, and the metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+from typer.testing import CliRunner
+
+from kvstore.cli_serve import admin_app, parse_size
+from service_harness import SPEC, fresh_tokens, random_kv, start
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def sidecar(tmp_path):
+    sc = start(tmp_path)
+    yield sc
+    sc.stop()
+
+
+def _run(sc, *args: str) -> str:
+    result = CliRunner().invoke(admin_app, [*args, "--target", sc.target, "--token", sc.admin_token])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_tenant_policy_stats_and_audit_commands(sidecar):
+    token = _run(sidecar, "tenant", "add", "cli-t").strip()
+    assert token.startswith("kvs_")
+    assert sidecar.client(token).whoami()["principal"] == "cli-t"
+    assert _run(sidecar, "tenant", "rotate", "cli-t").strip() != token
+    policy = json.loads(_run(sidecar, "policy", "set", "cli-t", "--ttl", "30", "--quota", "hbm=1MiB"))
+    assert policy["quota_bytes"] == {"hbm": 1 << 20} and policy["ttl_s"] == 30.0
+    assert json.loads(_run(sidecar, "policy", "get", "cli-t"))["ttl_s"] == 30.0
+    assert "tiers" in json.loads(_run(sidecar, "stats"))
+    _run(sidecar, "tenant", "delete", "cli-t", "--yes")
+    lines = [json.loads(x) for x in _run(sidecar, "audit", "--json").splitlines()]
+    assert [e["action"] for e in lines] == ["tenant.create", "tenant.rotate", "policy.set", "policy.get",
+                                           "tenant.delete"]
+
+
+def test_cli_reports_errors_with_their_code(sidecar):
+    result = CliRunner().invoke(admin_app, ["tenant", "rotate", "nobody", "--target", sidecar.target,
+                                            "--token", sidecar.admin_token])
+    assert result.exit_code == 1
+
+
+def test_parse_size():
+    assert parse_size("2GiB") == 2 << 30 and parse_size("512k") == 512 << 10 and parse_size("17") == 17
+
+
+def test_metrics_count_requests_and_read_store_stats(sidecar):
+    c = sidecar.tenant("metered")
+    keys = c.block_keys(SPEC, fresh_tokens(2))
+    c.put(SPEC, keys, random_kv(2))
+    c.lookup(SPEC, keys)
+    text = generate_latest(sidecar.server.metrics_registry).decode()
+    assert 'kvstore_requests_total{code="OK",rpc="Lookup"} 1.0' in text
+    assert 'kvstore_lookup_hit_blocks_total{tenant="metered"} 2.0' in text
+    assert 'kvstore_saved_prefill_tokens_total{tenant="metered"} 32.0' in text
+    assert 'kvstore_store_tiers_used_bytes{tier="hbm"}' in text
+    assert "kvstore_request_latency_seconds_bucket" in text
+
+
+def test_serve_runs_on_embedded_defaults_and_prints_the_token_once(tmp_path):
+    env = {**os.environ, "KVSTORE_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO)}
+    code = "from kvstore.cli_serve import admin_app; admin_app()"
+    cmd = [sys.executable, "-c", code, "serve", "--listen", "127.0.0.1:0",
+           "--config", str(_tiny_config(tmp_path))]
+    outputs = []
+    for _ in range(2):
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if line.startswith("ready") or line == "":
+                break
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        outputs.append("".join(lines))
+        assert proc.returncode == 0, outputs[-1]
+    assert "serving on 127.0.0.1:" in outputs[0] and "admin token" in outputs[0]
+    assert "admin token" not in outputs[1]
+    assert (tmp_path / "home" / "auth.json").exists()
+
+
+def _tiny_config(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.toml"
+    path.write_text(f'[store]\npath = "{tmp_path / "home"}"\nhbm_bytes = 8388608\ndram_bytes = 8388608\n'
+                    'nvme_bytes = 67108864\n[metrics]\nenabled = false\n')
+    return path
