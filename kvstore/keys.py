@@ -27,11 +27,6 @@ _PERSON = b"kvstore-key-v1"
 ExtraKeys = Sequence[bytes | str]
 
 
-def _field(h: Any, data: bytes) -> None:
-    h.update(struct.pack("<Q", len(data)))
-    h.update(data)
-
-
 def _as_token_array(token_ids: Any) -> np.ndarray:
     if hasattr(token_ids, "detach"):  # a torch tensor, without importing torch here
         token_ids = token_ids.detach().cpu().numpy()
@@ -58,15 +53,26 @@ def _encode_extra(extra: ExtraKeys | None) -> bytes:
     return b"".join(parts)
 
 
+def _len(n: int) -> bytes:
+    return struct.pack("<Q", n)
+
+
 def chain_key(parent: bytes, namespace: str, fingerprint: bytes, tokens: bytes, extra: bytes) -> bytes:
-    """One link of the chain. ``tokens`` is the little-endian int64 encoding of the block's ids."""
-    h = hashlib.blake2b(digest_size=KEY_BYTES, person=_PERSON)
-    _field(h, parent)
-    _field(h, namespace.encode())
-    _field(h, fingerprint)
-    _field(h, tokens)
-    _field(h, extra)
-    return h.digest()
+    """One link of the chain. ``tokens`` is the little-endian int64 encoding of the block's ids.
+
+    The hash input is the length-prefixed concatenation of the five fields."""
+    return _chain_key(parent, _context(namespace, fingerprint), tokens, extra)
+
+
+def _context(namespace: str, fingerprint: bytes) -> bytes:
+    ns = namespace.encode()
+    return _len(len(ns)) + ns + _len(len(fingerprint)) + fingerprint
+
+
+def _chain_key(parent: bytes, context: bytes, tokens: bytes, extra: bytes) -> bytes:
+    data = b"".join((_len(len(parent)), parent, context, _len(len(tokens)), tokens,
+                     _len(len(extra)), extra))
+    return hashlib.blake2b(data, digest_size=KEY_BYTES, person=_PERSON).digest()
 
 
 def block_keys(
@@ -93,20 +99,24 @@ def block_keys(
         raise InvalidArgument(
             f"extra_keys has {len(extra_keys)} entries but token_ids has only {n_blocks} full blocks"
         )
+    context = _context(namespace, fingerprint)
+    raw = arr[: n_blocks * block_tokens].tobytes()
+    step = block_tokens * 8
     keys: list[bytes] = []
     for i in range(n_blocks):
-        tokens = arr[i * block_tokens : (i + 1) * block_tokens].tobytes()
         extra = _encode_extra(extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None)
-        parent = chain_key(parent, namespace, fingerprint, tokens, extra)
+        parent = _chain_key(parent, context, raw[i * step : (i + 1) * step], extra)
         keys.append(parent)
     return keys
 
 
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:
     """Validate a caller-supplied key list; returns it as a list of ``bytes``."""
+    if type(keys) is list and all(type(k) is bytes and len(k) == KEY_BYTES for k in keys):
+        return keys  # the common case, checked without copying
     out = []
     for i, k in enumerate(keys):
-        if not isinstance(k, (bytes, bytearray)) or len(k) != KEY_BYTES:
+        if not isinstance(k, (bytes, bytearray, memoryview)) or len(k) != KEY_BYTES:
             raise InvalidArgument(f"key {i} must be {KEY_BYTES} bytes, got {type(k).__name__} of len "
                                   f"{len(k) if hasattr(k, '__len__') else '?'}")
         out.append(bytes(k))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,17 @@ class _Session:
     sid: str
     state: SessionState
     keys: dict[bytes, None] = field(default_factory=dict)  # insertion-ordered set
+
+
+_LABELS = tuple(t.label for t in Tier)
+
+
+def _parent(parent: bytes | None) -> bytes:
+    if parent is None:
+        return ROOT_KEY
+    if not isinstance(parent, bytes) or len(parent) != len(ROOT_KEY):
+        raise InvalidArgument(f"parent must be a {len(ROOT_KEY)}-byte block key")
+    return parent
 
 
 def _later(a: float | None, b: float | None) -> float | None:
@@ -160,6 +172,11 @@ class Store:
     def _ref(self, meta: BlockMeta) -> BlockRef:
         return BlockRef(meta.tenant, meta.key, self._specs[meta.fingerprint])
 
+    def _batch(self) -> Any:
+        """One NVMe write transaction (and one sync) for a whole public call."""
+        self._check_open()
+        return self._nvme.batch() if self._nvme is not None else nullcontext()
+
     def _backend(self, tier: Tier) -> Any:
         if tier == Tier.NVME and self._nvme is not None:
             return self._nvme
@@ -198,8 +215,12 @@ class Store:
 
     # -- put ----------------------------------------------------------------------------------
     def put(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes], kv: torch.Tensor, *,
-            session: str | None = None, ttl_s: float | None = None) -> None:
-        """Store ``kv`` ([len(keys), 2, L, H, T, D] of the spec's dtype) under the key chain."""
+            session: str | None = None, ttl_s: float | None = None,
+            parent: bytes | None = None) -> None:
+        """Store ``kv`` ([len(keys), 2, L, H, T, D] of the spec's dtype) under the key chain.
+
+        ``parent``: the stored block ``keys[0]`` continues from, to split a long chain across
+        calls (default: ``keys[0]`` is the first block of a prefix)."""
         if not isinstance(kv, torch.Tensor):
             raise InvalidArgument(f"kv must be a torch.Tensor, got {type(kv).__name__}")
         keys = check_keys(keys)
@@ -213,11 +234,11 @@ class Store:
             return
         kv = kv.contiguous()
         flat = kv.view(torch.uint8).reshape(len(keys), -1)
-        self._put(tenant, spec, keys, lambda i: flat[i], session, ttl_s)
+        self._put(tenant, spec, keys, lambda i: flat[i], session, ttl_s, _parent(parent))
 
     def put_bytes(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes],
                   buffers: Sequence[Any], *, session: str | None = None,
-                  ttl_s: float | None = None) -> None:
+                  ttl_s: float | None = None, parent: bytes | None = None) -> None:
         """Like :meth:`put`, each block given as a contiguous buffer of ``spec.block_nbytes``."""
         keys = check_keys(keys)
         if len(buffers) != len(keys):
@@ -230,14 +251,14 @@ class Store:
                 raise ShapeMismatch(f"buffer {i} has {v.shape[0]} bytes, a block of this spec "
                                     f"has {spec.block_nbytes}")
             views.append(v)
-        self._put(tenant, spec, keys, views.__getitem__, session, ttl_s)
+        self._put(tenant, spec, keys, views.__getitem__, session, ttl_s, _parent(parent))
 
     def _put(self, tenant: str, spec: ModelSpec, keys: list[bytes], data: Callable[[int], Any],
-             session: str | None, ttl_s: float | None) -> None:
+             session: str | None, ttl_s: float | None, parent0: bytes = ROOT_KEY) -> None:
         self._check_tenant(tenant)
         if ttl_s is not None and not ttl_s > 0:
             raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s}")
-        with self._lock:
+        with self._lock, self._batch():
             self._check_open()
             self._register_spec(spec)
             sess = None
@@ -250,10 +271,20 @@ class Store:
             inserted: list[BlockMeta] = []
             held: list[BlockMeta] = []
             guarded: list[Ident] = []
+            parent_tier, base_depth = self.tiers[0], 0
+            if parent0 != ROOT_KEY:
+                pm = self._index.get(tenant, parent0)
+                if (pm is None or pm.in_flight or pm.fingerprint != spec.fingerprint
+                        or self._expired(pm, now)):
+                    raise NotFound("the parent block is not stored (never put, evicted or "
+                                   "expired): put the chain from its root")
+                parent_tier, base_depth = pm.tier, pm.depth + 1
+                if (tenant, parent0) not in self._protected:
+                    self._protected.add((tenant, parent0))
+                    guarded.append((tenant, parent0))
             try:
-                parent_tier = self.tiers[0]
                 for i, key in enumerate(keys):
-                    parent = keys[i - 1] if i else ROOT_KEY
+                    parent = keys[i - 1] if i else parent0
                     m = self._index.get(tenant, key)
                     if m is not None and self._expired(m, now):
                         self._drop(m, reason="expired")
@@ -263,7 +294,7 @@ class Store:
                                               f"fingerprint or parent: keys must be a chain "
                                               f"from block_keys() for this spec")
                     if m is None:
-                        m = self._insert_new(tenant, spec, key, parent, i, data(i), now,
+                        m = self._insert_new(tenant, spec, key, parent, base_depth + i, data(i), now,
                                              deadline, parent_tier, pinned=sess is not None)
                         inserted.append(m)
                     else:
@@ -513,45 +544,60 @@ class Store:
         self.policy.on_access(meta, now)
 
     # -- lookup / get -------------------------------------------------------------------------
-    def _chain(self, tenant: str, spec: ModelSpec, keys: list[bytes], now: float) -> list[BlockMeta]:
+    def _chain(self, tenant: str, spec: ModelSpec, keys: list[bytes], now: float,
+               parent: bytes = ROOT_KEY) -> list[BlockMeta]:
+        """The usable prefix of ``keys`` (a chain continuing from ``parent``)."""
         out: list[BlockMeta] = []
-        for i, key in enumerate(keys):
-            m = self._index.get(tenant, key)
-            if m is None or m.in_flight or m.fingerprint != spec.fingerprint:
+        get = self._index.get
+        fp = spec.fingerprint
+        prev = parent
+        for key in keys:
+            m = get(tenant, key)
+            if m is None or m.in_flight or m.fingerprint != fp or m.parent != prev:
                 break
-            if m.parent != (keys[i - 1] if i else ROOT_KEY):
-                break
-            if self._expired(m, now):
+            if m.ttl_deadline is not None and now >= m.ttl_deadline:
                 self._drop(m, reason="expired")
                 break
             out.append(m)
+            prev = key
         return out
 
-    def lookup(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes]) -> LookupResult:
-        """Longest usable prefix of ``keys`` for ``tenant`` and the tier of each block."""
+    def lookup(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes], *,
+               parent: bytes | None = None) -> LookupResult:
+        """Longest usable prefix of ``keys`` for ``tenant`` and the tier of each block.
+        ``parent``: the key ``keys[0]`` continues from (a chain split across calls)."""
         self._check_tenant(tenant)
         keys = check_keys(keys)
         with self._lock:
             self._check_open()
-            chain = self._chain(tenant, spec, keys, self._clock())
+            chain = self._chain(tenant, spec, keys, self._clock(), _parent(parent))
             self.counters.add("lookups")
-            return LookupResult(len(chain), [m.tier.label for m in chain])
+            return LookupResult(len(chain), [_LABELS[m.tier] for m in chain])
 
     def get(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes], *,
-            device: str | torch.device | None = None) -> torch.Tensor:
+            device: str | torch.device | None = None, out: torch.Tensor | None = None,
+            parent: bytes | None = None) -> torch.Tensor:
         """The blocks of the longest usable prefix of ``keys``: a tensor
-        ``[n, 2, L, H, T, D]`` (n ≤ len(keys); n < len(keys) means the rest missed)."""
+        ``[n, 2, L, H, T, D]`` (n ≤ len(keys); n < len(keys) means the rest missed).
+
+        ``out`` (shape ``[len(keys), 2, L, H, T, D]``, the spec's dtype) is filled and a view of
+        it returned: reusing it avoids first-touch page faults of a fresh tensor per call."""
         keys = check_keys(keys)
-        dev = torch.device(device) if device is not None else self.device
-        out = torch.empty((len(keys), *spec.block_shape), dtype=spec.torch_dtype, device=dev)
+        want = (len(keys), *spec.block_shape)
+        if out is None:
+            dev = torch.device(device) if device is not None else self.device
+            out = torch.empty(want, dtype=spec.torch_dtype, device=dev)
+        elif tuple(out.shape) != want or out.dtype != spec.torch_dtype or not out.is_contiguous():
+            raise ShapeMismatch(f"out must be a contiguous {spec.torch_dtype} tensor of shape "
+                                f"{want}, got {out.dtype} {tuple(out.shape)}")
         if not keys:
             return out
         flat = out.view(torch.uint8).reshape(len(keys), -1)
-        n = self._get(tenant, spec, keys, lambda i: flat[i])
+        n = self._get(tenant, spec, keys, lambda i: flat[i], _parent(parent))
         return out[:n]
 
     def get_into(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes],
-                 outs: Sequence[Any]) -> int:
+                 outs: Sequence[Any], *, parent: bytes | None = None) -> int:
         """Copy the longest usable prefix into ``outs`` (one buffer of ``block_nbytes`` per key,
         numpy/memoryview/tensor); returns the number of leading blocks written."""
         keys = check_keys(keys)
@@ -564,15 +610,15 @@ class Store:
             if v.shape[0] != spec.block_nbytes:
                 raise ShapeMismatch(f"output {i} has {v.shape[0]} bytes, need {spec.block_nbytes}")
             views.append(v)
-        return self._get(tenant, spec, keys, views.__getitem__)
+        return self._get(tenant, spec, keys, views.__getitem__, _parent(parent))
 
     def _get(self, tenant: str, spec: ModelSpec, keys: list[bytes],
-             out: Callable[[int], Any]) -> int:
+             out: Callable[[int], Any], parent: bytes) -> int:
         self._check_tenant(tenant)
-        with self._lock:
+        with self._lock, self._batch():
             self._check_open()
             now = self._clock()
-            chain = self._chain(tenant, spec, keys, now)
+            chain = self._chain(tenant, spec, keys, now, parent)
             served = 0
             idents = [(m.tenant, m.key) for m in chain if (m.tenant, m.key) not in self._protected]
             self._protected.update(idents)
@@ -617,7 +663,7 @@ class Store:
         """Delete the blocks (and the descendants that depend on them); returns how many."""
         self._check_tenant(tenant)
         keys = check_keys(keys)
-        with self._lock:
+        with self._lock, self._batch():
             self._check_open()
             n = 0
             for key in keys:
@@ -629,7 +675,7 @@ class Store:
     def drop_tenant(self, tenant: str) -> int:
         """Remove every block of ``tenant`` from every tier and destroy its data key."""
         self._check_tenant(tenant)
-        with self._lock:
+        with self._lock, self._batch():
             self._check_open()
             n = 0
             for m in sorted(self._index.of_tenant(tenant), key=lambda m: -m.depth):
@@ -646,7 +692,7 @@ class Store:
 
     def purge_model(self, fingerprint: bytes) -> int:
         """Remove every block of a model fingerprint (e.g. after a rollout)."""
-        with self._lock:
+        with self._lock, self._batch():
             self._check_open()
             victims = sorted((m for m in self._index if m.fingerprint == fingerprint),
                              key=lambda m: -m.depth)
@@ -671,7 +717,7 @@ class Store:
 
     def expire(self) -> int:
         """Delete every expired block from every tier; returns how many."""
-        with self._lock:
+        with self._lock, self._batch():
             self._check_open()
             now = self._clock()
             n = 0
@@ -713,7 +759,7 @@ class Store:
 
     def pause_session(self, tenant: str, session: str) -> int:
         """Unpin the session's blocks and demote them to DRAM (kept); returns blocks moved."""
-        with self._lock:
+        with self._lock, self._batch():
             self._check_open()
             sess = self._session(tenant, session)
             if sess.state == SessionState.PAUSED:
@@ -742,7 +788,7 @@ class Store:
 
     def resume_session(self, tenant: str, session: str) -> int:
         """Pin the session's blocks again and prefetch them to HBM; returns blocks moved."""
-        with self._lock:
+        with self._lock, self._batch():
             self._check_open()
             sess = self._session(tenant, session)
             if sess.state != SessionState.PAUSED:
@@ -793,7 +839,7 @@ class Store:
         return moved
 
     def prefetch(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes],
-                 tier: str | Tier = "hbm") -> int:
+                 tier: str | Tier = "hbm", *, parent: bytes | None = None) -> int:
         """Bring the longest usable prefix up to ``tier`` ahead of use; returns blocks moved."""
         t = Tier.parse(tier)
         if t not in self.tiers:
@@ -801,9 +847,9 @@ class Store:
 
             raise UnknownTier(f"tier {t.label!r} is not enabled in this store")
         keys = check_keys(keys)
-        with self._lock:
+        with self._lock, self._batch():
             self._check_open()
-            return self._promote(self._chain(tenant, spec, keys, self._clock()), t)
+            return self._promote(self._chain(tenant, spec, keys, self._clock(), _parent(parent)), t)
 
     # -- stats / lifecycle --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -838,7 +884,7 @@ class Store:
     def flush(self) -> int:
         """Commit an NVMe copy of every block above NVMe that has none, ancestors first, as far
         as the NVMe tier has room (nothing is evicted for it); returns how many were written."""
-        with self._lock:
+        with self._lock, self._batch():
             self._check_open()
             if self._nvme is None:
                 return 0

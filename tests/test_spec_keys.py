@@ -105,3 +105,11 @@ def test_bad_tokens_rejected(bad):
 def test_partial_block_gets_no_key_and_root_is_not_a_key():
     keys = block_keys("t", b"f" * 16, 4, list(range(7)))
     assert len(keys) == 1 and keys[0] != ROOT_KEY
+
+
+def test_golden_values_never_change():
+    """NVMe blocks outlive the process and the release: the key function and the fingerprint
+    are a storage format. Changing either orphans every stored block."""
+    assert block_keys("t", b"f" * 16, 4, list(range(8)))[1].hex() == (
+        "7bccfdd89328a99917c600dcb6546a53c2d924d80c502a0423bc6027464ac5d2")
+    assert base_spec().fingerprint.hex() == "8ddb616d5e57ae8135657296bdb66ad0"

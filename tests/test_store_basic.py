@@ -352,3 +352,34 @@ def test_concurrent_threads_read_and_write_consistently(open_store, spec):
     assert not errors, errors
     st = s.stats()
     assert all(u["used_bytes"] <= u["capacity_bytes"] for u in st["tiers"].values())
+
+
+def test_a_chain_split_across_calls_with_parent(open_store, spec):
+    from kvstore.errors import NotFound
+    s = open_store(spec, hbm_blocks=3, dram_blocks=3, nvme_blocks=16)
+    keys = s.block_keys("a", spec, tokens(6, spec))
+    kv = make_kv(spec, 6)
+    s.put("a", spec, keys[:2], kv[:2])
+    s.put("a", spec, keys[2:], kv[2:], parent=keys[1])
+    assert s.lookup("a", spec, keys).num_blocks == 6
+    assert s.lookup("a", spec, keys[3:], parent=keys[2]).num_blocks == 3
+    assert s.lookup("a", spec, keys[3:]).num_blocks == 0  # not a root without its parent
+    assert torch.equal(s.get("a", spec, keys[4:], parent=keys[3]), kv[4:])
+    outs = [bytearray(spec.block_nbytes) for _ in range(2)]
+    assert s.get_into("a", spec, keys[4:], outs, parent=keys[3]) == 2
+    with pytest.raises(NotFound, match="parent"):
+        s.put("a", spec, keys[1:], kv[1:], parent=b"\x07" * 32)
+    with pytest.raises(InvalidArgument, match="parent"):
+        s.lookup("a", spec, keys, parent=b"short")
+
+
+def test_get_into_a_reused_out_tensor(open_store, spec):
+    s = open_store(spec)
+    keys = s.block_keys("a", spec, tokens(3, spec))
+    kv = make_kv(spec, 3)
+    s.put("a", spec, keys, kv)
+    out = torch.empty_like(kv)
+    got = s.get("a", spec, keys, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out, kv)
+    with pytest.raises(ShapeMismatch):
+        s.get("a", spec, keys, out=torch.empty(3, dtype=torch.float16))

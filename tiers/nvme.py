@@ -7,10 +7,14 @@ Layout (one LMDB environment, four named databases):
 * ``meta``:   same key -> :class:`NVMeRecord` packed (tenant, parent, depth, ...), written in the
   same transaction as the value, so after a crash either both exist or neither does.
 * ``specs``:  fingerprint -> canonical ModelSpec JSON (to rebuild the index on open).
-* ``keys``:   tenant -> wrapped data key (the keyring's backend; see ``kvstore.keyring``).
+The keyring's wrapped data keys live in a second, small LMDB environment (``<path>/keys``),
+committed and synced on their own: a key is durable before any value encrypted with it is.
 
-Every put is one write transaction; with ``durable=True`` LMDB syncs on commit, so a block whose
-put returned survives ``kill -9``. A value that fails its integrity check is deleted and
+Writes go into one write transaction per :meth:`NVMeTier.batch` (the Store opens one per public
+call), or one per operation outside a batch; with ``durable=True`` LMDB syncs on commit, so a
+block whose put returned survives ``kill -9``. A batch is a deferred commit, not an atomic
+unit: whatever the Store did inside it is committed when it ends, even on an exception (the
+Store has already undone its own inserts by then). A value that fails its integrity check is deleted and
 counted, never returned. Not thread-safe by itself beyond LMDB's own rules: the Store serialises
 writers.
 """
@@ -21,6 +25,7 @@ import hashlib
 import json
 import struct
 from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +34,7 @@ import lmdb
 import numpy as np
 
 from kvstore.block import Tier
-from kvstore.errors import IntegrityError
+from kvstore.errors import IntegrityError, ResourceExhausted
 from kvstore.spec import ModelSpec
 from tiers.base import BlockRef, TierUsage
 
@@ -125,7 +130,10 @@ class NVMeTier:
         self._blocks = self._env.open_db(b"blocks")
         self._meta = self._env.open_db(b"meta")
         self._specs = self._env.open_db(b"specs")
-        self._keys = self._env.open_db(b"keys")
+        self._keys_env = lmdb.open(str(self.path / "keys"), map_size=64 << 20, max_dbs=2,
+                                   sync=True, metasync=True, readahead=False, lock=True)
+        self._keys = self._keys_env.open_db(b"keys")
+        self._batch: lmdb.Transaction | None = None
         self.codec: Any = None  # set by the Store once the keyring (which lives here) is built
         self._sizes: dict[tuple[str, bytes], int] = {}
         self._used = 0
@@ -135,7 +143,7 @@ class NVMeTier:
 
     # -- open / recovery ----------------------------------------------------------------------
     def key_backend(self) -> MutableMapping[str, bytes]:
-        return _KeyBackend(self._env, self._keys)
+        return _KeyBackend(self._keys_env, self._keys)
 
     def records(self) -> Iterator[tuple[NVMeRecord, ModelSpec | None]]:
         """Every committed block's record and spec (rebuilds the Store's index on open)."""
@@ -181,12 +189,14 @@ class NVMeTier:
         k = self._dbkey(ref)
         fp = ref.spec.fingerprint
         try:
-            with self._env.begin(write=True) as txn:
+            with self._write() as txn:
                 if fp not in self._known_specs:
                     txn.put(fp, json.dumps(ref.spec.to_dict()).encode(), db=self._specs)
                 txn.put(k, value, db=self._blocks)
                 txn.put(k, record.pack(), db=self._meta)
         except lmdb.MapFullError:
+            if self._batch is not None:  # the open transaction is unusable now
+                raise ResourceExhausted("the NVMe tier's LMDB map is full", resource="nvme")
             return False
         self._known_specs.add(fp)
         self._sizes[ref.ident] = ref.nbytes
@@ -202,8 +212,8 @@ class NVMeTier:
         if ref.ident not in self._sizes:
             return False
         try:
-            with self._env.begin(db=self._blocks, buffers=True) as txn:
-                value = txn.get(self._dbkey(ref))
+            with self._read() as txn:
+                value = txn.get(self._dbkey(ref), db=self._blocks)
                 if value is None:
                     raise IntegrityError("value missing for a recorded block")
                 self.codec.decode(ref.tenant, ref.key, ref.spec, value, out=out)
@@ -219,20 +229,21 @@ class NVMeTier:
             return False
         self._used -= n
         k = self._dbkey(ref)
-        with self._env.begin(write=True) as txn:
+        with self._write() as txn:
             txn.delete(k, db=self._blocks)
             txn.delete(k, db=self._meta)
         return True
 
     def update_ttl(self, ref: BlockRef, ttl_deadline: float | None) -> None:
         k = self._dbkey(ref)
-        with self._env.begin(write=True, db=self._meta) as txn:
-            raw = txn.get(k)
+        with self._write() as txn:
+            raw = txn.get(k, db=self._meta)
             if raw is None:
                 return
             rec = NVMeRecord.unpack(ref.key, bytes(raw))
             txn.put(k, NVMeRecord(rec.tenant, rec.key, rec.parent, rec.depth, rec.tokens,
-                                  rec.nbytes, rec.created, ttl_deadline, rec.fingerprint).pack())
+                                  rec.nbytes, rec.created, ttl_deadline, rec.fingerprint).pack(),
+                    db=self._meta)
 
     def contains(self, ref: BlockRef) -> bool:
         return ref.ident in self._sizes
@@ -250,6 +261,41 @@ class NVMeTier:
         self._env.sync(True)
 
     def close(self) -> None:
+        assert self._batch is None, "close inside a batch"
         if self.codec is not None:
             self.codec.close()
         self._env.close()
+        self._keys_env.close()
+
+    # -- transactions -------------------------------------------------------------------------
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Group every write until the block ends into one transaction and one sync.
+
+        Re-entrant (an inner batch joins the outer one). Reads inside see the batch's writes.
+        Committed on exit, exception or not."""
+        if self._batch is not None:
+            yield
+            return
+        self._batch = self._env.begin(write=True, buffers=True)
+        try:
+            yield
+        finally:
+            txn, self._batch = self._batch, None
+            txn.commit()
+
+    @contextmanager
+    def _write(self) -> Iterator[lmdb.Transaction]:
+        if self._batch is not None:
+            yield self._batch
+        else:
+            with self._env.begin(write=True) as txn:
+                yield txn
+
+    @contextmanager
+    def _read(self) -> Iterator[lmdb.Transaction]:
+        if self._batch is not None:
+            yield self._batch
+        else:
+            with self._env.begin(buffers=True) as txn:
+                yield txn
