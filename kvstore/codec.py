@@ -350,11 +350,21 @@ class Codec:
 
     def max_encoded_nbytes(self, spec: ModelSpec) -> int:
         """Upper bound of ``len(encode(...))`` for ``spec`` under this config."""
-        chunk = _effective_chunk(self.config.chunk_bytes, spec.itemsize)
+        chunk = self._chunk_for(spec.block_nbytes, spec.itemsize)
         n = len(_chunk_ranges(spec.block_nbytes, chunk))
         entry = _ENTRY_ENC.size + TAG_BYTES if self.config.encrypt else _ENTRY_SUM.size
         return (_FIXED.size + len(DTYPES[spec.dtype][0]) + 4 * len(spec.block_shape) + DIGEST_BYTES
                 + n * entry + spec.block_nbytes)
+
+    def _chunk_for(self, nbytes: int, itemsize: int) -> int:
+        """Chunk size for a value of ``nbytes``: at most ``chunk_bytes``, and small enough that
+        every codec thread gets a chunk (not below 256 KiB). Stored in the header, so decode
+        never depends on this choice."""
+        cb = self.config.chunk_bytes
+        if self.config.threads > 1:
+            per = -(-nbytes // self.config.threads)
+            cb = min(cb, max(256 << 10, -(-per // 64) * 64))
+        return _effective_chunk(cb, itemsize)
 
     # -- encode -----------------------------------------------------------------------------
     def encode(self, tenant: str, key: bytes, spec: ModelSpec, data: Any) -> memoryview:
@@ -381,7 +391,7 @@ class Codec:
         nbytes, itemsize = spec.block_nbytes, spec.itemsize
         if src.size != nbytes:
             raise ShapeMismatch(f"data has {src.size} bytes but the spec's block holds {nbytes}")
-        chunk = _effective_chunk(cfg.chunk_bytes, itemsize)
+        chunk = self._chunk_for(nbytes, itemsize)
         ranges = _chunk_ranges(nbytes, chunk)
         n = len(ranges)
         data_key = self._data_key(tenant, create=True) if cfg.encrypt else None

@@ -1,0 +1,27 @@
+"""The ``kvstore`` console script: one typer app gathering the command groups.
+
+* ``serve``, ``tenant``, ``policy``, ``stats``, ``audit`` — the sidecar (``kvstore.cli_serve``)
+* ``replay`` — trace replay through the placement policies (``kvstore.cli_replay``)
+
+``main(argv=None)`` is testable by construction.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from kvstore.cli_replay import replay
+from kvstore.cli_serve import register as register_service_commands
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="kvstore: a tiered KV-cache store for LLM inference.")
+register_service_commands(app)
+app.command("replay")(replay)
+
+
+def main(argv: list[str] | None = None) -> None:
+    app(args=argv, prog_name="kvstore")
+
+
+if __name__ == "__main__":
+    main()
