@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.copy import copy_bytes
 from kvstore.block import BlockMeta, SessionState, Tier
 from kvstore.config import StoreConfig
 from kvstore.errors import (
@@ -45,12 +44,13 @@ from kvstore.errors import (
     ShapeMismatch,
 )
 from kvstore.index import Ident, PrefixIndex
+from kvstore.placement import Placement
+from kvstore.sessions import Session, SessionTable
 from kvstore.keys import ROOT_KEY, block_keys, check_keys
 from kvstore.spec import ModelSpec
 from kvstore.stats import Counters
-from tiers.base import BlockRef
 from tiers.memory import MemoryTier, default_device, dram_tier, hbm_tier
-from tiers.nvme import NVMeRecord, NVMeTier
+from tiers.nvme import NVMeTier
 
 Clock = Callable[[], float]
 
@@ -67,13 +67,6 @@ class LookupResult:
 class TenantPolicy:
     ttl_s: float | None = None
     quota_bytes: dict[Tier, int] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class _Session:
-    sid: str
-    state: SessionState
-    keys: dict[bytes, None] = field(default_factory=dict)  # insertion-ordered set
 
 
 _LABELS = tuple(t.label for t in Tier)
@@ -106,10 +99,8 @@ class Store:
         self._closed = False
         self._index = PrefixIndex()
         self._specs: dict[bytes, ModelSpec] = {}
-        self._sessions: dict[tuple[str, str], _Session] = {}
+        self._sessions = SessionTable()
         self._tenant_policy: dict[str, TenantPolicy] = {}
-        self._tenant_usage: dict[tuple[str, Tier], int] = {}
-        self._protected: set[Ident] = set()
         self.counters = Counters()
         self.policy = make_policy(config.policy, self._specs.get)
 
@@ -133,8 +124,13 @@ class Store:
                 CodecConfig(compression_level=config.compression_level,
                             encrypt=config.encrypt, threads=config.codec_threads),
                 self.keyring if config.encrypt else None)
+        self._place = Placement(config=config, clock=clock, index=self._index, specs=self._specs,
+                                mem=self._mem, nvme=self._nvme, policy=self.policy,
+                                counters=self.counters, sessions=self._sessions,
+                                quotas=self._quota)
+        self.tiers = self._place.tiers
+        if self._nvme is not None:
             self._recover()
-        self.tiers: list[Tier] = sorted([*self._mem, *([Tier.NVME] if self._nvme else [])])
 
     @classmethod
     def open(cls, config: StoreConfig, *, clock: Clock = time.time) -> Store:
@@ -154,7 +150,7 @@ class Store:
                              last_access=rec.created, ttl_deadline=rec.ttl_deadline,
                              persisted=True)
             self._index.add(meta)
-            self._charge(meta, Tier.NVME, +1)
+            self._place.charge(meta, Tier.NVME, +1)
             self.policy.on_insert(meta, rec.created)
         # A block whose ancestor was never committed (it lived above NVMe at a crash) can
         # never be part of a usable prefix: drop it and its subtree.
@@ -162,39 +158,27 @@ class Store:
             if self._index.get(meta.tenant, meta.key) is not meta or meta.parent == ROOT_KEY:
                 continue
             if self._index.get(meta.tenant, meta.parent) is None:
-                self._drop(meta, reason="orphans_dropped")
+                self._place.drop(meta, reason="orphans_dropped")
 
     # -- helpers ------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
             raise FailedPrecondition("store is closed")
 
-    def _ref(self, meta: BlockMeta) -> BlockRef:
-        return BlockRef(meta.tenant, meta.key, self._specs[meta.fingerprint])
-
     def _batch(self) -> Any:
         """One NVMe write transaction (and one sync) for a whole public call."""
         self._check_open()
         return self._nvme.batch() if self._nvme is not None else nullcontext()
 
-    def _backend(self, tier: Tier) -> Any:
-        if tier == Tier.NVME and self._nvme is not None:
-            return self._nvme
-        return self._mem[tier]
-
-    def _charge(self, meta: BlockMeta, tier: Tier, sign: int) -> None:
-        k = (meta.tenant, tier)
-        self._tenant_usage[k] = self._tenant_usage.get(k, 0) + sign * meta.nbytes
+    def _quota(self, tenant: str, tier: Tier) -> int | None:
+        pol = self._tenant_policy.get(tenant)
+        return pol.quota_bytes.get(tier) if pol else None
 
     def _ttl_deadline(self, tenant: str, ttl_s: float | None, now: float) -> float | None:
         if ttl_s is None:
             pol = self._tenant_policy.get(tenant)
             ttl_s = pol.ttl_s if pol and pol.ttl_s is not None else self.config.default_ttl_s
         return None if ttl_s is None else now + ttl_s
-
-    @staticmethod
-    def _expired(meta: BlockMeta, now: float) -> bool:
-        return meta.ttl_deadline is not None and now >= meta.ttl_deadline
 
     def _register_spec(self, spec: ModelSpec) -> None:
         if not isinstance(spec, ModelSpec):
@@ -263,9 +247,7 @@ class Store:
             self._register_spec(spec)
             sess = None
             if session is not None:
-                sess = self._sessions.get((tenant, session))
-                if sess is None:
-                    raise NotFound(f"unknown session {session!r} of tenant {tenant!r}")
+                sess = self._sessions.get(tenant, session)
             now = self._clock()
             deadline = self._ttl_deadline(tenant, ttl_s, now)
             inserted: list[BlockMeta] = []
@@ -275,40 +257,40 @@ class Store:
             if parent0 != ROOT_KEY:
                 pm = self._index.get(tenant, parent0)
                 if (pm is None or pm.in_flight or pm.fingerprint != spec.fingerprint
-                        or self._expired(pm, now)):
+                        or self._place.expired(pm, now)):
                     raise NotFound("the parent block is not stored (never put, evicted or "
                                    "expired): put the chain from its root")
                 parent_tier, base_depth = pm.tier, pm.depth + 1
-                if (tenant, parent0) not in self._protected:
-                    self._protected.add((tenant, parent0))
+                if (tenant, parent0) not in self._place.protected:
+                    self._place.protected.add((tenant, parent0))
                     guarded.append((tenant, parent0))
             try:
                 for i, key in enumerate(keys):
                     parent = keys[i - 1] if i else parent0
                     m = self._index.get(tenant, key)
-                    if m is not None and self._expired(m, now):
-                        self._drop(m, reason="expired")
+                    if m is not None and self._place.expired(m, now):
+                        self._place.drop(m, reason="expired")
                         m = None
                     if m is not None and (m.fingerprint != spec.fingerprint or m.parent != parent):
                         raise InvalidArgument(f"key {i} is already stored with another "
                                               f"fingerprint or parent: keys must be a chain "
                                               f"from block_keys() for this spec")
                     if m is None:
-                        m = self._insert_new(tenant, spec, key, parent, base_depth + i, data(i), now,
+                        m = self._place.insert_new(tenant, spec, key, parent, base_depth + i, data(i), now,
                                              deadline, parent_tier, pinned=sess is not None)
                         inserted.append(m)
                     else:
-                        self._touch(m, now)
+                        self._place.touch(m, now)
                         m.ttl_deadline = _later(m.ttl_deadline, deadline)
                         if sess is not None and m.tier > self.tiers[0]:
-                            self._promote([m])  # session blocks live in HBM
+                            self._place.promote([m])  # session blocks live in HBM
                             if m.tier > self.tiers[0]:
                                 raise ResourceExhausted(
                                     f"cannot bring block {i} of session {session!r} into "
                                     f"{self.tiers[0].label}: it is full of pinned blocks",
                                     resource=self.tiers[0].label)
-                    if (tenant, key) not in self._protected:
-                        self._protected.add((tenant, key))
+                    if (tenant, key) not in self._place.protected:
+                        self._place.protected.add((tenant, key))
                         guarded.append((tenant, key))
                     held.append(m)
                     parent_tier = m.tier
@@ -318,231 +300,14 @@ class Store:
             except BaseException:
                 for m in reversed(inserted):
                     if self._index.get(m.tenant, m.key) is m:
-                        self._remove(m)
+                        self._place.remove(m)
                 raise
             finally:
-                self._protected.difference_update(guarded)
+                self._place.protected.difference_update(guarded)
             self.counters.add("blocks_put", len(inserted))
 
-    def _insert_new(self, tenant: str, spec: ModelSpec, key: bytes, parent: bytes, depth: int,
-                    data: Any, now: float, deadline: float | None, parent_tier: Tier,
-                    pinned: bool) -> BlockMeta:
-        meta = BlockMeta(key=key, tenant=tenant, fingerprint=spec.fingerprint, parent=parent,
-                         depth=depth, nbytes=spec.block_nbytes, tokens=spec.block_tokens,
-                         tier=parent_tier, created=now, last_access=now, access_count=1,
-                         ttl_deadline=deadline)
-        ref = BlockRef(tenant, key, spec)
-        # Session blocks must live in HBM (when there is one); others may spill down.
-        choices = [t for t in self.tiers if t >= parent_tier]
-        if pinned and Tier.HBM in self._mem:
-            choices = [Tier.HBM] if parent_tier == Tier.HBM else []
-        for tier in choices:
-            meta.tier = tier
-            if not self._make_room(tier, meta):
-                continue
-            if self._write(tier, ref, meta, data):
-                self._index.add(meta)
-                self._charge(meta, tier, +1)
-                self.policy.on_insert(meta, now)
-                return meta
-        raise ResourceExhausted(
-            f"no room for a {spec.block_nbytes}-byte block of tenant {tenant!r} in "
-            f"{[t.label for t in choices] or 'hbm'}: capacity is held by pinned or in-flight "
-            f"blocks, or the tenant's quota is reached", resource=choices[0].label if choices
-            else "hbm")
-
-    def _write(self, tier: Tier, ref: BlockRef, meta: BlockMeta, data: Any) -> bool:
-        if tier == Tier.NVME:
-            assert self._nvme is not None
-            host = data.cpu().numpy() if isinstance(data, torch.Tensor) else data
-            ok = self._nvme.put_record(ref, host, self._record(meta))
-            if ok:
-                meta.persisted = True
-            return ok
-        return self._mem[tier].put(ref, data)
-
-    @staticmethod
-    def _record(meta: BlockMeta) -> NVMeRecord:
-        return NVMeRecord(meta.tenant, meta.key, meta.parent, meta.depth, meta.tokens,
-                          meta.nbytes, meta.created, meta.ttl_deadline, meta.fingerprint)
-
     # -- room: quotas, watermarks, eviction ---------------------------------------------------
-    def _quota(self, tenant: str, tier: Tier) -> int | None:
-        pol = self._tenant_policy.get(tenant)
-        return pol.quota_bytes.get(tier) if pol else None
-
-    def _make_room(self, tier: Tier, meta: BlockMeta) -> bool:
-        """Evict until ``meta`` fits in ``tier`` within capacity, watermark and quota."""
-        backend = self._backend(tier)
-        need = backend.charge(meta.nbytes)
-        quota = self._quota(meta.tenant, tier)
-        if quota is not None:
-            if meta.nbytes > quota:
-                return False
-            while self._tenant_usage.get((meta.tenant, tier), 0) + meta.nbytes > quota:
-                if not self._evict_some(tier, tenant=meta.tenant):
-                    self.counters.add("quota_rejections")
-                    return False
-        cap = backend.capacity
-        if need > cap:
-            return False
-        high, low = self.config.high_watermark * cap, self.config.low_watermark * cap
-        used = backend.usage().used_bytes
-        if used + need <= high and backend.can_fit(meta.nbytes):
-            return True
-        target = min(low, cap - need)
-        while backend.usage().used_bytes + need > target or not backend.can_fit(meta.nbytes):
-            if not self._evict_some(tier):
-                break
-        return backend.usage().used_bytes + need <= cap and backend.can_fit(meta.nbytes)
-
-    def _evict_some(self, tier: Tier, tenant: str | None = None) -> bool:
-        """Evict the policy's first choice among the evictable leaves; False if none."""
-        now = self._clock()
-        cands = self._index.candidates(tier, self._protected, tenant)
-        if tier == Tier.NVME:  # NVMe copies of blocks living above are evictable too
-            cands += [m for m in self._index.persisted_copies()
-                      if not m.in_flight and (m.tenant, m.key) not in self._protected
-                      and (tenant is None or m.tenant == tenant)]
-        if not cands:
-            return False
-        for victim in self.policy.rank(tier, cands, now):
-            if tier == Tier.NVME and victim.tier < Tier.NVME:
-                self._drop_copy(victim)
-                return True
-            if self._evict(victim, tier, now):
-                return True
-        return False
-
-    def _evict(self, meta: BlockMeta, tier: Tier, now: float) -> bool:
-        slower = [t for t in self.tiers if t > tier]
-        dest = self.policy.demote_to(meta, tier, slower, now)
-        if dest is not None and self.policy.admit(meta, dest, now):
-            if meta.persisted and dest == Tier.NVME:
-                self._release(meta, tier)  # the NVMe copy is already committed
-                self._index.set_tier(meta, Tier.NVME)
-                self.counters.add("demotions")
-                return True
-            if self._move(meta, dest):
-                self.counters.add("demotions")
-                return True
-        sub = self._index.subtree(meta)
-        if any(m.pins or m.in_flight for m in sub):
-            return False
-        for m in sub:
-            self._remove(m)
-        self.counters.add("evictions", len(sub))
-        return True
-
     # -- moves (two-phase) --------------------------------------------------------------------
-    def _move(self, meta: BlockMeta, dest: Tier) -> bool:
-        """Move ``meta``'s bytes to ``dest``: prepare (in flight), copy, complete or abort.
-
-        Moving up out of NVMe copies (the NVMe copy stays); every other move frees the source.
-        """
-        src = meta.tier
-        ref = self._ref(meta)
-        meta.in_flight = True
-        ident = (meta.tenant, meta.key)
-        guard = ident not in self._protected  # NOTE: callers may hold their own protection
-        if guard:
-            self._protected.add(ident)
-        try:
-            if not self._make_room(dest, meta):
-                return False
-            if not self._copy(meta, ref, src, dest):
-                return False
-        finally:
-            meta.in_flight = False
-            if guard:
-                self._protected.discard(ident)
-        keep_src = src == Tier.NVME
-        if not keep_src:
-            self._release(meta, src)
-        self._charge(meta, dest, +1)
-        self._index.set_tier(meta, dest)
-        self.counters.add(f"moved_{src.label}_to_{dest.label}")
-        self.counters.add(f"bytes_{src.label}_to_{dest.label}", meta.nbytes)
-        return True
-
-    def _copy(self, meta: BlockMeta, ref: BlockRef, src: Tier, dest: Tier) -> bool:
-        if dest == Tier.NVME:
-            view = self._mem[src].view(ref)
-            host = view.numpy() if view.device.type == "cpu" else view.cpu().numpy()
-            ok = self._write(Tier.NVME, ref, meta, host)
-            return ok
-        dst = self._mem[dest]
-        if not dst.reserve(ref):
-            return False
-        out = dst.view(ref)
-        if src == Tier.NVME:
-            assert self._nvme is not None
-            host = out.numpy() if out.device.type == "cpu" else np.empty(ref.nbytes, np.uint8)
-            if not self._nvme.get_into(ref, host):
-                dst.delete(ref)
-                self._lost(meta)
-                return False
-            if host is not None and out.device.type != "cpu":
-                copy_bytes(out, host)
-            return True
-        copy_bytes(out, self._mem[src].view(ref))
-        return True
-
-    def _release(self, meta: BlockMeta, tier: Tier) -> None:
-        """Free ``meta``'s bytes in ``tier`` (not its NVMe copy unless ``tier`` is NVMe)."""
-        ref = self._ref(meta)
-        self._backend(tier).delete(ref)
-        self._charge(meta, tier, -1)
-
-    def _drop_copy(self, meta: BlockMeta) -> None:
-        assert self._nvme is not None and meta.persisted and meta.tier < Tier.NVME
-        self._nvme.delete(self._ref(meta))
-        self._charge(meta, Tier.NVME, -1)
-        self._index.set_persisted(meta, False)
-        self.counters.add("nvme_copies_dropped")
-
-    def _lost(self, meta: BlockMeta) -> None:
-        """An NVMe value failed its integrity check (the tier already deleted it)."""
-        self.counters.add("integrity_failures")
-        if self._index.get(meta.tenant, meta.key) is not meta:
-            return
-        self._charge(meta, Tier.NVME, -1)
-        self._index.set_persisted(meta, False)
-        if meta.tier == Tier.NVME or meta.in_flight:
-            meta.in_flight = False
-            for m in self._index.subtree(meta):
-                self._remove(m, nvme_gone=(m is meta))
-
-    def _remove(self, meta: BlockMeta, nvme_gone: bool = False) -> None:
-        """Delete ``meta`` from every tier and the index (callers handle its subtree)."""
-        ref = self._ref(meta)
-        if meta.tier != Tier.NVME:
-            self._release(meta, meta.tier)
-        if meta.persisted and not nvme_gone and self._nvme is not None:
-            self._nvme.delete(ref)
-            self._charge(meta, Tier.NVME, -1)
-        elif meta.tier == Tier.NVME and not nvme_gone:
-            self._nvme.delete(ref)  # type: ignore[union-attr]
-            self._charge(meta, Tier.NVME, -1)
-        for sid in list(meta.sessions):
-            for (t, s), sess in self._sessions.items():
-                if t == meta.tenant and s == sid:
-                    sess.keys.pop(meta.key, None)
-        self._index.remove(meta)
-        self.policy.on_remove(meta)
-
-    def _drop(self, meta: BlockMeta, reason: str) -> int:
-        sub = self._index.subtree(meta)
-        for m in sub:
-            self._remove(m)
-        self.counters.add(reason, len(sub))
-        return len(sub)
-
-    def _touch(self, meta: BlockMeta, now: float) -> None:
-        meta.last_access = now
-        meta.access_count += 1
-        self.policy.on_access(meta, now)
-
     # -- lookup / get -------------------------------------------------------------------------
     def _chain(self, tenant: str, spec: ModelSpec, keys: list[bytes], now: float,
                parent: bytes = ROOT_KEY) -> list[BlockMeta]:
@@ -556,7 +321,7 @@ class Store:
             if m is None or m.in_flight or m.fingerprint != fp or m.parent != prev:
                 break
             if m.ttl_deadline is not None and now >= m.ttl_deadline:
-                self._drop(m, reason="expired")
+                self._place.drop(m, reason="expired")
                 break
             out.append(m)
             prev = key
@@ -620,43 +385,18 @@ class Store:
             now = self._clock()
             chain = self._chain(tenant, spec, keys, now, parent)
             served = 0
-            idents = [(m.tenant, m.key) for m in chain if (m.tenant, m.key) not in self._protected]
-            self._protected.update(idents)
+            idents = [(m.tenant, m.key) for m in chain if (m.tenant, m.key) not in self._place.protected]
+            self._place.protected.update(idents)
             try:
                 for m in chain:
-                    if not self._serve(m, out(served), now):
+                    if not self._place.serve(m, out(served), now):
                         break
                     served += 1
             finally:
-                self._protected.difference_update(idents)
+                self._place.protected.difference_update(idents)
             self.counters.add("hits", served)
             self.counters.add("misses", len(keys) - served)
             return served
-
-    def _serve(self, meta: BlockMeta, dst: Any, now: float) -> bool:
-        first = self.tiers[0]
-        if meta.tier != first and meta.tier in (Tier.DRAM, Tier.NVME):
-            parent = self._index.get(meta.tenant, meta.parent)
-            if parent is None or parent.tier == first:
-                self._move(meta, first)  # promotion is best effort: serve from below if no room
-            if self._index.get(meta.tenant, meta.key) is not meta:
-                return False  # lost to an integrity failure while promoting
-        self.counters.add(f"hits_{meta.tier.label}")
-        ref = self._ref(meta)
-        if meta.tier == Tier.NVME:
-            assert self._nvme is not None
-            is_np = isinstance(dst, np.ndarray)
-            host = dst if is_np else (dst.numpy() if dst.device.type == "cpu"
-                                      else np.empty(ref.nbytes, np.uint8))
-            if not self._nvme.get_into(ref, host):
-                self._lost(meta)
-                return False
-            if not is_np and dst.device.type != "cpu":
-                copy_bytes(dst, host)
-        else:
-            self._mem[meta.tier].get_into(ref, dst)
-        self._touch(meta, now)
-        return True
 
     # -- delete / tenants / models ------------------------------------------------------------
     def delete(self, tenant: str, keys: Sequence[bytes]) -> int:
@@ -669,7 +409,7 @@ class Store:
             for key in keys:
                 m = self._index.get(tenant, key)
                 if m is not None:
-                    n += self._drop(m, reason="deleted")
+                    n += self._place.drop(m, reason="deleted")
             return n
 
     def drop_tenant(self, tenant: str) -> int:
@@ -680,10 +420,9 @@ class Store:
             n = 0
             for m in sorted(self._index.of_tenant(tenant), key=lambda m: -m.depth):
                 if self._index.get(m.tenant, m.key) is m:
-                    self._remove(m)
+                    self._place.remove(m)
                     n += 1
-            for k in [k for k in self._sessions if k[0] == tenant]:
-                del self._sessions[k]
+            self._sessions.drop_tenant(tenant)
             self._tenant_policy.pop(tenant, None)
             if self.keyring is not None:
                 self.keyring.destroy(tenant)
@@ -697,7 +436,7 @@ class Store:
             victims = sorted((m for m in self._index if m.fingerprint == fingerprint),
                              key=lambda m: -m.depth)
             for m in victims:
-                self._remove(m)
+                self._place.remove(m)
             self.counters.add("deleted", len(victims))
             return len(victims)
 
@@ -722,23 +461,20 @@ class Store:
             now = self._clock()
             n = 0
             for m in sorted(self._index, key=lambda m: m.depth):
-                if self._index.get(m.tenant, m.key) is m and self._expired(m, now):
-                    n += self._drop(m, reason="expired")
+                if self._index.get(m.tenant, m.key) is m and self._place.expired(m, now):
+                    n += self._place.drop(m, reason="expired")
             return n
 
     # -- sessions -----------------------------------------------------------------------------
-    def _session(self, tenant: str, session: str) -> _Session:
+    def _session(self, tenant: str, session: str) -> Session:
         self._check_tenant(tenant)
-        sess = self._sessions.get((tenant, session))
-        if sess is None:
-            raise NotFound(f"unknown session {session!r} of tenant {tenant!r}")
-        return sess
+        return self._sessions.get(tenant, session)
 
-    def _session_blocks(self, tenant: str, sess: _Session) -> list[BlockMeta]:
+    def _session_blocks(self, tenant: str, sess: Session) -> list[BlockMeta]:
         out = [self._index.get(tenant, k) for k in sess.keys]
         return [m for m in out if m is not None]
 
-    def _session_add(self, sess: _Session, meta: BlockMeta) -> None:
+    def _session_add(self, sess: Session, meta: BlockMeta) -> None:
         if meta.key in sess.keys:
             return
         sess.keys[meta.key] = None
@@ -755,7 +491,7 @@ class Store:
             raise InvalidArgument("session id must be a non-empty string")
         with self._lock:
             self._check_open()
-            self._sessions.setdefault((tenant, session), _Session(session, SessionState.ACTIVE))
+            self._sessions.open(tenant, session)
 
     def pause_session(self, tenant: str, session: str) -> int:
         """Unpin the session's blocks and demote them to DRAM (kept); returns blocks moved."""
@@ -774,16 +510,16 @@ class Store:
                 # The session's blocks are protected while it moves them, so making room in
                 # DRAM for one never pushes an already-moved one further down.
                 idents = [(m.tenant, m.key) for m in blocks]
-                self._protected.update(idents)
+                self._place.protected.update(idents)
                 try:
                     for m in sorted(blocks, key=lambda m: -m.depth):  # leaves first
                         if m.tier != Tier.HBM or m.pins:
                             continue
                         if any(c.tier == Tier.HBM for c in self._index.children(m)):
                             continue  # a shared prefix another HBM branch still needs
-                        moved += self._move(m, Tier.DRAM)
+                        moved += self._place.move(m, Tier.DRAM)
                 finally:
-                    self._protected.difference_update(idents)
+                    self._place.protected.difference_update(idents)
             return moved
 
     def resume_session(self, tenant: str, session: str) -> int:
@@ -798,7 +534,7 @@ class Store:
                 m.paused -= 1
                 m.pins += 1
             sess.state = SessionState.RESUMED
-            return self._promote(sorted(blocks, key=lambda m: m.depth))
+            return self._place.promote(sorted(blocks, key=lambda m: m.depth))
 
     def close_session(self, tenant: str, session: str) -> None:
         """Unpin the session's blocks; they stay as shareable prefix cache under policy."""
@@ -811,32 +547,11 @@ class Store:
                 else:
                     m.pins -= 1
                 m.sessions.discard(session)
-            del self._sessions[(tenant, session)]
+            self._sessions.remove(tenant, session)
 
     def session_state(self, tenant: str, session: str) -> SessionState:
         with self._lock:
             return self._session(tenant, session).state
-
-    def _promote(self, chain: list[BlockMeta], tier: Tier | None = None) -> int:
-        """Move a chain (ancestors first) up to ``tier``; stops at the first block that cannot
-        move, so the tier order holds at every step. The chain is protected meanwhile."""
-        target = tier if tier is not None else self.tiers[0]
-        moved = 0
-        idents = [(m.tenant, m.key) for m in chain if (m.tenant, m.key) not in self._protected]
-        self._protected.update(idents)
-        try:
-            for m in chain:
-                if m.tier <= target:
-                    continue
-                parent = self._index.get(m.tenant, m.parent)
-                if parent is not None and parent.tier > target:
-                    break
-                if not self._move(m, target):
-                    break
-                moved += 1
-        finally:
-            self._protected.difference_update(idents)
-        return moved
 
     def prefetch(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes],
                  tier: str | Tier = "hbm", *, parent: bytes | None = None) -> int:
@@ -849,7 +564,7 @@ class Store:
         keys = check_keys(keys)
         with self._lock, self._batch():
             self._check_open()
-            return self._promote(self._chain(tenant, spec, keys, self._clock(), _parent(parent)), t)
+            return self._place.promote(self._chain(tenant, spec, keys, self._clock(), _parent(parent)), t)
 
     # -- stats / lifecycle --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -857,14 +572,14 @@ class Store:
         with self._lock:
             tiers = {}
             for t in self.tiers:
-                u = self._backend(t).usage()
+                u = self._place.backend(t).usage()
                 tiers[t.label] = {"used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes,
                                   "blocks": u.blocks}
             c = self.counters.snapshot()
             if self._nvme is not None:
                 c["integrity_failures"] = c.get("integrity_failures", 0)
             tenants: dict[str, dict[str, int]] = {}
-            for (tenant, tier), n in self._tenant_usage.items():
+            for (tenant, tier), n in self._place.tenant_usage.items():
                 if n:
                     tenants.setdefault(tenant, {})[tier.label] = n
             return {
@@ -897,12 +612,12 @@ class Store:
                     continue  # a copy without its ancestors could never be served
                 if not self._nvme.can_fit(m.nbytes):
                     break
-                ref = self._ref(m)
+                ref = self._place.ref(m)
                 view = self._mem[m.tier].view(ref)
                 host = view.numpy() if view.device.type == "cpu" else view.cpu().numpy()
-                if self._write(Tier.NVME, ref, m, host):
+                if self._place.write(Tier.NVME, ref, m, host):
                     self._index.set_persisted(m, True)
-                    self._charge(m, Tier.NVME, +1)
+                    self._place.charge(m, Tier.NVME, +1)
                     n += 1
             self.counters.add("flushed", n)
             return n
@@ -926,3 +641,4 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+

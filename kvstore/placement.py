@@ -1,0 +1,333 @@
+"""Placement: the Store's mechanism for where block bytes live and how they move.
+
+It owns no policy (the :class:`policy.base.EvictionPolicy` ranks and decides) and no public
+API (the Store validates, locks and calls it). Primitives and what each guarantees:
+
+* ``insert_new`` — places a new block in the fastest allowed tier that can make room; never in
+  a faster tier than its parent (tier order along every path).
+* ``make_room``  — quota first (a tenant over quota evicts its own blocks only), then the
+  tier's watermarks: past ``high`` it evicts the policy's choices down to ``low``.
+* ``evict``      — demotes a leaf to the tier the policy names (if admitted and there is room),
+  else drops it with its subtree; pinned or in-flight blocks are never touched.
+* ``move``       — two-phase: the block is in flight (not a hit, not evictable) while its bytes
+  are copied; then published in the destination, or left where it was. Moving up out of NVMe
+  keeps the NVMe copy (``persisted``) so a crash cannot lose a committed block.
+* ``serve``      — copies one block out (promoting it first when its parent is already in the
+  top tier); a failed integrity check deletes the block and its dependants and counts it.
+
+Unsafe unless the caller holds the Store's lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from kernels.copy import copy_bytes
+from kvstore.block import BlockMeta, Tier
+from kvstore.config import StoreConfig
+from kvstore.errors import ResourceExhausted
+from kvstore.index import Ident, PrefixIndex
+from kvstore.sessions import SessionTable
+from kvstore.spec import ModelSpec
+from kvstore.stats import Counters
+from policy.base import EvictionPolicy
+from tiers.base import BlockRef
+from tiers.memory import MemoryTier
+from tiers.nvme import NVMeRecord, NVMeTier
+
+
+class Placement:
+    def __init__(self, *, config: StoreConfig, clock: Callable[[], float], index: PrefixIndex,
+                 specs: dict[bytes, ModelSpec], mem: dict[Tier, MemoryTier],
+                 nvme: NVMeTier | None, policy: EvictionPolicy, counters: Counters,
+                 sessions: SessionTable, quotas: Callable[[str, Tier], int | None]) -> None:
+        self.config = config
+        self._clock = clock
+        self._index = index
+        self._specs = specs
+        self._mem = mem
+        self._nvme = nvme
+        self.policy = policy
+        self.counters = counters
+        self._sessions = sessions
+        self._quota_of = quotas
+        self.tiers: list[Tier] = sorted([*mem, *([Tier.NVME] if nvme else [])])
+        #: blocks a running operation holds (its chain): never eviction candidates meanwhile
+        self.protected: set[Ident] = set()
+        self.tenant_usage: dict[tuple[str, Tier], int] = {}
+
+    def ref(self, meta: BlockMeta) -> BlockRef:
+        return BlockRef(meta.tenant, meta.key, self._specs[meta.fingerprint])
+
+    def backend(self, tier: Tier) -> Any:
+        if tier == Tier.NVME and self._nvme is not None:
+            return self._nvme
+        return self._mem[tier]
+
+    def charge(self, meta: BlockMeta, tier: Tier, sign: int) -> None:
+        k = (meta.tenant, tier)
+        self.tenant_usage[k] = self.tenant_usage.get(k, 0) + sign * meta.nbytes
+
+    @staticmethod
+    def expired(meta: BlockMeta, now: float) -> bool:
+        return meta.ttl_deadline is not None and now >= meta.ttl_deadline
+
+    def insert_new(self, tenant: str, spec: ModelSpec, key: bytes, parent: bytes, depth: int,
+                    data: Any, now: float, deadline: float | None, parent_tier: Tier,
+                    pinned: bool) -> BlockMeta:
+        meta = BlockMeta(key=key, tenant=tenant, fingerprint=spec.fingerprint, parent=parent,
+                         depth=depth, nbytes=spec.block_nbytes, tokens=spec.block_tokens,
+                         tier=parent_tier, created=now, last_access=now, access_count=1,
+                         ttl_deadline=deadline)
+        ref = BlockRef(tenant, key, spec)
+        # Session blocks must live in HBM (when there is one); others may spill down.
+        choices = [t for t in self.tiers if t >= parent_tier]
+        if pinned and Tier.HBM in self._mem:
+            choices = [Tier.HBM] if parent_tier == Tier.HBM else []
+        for tier in choices:
+            meta.tier = tier
+            if not self.make_room(tier, meta):
+                continue
+            if self.write(tier, ref, meta, data):
+                self._index.add(meta)
+                self.charge(meta, tier, +1)
+                self.policy.on_insert(meta, now)
+                return meta
+        raise ResourceExhausted(
+            f"no room for a {spec.block_nbytes}-byte block of tenant {tenant!r} in "
+            f"{[t.label for t in choices] or 'hbm'}: capacity is held by pinned or in-flight "
+            f"blocks, or the tenant's quota is reached", resource=choices[0].label if choices
+            else "hbm")
+
+    def write(self, tier: Tier, ref: BlockRef, meta: BlockMeta, data: Any) -> bool:
+        if tier == Tier.NVME:
+            assert self._nvme is not None
+            host = data.cpu().numpy() if isinstance(data, torch.Tensor) else data
+            ok = self._nvme.put_record(ref, host, self.record(meta))
+            if ok:
+                meta.persisted = True
+            return ok
+        return self._mem[tier].put(ref, data)
+
+    @staticmethod
+    def record(meta: BlockMeta) -> NVMeRecord:
+        return NVMeRecord(meta.tenant, meta.key, meta.parent, meta.depth, meta.tokens,
+                          meta.nbytes, meta.created, meta.ttl_deadline, meta.fingerprint)
+
+    def make_room(self, tier: Tier, meta: BlockMeta) -> bool:
+        """Evict until ``meta`` fits in ``tier`` within capacity, watermark and quota."""
+        backend = self.backend(tier)
+        need = backend.charge(meta.nbytes)
+        quota = self._quota_of(meta.tenant, tier)
+        if quota is not None:
+            if meta.nbytes > quota:
+                return False
+            while self.tenant_usage.get((meta.tenant, tier), 0) + meta.nbytes > quota:
+                if not self.evict_some(tier, tenant=meta.tenant):
+                    self.counters.add("quota_rejections")
+                    return False
+        cap = backend.capacity
+        if need > cap:
+            return False
+        high, low = self.config.high_watermark * cap, self.config.low_watermark * cap
+        used = backend.usage().used_bytes
+        if used + need <= high and backend.can_fit(meta.nbytes):
+            return True
+        target = min(low, cap - need)
+        while backend.usage().used_bytes + need > target or not backend.can_fit(meta.nbytes):
+            if not self.evict_some(tier):
+                break
+        return backend.usage().used_bytes + need <= cap and backend.can_fit(meta.nbytes)
+
+    def evict_some(self, tier: Tier, tenant: str | None = None) -> bool:
+        """Evict the policy's first choice among the evictable leaves; False if none."""
+        now = self._clock()
+        cands = self._index.candidates(tier, self.protected, tenant)
+        if tier == Tier.NVME:  # NVMe copies of blocks living above are evictable too
+            cands += [m for m in self._index.persisted_copies()
+                      if not m.in_flight and (m.tenant, m.key) not in self.protected
+                      and (tenant is None or m.tenant == tenant)]
+        if not cands:
+            return False
+        for victim in self.policy.rank(tier, cands, now):
+            if tier == Tier.NVME and victim.tier < Tier.NVME:
+                self.drop_copy(victim)
+                return True
+            if self.evict(victim, tier, now):
+                return True
+        return False
+
+    def evict(self, meta: BlockMeta, tier: Tier, now: float) -> bool:
+        slower = [t for t in self.tiers if t > tier]
+        dest = self.policy.demote_to(meta, tier, slower, now)
+        if dest is not None and self.policy.admit(meta, dest, now):
+            if meta.persisted and dest == Tier.NVME:
+                self.release(meta, tier)  # the NVMe copy is already committed
+                self._index.set_tier(meta, Tier.NVME)
+                self.counters.add("demotions")
+                return True
+            if self.move(meta, dest):
+                self.counters.add("demotions")
+                return True
+        sub = self._index.subtree(meta)
+        if any(m.pins or m.in_flight for m in sub):
+            return False
+        for m in sub:
+            self.remove(m)
+        self.counters.add("evictions", len(sub))
+        return True
+
+    def move(self, meta: BlockMeta, dest: Tier) -> bool:
+        """Move ``meta``'s bytes to ``dest``: prepare (in flight), copy, complete or abort.
+
+        Moving up out of NVMe copies (the NVMe copy stays); every other move frees the source.
+        """
+        src = meta.tier
+        ref = self.ref(meta)
+        meta.in_flight = True
+        ident = (meta.tenant, meta.key)
+        guard = ident not in self.protected  # NOTE: callers may hold their own protection
+        if guard:
+            self.protected.add(ident)
+        try:
+            if not self.make_room(dest, meta):
+                return False
+            if not self.copy(meta, ref, src, dest):
+                return False
+        finally:
+            meta.in_flight = False
+            if guard:
+                self.protected.discard(ident)
+        keep_src = src == Tier.NVME
+        if not keep_src:
+            self.release(meta, src)
+        self.charge(meta, dest, +1)
+        self._index.set_tier(meta, dest)
+        self.counters.add(f"moved_{src.label}_to_{dest.label}")
+        self.counters.add(f"bytes_{src.label}_to_{dest.label}", meta.nbytes)
+        return True
+
+    def copy(self, meta: BlockMeta, ref: BlockRef, src: Tier, dest: Tier) -> bool:
+        if dest == Tier.NVME:
+            view = self._mem[src].view(ref)
+            host = view.numpy() if view.device.type == "cpu" else view.cpu().numpy()
+            ok = self.write(Tier.NVME, ref, meta, host)
+            return ok
+        dst = self._mem[dest]
+        if not dst.reserve(ref):
+            return False
+        out = dst.view(ref)
+        if src == Tier.NVME:
+            assert self._nvme is not None
+            host = out.numpy() if out.device.type == "cpu" else np.empty(ref.nbytes, np.uint8)
+            if not self._nvme.get_into(ref, host):
+                dst.delete(ref)
+                self.lost(meta)
+                return False
+            if host is not None and out.device.type != "cpu":
+                copy_bytes(out, host)
+            return True
+        copy_bytes(out, self._mem[src].view(ref))
+        return True
+
+    def release(self, meta: BlockMeta, tier: Tier) -> None:
+        """Free ``meta``'s bytes in ``tier`` (not its NVMe copy unless ``tier`` is NVMe)."""
+        ref = self.ref(meta)
+        self.backend(tier).delete(ref)
+        self.charge(meta, tier, -1)
+
+    def drop_copy(self, meta: BlockMeta) -> None:
+        assert self._nvme is not None and meta.persisted and meta.tier < Tier.NVME
+        self._nvme.delete(self.ref(meta))
+        self.charge(meta, Tier.NVME, -1)
+        self._index.set_persisted(meta, False)
+        self.counters.add("nvme_copies_dropped")
+
+    def lost(self, meta: BlockMeta) -> None:
+        """An NVMe value failed its integrity check (the tier already deleted it)."""
+        self.counters.add("integrity_failures")
+        if self._index.get(meta.tenant, meta.key) is not meta:
+            return
+        self.charge(meta, Tier.NVME, -1)
+        self._index.set_persisted(meta, False)
+        if meta.tier == Tier.NVME or meta.in_flight:
+            meta.in_flight = False
+            for m in self._index.subtree(meta):
+                self.remove(m, nvme_gone=(m is meta))
+
+    def remove(self, meta: BlockMeta, nvme_gone: bool = False) -> None:
+        """Delete ``meta`` from every tier and the index (callers handle its subtree)."""
+        ref = self.ref(meta)
+        if meta.tier != Tier.NVME:
+            self.release(meta, meta.tier)
+        if meta.persisted and not nvme_gone and self._nvme is not None:
+            self._nvme.delete(ref)
+            self.charge(meta, Tier.NVME, -1)
+        elif meta.tier == Tier.NVME and not nvme_gone:
+            self._nvme.delete(ref)  # type: ignore[union-attr]
+            self.charge(meta, Tier.NVME, -1)
+        self._sessions.forget_block(meta)
+        self._index.remove(meta)
+        self.policy.on_remove(meta)
+
+    def drop(self, meta: BlockMeta, reason: str) -> int:
+        sub = self._index.subtree(meta)
+        for m in sub:
+            self.remove(m)
+        self.counters.add(reason, len(sub))
+        return len(sub)
+
+    def touch(self, meta: BlockMeta, now: float) -> None:
+        meta.last_access = now
+        meta.access_count += 1
+        self.policy.on_access(meta, now)
+
+    def serve(self, meta: BlockMeta, dst: Any, now: float) -> bool:
+        first = self.tiers[0]
+        if meta.tier != first and meta.tier in (Tier.DRAM, Tier.NVME):
+            parent = self._index.get(meta.tenant, meta.parent)
+            if parent is None or parent.tier == first:
+                self.move(meta, first)  # promotion is best effort: serve from below if no room
+            if self._index.get(meta.tenant, meta.key) is not meta:
+                return False  # lost to an integrity failure while promoting
+        self.counters.add(f"hits_{meta.tier.label}")
+        ref = self.ref(meta)
+        if meta.tier == Tier.NVME:
+            assert self._nvme is not None
+            is_np = isinstance(dst, np.ndarray)
+            host = dst if is_np else (dst.numpy() if dst.device.type == "cpu"
+                                      else np.empty(ref.nbytes, np.uint8))
+            if not self._nvme.get_into(ref, host):
+                self.lost(meta)
+                return False
+            if not is_np and dst.device.type != "cpu":
+                copy_bytes(dst, host)
+        else:
+            self._mem[meta.tier].get_into(ref, dst)
+        self.touch(meta, now)
+        return True
+
+    def promote(self, chain: list[BlockMeta], tier: Tier | None = None) -> int:
+        """Move a chain (ancestors first) up to ``tier``; stops at the first block that cannot
+        move, so the tier order holds at every step. The chain is protected meanwhile."""
+        target = tier if tier is not None else self.tiers[0]
+        moved = 0
+        idents = [(m.tenant, m.key) for m in chain if (m.tenant, m.key) not in self.protected]
+        self.protected.update(idents)
+        try:
+            for m in chain:
+                if m.tier <= target:
+                    continue
+                parent = self._index.get(m.tenant, m.parent)
+                if parent is not None and parent.tier > target:
+                    break
+                if not self.move(m, target):
+                    break
+                moved += 1
+        finally:
+            self.protected.difference_update(idents)
+        return moved
