@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvstore.errors import InvalidArgument
+from tiers.remote_config import RemoteConfig
 
 GiB = 1 << 30
 
@@ -66,6 +67,16 @@ class StoreConfig(BaseModel):
     default_ttl_s: Annotated[float, Field(gt=0)] | None = None
     """TTL of blocks whose tenant has no TTL policy; None = no expiry."""
 
+    remote: RemoteConfig | None = None
+    """The remote tier (Redis/Valkey, standalone or cluster) below the local tiers; None = off.
+    Values are encrypted with tenant data keys kept (wrapped) in Redis, so every server with
+    the same master key can serve blocks another server wrote."""
+
+    remote_write: Literal["demote", "through"] = "demote"
+    """``demote``: blocks reach the remote tier when evicted from the last local tier (if the
+    policy keeps them). ``through``: every new block is also queued to the remote tier at put
+    (cross-server sharing at once). Remote writes are asynchronous (bounded queue)."""
+
     @field_validator("master_key")
     @classmethod
     def _key_len(cls, v: bytes | None) -> bytes | None:
@@ -78,7 +89,7 @@ class StoreConfig(BaseModel):
         if self.low_watermark > self.high_watermark:
             raise ValueError("low_watermark must be <= high_watermark")
         if self.hbm_bytes == 0 and self.dram_bytes == 0 and self.nvme_bytes == 0:
-            raise ValueError("at least one tier needs a capacity > 0")
+            raise ValueError("at least one local tier needs a capacity > 0")
         return self
 
     @classmethod

@@ -38,13 +38,15 @@ from policy.base import EvictionPolicy
 from tiers.base import BlockRef
 from tiers.memory import MemoryTier
 from tiers.nvme import NVMeRecord, NVMeTier
+from tiers.remote import RemoteTier
 
 
 class Placement:
     def __init__(self, *, config: StoreConfig, clock: Callable[[], float], index: PrefixIndex,
                  specs: dict[bytes, ModelSpec], mem: dict[Tier, MemoryTier],
                  nvme: NVMeTier | None, policy: EvictionPolicy, counters: Counters,
-                 sessions: SessionTable, quotas: Callable[[str, Tier], int | None]) -> None:
+                 sessions: SessionTable, quotas: Callable[[str, Tier], int | None],
+                 remote: RemoteTier | None = None) -> None:
         self.config = config
         self._clock = clock
         self._index = index
@@ -55,6 +57,7 @@ class Placement:
         self.counters = counters
         self._sessions = sessions
         self._quota_of = quotas
+        self.remote = remote
         self.tiers: list[Tier] = sorted([*mem, *([Tier.NVME] if nvme else [])])
         #: blocks a running operation holds (its chain): never eviction candidates meanwhile
         self.protected: set[Ident] = set()
@@ -163,7 +166,15 @@ class Placement:
 
     def evict(self, meta: BlockMeta, tier: Tier, now: float) -> bool:
         slower = [t for t in self.tiers if t > tier]
+        if self.remote is not None:
+            slower.append(Tier.REMOTE)
         dest = self.policy.demote_to(meta, tier, slower, now)
+        if dest == Tier.REMOTE:
+            if self.policy.admit(meta, dest, now):
+                self.spill_remote(meta)
+                if self._index.get(meta.tenant, meta.key) is not meta:
+                    return True  # it failed its integrity check while being read: gone
+            dest = None  # the local copy goes either way
         if dest is not None and self.policy.admit(meta, dest, now):
             if meta.persisted and dest == Tier.NVME:
                 self.release(meta, tier)  # the NVMe copy is already committed
@@ -233,6 +244,29 @@ class Placement:
             return True
         copy_bytes(out, self._mem[src].view(ref))
         return True
+
+    def host_copy(self, meta: BlockMeta) -> np.ndarray | None:
+        """A fresh host copy of the block's bytes (None when its NVMe value is damaged)."""
+        ref = self.ref(meta)
+        host = np.empty(ref.nbytes, dtype=np.uint8)
+        if meta.tier == Tier.NVME:
+            assert self._nvme is not None
+            if not self._nvme.get_into(ref, host):
+                self.lost(meta)
+                return None
+        else:
+            copy_bytes(host, self._mem[meta.tier].view(ref))
+        return host
+
+    def spill_remote(self, meta: BlockMeta) -> bool:
+        """Queue a copy of ``meta`` to the remote tier (asynchronous; False when refused)."""
+        assert self.remote is not None
+        host = self.host_copy(meta)
+        if host is None:
+            return False
+        ok = self.remote.submit(self.ref(meta), host, ttl_deadline=meta.ttl_deadline)
+        self.counters.add("demotions_remote" if ok else "remote_queue_full")
+        return ok
 
     def release(self, meta: BlockMeta, tier: Tier) -> None:
         """Free ``meta``'s bytes in ``tier`` (not its NVMe copy unless ``tier`` is NVMe)."""

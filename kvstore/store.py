@@ -49,8 +49,11 @@ from kvstore.sessions import Session, SessionTable
 from kvstore.keys import ROOT_KEY, block_keys, check_keys
 from kvstore.spec import ModelSpec
 from kvstore.stats import Counters
+from kernels.copy import copy_bytes
+from tiers.base import BlockRef
 from tiers.memory import MemoryTier, default_device, dram_tier, hbm_tier
 from tiers.nvme import NVMeTier
+from tiers.remote import RemoteTier
 
 Clock = Callable[[], float]
 
@@ -114,11 +117,18 @@ class Store:
         if config.dram_bytes:
             self._mem[Tier.DRAM] = dram_tier(config.dram_bytes)
         self._nvme: NVMeTier | None = None
+        self._remote: RemoteTier | None = None
         self.keyring = None
-        if config.nvme_bytes:
-            self._nvme = NVMeTier(path / "nvme", config.nvme_bytes, durable=config.durable)
+        master = None
+        if config.nvme_bytes or config.remote is not None:
             master = load_master_key(config.master_key, key_file=config.master_key_file
                                      or path / "master.key", create=True)
+        if config.remote is not None:
+            assert master is not None
+            self._remote = RemoteTier.open(config.remote, master, clock=clock)
+        if config.nvme_bytes:
+            assert master is not None
+            self._nvme = NVMeTier(path / "nvme", config.nvme_bytes, durable=config.durable)
             self.keyring = Keyring(master, self._nvme.key_backend())
             self._nvme.codec = Codec(
                 CodecConfig(compression_level=config.compression_level,
@@ -127,7 +137,7 @@ class Store:
         self._place = Placement(config=config, clock=clock, index=self._index, specs=self._specs,
                                 mem=self._mem, nvme=self._nvme, policy=self.policy,
                                 counters=self.counters, sessions=self._sessions,
-                                quotas=self._quota)
+                                quotas=self._quota, remote=self._remote)
         self.tiers = self._place.tiers
         if self._nvme is not None:
             self._recover()
@@ -305,6 +315,10 @@ class Store:
             finally:
                 self._place.protected.difference_update(guarded)
             self.counters.add("blocks_put", len(inserted))
+            if self._remote is not None and self.config.remote_write == "through":
+                for m in inserted:
+                    if self._index.get(m.tenant, m.key) is m:
+                        self._place.spill_remote(m)
 
     # -- room: quotas, watermarks, eviction ---------------------------------------------------
     # -- moves (two-phase) --------------------------------------------------------------------
@@ -337,7 +351,12 @@ class Store:
             self._check_open()
             chain = self._chain(tenant, spec, keys, self._clock(), _parent(parent))
             self.counters.add("lookups")
-            return LookupResult(len(chain), [_LABELS[m.tier] for m in chain])
+            tiers = [_LABELS[m.tier] for m in chain]
+            if self._remote is not None and len(chain) < len(keys):
+                n = self._remote.prefix_len([BlockRef(tenant, k, spec)
+                                             for k in keys[len(chain):]])
+                tiers += ["remote"] * n
+            return LookupResult(len(tiers), tiers)
 
     def get(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes], *,
             device: str | torch.device | None = None, out: torch.Tensor | None = None,
@@ -392,6 +411,9 @@ class Store:
                     if not self._place.serve(m, out(served), now):
                         break
                     served += 1
+                if self._remote is not None and served == len(chain) < len(keys):
+                    served += self._get_remote(tenant, spec, keys, served, out, chain, parent,
+                                               now, idents)
             finally:
                 self._place.protected.difference_update(idents)
             self.counters.add("hits", served)
@@ -399,6 +421,44 @@ class Store:
             return served
 
     # -- delete / tenants / models ------------------------------------------------------------
+    def _get_remote(self, tenant: str, spec: ModelSpec, keys: list[bytes], start: int,
+                    out: Callable[[int], Any], chain: list[BlockMeta], parent: bytes,
+                    now: float, guard: list[Ident]) -> int:
+        """Serve ``keys[start:]`` from the remote tier (pipelined) and promote what came back
+        into the local tiers (best effort: a block that finds no room is still served)."""
+        assert self._remote is not None
+        self._register_spec(spec)
+        rest = keys[start:]
+        outs = [out(start + i) for i in range(len(rest))]
+        hosts = [o if isinstance(o, np.ndarray) else
+                 (o.numpy() if o.device.type == "cpu" else np.empty(spec.block_nbytes, np.uint8))
+                 for o in outs]
+        n = self._remote.get_prefix_into([BlockRef(tenant, k, spec) for k in rest], hosts[:])
+        for o, h in zip(outs[:n], hosts[:n]):
+            if not isinstance(o, np.ndarray) and o.device.type != "cpu":
+                copy_bytes(o, h)
+        self.counters.add("hits_remote", n)
+        # promotion: only under a parent that is resident here, so the tree stays whole
+        prev = chain[-1] if chain else self._index.get(tenant, parent)
+        if prev is None and parent != ROOT_KEY:
+            return n
+        deadline = self._ttl_deadline(tenant, None, now)
+        for i in range(n):
+            key, p = rest[i], (rest[i - 1] if i else (prev.key if prev else ROOT_KEY))
+            if self._index.get(tenant, key) is not None:
+                break
+            depth = (prev.depth + 1) if prev is not None else 0
+            try:
+                prev = self._place.insert_new(
+                    tenant, spec, key, p, depth, hosts[i], now, deadline,
+                    prev.tier if prev is not None else self.tiers[0], pinned=False)
+            except ResourceExhausted:
+                break
+            self._place.protected.add((tenant, key))
+            guard.append((tenant, key))
+            self.counters.add("promotions_remote")
+        return n
+
     def delete(self, tenant: str, keys: Sequence[bytes]) -> int:
         """Delete the blocks (and the descendants that depend on them); returns how many."""
         self._check_tenant(tenant)
@@ -410,6 +470,9 @@ class Store:
                 m = self._index.get(tenant, key)
                 if m is not None:
                     n += self._place.drop(m, reason="deleted")
+                if self._remote is not None:  # its remote copy, under every known model
+                    for spec in list(self._specs.values()):
+                        n += self._remote.delete(BlockRef(tenant, key, spec))
             return n
 
     def drop_tenant(self, tenant: str) -> int:
@@ -426,6 +489,8 @@ class Store:
             self._tenant_policy.pop(tenant, None)
             if self.keyring is not None:
                 self.keyring.destroy(tenant)
+            if self._remote is not None:  # destroys its shared data key, then its values
+                n += self._remote.delete_tenant(tenant)
             self.counters.add("deleted", n)
             return n
 
@@ -438,7 +503,10 @@ class Store:
             for m in victims:
                 self._place.remove(m)
             self.counters.add("deleted", len(victims))
-            return len(victims)
+            n = len(victims)
+            if self._remote is not None:
+                n += self._remote.delete_model(fingerprint)
+            return n
 
     def set_tenant_policy(self, tenant: str, ttl_s: float | None = None,
                           quota_bytes: dict[str, int] | None = None) -> None:
@@ -582,6 +650,13 @@ class Store:
             for (tenant, tier), n in self._place.tenant_usage.items():
                 if n:
                     tenants.setdefault(tenant, {})[tier.label] = n
+            if self._remote is not None:
+                u = self._remote.usage()
+                tiers["remote"] = {"used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes,
+                                   "blocks": u.blocks}
+                c.update({f"remote_{k}": v for k, v in self._remote.metrics().items()})
+                for tenant in tenants:
+                    tenants[tenant]["remote"] = self._remote.tenant_bytes(tenant)
             return {
                 "tiers": tiers,
                 "blocks": len(self._index),
@@ -596,9 +671,12 @@ class Store:
                 "policy": self.policy.name,
             }
 
-    def flush(self) -> int:
+    def flush(self, remote_timeout_s: float | None = 30.0) -> int:
         """Commit an NVMe copy of every block above NVMe that has none, ancestors first, as far
-        as the NVMe tier has room (nothing is evicted for it); returns how many were written."""
+        as the NVMe tier has room (nothing is evicted for it); returns how many were written.
+        Also waits (up to ``remote_timeout_s``) for the remote tier's queued writes."""
+        if self._remote is not None:
+            self._remote.flush(remote_timeout_s)
         with self._lock, self._batch():
             self._check_open()
             if self._nvme is None:
@@ -635,6 +713,8 @@ class Store:
                 t.close()
             if self._nvme is not None:
                 self._nvme.close()
+            if self._remote is not None:
+                self._remote.close()
 
     def __enter__(self) -> Store:
         return self

@@ -1,9 +1,8 @@
 """Two Stores ("servers" A and B) sharing one remote tier (issue 8).
 
 A prefix put through A is found by B's lookup (tier "remote") and served bit-exact by B's get,
-for the same tenant only. Needs the Store integration (``StoreConfig.remote``, write-through
-to the remote queue, lookups continuing into the remote tier, promotion on hit); until the lead
-wires it in, the test is an expected failure.
+for the same tenant only. Uses the Store integration: ``StoreConfig.remote``, write-through to the remote
+queue, lookups continuing into the remote tier, promotion on hit.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ def url(tmp_path: Path) -> Iterator[str]:
     procs.stop()
 
 
-@pytest.mark.xfail(reason="remote tier not wired into Store yet", strict=False)
 def test_prefix_put_on_a_is_served_by_b_same_tenant_only(tmp_path: Path, url: str) -> None:
     ns = f"test-{uuid.uuid4().hex[:12]}"
     remote = RemoteConfig(urls=[url], namespace=ns)
@@ -43,8 +41,8 @@ def test_prefix_put_on_a_is_served_by_b_same_tenant_only(tmp_path: Path, url: st
 
     def server(name: str) -> Store:
         cfg = StoreConfig(path=tmp_path / name, hbm_bytes=16 * n, dram_bytes=16 * n,
-                          nvme_bytes=64 * n, master_key=MASTER, remote=remote,  # type: ignore[call-arg]
-                          remote_write="through")  # type: ignore[call-arg]
+                          nvme_bytes=64 * n, master_key=MASTER, remote=remote,
+                          remote_write="through")
         return Store.open(cfg)
 
     a, b = server("a"), server("b")
@@ -76,3 +74,64 @@ def test_prefix_put_on_a_is_served_by_b_same_tenant_only(tmp_path: Path, url: st
         for k in raw.scan_iter(match=f"{ns}:*", count=1000):
             raw.unlink(k)
         raw.close()
+
+
+def _cleanup(url: str, ns: str) -> None:
+    raw = redis.Redis.from_url(url)
+    for k in raw.scan_iter(match=f"{ns}:*", count=1000):
+        raw.unlink(k)
+    raw.close()
+
+
+def test_blocks_evicted_from_the_last_local_tier_are_demoted_to_remote(tmp_path: Path,
+                                                                      url: str) -> None:
+    ns = f"test-{uuid.uuid4().hex[:12]}"
+    n = SPEC.block_nbytes
+    cfg = StoreConfig(path=tmp_path / "s", hbm_bytes=2 * n, dram_bytes=2 * n, nvme_bytes=2 * n,
+                      master_key=MASTER, remote=RemoteConfig(urls=[url], namespace=ns),
+                      high_watermark=1.0, low_watermark=1.0)
+    s = Store.open(cfg)
+    try:
+        chains = []
+        for c in range(4):  # 12 blocks through 6 local slots: the oldest go remote
+            toks = list(range(1000 * c, 1000 * c + 3 * SPEC.block_tokens))
+            keys = s.block_keys("acme", SPEC, toks)
+            kv = torch.randn((3, *SPEC.block_shape),
+                             generator=torch.Generator().manual_seed(c)).to(SPEC.torch_dtype)
+            s.put("acme", SPEC, keys, kv)
+            chains.append((keys, kv))
+        s.flush()
+        st = s.stats()
+        assert st["counters"].get("demotions_remote", 0) >= 6
+        keys0, kv0 = chains[0]
+        assert s.lookup("acme", SPEC, keys0).tiers == ["remote"] * 3
+        assert torch.equal(s.get("acme", SPEC, keys0), kv0)  # bit-exact from Redis
+        assert "remote" not in s.lookup("acme", SPEC, keys0).tiers[:1]  # promoted back
+        # the tenant's remote values go with the tenant
+        s.drop_tenant("acme")
+        for keys, _ in chains:
+            assert s.lookup("acme", SPEC, keys).num_blocks == 0
+    finally:
+        s.close()
+        _cleanup(url, ns)
+
+
+def test_remote_delete_and_purge(tmp_path: Path, url: str) -> None:
+    ns = f"test-{uuid.uuid4().hex[:12]}"
+    n = SPEC.block_nbytes
+    cfg = StoreConfig(path=tmp_path / "s", hbm_bytes=4 * n, dram_bytes=0, nvme_bytes=0,
+                      master_key=MASTER, remote=RemoteConfig(urls=[url], namespace=ns),
+                      remote_write="through")
+    s = Store.open(cfg)
+    try:
+        keys = s.block_keys("acme", SPEC, list(range(3 * SPEC.block_tokens)))
+        s.put("acme", SPEC, keys, torch.zeros((3, *SPEC.block_shape), dtype=torch.float16))
+        s.flush()
+        s.delete("acme", [keys[1]])
+        # locally gone from block 1 on; remotely block 1 is gone too, so the chain stops there
+        assert s.lookup("acme", SPEC, keys).tiers == ["hbm"]
+        s.purge_model(SPEC.fingerprint)
+        assert s.lookup("acme", SPEC, keys).num_blocks == 0
+    finally:
+        s.close()
+        _cleanup(url, ns)
