@@ -2,7 +2,7 @@
 
 CPU↔CPU copies go through numpy (one memcpy, no intra-op thread pool: LIMITS.md measured torch
 CPU copies with two intra-op threads collapsing to 0.26 GB/s when the other core is busy).
-Anything touching a GPU uses ``Tensor.copy_`` (``non_blocking`` when the host side is pinned).
+Anything touching a GPU uses a synchronous ``Tensor.copy_`` (DMA from/to pinned DRAM).
 """
 
 from __future__ import annotations
@@ -40,4 +40,6 @@ def copy_bytes(dst: Any, src: Any) -> None:
         st = torch.from_numpy(s if s.flags.writeable else s.copy())
     if dt.numel() != st.numel():
         raise ValueError(f"copy_bytes: length mismatch {dt.numel()} != {st.numel()}")
-    dt.copy_(st, non_blocking=st.is_pinned() or dt.is_pinned())
+    # NOTE: synchronous on purpose: a source slot may be freed and reused, or a destination read
+    # by numpy, right after this returns (an async D2H copy would race with both).
+    dt.copy_(st)

@@ -20,6 +20,17 @@ Value layout (little-endian)::
     header digest xxh3-128 of all of the above (unencrypted values only)
     payload       chunks back to back; encrypted chunks are ciphertext + 16-byte GCM tag
 
+Quantization (opt-in, per call): ``encode(..., quant=QuantScheme.INT8)`` (or a
+:class:`~kvstore.quantization.Quantization`, which also picks the key-scale granularity) stores
+the block's :mod:`kvstore.quantization` *payload* -- float32 scales then 1 byte per element --
+instead of its bytes: the header's quantization byte names the format, the raw length is the
+payload's, and the payload (scales included, so they are both authenticated and confidential) is
+chunked, compressed (1-byte data: no shuffle, zstd over the whole chunk) and encrypted or
+checksummed like any block. :meth:`Codec.decode` reads the format from the header and
+dequantizes into the spec's dtype: the result is within the bounds of :mod:`kernels.quant`, not
+bit-exact. A block holding inf/NaN, or one so short that the scales outweigh the saving, is
+stored lossless (check ``parse_header(value).quant``). Without ``quant`` values stay bit-exact.
+
 Encrypted chunk ``i`` is authenticated with associated data ``header || u32(i)``: the whole header
 (key, tenant, fingerprint, shape, lengths, every nonce) is bound into every tag, so a value
 cannot be replayed under another key, tenant or fingerprint, nor its chunks reordered or dropped.
@@ -50,15 +61,32 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+import torch
 import zstandard
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kernels.checksum import checksum
 from kernels.shuffle import shuffle_into, unshuffle_planes_into
-from kvstore.errors import FailedPrecondition, IntegrityError, InvalidArgument, ShapeMismatch
+from kvstore.errors import (
+    FailedPrecondition,
+    IntegrityError,
+    InvalidArgument,
+    ShapeMismatch,
+)
 from kvstore.keyring import Keyring
 from kvstore.keys import KEY_BYTES
+from kvstore.quantization import (
+    QUANT_NONE,
+    QuantArg,
+    Quantization,
+    QuantScheme,
+    as_quantization,
+    pack_payload,
+    quantizable,
+    unpack_payload_into,
+    worth_it,
+)
 from kvstore.spec import DTYPES, FINGERPRINT_BYTES, ModelSpec
 
 MAGIC = b"KVSV"
@@ -71,7 +99,6 @@ CHUNK_COMPRESSED = 0x01
 COMPRESSION_NONE = 0
 COMPRESSION_ZSTD_ALL = 1  # zstd over every byte plane of the chunk
 COMPRESSION_ZSTD_TOP = 2  # zstd over the top byte plane only; lower planes stored raw
-QUANT_NONE = 0
 
 TAG_BYTES = 16
 NONCE_BYTES = 12
@@ -141,6 +168,7 @@ class HeaderInfo:
     dtype: str
     shape: tuple[int, ...]
     raw_nbytes: int
+    """Bytes of the stored plaintext: the block, or the quantized payload."""
     chunk_bytes: int
     fingerprint: bytes
     key: bytes
@@ -149,6 +177,11 @@ class HeaderInfo:
     """(stored length, chunk flags, nonce or checksum) per chunk."""
     header_nbytes: int
     """Bytes of the header, chunk table and (unencrypted) header digest."""
+
+    @property
+    def quant(self) -> Quantization | None:
+        """The value's lossy format, None when it is stored lossless."""
+        return Quantization.from_format_id(self.quantization)
 
     @property
     def total_nbytes(self) -> int:
@@ -185,6 +218,10 @@ def parse_header(value: Any) -> HeaderInfo:
         raise IntegrityError(f"unknown compression id {comp}")
     if itemsize < 1 or chunk_bytes < itemsize or chunk_bytes % itemsize:
         raise IntegrityError("bad itemsize or chunk size")
+    try:
+        Quantization.from_format_id(quant)
+    except InvalidArgument:
+        raise IntegrityError(f"unknown quantization id {quant}") from None
     if n_chunks != -(-raw_len // chunk_bytes) or n_chunks == 0:
         raise IntegrityError("chunk count does not match the raw length")
     entry = _ENTRY_ENC if encrypted else _ENTRY_SUM
@@ -256,6 +293,18 @@ def _as_bytes_array(data: Any, what: str) -> np.ndarray:
     if not mv.contiguous:
         raise InvalidArgument(f"{what} must be contiguous")
     return np.frombuffer(mv.cast("B"), dtype=np.uint8)
+
+
+def _host(data: Any) -> Any:
+    """A torch tensor's bytes as a host numpy array (a view on CPU, a copy from a device)."""
+    if isinstance(data, torch.Tensor):
+        t = data.detach()
+        if not t.is_contiguous():
+            raise InvalidArgument("data must be contiguous")
+        t = t.reshape(-1)
+        t = t if t.dtype == torch.uint8 else t.view(torch.uint8)
+        return (t if t.device.type == "cpu" else t.cpu()).numpy()
+    return data
 
 
 class Codec:
@@ -349,12 +398,19 @@ class Codec:
         return self._keyring.data_key(tenant, create=create)
 
     def max_encoded_nbytes(self, spec: ModelSpec) -> int:
-        """Upper bound of ``len(encode(...))`` for ``spec`` under this config."""
-        chunk = self._chunk_for(spec.block_nbytes, spec.itemsize)
-        n = len(_chunk_ranges(spec.block_nbytes, chunk))
+        """Upper bound of ``len(encode(...))`` for ``spec`` under this config, whatever ``quant``
+        (a quantized payload is stored only when it is smaller than the block)."""
+        n = self._n_chunks(spec.block_nbytes, spec.itemsize)
+        for gran in ("channel", "head"):
+            q = Quantization("int8", gran)  # type: ignore[arg-type]  # fp8: same payload size
+            if worth_it(spec, q):
+                n = max(n, self._n_chunks(q.payload_nbytes(spec), 1))
         entry = _ENTRY_ENC.size + TAG_BYTES if self.config.encrypt else _ENTRY_SUM.size
         return (_FIXED.size + len(DTYPES[spec.dtype][0]) + 4 * len(spec.block_shape) + DIGEST_BYTES
                 + n * entry + spec.block_nbytes)
+
+    def _n_chunks(self, nbytes: int, unit: int) -> int:
+        return len(_chunk_ranges(nbytes, self._chunk_for(nbytes, unit)))
 
     def _chunk_for(self, nbytes: int, itemsize: int) -> int:
         """Chunk size for a value of ``nbytes``: at most ``chunk_bytes``, and small enough that
@@ -367,19 +423,27 @@ class Codec:
         return _effective_chunk(cb, itemsize)
 
     # -- encode -----------------------------------------------------------------------------
-    def encode(self, tenant: str, key: bytes, spec: ModelSpec, data: Any) -> memoryview:
+    def encode(self, tenant: str, key: bytes, spec: ModelSpec, data: Any, *,
+               quant: QuantArg = None) -> memoryview:
         """Encode one block (``spec.block_nbytes`` bytes of ``data``) into a new buffer.
 
+        ``data``: a contiguous numpy array, buffer or torch tensor (any device: with ``quant``
+        the block is quantized where it lives, so only the payload crosses to the host).
+        ``quant``: store the block quantized (see the module docstring); None = lossless.
         Returns a read-write, 1-D, unsigned-byte memoryview that owns its memory (LMDB and
-        redis-py accept it as is; ``bytes(value)`` copies it)."""
-        return self._encode(tenant, key, spec, data, None)[0]
+        redis-py accept it as is; ``bytes(value)`` copies it).
 
-    def encode_into(self, tenant: str, key: bytes, spec: ModelSpec, data: Any, out: Any) -> int:
+        Raises InvalidArgument for a ``quant`` on a spec whose dtype is not fp16/bf16/fp32."""
+        return self._encode(tenant, key, spec, data, None, quant)[0]
+
+    def encode_into(self, tenant: str, key: bytes, spec: ModelSpec, data: Any, out: Any, *,
+                    quant: QuantArg = None) -> int:
         """Encode into the writable buffer ``out`` (>= :meth:`max_encoded_nbytes`); returns the
         length written. Reusing ``out`` avoids the page faults of a fresh buffer per call."""
-        return self._encode(tenant, key, spec, data, out)[1]
+        return self._encode(tenant, key, spec, data, out, quant)[1]
 
-    def _encode(self, tenant: str, key: bytes, spec: ModelSpec, data: Any, out: Any) -> tuple[Any, int]:
+    def _encode(self, tenant: str, key: bytes, spec: ModelSpec, data: Any, out: Any,
+                quant: QuantArg) -> tuple[Any, int]:
         cfg = self.config
         if not isinstance(tenant, str) or not tenant:
             raise InvalidArgument("tenant must be a non-empty string")
@@ -387,12 +451,20 @@ class Codec:
             raise InvalidArgument(f"block key must be {KEY_BYTES} bytes")
         if not isinstance(spec, ModelSpec):
             raise InvalidArgument("spec must be a ModelSpec")
-        src = _as_bytes_array(data, "data")
+        q = as_quantization(quant)
+        if q is not None and not quantizable(spec):
+            raise InvalidArgument(f"blocks of dtype {spec.dtype!r} cannot be quantized "
+                                  "(only float16, bfloat16 and float32)")
+        payload = pack_payload(data, spec, q) if q is not None else None
         nbytes, itemsize = spec.block_nbytes, spec.itemsize
-        if src.size != nbytes:
-            raise ShapeMismatch(f"data has {src.size} bytes but the spec's block holds {nbytes}")
-        chunk = self._chunk_for(nbytes, itemsize)
-        ranges = _chunk_ranges(nbytes, chunk)
+        if payload is None:  # lossless: the block's own bytes, shuffled by itemsize
+            q, src, unit = None, _as_bytes_array(_host(data), "data"), itemsize
+            if src.size != nbytes:
+                raise ShapeMismatch(f"data has {src.size} bytes but the spec's block holds {nbytes}")
+        else:  # the quantized payload: 1-byte units, nothing to shuffle
+            src, unit = payload, 1
+        chunk = self._chunk_for(src.size, unit)
+        ranges = _chunk_ranges(src.size, chunk)
         n = len(ranges)
         data_key = self._data_key(tenant, create=True) if cfg.encrypt else None
         if cfg.compression_level == 0:
@@ -405,7 +477,8 @@ class Codec:
         dtype = DTYPES[spec.dtype][0].encode()
         shape = spec.block_shape
         prefix = _FIXED.pack(MAGIC, FORMAT_VERSION, FLAG_ENCRYPTED if data_key else FLAG_CHECKSUM, comp,
-                             QUANT_NONE, itemsize, len(dtype), len(shape), chunk, n, nbytes,
+                             q.format_id if q else QUANT_NONE, itemsize, len(dtype), len(shape),
+                             chunk, n, src.size,
                              _fingerprint(spec), bytes(key), tenant_hash(tenant))
         prefix += dtype + struct.pack(f"<{len(shape)}I", *shape)
         tag = TAG_BYTES if data_key else 0
@@ -419,13 +492,19 @@ class Codec:
             buf = self._scratch.acquire()
             try:
                 view = buf[:size]
-                shuffle_into(src[lo:hi], itemsize, view)
+                if unit == 1:  # nothing to shuffle: compress straight from the source
+                    plain = src[lo:hi]
+                else:
+                    shuffle_into(src[lo:hi], unit, view)
+                    plain = view
                 stored, flags = size, 0
-                start = size - size // itemsize if comp == COMPRESSION_ZSTD_TOP else 0
-                packed = self._zstd_c().compress(view[start:])
+                start = size - size // unit if comp == COMPRESSION_ZSTD_TOP else 0
+                packed = self._zstd_c().compress(plain[start:])
                 if len(packed) < size - start:  # else the chunk is stored raw (still shuffled)
                     stored, flags = start + len(packed), CHUNK_COMPRESSED
                     buf[start:stored] = np.frombuffer(packed, dtype=np.uint8)
+                elif unit == 1:
+                    np.copyto(view, plain)
                 digest = b"" if data_key else checksum(buf[:stored], seed=i)
             except BaseException:
                 self._scratch.release(buf)
@@ -521,7 +600,10 @@ class Codec:
     # -- decode -----------------------------------------------------------------------------
     def decode(self, tenant: str, key: bytes, spec: ModelSpec, value: Any,
                out: np.ndarray | None = None) -> np.ndarray:
-        """Decode ``value`` for (tenant, key, spec) into ``out`` (or a new array); see module doc."""
+        """Decode ``value`` for (tenant, key, spec) into ``out`` (or a new array); see module doc.
+
+        A quantized value is dequantized into the spec's dtype (the format is read from the
+        header; nothing to pass)."""
         cfg = self.config
         if not isinstance(tenant, str) or not tenant:
             raise InvalidArgument("tenant must be a non-empty string")
@@ -539,10 +621,13 @@ class Codec:
             raise IntegrityError("value is " + ("encrypted" if info.encrypted else "unencrypted")
                                  + " but this codec " + ("encrypts" if cfg.encrypt else "does not encrypt"))
         data_key = self._data_key(tenant, create=False) if info.encrypted else None
+        q = info.quant
+        # A quantized payload is restored into a scratch array, then dequantized into out.
+        dst, unit = (out, itemsize) if q is None else (np.empty(info.raw_nbytes, np.uint8), 1)
         mv = memoryview(value).cast("B")
         src = np.frombuffer(mv, dtype=np.uint8)
         header = bytes(mv[: info.header_nbytes])
-        ranges = _chunk_ranges(nbytes, info.chunk_bytes)
+        ranges = _chunk_ranges(info.raw_nbytes, info.chunk_bytes)
         tag = TAG_BYTES if data_key else 0
         offsets = [info.header_nbytes]
         for stored, _, _ in info.chunks:
@@ -556,16 +641,16 @@ class Codec:
             buf = None
             if info.compression == COMPRESSION_NONE:  # stored unshuffled: one pass into out
                 if data_key is not None:
-                    self._decrypt(data_key, extra, body, header, i, out[lo:hi])
+                    self._decrypt(data_key, extra, body, header, i, dst[lo:hi])
                 elif checksum(body, seed=i) != extra:
                     raise IntegrityError(f"chunk {i}: checksum mismatch")
                 else:
-                    np.copyto(out[lo:hi], body)
+                    np.copyto(dst[lo:hi], body)
                 return
             try:
                 if data_key is not None:
-                    if itemsize == 1 and not cflags:  # plaintext is the block itself
-                        self._decrypt(data_key, extra, body, header, i, out[lo:hi])
+                    if unit == 1 and not cflags:  # plaintext is the stored bytes themselves
+                        self._decrypt(data_key, extra, body, header, i, dst[lo:hi])
                         return
                     buf = self._scratch.acquire()
                     plain = buf[:stored]
@@ -574,12 +659,14 @@ class Codec:
                     if checksum(body, seed=i) != extra:
                         raise IntegrityError(f"chunk {i}: checksum mismatch")
                     plain = body
-                self._unpack(info.compression, cflags, plain, size, itemsize, out[lo:hi], i)
+                self._unpack(info.compression, cflags, plain, size, unit, dst[lo:hi], i)
             finally:
                 if buf is not None:
                     self._scratch.release(buf)
 
         self._parallel(restore, len(ranges))
+        if q is not None:
+            unpack_payload_into(dst, spec, q, out)
         return out
 
     @staticmethod
@@ -592,10 +679,15 @@ class Codec:
             raise IntegrityError("value belongs to another model spec (fingerprint mismatch)")
         if info.dtype != DTYPES[spec.dtype][0] or info.itemsize != spec.itemsize:
             raise IntegrityError(f"value dtype {info.dtype!r} does not match the spec's {spec.dtype!r}")
-        if info.shape != spec.block_shape or info.raw_nbytes != spec.block_nbytes:
+        if info.shape != spec.block_shape:
             raise IntegrityError(f"value shape {info.shape} does not match the spec's {spec.block_shape}")
-        if info.quantization != QUANT_NONE:
-            raise IntegrityError(f"unsupported quantization id {info.quantization}")
+        q = info.quant
+        if q is not None and not worth_it(spec, q):
+            raise IntegrityError(f"a {q} value is impossible for a {spec.dtype} block of this shape")
+        want = spec.block_nbytes if q is None else q.payload_nbytes(spec)
+        if info.raw_nbytes != want:
+            raise IntegrityError(f"value holds {info.raw_nbytes} bytes; a "
+                                 f"{q or 'lossless'} block of this spec holds {want}")
 
     @staticmethod
     def _decrypt(data_key: bytes, nonce: bytes, body: np.ndarray, header: bytes, i: int,
@@ -634,4 +726,5 @@ class Codec:
         unshuffle_planes_into(full_planes + tail_planes, dst)
 
 
-__all__ = ["Codec", "CodecConfig", "HeaderInfo", "parse_header", "tenant_hash", "FORMAT_VERSION"]
+__all__ = ["Codec", "CodecConfig", "HeaderInfo", "Quantization", "QuantScheme", "parse_header",
+           "tenant_hash", "FORMAT_VERSION"]

@@ -77,6 +77,20 @@ class StoreConfig(BaseModel):
     policy keeps them). ``through``: every new block is also queued to the remote tier at put
     (cross-server sharing at once). Remote writes are asynchronous (bounded queue)."""
 
+    nvme_quantization: str = "none"
+    """Default format of blocks written to NVMe: ``"none"`` = lossless (default), ``"int8"`` or
+    ``"fp8_e4m3"`` (per-channel key scales; add ``"/head"`` for per-head). Lossy: see the README
+    for the measured error. Per tenant: ``Store.set_tenant_policy(quantization=)``; per model:
+    ``Store.set_model_quantization``."""
+
+    @field_validator("nvme_quantization")
+    @classmethod
+    def _quant_name(cls, v: str) -> str:
+        from kvstore.quantization import Quantization  # local: keeps torch out of config import
+
+        Quantization.parse(v)  # InvalidArgument is a ValueError -> ValidationError
+        return v
+
     @field_validator("master_key")
     @classmethod
     def _key_len(cls, v: bytes | None) -> bytes | None:

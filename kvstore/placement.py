@@ -35,6 +35,7 @@ from kvstore.sessions import SessionTable
 from kvstore.spec import ModelSpec
 from kvstore.stats import Counters
 from policy.base import EvictionPolicy
+from policy.quantization import QuantizationPolicy
 from tiers.base import BlockRef
 from tiers.memory import MemoryTier
 from tiers.nvme import NVMeRecord, NVMeTier
@@ -46,7 +47,7 @@ class Placement:
                  specs: dict[bytes, ModelSpec], mem: dict[Tier, MemoryTier],
                  nvme: NVMeTier | None, policy: EvictionPolicy, counters: Counters,
                  sessions: SessionTable, quotas: Callable[[str, Tier], int | None],
-                 remote: RemoteTier | None = None) -> None:
+                 quant_policy: QuantizationPolicy, remote: RemoteTier | None = None) -> None:
         self.config = config
         self._clock = clock
         self._index = index
@@ -58,6 +59,7 @@ class Placement:
         self._sessions = sessions
         self._quota_of = quotas
         self.remote = remote
+        self.quant_policy = quant_policy
         self.tiers: list[Tier] = sorted([*mem, *([Tier.NVME] if nvme else [])])
         #: blocks a running operation holds (its chain): never eviction candidates meanwhile
         self.protected: set[Ident] = set()
@@ -110,7 +112,8 @@ class Placement:
         if tier == Tier.NVME:
             assert self._nvme is not None
             host = data.cpu().numpy() if isinstance(data, torch.Tensor) else data
-            ok = self._nvme.put_record(ref, host, self.record(meta))
+            ok = self._nvme.put_record(ref, host, self.record(meta),
+                                       quant=self.quant_policy.for_block(ref.tenant, ref.spec))
             if ok:
                 meta.persisted = True
             return ok

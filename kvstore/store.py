@@ -95,11 +95,13 @@ class Store:
         from kvstore.codec import Codec, CodecConfig
         from kvstore.keyring import Keyring, load_master_key
         from policy import make_policy
+        from policy.quantization import QuantizationPolicy
 
         self.config = config
         self._clock = clock
         self._lock = threading.RLock()
         self._closed = False
+        self.quant_policy = QuantizationPolicy.from_names(config.nvme_quantization)
         self._index = PrefixIndex()
         self._specs: dict[bytes, ModelSpec] = {}
         self._sessions = SessionTable()
@@ -137,7 +139,8 @@ class Store:
         self._place = Placement(config=config, clock=clock, index=self._index, specs=self._specs,
                                 mem=self._mem, nvme=self._nvme, policy=self.policy,
                                 counters=self.counters, sessions=self._sessions,
-                                quotas=self._quota, remote=self._remote)
+                                quotas=self._quota, quant_policy=self.quant_policy,
+                                remote=self._remote)
         self.tiers = self._place.tiers
         if self._nvme is not None:
             self._recover()
@@ -487,6 +490,7 @@ class Store:
                     n += 1
             self._sessions.drop_tenant(tenant)
             self._tenant_policy.pop(tenant, None)
+            self.quant_policy.forget_tenant(tenant)
             if self.keyring is not None:
                 self.keyring.destroy(tenant)
             if self._remote is not None:  # destroys its shared data key, then its values
@@ -509,8 +513,14 @@ class Store:
             return n
 
     def set_tenant_policy(self, tenant: str, ttl_s: float | None = None,
-                          quota_bytes: dict[str, int] | None = None) -> None:
-        """Per-tenant TTL (applies to blocks put from now on) and per-tier quotas in bytes."""
+                          quota_bytes: dict[str, int] | None = None,
+                          quantization: str | None = None) -> None:
+        """Per-tenant TTL (applies to blocks put from now on), per-tier quotas in bytes, and the
+        format of the tenant's blocks written to NVMe from now on: ``"int8"``, ``"fp8_e4m3"``
+        (``"/head"`` for per-head key scales), ``"none"`` = lossless even where a model rule
+        quantizes; None = no tenant rule (the model's rule or StoreConfig.nvme_quantization)."""
+        from kvstore.quantization import Quantization
+
         self._check_tenant(tenant)
         if ttl_s is not None and not ttl_s > 0:
             raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s}")
@@ -519,8 +529,25 @@ class Store:
             if not isinstance(q, int) or q < 0:
                 raise InvalidArgument(f"quota for {name!r} must be a non-negative int")
             quotas[Tier.parse(name)] = q
+        quant = Quantization.parse(quantization) if quantization is not None else None
         with self._lock:
             self._tenant_policy[tenant] = TenantPolicy(ttl_s, quotas)
+            if quantization is None:  # NOTE: "none" (quant None) is an explicit lossless rule
+                self.quant_policy.clear(tenant=tenant)
+            else:
+                self.quant_policy.set(quant, tenant=tenant)
+
+    def set_model_quantization(self, fingerprint: bytes, quantization: str | None) -> None:
+        """Format of a model's blocks written to NVMe from now on (see set_tenant_policy; a
+        tenant's own rule wins); None removes the model rule."""
+        from kvstore.quantization import Quantization
+
+        quant = Quantization.parse(quantization) if quantization is not None else None
+        with self._lock:
+            if quantization is None:  # NOTE: "none" (quant None) is an explicit lossless rule
+                self.quant_policy.clear(model=fingerprint)
+            else:
+                self.quant_policy.set(quant, model=fingerprint)
 
     def expire(self) -> int:
         """Delete every expired block from every tier; returns how many."""

@@ -27,6 +27,10 @@ class LRUPolicy:
     def on_remove(self, meta: BlockMeta) -> None:
         pass
 
+    def evict_key(self, meta: BlockMeta, tier: Tier, now: float) -> tuple[float, int]:
+        """Sort key of :meth:`rank` (the replay's fast path, ``policy.registry.KeyedPolicy``)."""
+        return (meta.last_access, -meta.depth)
+
     def rank(self, tier: Tier, candidates: Sequence[BlockMeta], now: float) -> list[BlockMeta]:
         # Ties (same access time) broken deepest first so a chain frees its tail first.
         return sorted(candidates, key=lambda m: (m.last_access, -m.depth))

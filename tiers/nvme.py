@@ -35,6 +35,7 @@ import numpy as np
 
 from kvstore.block import Tier
 from kvstore.errors import IntegrityError, ResourceExhausted
+from kvstore.quantization import Quantization
 from kvstore.spec import ModelSpec
 from tiers.base import BlockRef, TierUsage
 
@@ -173,8 +174,10 @@ class NVMeTier:
     def _dbkey(ref: BlockRef) -> bytes:
         return tenant_prefix(ref.tenant) + ref.key
 
-    def put_record(self, ref: BlockRef, data: np.ndarray, record: NVMeRecord) -> bool:
-        """Encode and commit value + record in one transaction. False when there is no room."""
+    def put_record(self, ref: BlockRef, data: np.ndarray, record: NVMeRecord,
+                   quant: Quantization | None = None) -> bool:
+        """Encode (quantized as ``quant``, None = lossless) and commit value + record in one
+        transaction. False when there is no room."""
         if ref.ident in self._sizes:
             return True
         if self._used + ref.nbytes > self.capacity:
@@ -184,7 +187,7 @@ class NVMeTier:
         need = self.codec.max_encoded_nbytes(ref.spec)
         if self._scratch.shape[0] < need:
             self._scratch = np.empty(need, dtype=np.uint8)
-        n = self.codec.encode_into(ref.tenant, ref.key, ref.spec, data, self._scratch)
+        n = self.codec.encode_into(ref.tenant, ref.key, ref.spec, data, self._scratch, quant=quant)
         value = memoryview(self._scratch)[:n]
         k = self._dbkey(ref)
         fp = ref.spec.fingerprint

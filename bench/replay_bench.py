@@ -1,0 +1,142 @@
+"""Replay benchmark: every policy at several HBM capacities, on the shared trace and ours.
+
+For each trace and capacity (DRAM = 3×, NVMe = 10× HBM) it replays ``lru``, ``gdsf``, ``cost``
+and ``belady`` and reports ``net_saved_time_fraction``, the share of the LRU→Belady gap each
+online policy closes (``(x − lru) / (belady − lru)``), NVMe bytes written and token hit rate.
+The replay is deterministic, so one run per cell is the figure; wall time per run is given
+for information. JSON on stdout, a table on stderr.
+
+    python bench/replay_bench.py                       # shared trace + 4 generated workloads
+    python bench/replay_bench.py --workloads none --capacities 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvstore.replay import ReplayConfig, make_replay_policy, run_replay
+from kvstore.workloads import WORKLOADS, WorkloadConfig, generate, load_trace
+
+SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+POLICIES = ("lru", "gdsf", "cost", "belady")
+
+
+def _trace(name: str, path: str, seed: int, requests: int):
+    if name == "mooncake":
+        return load_trace(path)
+    return generate(name, WorkloadConfig(requests=requests), seed=seed)  # type: ignore[arg-type]
+
+
+def _cell(args: tuple[str, str, int, int, int, str]) -> dict:
+    name, path, seed, requests, hbm, policy = args
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+    trace = _trace(name, path, seed, requests)
+    cfg = ReplayConfig.with_defaults(hbm)
+    pol = make_replay_policy(policy, cfg)
+    t0 = time.perf_counter()
+    r = run_replay(trace, cfg, pol)
+    wall = time.perf_counter() - t0
+    return {"trace": name, "seed": seed, "hbm_blocks": hbm, "policy": policy,
+            "net_saved_time_fraction": r.net_saved_time_fraction,
+            "token_hit_rate": r.token_hit_rate,
+            "nvme_bytes_written": r.bytes_written_by_tier["nvme"],
+            "dram_bytes_written": r.bytes_written_by_tier["dram"],
+            "block_hits_by_tier": r.block_hits_by_tier, "wall_s": round(wall, 2)}
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One entry per (trace, seed, capacity): per-policy figures and gap closed."""
+    cells: dict[tuple, dict[str, dict]] = {}
+    for row in rows:
+        cells.setdefault((row["trace"], row["seed"], row["hbm_blocks"]), {})[row["policy"]] = row
+    out = []
+    for (trace, seed, hbm), by in sorted(cells.items()):
+        entry: dict = {"trace": trace, "seed": seed, "hbm_blocks": hbm}
+        for p, row in by.items():
+            entry[p] = {"net_saved_time_fraction": round(row["net_saved_time_fraction"], 4),
+                        "nvme_written_tb": round(row["nvme_bytes_written"] / 1e12, 3),
+                        "token_hit_rate": round(row["token_hit_rate"], 4)}
+        if "lru" in by and "belady" in by:
+            lru = by["lru"]["net_saved_time_fraction"]
+            gap = by["belady"]["net_saved_time_fraction"] - lru
+            for p in by:
+                if p not in ("lru", "belady"):
+                    entry[p]["gap_closed"] = round(
+                        (by[p]["net_saved_time_fraction"] - lru) / gap, 3) if gap > 0 else None
+                    entry[p]["nvme_below_lru"] = by[p]["nvme_bytes_written"] < by["lru"]["nvme_bytes_written"]
+        out.append(entry)
+    return out
+
+
+def print_table(summary: list[dict], stream=sys.stderr) -> None:
+    head = f"{'trace':14s} {'hbm':>5s} " + " ".join(f"{p:>20s}" for p in POLICIES)
+    print("net_saved_time_fraction / NVMe TB written [gap closed]", file=stream)
+    print(head, file=stream)
+    for e in summary:
+        cols = []
+        for p in POLICIES:
+            if p not in e:
+                cols.append(f"{'-':>20s}")
+                continue
+            s = f"{e[p]['net_saved_time_fraction']:.4f}/{e[p]['nvme_written_tb']:.2f}"
+            if e[p].get("gap_closed") is not None:
+                s += f" [{e[p]['gap_closed']:.2f}]"
+            cols.append(f"{s:>20s}")
+        print(f"{e['trace'] + '#' + str(e['seed']):14s} {e['hbm_blocks']:5d} " + " ".join(cols), file=stream)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", default=str(SHARED_TRACE), help="shared Mooncake trace ('' to skip)")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help="generated workloads, comma-separated, or 'none'")
+    ap.add_argument("--seeds", default="1", help="seeds of the generated workloads, e.g. 1,2")
+    ap.add_argument("--requests", type=int, default=4000, help="requests per generated workload")
+    ap.add_argument("--capacities", default="400,1000,1500", help="HBM blocks, comma-separated")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--json", type=Path, default=None, help="also write the JSON here")
+    args = ap.parse_args(argv)
+
+    traces: list[tuple[str, str, int]] = []
+    if args.trace:
+        traces.append(("mooncake", args.trace, 0))
+    if args.workloads != "none":
+        for w in args.workloads.split(","):
+            for seed in (int(s) for s in args.seeds.split(",")):
+                traces.append((w, "", seed))
+    caps = [int(c) for c in args.capacities.split(",")]
+    jobs = [(n, p, s, args.requests, c, pol) for (n, p, s) in traces for c in caps
+            for pol in args.policies.split(",")]
+    t0 = time.perf_counter()
+    if args.jobs > 1:
+        with ProcessPoolExecutor(max_workers=args.jobs) as ex:
+            rows = list(ex.map(_cell, jobs))
+    else:
+        rows = [_cell(j) for j in jobs]
+    summary = summarize(rows)
+    doc = {"bench": "replay", "capacities": caps, "dram_factor": 3, "nvme_factor": 10,
+           "wall_s": round(time.perf_counter() - t0, 1), "summary": summary, "runs": rows}
+    print_table(summary)
+    text = json.dumps(doc, indent=1)
+    print(text)
+    if args.json is not None:
+        args.json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

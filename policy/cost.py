@@ -1,0 +1,144 @@
+"""The cost-aware placement policy (``cost``, the default).
+
+From :mod:`policy.reuse` (learned online) comes ``p``, the probability that a block like this
+one is read again; from :mod:`policy.cost_model` the time a hit saves in each tier.
+
+* **Value** of a block in tier ``t``: ``E[future reads] × gain(t) / bytes`` where
+  ``E[future reads] = p / (1 − p)`` (each read is followed by another with probability ``p``)
+  and ``gain(t) = saving(t) − saving(t+1)`` is what leaving the tier costs on each such read
+  (from the last tier, the whole ``saving(t)``).
+* **Eviction order**: greedy-dual — each block carries ``H = L_t + value``, stamped when it is
+  inserted, read or demoted into ``t``; the candidate with the lowest ``H`` goes first (ties:
+  deepest first) and ``L_t`` rises to each victim's ``H``, so blocks not read for a long time
+  lose to fresh ones unless they are valuable. Leaf-first and pinned-never are the Store's
+  candidate rules.
+* **Demotion / admission**: a victim goes to the next tier offered only when its expected
+  saving there, ``p × saving(dest)``, pays for writing it there,
+  ``write_cost_weight × bytes / bandwidth(dest)``; otherwise it is dropped. A block with
+  resident children is always demoted when possible (dropping it would strand them).
+
+Keys are stamped when the policy hears about a block (insert, read, demotion), so they are
+stable between notifications as :class:`policy.registry.KeyedPolicy` requires.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvstore.block import BlockMeta, Tier
+from kvstore.errors import InvalidArgument
+from policy.base import SpecLookup, register
+from policy.cost_model import CostModel, CostModelConfig, CostModels
+from policy.reuse import ReuseConfig, ReuseEstimator
+
+_LAST = Tier.NVME  # the slowest tier the cost model ranks against (REMOTE: treated as last)
+_P_MAX = 0.999  # caps E[future reads] at 999
+
+
+@dataclass(frozen=True, slots=True)
+class CostPolicyConfig:
+    """Knobs of the cost policy."""
+
+    costs: CostModelConfig = field(default_factory=CostModelConfig)
+    reuse: ReuseConfig = field(default_factory=ReuseConfig)
+    write_cost_weight: float = 0.1
+    """Weight of a background write's device time against foreground time saved, in [0, 10]."""
+    frequency_weight: float = 0.0
+    """Exponent of the access count multiplying the expected reads (GDSF uses 1), in [0, 4].
+    0 by default: the learned ``p`` already depends on the access count, and a larger
+    exponent helped shared-prompt traces but hurt agent and chat traces (see the note)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.write_cost_weight <= 10.0:
+            raise InvalidArgument("CostPolicyConfig.write_cost_weight must be in [0, 10]")
+        if not 0.0 <= self.frequency_weight <= 4.0:
+            raise InvalidArgument("CostPolicyConfig.frequency_weight must be in [0, 4]")
+
+
+class CostPolicy:
+    name = "cost"
+
+    def __init__(self, spec_lookup: SpecLookup | None = None,
+                 config: CostPolicyConfig | None = None) -> None:
+        self.config = config or CostPolicyConfig()
+        self._costs = CostModels(spec_lookup, self.config.costs)
+        self.reuse = ReuseEstimator(self.config.reuse)
+        self._level = [0.0] * len(Tier)
+        self._h: dict[bytes, float] = {}
+
+    # -- valuation --------------------------------------------------------------------------
+    def _model(self, meta: BlockMeta) -> CostModel:
+        return self._costs.get(meta.fingerprint, meta.tokens)
+
+    def gain(self, meta: BlockMeta, tier: Tier) -> float:
+        """Seconds lost on the next read if the block leaves ``tier`` for the next one."""
+        model = self._model(meta)
+        here = model.saving(meta.tokens, meta.depth, meta.nbytes, tier)
+        if tier >= _LAST:
+            return here
+        return here - model.saving(meta.tokens, meta.depth, meta.nbytes, Tier(tier + 1))
+
+    def expected_reads(self, meta: BlockMeta) -> float:
+        """p / (1 − p), times ``access_count ** frequency_weight``."""
+        p = min(self.reuse.probability(meta), _P_MAX)
+        reads = p / (1.0 - p)
+        if self.config.frequency_weight:
+            reads *= max(meta.access_count, 1) ** self.config.frequency_weight
+        return reads
+
+    def value(self, meta: BlockMeta, tier: Tier) -> float:
+        """Expected seconds lost per byte by evicting the block from ``tier``."""
+        return self.expected_reads(meta) * self.gain(meta, tier) / max(meta.nbytes, 1)
+
+    def _stamp(self, meta: BlockMeta, tier: Tier) -> None:
+        self._h[meta.key] = self._level[tier] + self.value(meta, tier)
+
+    # -- protocol ---------------------------------------------------------------------------
+    def on_insert(self, meta: BlockMeta, now: float) -> None:
+        self.reuse.on_insert(meta, now)
+        self._stamp(meta, meta.tier)
+
+    def on_access(self, meta: BlockMeta, now: float) -> None:
+        self.reuse.on_access(meta, now)
+        self._stamp(meta, Tier.HBM)  # a read brings the block to HBM
+
+    def on_remove(self, meta: BlockMeta) -> None:
+        self.reuse.on_remove(meta)
+        self._h.pop(meta.key, None)
+
+    def evict_key(self, meta: BlockMeta, tier: Tier, now: float) -> tuple[float, int]:
+        h = self._h.get(meta.key)
+        if h is None:
+            h = self._level[tier] + self.value(meta, tier)
+        return (h, -meta.depth)
+
+    def rank(self, tier: Tier, candidates: Sequence[BlockMeta], now: float) -> list[BlockMeta]:
+        return sorted(candidates, key=lambda m: self.evict_key(m, tier, now))
+
+    def worth_writing(self, meta: BlockMeta, dest: Tier) -> bool:
+        """Expected saving in ``dest`` pays for the write there (always, with children)."""
+        if meta.children > 0:
+            return True
+        model = self._model(meta)
+        expected = self.reuse.probability(meta) * model.saving(
+            meta.tokens, meta.depth, meta.nbytes, dest)
+        return expected >= self.config.write_cost_weight * model.restore_seconds(meta.nbytes, dest)
+
+    def demote_to(
+        self, meta: BlockMeta, src: Tier, available: Sequence[Tier], now: float
+    ) -> Tier | None:
+        h = self._h.get(meta.key)
+        if h is not None and h > self._level[src]:
+            self._level[src] = h
+        for dest in available:
+            if self.worth_writing(meta, dest):
+                self._stamp(meta, dest)
+                return dest
+        return None
+
+    def admit(self, meta: BlockMeta, tier: Tier, now: float) -> bool:
+        return self.worth_writing(meta, tier)
+
+
+register("cost", CostPolicy)

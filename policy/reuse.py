@@ -1,0 +1,204 @@
+"""Online reuse estimate: how likely a block is to be read again (DESIGN.md §4).
+
+The estimate is learned from what the Store tells the policy, not from constants tuned to one
+trace. Blocks are grouped in classes by what is known online:
+
+* ``partial`` — fewer tokens than a full block (a tail: only an identical prompt reuses it),
+* ``freq`` — accesses so far, bucketed 1, 2, 3, 4–7, 8–15, 16+ (a block read twice is read
+  again far more often than a block read once: the insight behind 2Q, ARC and TinyLFU; and
+  a session's blocks read many times stop being read when the session ends),
+* ``shared`` — it has had two or more children (a shared prefix).
+
+Each access starts an *episode* for the block's class; the episode succeeds when the block is
+read again, whether it was still resident (``on_access``) or had been removed and comes back
+(``on_insert`` of a key still remembered in a bounded ghost list), and the gap (seconds of
+the injected clock) is recorded. Per class this gives ``p`` = success rate (Beta(1, 1) prior)
+and ``mean_gap`` = mean time to the next read when there is one. Counts halve every
+``half_life_events`` episodes, so the estimates follow a changing workload. PAUSED sessions
+raise ``p`` (they come back), and so does a tenant hint.
+
+Derived quantities, modelling the gap as exponential with mean ``mean_gap`` (memoryless):
+
+* ``interval(meta)`` = mean_gap / p — the mean time between reads of blocks like this one;
+* ``p_alive(meta, age)`` — the posterior that a block idle for ``age`` seconds is read again;
+* ``p_within(meta, age, horizon)`` — the probability it is read again within ``horizon``.
+
+Time enters only through ``now`` arguments and the blocks' ``last_access``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvstore.block import BlockMeta
+from kvstore.errors import InvalidArgument
+
+#: access-count buckets: 1, 2, 3, 4-7, 8-15, 16+
+_FREQ_BUCKETS = 6
+#: number of classes: partial (2) x freq bucket x shared (2)
+N_CLASSES = 2 * _FREQ_BUCKETS * 2
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseConfig:
+    """Knobs of the reuse estimator."""
+
+    half_life_events: int = 50_000
+    """Episodes after which old counts weigh half, > 0."""
+    ghost_entries: int = 200_000
+    """Removed keys remembered to notice that a block came back, >= 0."""
+    paused_boost: float = 0.9
+    """A PAUSED session's block gets p' = 1 − (1 − p)(1 − paused_boost), in [0, 1]."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.half_life_events, int) or self.half_life_events <= 0:
+            raise InvalidArgument("ReuseConfig.half_life_events must be a positive int")
+        if not isinstance(self.ghost_entries, int) or self.ghost_entries < 0:
+            raise InvalidArgument("ReuseConfig.ghost_entries must be a non-negative int")
+        if not 0.0 <= self.paused_boost <= 1.0:
+            raise InvalidArgument("ReuseConfig.paused_boost must be in [0, 1]")
+
+
+def reuse_class(meta: BlockMeta, full_tokens: int, shared: bool) -> int:
+    partial = 1 if meta.tokens < full_tokens else 0
+    count = max(meta.access_count, 1)
+    freq = count - 1 if count <= 3 else min(count.bit_length(), _FREQ_BUCKETS - 1)
+    return (partial * _FREQ_BUCKETS + freq) * 2 + (1 if shared else 0)
+
+
+class ReuseEstimator:
+    """Per-class online reuse probabilities. Feed it every insert, access and removal."""
+
+    __slots__ = (
+        "_branch",
+        "_events",
+        "_full",
+        "_gaps",
+        "_ghost",
+        "_hints",
+        "_hits",
+        "_open",
+        "_trials",
+        "config",
+    )
+
+    def __init__(self, config: ReuseConfig | None = None) -> None:
+        self.config = config or ReuseConfig()
+        self._trials = [0.0] * N_CLASSES
+        self._hits = [0.0] * N_CLASSES
+        self._gaps = [0.0] * N_CLASSES  # sum of observed gaps (seconds)
+        # key -> (class of its open episode, time the episode started)
+        self._open: dict[bytes, tuple[int, float]] = {}
+        self._ghost: OrderedDict[bytes, tuple[int, float]] = OrderedDict()  # removed keys
+        self._branch: dict[bytes, int] = {}  # key -> children seen (capped at 2)
+        self._events = 0
+        self._full = 0  # largest token count seen in a block: what "full" means
+        self._hints: dict[str, float] = {}
+
+    # -- hints ------------------------------------------------------------------------------
+    def set_tenant_hint(self, tenant: str, probability: float | None) -> None:
+        """A floor on the reuse probability of a tenant's blocks (None clears it)."""
+        if probability is None:
+            self._hints.pop(tenant, None)
+            return
+        if not 0.0 <= probability <= 1.0:
+            raise InvalidArgument("tenant hint must be a probability in [0, 1]")
+        self._hints[tenant] = probability
+
+    # -- observation ------------------------------------------------------------------------
+    def _start(self, meta: BlockMeta, now: float) -> None:
+        c = self.klass(meta)
+        self._open[meta.key] = (c, now)
+        self._trials[c] += 1.0
+        self._events += 1
+        if self._events % self.config.half_life_events == 0:
+            self._trials = [x * 0.5 for x in self._trials]
+            self._hits = [x * 0.5 for x in self._hits]
+            self._gaps = [x * 0.5 for x in self._gaps]
+
+    def _success(self, episode: tuple[int, float] | None, now: float) -> None:
+        if episode is not None:
+            c, start = episode
+            self._hits[c] += 1.0
+            self._gaps[c] += max(0.0, now - start)
+
+    def on_insert(self, meta: BlockMeta, now: float) -> int | None:
+        """Start tracking a block; returns the class it had when it was removed if it is a
+        block that had been removed and came back (a *ghost hit*), else None."""
+        self._full = max(self._full, meta.tokens)
+        ghost = self._ghost.pop(meta.key, None)
+        self._success(ghost, now)
+        if meta.parent:
+            b = self._branch.get(meta.parent, 0)
+            if b < 2:
+                self._branch[meta.parent] = b + 1
+        self._start(meta, now)
+        return ghost[0] if ghost is not None else None
+
+    def on_access(self, meta: BlockMeta, now: float) -> None:
+        self._success(self._open.get(meta.key), now)
+        self._start(meta, now)
+
+    def on_remove(self, meta: BlockMeta) -> int | None:
+        """Forget a resident block (remember it as a ghost); returns its open class."""
+        c = self._open.pop(meta.key, None)  # (class, start) of the open episode
+        if c is None or self.config.ghost_entries == 0:
+            return None if c is None else c[0]
+        self._ghost[meta.key] = c
+        if len(self._ghost) > self.config.ghost_entries:
+            self._ghost.popitem(last=False)
+            # NOTE: the branch memory is bounded the same way, by forgetting the oldest keys.
+        if len(self._branch) > 2 * self.config.ghost_entries:
+            for k in list(self._branch)[: self.config.ghost_entries]:
+                del self._branch[k]
+        return c[0]
+
+    # -- estimate ---------------------------------------------------------------------------
+    def klass(self, meta: BlockMeta) -> int:
+        shared = self._branch.get(meta.key, 0) >= 2
+        return reuse_class(meta, max(self._full, meta.tokens), shared)
+
+    def class_probability(self, c: int) -> float:
+        # NOTE: decay can halve an episode's trial before its success is counted: clamp.
+        return (min(self._hits[c], self._trials[c]) + 1.0) / (self._trials[c] + 2.0)
+
+    def _class_gap(self, c: int) -> float:
+        all_hits = sum(self._hits)
+        prior = sum(self._gaps) / all_hits if all_hits > 0 else 1.0
+        return (self._gaps[c] + prior) / (self._hits[c] + 1.0)
+
+    def mean_gap(self, meta: BlockMeta) -> float:
+        """Mean seconds to the next read of a block of this class, when it is read again.
+
+        A class with no observed gap borrows the mean over all classes (1 s if none yet)."""
+        return self._class_gap(self.klass(meta))
+
+    def interval(self, meta: BlockMeta) -> float:
+        """Mean seconds between reads of blocks like this one: mean_gap / p."""
+        return self.mean_gap(meta) / self.probability(meta)
+
+    def p_alive(self, meta: BlockMeta, age: float) -> float:
+        """P(read again | idle for ``age`` seconds), exponential gaps."""
+        p = self.probability(meta)
+        stay = p * math.exp(-max(0.0, age) / max(self.mean_gap(meta), 1e-9))
+        return stay / (1.0 - p + stay)
+
+    def p_within(self, meta: BlockMeta, age: float, horizon: float) -> float:
+        """P(read again within the next ``horizon`` seconds | idle for ``age`` seconds)."""
+        if horizon <= 0.0:
+            return 0.0
+        if math.isinf(horizon):
+            return self.p_alive(meta, age)
+        return self.p_alive(meta, age) * -math.expm1(-horizon / max(self.mean_gap(meta), 1e-9))
+
+    def probability(self, meta: BlockMeta) -> float:
+        """P(the block is read again), in (0, 1)."""
+        p = self.class_probability(self.klass(meta))
+        if meta.paused > 0:
+            p = 1.0 - (1.0 - p) * (1.0 - self.config.paused_boost)
+        hint = self._hints.get(meta.tenant)
+        if hint is not None:
+            p = max(p, hint)
+        return p

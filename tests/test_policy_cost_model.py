@@ -1,0 +1,117 @@
+"""Cost model against hand-computed values (issue 3)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.block import BlockMeta, Tier
+from kvstore.errors import InvalidArgument
+from kvstore.spec import ModelSpec
+from policy.cost import CostPolicy
+from policy.cost_model import CostModel, CostModelConfig, CostModels
+
+LLAMA = ModelSpec(model="llama-3-8b", revision="0", num_layers=32, num_kv_heads=8, head_dim=128,
+                  dtype="float16", block_tokens=512, num_params=8_000_000_000, hidden_size=4096)
+
+
+def test_block_bytes_of_the_replay_model():
+    # 2 (K,V) x 32 layers x 8 heads x 512 tokens x 128 dims x 2 bytes
+    assert LLAMA.block_nbytes == 67_108_864
+
+
+def test_recompute_flops_at_depth_zero():
+    # 2*8e9*512 + 4*32*4096*512*(0*512 + 256) = 8.192e12 + 6.8719476736e10
+    assert CostModel(LLAMA).recompute_flops(512, 0) == pytest.approx(8.260719476736e12, rel=1e-12)
+
+
+def test_recompute_flops_grow_with_depth():
+    # attention part at block 3: 4*32*4096*512*(3*512 + 256) = 268435456 * 1792
+    assert CostModel(LLAMA).recompute_flops(512, 3) == pytest.approx(
+        8.192e12 + 268_435_456 * 1792, rel=1e-12)
+
+
+def test_partial_block_flops():
+    # n = 100 tokens at block 2: 2*8e9*100 + 4*32*4096*100*(1024 + 50)
+    assert CostModel(LLAMA).recompute_flops(100, 2) == pytest.approx(
+        1.6e12 + 4 * 32 * 4096 * 100 * 1074, rel=1e-12)
+
+
+def test_recompute_seconds_at_400_tflops():
+    assert CostModel(LLAMA).recompute_seconds(512, 0) == pytest.approx(8.260719476736e12 / 4e14)
+
+
+@pytest.mark.parametrize("tier,seconds", [
+    (Tier.HBM, 0.0), (Tier.DRAM, 67_108_864 / 25e9), (Tier.NVME, 67_108_864 / 5e9),
+    (Tier.REMOTE, 67_108_864 / 1.25e9),
+])
+def test_restore_seconds_by_tier(tier, seconds):
+    assert CostModel(LLAMA).restore_seconds(67_108_864, tier) == pytest.approx(seconds)
+
+
+def test_saving_is_recompute_minus_restore_and_never_negative():
+    model = CostModel(LLAMA)
+    assert model.saving(512, 0, LLAMA.block_nbytes, Tier.NVME) == pytest.approx(
+        8.260719476736e12 / 4e14 - 67_108_864 / 5e9)
+    # one token is cheaper to recompute than 64 MiB is to read back from NVMe
+    assert model.saving(1, 0, LLAMA.block_nbytes, Tier.NVME) == 0.0
+
+
+def test_spec_sizes_win_over_config_fallbacks():
+    spec = ModelSpec(model="m", revision="0", num_layers=2, num_kv_heads=1, head_dim=4,
+                     block_tokens=8)  # num_params = hidden_size = 0: unknown
+    cfg = CostModelConfig(num_params=1000, hidden_size=16, flops_per_s=1e3)
+    model = CostModel(spec, cfg)
+    # 2*1000*8 + 4*2*16*8*(1*8 + 4)
+    assert model.recompute_flops(8, 1) == 16_000 + 4 * 2 * 16 * 8 * 12
+    spec2 = ModelSpec(model="m", revision="0", num_layers=2, num_kv_heads=1, head_dim=4,
+                      block_tokens=8, num_params=10, hidden_size=2)
+    assert CostModel(spec2, cfg).recompute_flops(8, 0) == 2 * 10 * 8 + 4 * 2 * 2 * 8 * 4
+
+
+@pytest.mark.parametrize("bad", [
+    {"flops_per_s": 0}, {"flops_per_s": -1.0}, {"flops_per_s": 2e18}, {"dram_gbps": 0},
+    {"nvme_gbps": -5}, {"remote_gbps": 1e5}, {"num_params": 0}, {"num_params": True},
+    {"hidden_size": 1.5}, {"dram_gbps": "fast"},
+])
+def test_config_bounds_are_checked(bad):
+    with pytest.raises(InvalidArgument):
+        CostModelConfig(**bad)
+
+
+def test_negative_tokens_or_depth_are_rejected():
+    with pytest.raises(InvalidArgument):
+        CostModel(LLAMA).recompute_flops(-1, 0)
+
+
+def test_unknown_fingerprint_uses_the_fallback_spec():
+    models = CostModels(lambda fp: None)
+    model = models.get(b"x" * 16, 512)
+    assert model.recompute_flops(512, 0) == pytest.approx(8.260719476736e12)
+    known = CostModels(lambda fp: LLAMA if fp == LLAMA.fingerprint else None)
+    assert known.get(LLAMA.fingerprint, 7).spec is LLAMA
+
+
+def _meta(key: bytes, depth: int, tokens: int = 512) -> BlockMeta:
+    return BlockMeta(key=key, tenant="t", fingerprint=LLAMA.fingerprint, parent=b"", depth=depth,
+                     nbytes=LLAMA.block_nbytes, tokens=tokens, tier=Tier.HBM, created=0.0,
+                     last_access=0.0, access_count=1)
+
+
+def test_cost_policy_gain_per_tier_by_hand():
+    pol = CostPolicy(lambda fp: LLAMA if fp == LLAMA.fingerprint else None)
+    m = _meta(b"a", 0)
+    rec = 8.260719476736e12 / 4e14
+    dram, nvme = 67_108_864 / 25e9, 67_108_864 / 5e9
+    assert pol.gain(m, Tier.HBM) == pytest.approx(dram)  # rec - (rec - dram)
+    assert pol.gain(m, Tier.DRAM) == pytest.approx(nvme - dram)
+    assert pol.gain(m, Tier.NVME) == pytest.approx(rec - nvme)
+
+
+def test_deep_blocks_are_worth_keeping_longer_in_nvme():
+    pol = CostPolicy(lambda fp: LLAMA if fp == LLAMA.fingerprint else None)
+    shallow, deep = _meta(b"s", 0), _meta(b"d", 60)
+    shallow.tier = deep.tier = Tier.NVME  # inserted there: stamped with NVMe's gain
+    pol.on_insert(shallow, 0.0)
+    pol.on_insert(deep, 0.0)
+    assert pol.value(deep, Tier.NVME) > pol.value(shallow, Tier.NVME)
+    assert pol.rank(Tier.NVME, [deep, shallow], 1.0) == [shallow, deep]

@@ -1,0 +1,169 @@
+"""Trace replay on small hand-written traces whose LRU and Belady results are worked out by
+hand in the comments, plus the trace format and the ``kvstore replay`` command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvstore.errors import InvalidArgument
+from kvstore.replay import ReplayConfig, make_replay_policy, replay_spec, run_replay
+from kvstore.workloads import TraceRequest, generate, load_trace, write_trace
+from policy.cost_model import CostModelConfig
+
+# A tiny model so the arithmetic is easy: block = 4 tokens, 32 bytes.
+SPEC = replay_spec(num_layers=1, num_kv_heads=1, head_dim=2, block_tokens=4, num_params=1000,
+                   hidden_size=8)
+# Recompute of a full block at depth 0: 2*1000*4 + 4*1*8*4*(0 + 2) = 8256 FLOPs -> 8.256 s at
+# 1000 FLOP/s. Restore of 32 bytes from DRAM at 1e-8 GB/s (10 B/s) = 3.2 s.
+COSTS = CostModelConfig(flops_per_s=1e3, dram_gbps=1e-8, nvme_gbps=1e-8, num_params=1000,
+                        hidden_size=8)
+REC = 8.256
+
+
+def req(t: int, *ids: int, tokens: int | None = None) -> TraceRequest:
+    return TraceRequest(timestamp_ms=1000.0 * t, input_length=tokens or 4 * len(ids),
+                        output_length=1, hash_ids=ids)
+
+
+def replay(trace, policy, hbm, dram=0, nvme=0):
+    cfg = ReplayConfig(hbm_blocks=hbm, dram_blocks=dram, nvme_blocks=nvme, spec=SPEC, costs=COSTS)
+    return run_replay(trace, cfg, make_replay_policy(policy, cfg), check_invariants=True)
+
+
+# HBM only, 2 blocks. Requests: 1, 2, 1, 3, 2, 1.
+#   LRU:    1 miss {1}; 2 miss {1,2}; 1 HIT; 3 miss, evict 2 (older) {1,3};
+#           2 miss, evict 1 {3,2}; 1 miss, evict 3 {2,1}                      -> 1 hit
+#   Belady: same until 3: evict 1 (next use: request 5) rather than 2 (request 4) {2,3};
+#           2 HIT; 1 miss                                                      -> 2 hits
+HBM_ONLY = [req(0, 1), req(1, 2), req(2, 1), req(3, 3), req(4, 2), req(5, 1)]
+
+
+def test_hbm_only_lru_by_hand():
+    r = replay(HBM_ONLY, "lru", hbm=2)
+    assert r.block_hits_by_tier == {"hbm": 1, "dram": 0, "nvme": 0}
+    assert r.token_hit_rate == pytest.approx(1 / 6)
+    # HBM hits restore for free: time saved = FLOPs saved
+    assert r.net_saved_time_fraction == pytest.approx(1 / 6)
+    assert r.saved_flops_fraction == pytest.approx(1 / 6)
+    assert r.evictions_by_tier["hbm"] == 3
+
+
+def test_hbm_only_belady_by_hand():
+    r = replay(HBM_ONLY, "belady", hbm=2)
+    assert r.block_hits_by_tier == {"hbm": 2, "dram": 0, "nvme": 0}
+    assert r.net_saved_time_fraction == pytest.approx(2 / 6)
+
+
+# HBM 1 block, DRAM 1 block. Requests: 1, 2, 1, 2.
+#   LRU:  1 miss {H:1}; 2 miss: 1 demoted {H:2, D:1};
+#         1 HIT in DRAM, pinned; promoting it needs HBM room: 2 is evicted, but DRAM is full of
+#         the pinned 1, so 2 is dropped; 1 moves up {H:1};
+#         2 miss: 1 demoted {H:2, D:1}.
+#   hits: 1 in DRAM, saving 8.256 - 3.2 s of 4 x 8.256 s; written to DRAM: 2 blocks (64 B);
+#   promoted 1 block (32 B); HBM evictions 3 (one of them dropped).
+#   Belady: the same, except at the last request: block 1 is never used again, so it is
+#   dropped instead of demoted -> DRAM written 32 B, 2 drops.
+TWO_TIERS = [req(0, 1), req(1, 2), req(2, 1), req(3, 2)]
+
+
+@pytest.mark.parametrize("policy", ["lru", "belady"])
+def test_promotion_and_demotion_by_hand(policy):
+    r = replay(TWO_TIERS, policy, hbm=1, dram=1)
+    assert r.block_hits_by_tier == {"hbm": 0, "dram": 1, "nvme": 0}
+    assert r.net_saved_s == pytest.approx(REC - 3.2)
+    assert r.net_saved_time_fraction == pytest.approx((REC - 3.2) / (4 * REC))
+    assert r.bytes_written_by_tier["dram"] == (64 if policy == "lru" else 32)
+    assert r.bytes_promoted == 32
+    assert r.evictions_by_tier["hbm"] == 3
+    assert r.drops_by_tier["hbm"] == (1 if policy == "lru" else 2)
+
+
+# Prefix tree, HBM 3 blocks. Requests: [1,2,3], [1,2,4], [1,2,3].
+#   LRU:  miss x3 {1,2,3}; hits 1,2 then 4 misses: the only candidate (unpinned, no child in
+#         HBM) is 3 -> {1,2,4}; hits 1,2, 3 misses: evict 4 -> {1,2,3}.  Hits: 4 of 9 blocks.
+#   Belady: the same (3 and 4 are the only candidates each time).            Hits: 4.
+PREFIX = [req(0, 1, 2, 3), req(1, 1, 2, 4), req(2, 1, 2, 3)]
+
+
+@pytest.mark.parametrize("policy", ["lru", "belady", "gdsf", "cost"])
+def test_prefix_hits_and_leaf_first_eviction(policy):
+    r = replay(PREFIX, policy, hbm=3)
+    assert r.block_hits_by_tier["hbm"] == 4
+    assert r.evictions_by_tier["hbm"] == 2
+
+
+def test_hit_stops_at_the_first_missing_block():
+    # [1,2,3] then [1,9,3]: 9 is not a child of 1 in the cache, so only 1 hits; and hash id 3
+    # would then sit under two parents, which the trace format forbids.
+    with pytest.raises(InvalidArgument):
+        replay([req(0, 1, 2, 3), req(1, 1, 9, 3)], "lru", hbm=8)
+    r = replay([req(0, 1, 2, 3), req(1, 1, 9, 10)], "lru", hbm=8)
+    assert r.block_hits_by_tier["hbm"] == 1
+
+
+def test_partial_tail_tokens_are_counted():
+    # 3 blocks, last one holds 2 tokens: 4 + 4 + 2 = 10 tokens; second time all hit
+    r = replay([req(0, 1, 2, 3, tokens=10), req(1, 1, 2, 3, tokens=10)], "lru", hbm=4)
+    assert r.total_tokens == 20
+    assert r.token_hit_rate == pytest.approx(0.5)
+
+
+def test_result_json_has_the_issue_keys():
+    r = replay(HBM_ONLY, "cost", hbm=2, dram=2, nvme=2).to_dict()
+    for key in ("token_hit_rate", "block_hits_by_tier", "saved_flops_fraction",
+                "net_saved_time_fraction", "bytes_written_by_tier", "bytes_promoted",
+                "evictions_by_tier", "requests"):
+        assert key in r
+    json.dumps(r)
+
+
+def test_trace_round_trip_and_bad_lines(tmp_path):
+    trace = generate("chat", seed=3)[:50]
+    path = tmp_path / "t.jsonl"
+    write_trace(path, trace)
+    assert load_trace(path) == trace
+    (tmp_path / "bad.jsonl").write_text('{"timestamp": 0, "hash_ids": [1]}\n')
+    with pytest.raises(InvalidArgument):
+        load_trace(tmp_path / "bad.jsonl")
+
+
+@pytest.mark.parametrize("kind", ["chat", "agent", "shared_prompt", "tenants"])
+def test_generators_are_seeded_and_well_formed(kind):
+    a, b = generate(kind, seed=7), generate(kind, seed=7)
+    assert a == b and a != generate(kind, seed=8)
+    parents: dict[int, int | None] = {}
+    for r in a:
+        assert len(r.hash_ids) == -(-r.input_length // 512)
+        prev = None
+        for h in r.hash_ids:
+            assert parents.setdefault(h, prev) == prev  # one parent per id: a prefix tree
+            prev = h
+    assert [r.timestamp_ms for r in a] == sorted(r.timestamp_ms for r in a)
+
+
+def test_cli_replay_writes_json(tmp_path):
+    import typer
+
+    from kvstore.cli_replay import replay as replay_cmd
+
+    app = typer.Typer()  # registered the way kvstore/cli.py does: app.command("replay")
+    app.command("replay")(replay_cmd)
+
+    @app.callback()
+    def _root() -> None:
+        pass
+
+    path = tmp_path / "t.jsonl"
+    write_trace(path, generate("agent", seed=1)[:200])
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(app, ["replay", str(path), "--hbm-blocks", "50", "--policy", "lru",
+                                   "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert doc["requests"] == 200 and doc["policy"] == "lru" and doc["dram_blocks"] == 150
+    assert "net saved time" in res.stdout
+    bad = CliRunner().invoke(app, ["replay", str(path), "--hbm-blocks", "50", "--policy", "nope"])
+    assert bad.exit_code == 2
