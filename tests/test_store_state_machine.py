@@ -50,13 +50,17 @@ def block_value(tenant: str, key: bytes) -> torch.Tensor:
 
 
 class StoreMachine(RuleBasedStateMachine):
+    POLICY = "lru"
+
     @initialize()
     def setup(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvsm-"))
         self.clock = FakeClock()
         self.store = Store.open(StoreConfig(path=self.dir, hbm_bytes=4 * N, dram_bytes=3 * N,
-                                            nvme_bytes=6 * N, master_key=MASTER),
+                                            nvme_bytes=6 * N, master_key=MASTER,
+                                            policy=self.POLICY),
                                 clock=self.clock)
+        assert self.store.policy.name == self.POLICY
         self.store.set_tenant_policy("b", quota_bytes={"hbm": QUOTA_B_HBM})
         self.keys = {(t, c): self.store.block_keys(t, SPEC, chain_tokens(c))
                      for t in TENANTS for c in range(CHAINS)}
@@ -195,7 +199,15 @@ class StoreMachine(RuleBasedStateMachine):
                         break
 
 
-StoreMachine.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=30, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
+class CostPolicyStoreMachine(StoreMachine):
+    """The same invariants with the cost-aware policy, which may drop instead of demoting."""
+
+    POLICY = "cost"
+
+
+_SETTINGS = settings(max_examples=40, stateful_step_count=30, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow])
+StoreMachine.TestCase.settings = _SETTINGS
+CostPolicyStoreMachine.TestCase.settings = _SETTINGS
 TestStoreMachine = StoreMachine.TestCase
+TestCostPolicyStoreMachine = CostPolicyStoreMachine.TestCase
