@@ -83,6 +83,21 @@ def _parent(parent: bytes | None) -> bytes:
     return parent
 
 
+def _block_views(spec: ModelSpec, bufs: Sequence[Any], n_keys: int, what: str) -> list[Any]:
+    """Flat uint8 views (no copy) of one caller buffer per key, each a whole block."""
+    if len(bufs) != n_keys:
+        raise ShapeMismatch(f"{len(bufs)} {what}s for {n_keys} keys")
+    views = []
+    for i, b in enumerate(bufs):
+        v = b.reshape(-1).view(torch.uint8) if isinstance(b, torch.Tensor) else \
+            np.frombuffer(b, dtype=np.uint8)
+        if v.shape[0] != spec.block_nbytes:
+            raise ShapeMismatch(f"{what} {i} has {v.shape[0]} bytes, a block of this spec has "
+                                f"{spec.block_nbytes}")
+        views.append(v)
+    return views
+
+
 def _later(a: float | None, b: float | None) -> float | None:
     """The later of two TTL deadlines, None meaning never."""
     return None if a is None or b is None else max(a, b)
@@ -238,16 +253,7 @@ class Store:
                   ttl_s: float | None = None, parent: bytes | None = None) -> None:
         """Like :meth:`put`, each block given as a contiguous buffer of ``spec.block_nbytes``."""
         keys = check_keys(keys)
-        if len(buffers) != len(keys):
-            raise ShapeMismatch(f"{len(buffers)} buffers for {len(keys)} keys")
-        views = []
-        for i, b in enumerate(buffers):
-            v = b.reshape(-1).view(torch.uint8) if isinstance(b, torch.Tensor) else \
-                np.frombuffer(b, dtype=np.uint8)
-            if v.shape[0] != spec.block_nbytes:
-                raise ShapeMismatch(f"buffer {i} has {v.shape[0]} bytes, a block of this spec "
-                                    f"has {spec.block_nbytes}")
-            views.append(v)
+        views = _block_views(spec, buffers, len(keys), "buffer")
         self._put(tenant, spec, keys, views.__getitem__, session, ttl_s, _parent(parent))
 
     def _put(self, tenant: str, spec: ModelSpec, keys: list[bytes], data: Callable[[int], Any],
@@ -388,15 +394,7 @@ class Store:
         """Copy the longest usable prefix into ``outs`` (one buffer of ``block_nbytes`` per key,
         numpy/memoryview/tensor); returns the number of leading blocks written."""
         keys = check_keys(keys)
-        if len(outs) != len(keys):
-            raise ShapeMismatch(f"{len(outs)} output buffers for {len(keys)} keys")
-        views = []
-        for i, o in enumerate(outs):
-            v = o.reshape(-1).view(torch.uint8) if isinstance(o, torch.Tensor) else \
-                np.frombuffer(o, dtype=np.uint8)
-            if v.shape[0] != spec.block_nbytes:
-                raise ShapeMismatch(f"output {i} has {v.shape[0]} bytes, need {spec.block_nbytes}")
-            views.append(v)
+        views = _block_views(spec, outs, len(keys), "output buffer")
         return self._get(tenant, spec, keys, views.__getitem__, _parent(parent))
 
     def _get(self, tenant: str, spec: ModelSpec, keys: list[bytes],
