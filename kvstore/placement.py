@@ -92,7 +92,11 @@ class Placement:
         # Session blocks must live in HBM (when there is one); others may spill down.
         choices = [t for t in self.tiers if t >= parent_tier]
         if pinned and Tier.HBM in self._mem:
-            choices = [Tier.HBM] if parent_tier == Tier.HBM else []
+            if parent_tier != Tier.HBM:
+                raise ResourceExhausted(
+                    f"session blocks live in hbm, but the block they continue from is in "
+                    f"{parent_tier.label} and could not be brought up", resource="hbm")
+            choices = [Tier.HBM]
         for tier in choices:
             meta.tier = tier
             if not self.make_room(tier, meta):
@@ -104,9 +108,8 @@ class Placement:
                 return meta
         raise ResourceExhausted(
             f"no room for a {spec.block_nbytes}-byte block of tenant {tenant!r} in "
-            f"{[t.label for t in choices] or 'hbm'}: capacity is held by pinned or in-flight "
-            f"blocks, or the tenant's quota is reached", resource=choices[0].label if choices
-            else "hbm")
+            f"{[t.label for t in choices]}: capacity is held by pinned or in-flight blocks, or "
+            f"the tenant's quota is reached", resource=choices[0].label)
 
     def write(self, tier: Tier, ref: BlockRef, meta: BlockMeta, data: Any) -> bool:
         if tier == Tier.NVME:
