@@ -9,8 +9,11 @@ For 2 MiB and 32 MiB blocks, GB/s (median of repeats) of:
   (d) grpc    — a bare grpcio client/server stream of the same raw bytes, same chunking, no kvstore
   (e) redis   — redis-py SET/GET of the same bytes on 127.0.0.1:6379 (skipped when unreachable)
 
-plus the end-to-end Lookup latency of a 128K-token prompt (8,192 blocks of 16 tokens, keys sent
-by the client). Servers run in child processes (one core each side on a 2-core machine).
+(memcpy's "get" copies the bytes back). Every method runs once per repeat, interleaved with
+the others, so the drift of a shared machine hits all of them alike. Also: the end-to-end Lookup
+latency of a 128K-token prompt (8,192 blocks of 16 tokens, keys sent by the client) next to the
+same lookup on an in-process Store, and the per-chunk costs of the stream (xxh3, framing).
+Servers run in child processes (one core each side on a 2-core machine).
 
     python bench/service_bench.py [--repeats 5] [--sizes 2,32] [--out bench/results/service.json]
 
@@ -27,7 +30,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent import futures
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +87,13 @@ def _raw_server_main(port_file: str) -> None:
     ident = lambda b: b  # noqa: E731
     payload: dict[int, list[bytes]] = {}
 
+    def chunks_of(nbytes: int) -> list[bytes]:
+        # NOTE: not payload.setdefault(nbytes, [urandom...]): that would draw fresh random bytes
+        # on every call and time os.urandom instead of grpc
+        if nbytes not in payload:
+            payload[nbytes] = [os.urandom(min(CHUNK, nbytes - o)) for o in range(0, nbytes, CHUNK)]
+        return payload[nbytes]
+
     def sink(it, ctx):
         n = 0
         for m in it:
@@ -90,7 +102,7 @@ def _raw_server_main(port_file: str) -> None:
 
     def source(req, ctx):
         nbytes, count = map(int, req.decode().split(","))
-        chunks = payload.setdefault(nbytes, [os.urandom(min(CHUNK, nbytes - o)) for o in range(0, nbytes, CHUNK)])
+        chunks = chunks_of(nbytes)
         for _ in range(count):
             yield from chunks
 
@@ -109,130 +121,189 @@ def _raw_server_main(port_file: str) -> None:
 
 
 # -- measurements -------------------------------------------------------------------------------
-def bench_raw_grpc(port: int, nbytes: int, count: int, repeats: int) -> dict[str, float]:
+# Each method is a "round": one timed put and one timed get of the same bytes, returning
+# (put_seconds, get_seconds). main() runs every method once per repeat, interleaved, so that
+# the machine's drift (shared, noisy cores) hits all of them alike; figures are medians.
+Round = Callable[[], tuple[float, float]]
+
+
+def raw_grpc_round(stack: ExitStack, port: int, nbytes: int, count: int) -> Round:
     import grpc
 
     ident = lambda b: b  # noqa: E731
     opts = [("grpc.max_receive_message_length", 64 * MiB), ("grpc.max_send_message_length", 64 * MiB)]
-    with grpc.insecure_channel(f"127.0.0.1:{port}", options=opts) as ch:
-        sink = ch.stream_unary("/raw.Raw/Sink", request_serializer=ident, response_deserializer=ident)
-        source = ch.unary_stream("/raw.Raw/Source", request_serializer=ident, response_deserializer=ident)
-        chunks = [os.urandom(min(CHUNK, nbytes - o)) for o in range(0, nbytes, CHUNK)]
+    ch = stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{port}", options=opts))
+    sink = ch.stream_unary("/raw.Raw/Sink", request_serializer=ident, response_deserializer=ident)
+    source = ch.unary_stream("/raw.Raw/Source", request_serializer=ident, response_deserializer=ident)
+    chunks = [os.urandom(min(CHUNK, nbytes - o)) for o in range(0, nbytes, CHUNK)]
 
-        def put():
-            sink(iter(chunks * count))
+    def one() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        sink(iter(chunks * count))
+        t1 = time.perf_counter()
+        for _ in source(f"{nbytes},{count}".encode()):
+            pass
+        return t1 - t0, time.perf_counter() - t1
 
-        def get():
-            for _ in source(f"{nbytes},{count}".encode()):
-                pass
-
-        put(), get()
-        return {"put": _gbps(nbytes * count, _timed(put, repeats)), "get": _gbps(nbytes * count, _timed(get, repeats))}
+    return one
 
 
-def bench_redis(nbytes: int, count: int, repeats: int) -> dict[str, float] | None:
+def redis_round(stack: ExitStack, nbytes: int, count: int) -> Round | str:
+    """A round of redis-py SET/GET, or why Redis is skipped."""
     try:
         import redis
 
         r = redis.Redis(host="127.0.0.1", port=6379)
         r.ping()
     except Exception as exc:  # noqa: BLE001 - any failure means "no redis here"
-        return {"skipped": str(exc)[:80]}
+        return str(exc)[:80]
+    stack.callback(r.close)
     values = [os.urandom(nbytes) for _ in range(count)]
+    names = [f"bench:{i}" for i in range(count)]
+    stack.callback(lambda: r.delete(*names))
 
-    def put():
-        for i, v in enumerate(values):
-            r.set(f"bench:{i}", v)
+    def one() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        for name, v in zip(names, values):
+            r.set(name, v)
+        t1 = time.perf_counter()
+        for name in names:
+            r.get(name)
+        return t1 - t0, time.perf_counter() - t1
 
-    def get():
-        for i in range(count):
-            r.get(f"bench:{i}")
-
-    put(), get()
-    out = {"put": _gbps(nbytes * count, _timed(put, repeats)), "get": _gbps(nbytes * count, _timed(get, repeats))}
-    r.delete(*[f"bench:{i}" for i in range(count)])
-    return out
+    return one
 
 
-def bench_memcpy(nbytes: int, count: int, repeats: int) -> float:
+def memcpy_round(nbytes: int, count: int) -> Round:
     src = np.random.randint(0, 255, nbytes * count, dtype=np.uint8)
     dst = np.empty_like(src)
-    np.copyto(dst, src)
-    return _gbps(nbytes * count, _timed(lambda: np.copyto(dst, src), repeats))
+
+    def one() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        t1 = time.perf_counter()
+        np.copyto(src, dst)
+        return t1 - t0, time.perf_counter() - t1
+
+    return one
 
 
-def bench_kvstore(target: str, token: str, block_mib: int, count: int, repeats: int) -> dict[str, float]:
+def kvstore_rounds(stack: ExitStack, target: str, token: str, block_mib: int, count: int) -> dict[str, Round]:
+    """shm (buffers in the region), shm_staged (ordinary tensors), stream (in-band)."""
     from kvstore.client import Client
 
     spec = _spec(block_mib)
     nbytes = spec.block_nbytes * count
     kv = torch.randint(-1000, 1000, (count, *spec.block_shape), dtype=torch.int16).view(torch.float16)
-    out: dict[str, float] = {}
     seq = iter(range(10**6))
 
-    def fresh_keys(c: Client) -> list[bytes]:
-        base = next(seq) * 10**7 + block_mib * 10**6
-        return c.block_keys(spec, list(range(base, base + count * spec.block_tokens)))
+    def make(c: Client, data: torch.Tensor, sink: torch.Tensor) -> Round:
+        def one() -> tuple[float, float]:
+            base = next(seq) * 10**7 + block_mib * 10**6
+            keys = c.block_keys(spec, list(range(base, base + count * spec.block_tokens)))
+            t0 = time.perf_counter()
+            c.put(spec, keys, data)
+            t1 = time.perf_counter()
+            got = c.get_into(spec, keys, sink)
+            t2 = time.perf_counter()
+            assert got == count and torch.equal(sink.view(torch.int16), kv.view(torch.int16))
+            c.delete(keys)
+            sink.zero_()
+            return t1 - t0, t2 - t1
+        return one
 
-    for name, local in (("shm", True), ("stream", False)):
-        with Client(target, token, local=local, region_bytes=3 * nbytes + MiB) as c:
-            assert c.uses_shared_memory is local
-            keys = fresh_keys(c)
-            if local:
-                src = c.local_blocks(spec, count)
-                src.tensor.copy_(kv)
-                dst = c.local_blocks(spec, count)
-                data, sink = src.tensor, dst.tensor
-            else:
-                data, sink = kv, torch.empty_like(kv)
-            put_times, get_times = [], []
-            for _ in range(repeats + 1):
-                keys = fresh_keys(c)
-                t0 = time.perf_counter()
-                c.put(spec, keys, data)
-                put_times.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                assert c.get_into(spec, keys, sink) == count
-                get_times.append(time.perf_counter() - t0)
-                c.delete(keys[:1])
-            assert torch.equal(sink.view(torch.int16), kv.view(torch.int16))
-            out[f"{name}_put"] = _gbps(nbytes, put_times[1:])
-            out[f"{name}_get"] = _gbps(nbytes, get_times[1:])
-            if local:
-                stage = torch.empty_like(kv)
-                times_p, times_g = [], []
-                for _ in range(repeats):
-                    keys = fresh_keys(c)
-                    t0 = time.perf_counter()
-                    c.put(spec, keys, kv)
-                    times_p.append(time.perf_counter() - t0)
-                    t0 = time.perf_counter()
-                    c.get_into(spec, keys, stage)
-                    times_g.append(time.perf_counter() - t0)
-                    c.delete(keys[:1])
-                out["shm_staged_put"] = _gbps(nbytes, times_p)
-                out["shm_staged_get"] = _gbps(nbytes, times_g)
-                src.free()
-                dst.free()
-    return out
+    local = stack.enter_context(Client(target, token, local=True, region_bytes=3 * nbytes + MiB))
+    remote = stack.enter_context(Client(target, token, local=False))
+    assert local.uses_shared_memory and not remote.uses_shared_memory
+    src = stack.enter_context(local.local_blocks(spec, count))
+    dst = stack.enter_context(local.local_blocks(spec, count))
+    src.tensor.copy_(kv)
+    return {"shm": make(local, src.tensor, dst.tensor),
+            "shm_staged": make(local, kv, torch.empty_like(kv)),
+            "stream": make(remote, kv, torch.empty_like(kv))}
+
+
+def _interleaved(rounds: dict[str, Round], repeats: int) -> dict[str, list[tuple[float, float]]]:
+    """One warm-up round each, then ``repeats`` rounds of every method in turn."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in rounds}
+    for one in rounds.values():
+        one()
+    for _ in range(repeats):
+        for name, one in rounds.items():
+            times[name].append(one())
+    return times
+
+
+def bench_size(target: str, token: str, raw_port: int, mib: int, count: int, repeats: int) -> dict[str, object]:
+    nbytes = mib * MiB
+    with ExitStack() as stack:
+        rounds = kvstore_rounds(stack, target, token, mib, count)
+        rounds["memcpy"] = memcpy_round(nbytes, count)
+        rounds["grpc_raw"] = raw_grpc_round(stack, raw_port, nbytes, count)
+        redis = redis_round(stack, nbytes, count)
+        if callable(redis):
+            rounds["redis"] = redis
+        times = _interleaved(rounds, repeats)
+        rounds.clear()  # the rounds hold views of the shared region: drop them before it closes
+    total = nbytes * count
+    row: dict[str, object] = {"blocks_per_call": count}
+    for name, ts in times.items():
+        row[name] = {"put": _gbps(total, [t[0] for t in ts]), "get": _gbps(total, [t[1] for t in ts])}
+    if not callable(redis):
+        row["redis"] = {"skipped": redis}
+    ratios = {}
+    for num, den in (("shm", "memcpy"), ("stream", "grpc_raw"), ("stream", "redis")):
+        if "put" in row.get(den, {}):
+            for op in ("put", "get"):
+                ratios[f"{num}_{op}/{den}"] = round(row[num][op] / row[den][op], 2)
+    row["ratios"] = ratios
+    return row
+
+
+def bench_checksum() -> dict[str, float]:
+    """xxh3_64 and frame encoding of one 4 MiB chunk, GB/s (the per-chunk costs of the stream)."""
+    import xxhash
+
+    from kvstore.frames import data_frame
+    from proto.kvstore.v1 import kvstore_pb2 as pb
+
+    data = memoryview(np.random.randint(0, 255, CHUNK, dtype=np.uint8))
+    xxh = _timed(lambda: xxhash.xxh3_64_intdigest(data), 50)
+    frame = _timed(lambda: data_frame(pb.PutFrame, 0, 0, data), 50)
+    return {"xxh3_gbps": _gbps(CHUNK, xxh), "frame_encode_gbps": _gbps(CHUNK, frame)}
 
 
 def bench_lookup(target: str, token: str, repeats: int) -> dict[str, float]:
+    """End-to-end Lookup of 8,192 client-sent keys, plus the same lookup on an in-process Store
+    (the floor the service adds to) and a 1-byte-ish unary round trip, all p50 in ms."""
     from kvstore.client import Client
+    from kvstore.config import StoreConfig
     from kvstore.spec import ModelSpec
+    from kvstore.store import Store
 
     spec = ModelSpec(model="bench-lookup", revision="r", num_layers=1, num_kv_heads=1, head_dim=16,
                      dtype="float16", block_tokens=16)
     n = 8192
+    reps = max(repeats, 100)
+    kv = torch.zeros((n, *spec.block_shape), dtype=torch.float16)
     with Client(target, token, local=True, region_bytes=n * spec.block_nbytes + MiB) as c:
         keys = c.block_keys(spec, list(range(n * 16)))
-        c.put(spec, keys, torch.zeros((n, *spec.block_shape), dtype=torch.float16))
+        c.put(spec, keys, kv)
         assert c.lookup(spec, keys).num_blocks == n
-        times = _timed(lambda: c.lookup(spec, keys), max(repeats, 30))
-        unary = _timed(lambda: c.whoami(), 50)
-    return {"lookup_8192_blocks_p50_ms": round(statistics.median(times) * 1e3, 3),
+        times = _timed(lambda: c.lookup(spec, keys), reps)
+        unary = _timed(lambda: c.whoami(), reps)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store.open(StoreConfig(path=Path(tmp), hbm_bytes=64 * MiB, dram_bytes=0, nvme_bytes=64 * MiB,
+                                       durable=False, persist_on_close=False))
+        with store:
+            skeys = store.block_keys("bench", spec, list(range(n * 16)))
+            store.put("bench", spec, skeys, kv)
+            inproc = _timed(lambda: store.lookup("bench", spec, skeys), reps)
+    ms = lambda ts: round(statistics.median(ts) * 1e3, 3)  # noqa: E731
+    return {"lookup_8192_blocks_p50_ms": ms(times),
             "lookup_8192_blocks_p90_ms": round(sorted(times)[int(len(times) * 0.9)] * 1e3, 3),
-            "unary_rpc_p50_ms": round(statistics.median(unary) * 1e3, 3)}
+            "store_lookup_in_process_p50_ms": ms(inproc),
+            "unary_rpc_p50_ms": ms(unary)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,31 +334,15 @@ def main(argv: list[str] | None = None) -> int:
             admin_token = next(ln for ln in lines if "admin token" in ln).split()[-1]
             raw_port = int(next(ln for ln in raw_lines if ln.startswith("port")).split()[1])
             target = f"127.0.0.1:{port}"
-            from kvstore.client import AdminClient
+            from kvstore.admin_client import AdminClient
 
             with AdminClient(target, admin_token) as admin:
                 token = admin.create_tenant("bench")
             results: dict[str, object] = {"repeats": args.repeats, "unit": "GB/s (median)", "sizes": {}}
             for mib in sizes:
                 count = max(1, args.bytes_per_call // mib)
-                nbytes = mib * MiB
-                row: dict[str, object] = {"blocks_per_call": count}
-                row.update(bench_kvstore(target, token, mib, count, args.repeats))
-                row["memcpy"] = bench_memcpy(nbytes, count, args.repeats)
-                row["grpc_raw"] = bench_raw_grpc(raw_port, nbytes, count, args.repeats)
-                row["redis"] = bench_redis(nbytes, count, args.repeats)
-                g = row["grpc_raw"]
-                row["ratios"] = {
-                    "shm_put/memcpy": round(row["shm_put"] / row["memcpy"], 2),
-                    "shm_get/memcpy": round(row["shm_get"] / row["memcpy"], 2),
-                    "stream_put/grpc_raw": round(row["stream_put"] / g["put"], 2),
-                    "stream_get/grpc_raw": round(row["stream_get"] / g["get"], 2),
-                }
-                r = row["redis"]
-                if isinstance(r, dict) and "put" in r:
-                    row["ratios"]["stream_put/redis"] = round(row["stream_put"] / r["put"], 2)
-                    row["ratios"]["stream_get/redis"] = round(row["stream_get"] / r["get"], 2)
-                results["sizes"][f"{mib}MiB"] = row
+                results["sizes"][f"{mib}MiB"] = bench_size(target, token, raw_port, mib, count, args.repeats)
+            results["per_chunk"] = bench_checksum()
             results["lookup"] = bench_lookup(target, token, args.repeats)
         finally:
             for p in (server, raw):

@@ -48,7 +48,8 @@ def parse_size(text: str) -> int:
 
 
 def _admin(target: str, token: str, ca_file: Path | None):
-    from kvstore.client import AdminClient, ClientTLS
+    from kvstore.admin_client import AdminClient
+    from kvstore.client import ClientTLS
 
     if not token:
         raise typer.BadParameter("an admin token is required (--token or KVSTORE_ADMIN_TOKEN)")

@@ -16,7 +16,15 @@ Data planes, chosen automatically:
   only and the server copies between the region and its tiers. Buffers from
   :meth:`Client.local_blocks` already live in the region: put/get on them move the bytes exactly
   once; other tensors are staged through the region (one more copy on the client).
-* **in-band streams** otherwise: blocks in chunks of ``chunk_bytes`` with an xxh3 checksum each.
+* **in-band streams** otherwise: blocks in frames of at most ``chunk_bytes`` of payload with an
+  xxh3 checksum each (:mod:`kvstore.frames`: the payload is copied once per side, never parsed
+  out of a protobuf field).
+
+Long chains: every verb takes ``parent=`` (the stored block ``keys[0]`` continues from), as the
+Store does. The client uses it itself when a staged request does not fit the free part of the
+shared region: it moves the chain in pieces that fit, each continuing from the previous piece's
+last key. Each piece is all-or-nothing; if a later piece fails, the earlier pieces stay stored
+(a valid, shorter prefix).
 
 Errors come back as the same typed exceptions the Store raises (see :mod:`kvstore.status`).
 A client is thread-safe.
@@ -37,11 +45,12 @@ import torch
 
 from kvstore.block import Tier
 from kvstore.errors import InvalidArgument, IntegrityError, KVStoreError
+from kvstore.frames import Frame, data_frame, decoder, encode, intact
 from kvstore.keys import KEY_BYTES
-from kvstore.shm import HEADER_BYTES, ShmRegion, is_local_target
+from kvstore.service_convert import spec_to_pb, tier_names
+from kvstore.shm import ShmRegion, is_local_target
 from kvstore.spec import ModelSpec
 from kvstore.status import from_rpc_error
-from proto.kvstore.v1 import admin_pb2 as apb
 from proto.kvstore.v1 import admin_pb2_grpc
 from proto.kvstore.v1 import kvstore_pb2 as pb
 from proto.kvstore.v1 import kvstore_pb2_grpc
@@ -70,15 +79,16 @@ class ClientTLS:
     server_name: str | None = None
 
 
-def spec_to_pb(spec: ModelSpec) -> pb.ModelSpec:
-    return pb.ModelSpec(**{f.name: getattr(spec, f.name) for f in pb.ModelSpec.DESCRIPTOR.fields})
+__all__ = ["Client", "ClientTLS", "LocalBlocks", "LookupResult", "spec_to_pb"]
+
+_METHOD = f"/{pb.DESCRIPTOR.services_by_name['KVStore'].full_name}/"
 
 
-_TIER_NAMES = {int(t) + 1: t.label for t in Tier}
-
-
-def _tier_name(value: int) -> str:
-    return _TIER_NAMES[value]
+def _pack(keys: Sequence[bytes]) -> bytes:
+    packed = b"".join(keys)
+    if len(packed) != KEY_BYTES * len(keys):
+        raise InvalidArgument(f"keys must be {KEY_BYTES} bytes each")
+    return packed
 
 
 def _flat_bytes(kv: Any, n: int, nbytes: int) -> np.ndarray:
@@ -94,6 +104,17 @@ def _flat_bytes(kv: Any, n: int, nbytes: int) -> np.ndarray:
     if arr.size != n * nbytes:
         raise InvalidArgument(f"{arr.size} bytes for {n} blocks of {nbytes}")
     return arr.reshape(n, nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class _Put:
+    """What one put call asked for (shared by its pieces)."""
+
+    spec: ModelSpec
+    keys: list[bytes]
+    session: str
+    ttl_s: float | None
+    namespace: str
 
 
 class _LocalPlane:
@@ -117,6 +138,17 @@ class _LocalPlane:
     def reserve(self, nbytes: int) -> int | None:
         with self.lock:
             return self.alloc.alloc(nbytes)
+
+    def reserve_blocks(self, n: int, nbytes: int) -> tuple[int, int]:
+        """Slots for as many of ``n`` blocks as fit (halving until they do): ``(offset, count)``;
+        count 0 when not even one block fits."""
+        count = n
+        while count:
+            off = self.reserve(count * nbytes)
+            if off is not None:
+                return off, count
+            count //= 2
+        return -1, 0
 
     def release(self, offset: int) -> None:
         with self.lock:
@@ -149,6 +181,13 @@ class Client:
         else:
             self._channel = grpc.insecure_channel(target, options=opts)
         self._kv = kvstore_pb2_grpc.KVStoreStub(self._channel)
+        # Put/Get move raw frames (kvstore.frames), not protobuf-serialized messages
+        self._put_frames = self._channel.stream_unary(
+            _METHOD + "Put", request_serializer=None, response_deserializer=pb.PutResponse.FromString,
+            _registered_method=True)
+        self._get_frames = self._channel.unary_stream(
+            _METHOD + "Get", request_serializer=pb.GetRequest.SerializeToString,
+            response_deserializer=decoder(pb.GetFrame), _registered_method=True)
         self._admin = admin_pb2_grpc.AdminStub(self._channel)
         self._local: _LocalPlane | None = None
         auto = local is None
@@ -184,13 +223,14 @@ class Client:
         return self._local is not None
 
     @staticmethod
-    def _target(spec: ModelSpec, keys: Sequence[bytes] | None, token_ids: Any, namespace: str) -> pb.Target:
-        t = pb.Target(spec=spec_to_pb(spec), namespace=namespace)
+    def _target(spec: ModelSpec, keys: Sequence[bytes] | None, token_ids: Any, namespace: str,
+                parent: bytes | None = None) -> pb.Target:
+        t = pb.Target(spec=spec_to_pb(spec), namespace=namespace, parent=parent or b"")
         if token_ids is not None:
             ids = np.asarray(token_ids.cpu() if isinstance(token_ids, torch.Tensor) else token_ids, dtype=np.int64)
             t.tokens.ids.extend(ids.tolist())
         else:
-            t.keys = b"".join(bytes(k) for k in keys or ())
+            t.keys = _pack(keys or ())
         return t
 
     # -- keys and lookup ----------------------------------------------------------------------
@@ -209,15 +249,18 @@ class Client:
         return [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
 
     def lookup(self, spec: ModelSpec, keys: Sequence[bytes] | None = None, *, token_ids: Any = None,
-               namespace: str = "") -> LookupResult:
-        r = self._call(self._kv.Lookup, pb.LookupRequest(target=self._target(spec, keys, token_ids, namespace)))
+               namespace: str = "", parent: bytes | None = None) -> LookupResult:
+        """Longest usable prefix of ``keys`` (or of the keys of ``token_ids``, returned too)."""
+        target = self._target(spec, keys, token_ids, namespace, parent)
+        r = self._call(self._kv.Lookup, pb.LookupRequest(target=target))
         computed = [r.keys[i : i + KEY_BYTES] for i in range(0, len(r.keys), KEY_BYTES)] if r.keys else None
-        return LookupResult(r.num_blocks, [_tier_name(t) for t in r.tiers], computed)
+        return LookupResult(r.num_blocks, tier_names(r.tier_codes), computed)
 
     # -- put ----------------------------------------------------------------------------------
     def put(self, spec: ModelSpec, keys: Sequence[bytes], kv: Any, *, session: str | None = None,
-            ttl_s: float | None = None, namespace: str = "") -> None:
-        """Store ``kv`` ([len(keys), 2, L, H, T, D] of the spec's dtype) under the key chain."""
+            ttl_s: float | None = None, namespace: str = "", parent: bytes | None = None) -> None:
+        """Store ``kv`` ([len(keys), 2, L, H, T, D] of the spec's dtype) under the key chain;
+        ``parent``: the stored block ``keys[0]`` continues from."""
         if isinstance(kv, torch.Tensor):
             want = (len(keys), *spec.block_shape)
             if tuple(kv.shape) != want:
@@ -225,80 +268,82 @@ class Client:
             if kv.dtype != spec.torch_dtype:
                 raise InvalidArgument(f"kv has dtype {kv.dtype}, spec says {spec.torch_dtype}")
         self.put_bytes(spec, keys, _flat_bytes(kv, len(keys), spec.block_nbytes), session=session,
-                       ttl_s=ttl_s, namespace=namespace)
+                       ttl_s=ttl_s, namespace=namespace, parent=parent)
 
     def put_bytes(self, spec: ModelSpec, keys: Sequence[bytes], blocks: np.ndarray | Sequence[Any], *,
-                  session: str | None = None, ttl_s: float | None = None, namespace: str = "") -> None:
+                  session: str | None = None, ttl_s: float | None = None, namespace: str = "",
+                  parent: bytes | None = None) -> None:
         """Like :meth:`put`, blocks as a [n, block_nbytes] uint8 array or n buffers."""
-        nbytes = spec.block_nbytes
         rows = blocks if isinstance(blocks, np.ndarray) and blocks.ndim == 2 else \
             [np.frombuffer(b, dtype=np.uint8) for b in blocks]
         if len(rows) != len(keys):
             raise InvalidArgument(f"{len(rows)} blocks for {len(keys)} keys")
+        put = _Put(spec, list(keys), session or "", ttl_s, namespace)
         if self._local is not None:
-            self._put_local(spec, list(keys), rows, session, ttl_s, namespace)
+            self._put_local(put, rows, parent)
         else:
-            self._put_stream(spec, list(keys), rows, session, ttl_s, namespace)
+            self._put_stream(put, rows, parent)
 
-    def _put_stream(self, spec: ModelSpec, keys: list[bytes], rows: Any, session: str | None,
-                    ttl_s: float | None, namespace: str) -> None:
-        header = pb.PutHeader(target=self._target(spec, keys, None, namespace), session=session or "")
-        if ttl_s is not None:
-            header.ttl_s = ttl_s
-        nbytes, step = spec.block_nbytes, self.chunk_bytes
-        import xxhash
+    def _put_stream(self, put: _Put, rows: Any, parent: bytes | None) -> None:
+        header = pb.PutHeader(target=self._target(put.spec, put.keys, None, put.namespace, parent),
+                              session=put.session)
+        if put.ttl_s is not None:
+            header.ttl_s = put.ttl_s
+        nbytes, step = put.spec.block_nbytes, self.chunk_bytes
 
-        def messages() -> Iterator[pb.PutChunk]:
-            yield pb.PutChunk(header=header)
+        def frames() -> Iterator[bytes]:
+            yield encode(pb.PutFrame(header=header))
             for i, row in enumerate(rows):
                 view = memoryview(row)
                 for off in range(0, nbytes, step):
-                    data = bytes(view[off : off + step])
-                    yield pb.PutChunk(chunk=pb.BlockChunk(block=i, offset=off, data=data,
-                                                          xxh3=xxhash.xxh3_64_intdigest(data)))
+                    yield data_frame(pb.PutFrame, i, off, view[off : off + step])
 
-        self._call(self._kv.Put, messages())
+        self._call(self._put_frames, frames())
 
-    def _put_local(self, spec: ModelSpec, keys: list[bytes], rows: Any, session: str | None,
-                   ttl_s: float | None, namespace: str) -> None:
+    def _put_local(self, put: _Put, rows: Any, parent: bytes | None) -> None:
         lp = self._local
         assert lp is not None
-        nbytes = spec.block_nbytes
-        inside = isinstance(rows, np.ndarray) and lp.offsets_of(rows) is not None
-        if inside:
-            base = lp.offsets_of(rows)
-            self._put_slots(spec, keys, [base + i * nbytes for i in range(len(keys))], session, ttl_s, namespace)
+        nbytes = put.spec.block_nbytes
+        base = lp.offsets_of(rows) if isinstance(rows, np.ndarray) else None
+        if base is not None:  # already in the region: the server copies it once
+            self._put_slots(put, put.keys, [base + i * nbytes for i in range(len(put.keys))], parent)
             return
-        # staged: one more copy into the region. A chain cannot be split across calls (each
-        # call's first key is a root), so a request larger than the free region goes in-band.
-        off = lp.reserve(nbytes * len(keys))
-        if off is None:
-            self._put_stream(spec, keys, rows, session, ttl_s, namespace)
-            return
-        try:
-            for j in range(len(keys)):
-                np.copyto(lp.arena[off + j * nbytes : off + (j + 1) * nbytes], rows[j])
-            self._put_slots(spec, keys, [off + j * nbytes for j in range(len(keys))], session, ttl_s, namespace)
-        finally:
-            lp.release(off)
+        # staged through the region (one more copy), in pieces that fit its free part
+        done = 0
+        while done < len(put.keys):
+            off, count = lp.reserve_blocks(len(put.keys) - done, nbytes)
+            if not count:  # not even one block fits: the rest goes in-band
+                rest = _Put(put.spec, put.keys[done:], put.session, put.ttl_s, put.namespace)
+                self._put_stream(rest, rows[done:], parent)
+                return
+            try:
+                for j in range(count):
+                    np.copyto(lp.arena[off + j * nbytes : off + (j + 1) * nbytes], rows[done + j])
+                self._put_slots(put, put.keys[done : done + count],
+                                [off + j * nbytes for j in range(count)], parent)
+            finally:
+                lp.release(off)
+            done += count
+            parent = put.keys[done - 1]
 
-    def _put_slots(self, spec: ModelSpec, keys: list[bytes], offsets: list[int], session: str | None,
-                   ttl_s: float | None, namespace: str) -> None:
+    def _put_slots(self, put: _Put, keys: list[bytes], offsets: list[int], parent: bytes | None) -> None:
         assert self._local is not None
-        req = pb.PutLocalRequest(target=self._target(spec, keys, None, namespace), region_id=self._local.region_id,
-                                 offsets=offsets, session=session or "")
-        if ttl_s is not None:
-            req.ttl_s = ttl_s
+        req = pb.PutLocalRequest(target=self._target(put.spec, keys, None, put.namespace, parent),
+                                 region_id=self._local.region_id, offsets=offsets, session=put.session)
+        if put.ttl_s is not None:
+            req.ttl_s = put.ttl_s
         self._call(self._kv.PutLocal, req)
 
     # -- get ----------------------------------------------------------------------------------
-    def get(self, spec: ModelSpec, keys: Sequence[bytes], *, namespace: str = "") -> torch.Tensor:
+    def get(self, spec: ModelSpec, keys: Sequence[bytes], *, namespace: str = "",
+            parent: bytes | None = None) -> torch.Tensor:
         """The blocks of the longest available prefix: ``[n, 2, L, H, T, D]``, n <= len(keys)."""
         out = torch.empty((len(keys), *spec.block_shape), dtype=spec.torch_dtype)
-        n = self.get_into(spec, keys, out, namespace=namespace)
+        n = self.get_into(spec, keys, out, namespace=namespace, parent=parent)
         return out[:n]
 
-    def get_into(self, spec: ModelSpec, keys: Sequence[bytes], out: Any, *, namespace: str = "") -> int:
+    def get_into(self, spec: ModelSpec, keys: Sequence[bytes], out: Any, *, namespace: str = "",
+                 parent: bytes | None = None) -> int:
         """Copy the longest available prefix into ``out`` (a CPU tensor/array of len(keys) blocks);
         returns how many leading blocks were written."""
         keys = list(keys)
@@ -306,51 +351,68 @@ class Client:
         if not keys:
             return 0
         if self._local is not None:
-            return self._get_local(spec, keys, rows, namespace)
-        return self._get_stream(spec, keys, rows, namespace)
+            return self._get_local(spec, keys, rows, namespace, parent)
+        return self._get_stream(spec, keys, rows, namespace, parent)
 
-    def _get_stream(self, spec: ModelSpec, keys: list[bytes], rows: np.ndarray, namespace: str) -> int:
-        import xxhash
-
-        req = pb.GetRequest(target=self._target(spec, keys, None, namespace), chunk_bytes=self.chunk_bytes)
+    def _get_stream(self, spec: ModelSpec, keys: list[bytes], rows: np.ndarray, namespace: str,
+                    parent: bytes | None) -> int:
+        req = pb.GetRequest(target=self._target(spec, keys, None, namespace, parent), chunk_bytes=self.chunk_bytes)
+        nbytes = spec.block_nbytes
+        stream = None
         try:
-            stream = self._kv.Get(req, metadata=self._metadata, timeout=self.timeout)
-            header = next(stream).header
-            n = header.num_blocks
-            for msg in stream:
-                c = msg.chunk
-                data = c.data
-                if xxhash.xxh3_64_intdigest(data) != c.xxh3:
-                    raise IntegrityError(f"checksum mismatch in block {c.block} at offset {c.offset}")
-                if c.block >= n or c.offset + len(data) > spec.block_nbytes:
+            stream = self._get_frames(req, metadata=self._metadata, timeout=self.timeout)
+            first: Frame = next(stream)
+            if first.error or not first.meta.HasField("header"):
+                raise IntegrityError(first.error or "the Get stream did not start with its header")
+            n = first.meta.header.num_blocks
+            if n > len(keys) or first.meta.header.block_nbytes != nbytes:
+                raise IntegrityError("the server announced blocks this request did not ask for")
+            for frame in stream:
+                m, data = frame.meta, frame.data
+                if frame.error or not intact(frame):
+                    raise IntegrityError(frame.error or f"checksum mismatch in block {m.block} at offset {m.offset}")
+                if m.block >= n or m.offset + len(data) > nbytes:
                     raise IntegrityError("the server sent a chunk outside the blocks it announced")
-                rows[c.block, c.offset : c.offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                rows[m.block, m.offset : m.offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
+        finally:
+            if stream is not None:
+                stream.cancel()  # no-op once the stream completed; stops it on an error
         return n
 
-    def _get_local(self, spec: ModelSpec, keys: list[bytes], rows: np.ndarray, namespace: str) -> int:
+    def _get_local(self, spec: ModelSpec, keys: list[bytes], rows: np.ndarray, namespace: str,
+                   parent: bytes | None) -> int:
         lp = self._local
         assert lp is not None
         nbytes = spec.block_nbytes
         base = lp.offsets_of(rows)
         if base is not None:
-            return self._get_slots(spec, keys, [base + i * nbytes for i in range(len(keys))], namespace)
-        off = lp.reserve(nbytes * len(keys))
-        if off is None:  # larger than the free region: in-band (see _put_local)
-            return self._get_stream(spec, keys, rows, namespace)
-        try:
-            got = self._get_slots(spec, keys, [off + j * nbytes for j in range(len(keys))], namespace)
-            if got:
-                np.copyto(rows[:got], lp.arena[off : off + got * nbytes].reshape(got, nbytes))
-        finally:
-            lp.release(off)
+            return self._get_slots(spec, keys, [base + i * nbytes for i in range(len(keys))], namespace, parent)
+        # staged through the region, in pieces that fit (see _put_local)
+        got = 0
+        while got < len(keys):
+            off, count = lp.reserve_blocks(len(keys) - got, nbytes)
+            if not count:
+                return got + self._get_stream(spec, keys[got:], rows[got:], namespace, parent)
+            try:
+                k = self._get_slots(spec, keys[got : got + count], [off + j * nbytes for j in range(count)],
+                                    namespace, parent)
+                if k:
+                    np.copyto(rows[got : got + k], lp.arena[off : off + k * nbytes].reshape(k, nbytes))
+            finally:
+                lp.release(off)
+            got += k
+            if k < count:  # a miss ends the prefix
+                break
+            parent = keys[got - 1]
         return got
 
-    def _get_slots(self, spec: ModelSpec, keys: list[bytes], offsets: list[int], namespace: str) -> int:
+    def _get_slots(self, spec: ModelSpec, keys: list[bytes], offsets: list[int], namespace: str,
+                   parent: bytes | None) -> int:
         assert self._local is not None
-        req = pb.GetLocalRequest(target=self._target(spec, keys, None, namespace), region_id=self._local.region_id,
-                                 offsets=offsets)
+        req = pb.GetLocalRequest(target=self._target(spec, keys, None, namespace, parent),
+                                 region_id=self._local.region_id, offsets=offsets)
         return self._call(self._kv.GetLocal, req).num_blocks
 
     # -- sessions, prefetch, delete, stats -----------------------------------------------------
@@ -367,12 +429,13 @@ class Client:
         self._call(self._kv.CloseSession, pb.SessionRequest(session_id=session_id))
 
     def prefetch(self, spec: ModelSpec, keys: Sequence[bytes], tier: str | Tier = "hbm", *,
-                 namespace: str = "") -> int:
-        req = pb.PrefetchRequest(target=self._target(spec, keys, None, namespace), tier=int(Tier.parse(tier)) + 1)
+                 namespace: str = "", parent: bytes | None = None) -> int:
+        req = pb.PrefetchRequest(target=self._target(spec, keys, None, namespace, parent),
+                                 tier=int(Tier.parse(tier)) + 1)
         return self._call(self._kv.Prefetch, req).blocks
 
     def delete(self, keys: Sequence[bytes], *, namespace: str = "") -> int:
-        return self._call(self._kv.Delete, pb.DeleteRequest(namespace=namespace, keys=b"".join(keys))).deleted
+        return self._call(self._kv.Delete, pb.DeleteRequest(namespace=namespace, keys=_pack(keys))).deleted
 
     def stats(self) -> dict[str, Any]:
         return json.loads(self._call(self._kv.Stats, pb.StatsRequest()).json)
@@ -426,72 +489,3 @@ class LocalBlocks:
 
     def __exit__(self, *exc: object) -> None:
         self.free()
-
-
-class AdminClient:
-    """The Admin service (operators' plane); every call needs an admin token."""
-
-    def __init__(self, target: str, token: str, *, timeout: float | None = 30.0, tls: ClientTLS | None = None) -> None:
-        self._inner = Client(target, token, local=False, timeout=timeout, tls=tls)
-        self._stub = self._inner._admin
-
-    def _call(self, name: str, request: Any) -> Any:
-        return self._inner._call(getattr(self._stub, name), request)
-
-    def create_tenant(self, name: str, role: str = "tenant", namespaces: Sequence[str] = ()) -> str:
-        r = self._call("CreateTenant", apb.CreateTenantRequest(
-            name=name, role=apb.Role.Value(f"ROLE_{role.upper()}"), namespaces=list(namespaces)))
-        return r.token
-
-    def rotate_token(self, name: str) -> str:
-        return self._call("RotateToken", apb.TenantName(name=name)).token
-
-    def delete_tenant(self, name: str) -> None:
-        self._call("DeleteTenant", apb.TenantName(name=name))
-
-    def list_tenants(self) -> list[dict[str, Any]]:
-        r = self._call("ListTenants", apb.ListTenantsRequest())
-        return [{"name": t.name, "role": apb.Role.Name(t.role)[5:].lower(), "namespaces": list(t.namespaces),
-                 "created": t.created} for t in r.tenants]
-
-    def grant(self, tenant: str, namespace: str, *, revoke: bool = False) -> None:
-        self._call("Grant", apb.GrantRequest(tenant=tenant, namespace=namespace, revoke=revoke))
-
-    def get_policy(self, tenant: str) -> dict[str, Any]:
-        return _policy_dict(self._call("GetPolicy", apb.TenantName(name=tenant)))
-
-    def set_policy(self, tenant: str, *, ttl_s: float | None = None, quota_bytes: dict[str, int] | None = None,
-                   priority: int = 0) -> dict[str, Any]:
-        msg = apb.TenantPolicy(tenant=tenant, quota_bytes=quota_bytes or {}, priority=priority)
-        if ttl_s is not None:
-            msg.ttl_s = ttl_s
-        return _policy_dict(self._call("SetPolicy", msg))
-
-    def purge_model(self, spec_or_fingerprint: ModelSpec | bytes) -> int:
-        if isinstance(spec_or_fingerprint, ModelSpec):
-            req = apb.PurgeModelRequest(spec=spec_to_pb(spec_or_fingerprint))
-        else:
-            req = apb.PurgeModelRequest(fingerprint=bytes(spec_or_fingerprint))
-        return self._call("PurgeModel", req).blocks
-
-    def audit(self, since_seq: int = 0, limit: int = 0) -> list[dict[str, Any]]:
-        r = self._call("ReadAudit", apb.ReadAuditRequest(since_seq=since_seq, limit=limit))
-        return [{"seq": e.seq, "time": e.time, "principal": e.principal, "action": e.action,
-                 "target": e.target, "result": e.result, "detail": e.detail} for e in r.entries]
-
-    def stats(self) -> dict[str, Any]:
-        return json.loads(self._call("Stats", pb.StatsRequest()).json)
-
-    def close(self) -> None:
-        self._inner.close()
-
-    def __enter__(self) -> AdminClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _policy_dict(msg: apb.TenantPolicy) -> dict[str, Any]:
-    return {"tenant": msg.tenant, "ttl_s": msg.ttl_s if msg.HasField("ttl_s") else None,
-            "quota_bytes": dict(msg.quota_bytes), "priority": msg.priority}

@@ -32,8 +32,8 @@ from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.metrics import ServiceMetrics, StoreCollector, serve_metrics
 from kvstore.server_config import ServerConfig
 from kvstore.shm import is_local_target
-from kvstore.service import AdminPlane, AdminServicer, DataPlane, KVStoreServicer, RpcRunner
-from proto.kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
+from kvstore.service import AdminPlane, DataPlane, RpcRunner, add_services
+from proto.kvstore.v1 import admin_pb2, kvstore_pb2
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +156,7 @@ def create_server(config: ServerConfig, *, store: Any = None,
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvstore-rpc"),
                          options=options)
-    kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(data, rpc), server)
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(admin, rpc), server)
+    add_services(server, data, admin, rpc)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", *SERVICE_NAMES):
@@ -183,6 +182,10 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
 
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     server = None
+    if config.torch_threads:
+        import torch  # the Store imports it anyway
+
+        torch.set_num_threads(config.torch_threads)
     try:
         token = bootstrap(config, clock=clock)
         key_file = config.store.master_key_file or config.data_dir / "master.key"

@@ -75,7 +75,7 @@ class LimitsConfig(BaseModel):
     """Most blocks one Put stream may carry."""
 
     max_stream_bytes: Annotated[int, Field(ge=1)] = 2 * GiB
-    """Most payload bytes one Put stream may buffer before it commits."""
+    """Most payload bytes one Put stream may buffer before it commits (and one Get stream may stage)."""
 
     max_inflight_bytes_per_tenant: Annotated[int, Field(ge=1)] = 4 * GiB
     """Payload bytes one tenant may have buffered across its concurrent Put streams."""
@@ -88,6 +88,9 @@ class LimitsConfig(BaseModel):
 
     max_region_bytes: Annotated[int, Field(ge=1)] = 64 * GiB
     """Largest shared-memory region the server will map."""
+
+    staging_cache_bytes: Annotated[int, Field(ge=0)] = 256 * MiB
+    """Block buffers of the in-band streams kept for reuse between calls (0 = allocate per call)."""
 
     @model_validator(mode="after")
     def _chunk_fits(self) -> LimitsConfig:
@@ -125,6 +128,11 @@ class ServerConfig(BaseModel):
 
     workers: Annotated[int, Field(ge=1, le=1024)] = 16
     """Threads serving RPCs (each stream holds one while it runs)."""
+
+    torch_threads: Annotated[int, Field(ge=0, le=1024)] = 1
+    """torch intra-op threads of ``kvstore serve`` (0 = torch's default). Block copies are
+    memory-bound; extra intra-op threads slowed 2 MiB copies by an order of magnitude whenever
+    another core was busy (see LIMITS.md)."""
 
     limits: LimitsConfig = LimitsConfig()
     """Per-call bounds."""

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from kvstore import server_config
-from kvstore.client import AdminClient, Client
+from kvstore.admin_client import AdminClient
+from kvstore.client import Client
 from kvstore.server import SidecarServer, bootstrap, create_server
 from kvstore.spec import ModelSpec
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvstore.audit import AuditLog
-from kvstore.client import AdminClient, Client
+from kvstore.admin_client import AdminClient
+from kvstore.client import Client
 from kvstore.errors import IntegrityError, PermissionDenied, Unauthenticated
 from proto.kvstore.v1 import kvstore_pb2 as pb
 from proto.kvstore.v1 import kvstore_pb2_grpc

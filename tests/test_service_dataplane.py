@@ -7,6 +7,7 @@ import threading
 import grpc
 import pytest
 import torch
+import xxhash
 
 from kvstore.errors import KVStoreError, NotFound
 from kvstore.spec import ModelSpec
@@ -154,11 +155,9 @@ def test_cancelled_put_leaves_nothing_visible(sidecar):
     release = threading.Event()
 
     def messages():
-        yield pb.PutChunk(header=pb.PutHeader(target=pb.Target(spec=_spec_pb(), keys=b"".join(keys))))
+        yield pb.PutFrame(header=pb.PutHeader(target=pb.Target(spec=_spec_pb(), keys=b"".join(keys))))
         data = bytes(SPEC.block_nbytes)
-        import xxhash
-
-        yield pb.PutChunk(chunk=pb.BlockChunk(block=0, offset=0, data=data, xxh3=xxhash.xxh3_64_intdigest(data)))
+        yield pb.PutFrame(block=0, offset=0, data=data, xxh3=xxhash.xxh3_64_intdigest(data))
         release.wait(5)  # the stream stalls after one block; the client cancels it
 
     with grpc.insecure_channel(sidecar.target) as ch:
@@ -177,7 +176,7 @@ def test_deadline_exceeded_put_leaves_nothing_visible(sidecar):
     keys = c.block_keys(SPEC, fresh_tokens(2))
 
     def messages():
-        yield pb.PutChunk(header=pb.PutHeader(target=pb.Target(spec=_spec_pb(), keys=b"".join(keys))))
+        yield pb.PutFrame(header=pb.PutHeader(target=pb.Target(spec=_spec_pb(), keys=b"".join(keys))))
         threading.Event().wait(1.0)
 
     with grpc.insecure_channel(sidecar.target) as ch:

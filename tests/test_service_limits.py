@@ -55,9 +55,9 @@ def _target(keys=b"\x01" * 32, **spec_kw) -> pb.Target:
     return pb.Target(spec=spec, keys=keys)
 
 
-def _chunk(block: int, offset: int, data: bytes, xxh3: int | None = None) -> pb.PutChunk:
-    return pb.PutChunk(chunk=pb.BlockChunk(block=block, offset=offset, data=data,
-                                           xxh3=xxhash.xxh3_64_intdigest(data) if xxh3 is None else xxh3))
+def _chunk(block: int, offset: int, data: bytes, xxh3: int | None = None) -> pb.PutFrame:
+    return pb.PutFrame(block=block, offset=offset, data=data,
+                       xxh3=xxhash.xxh3_64_intdigest(data) if xxh3 is None else xxh3)
 
 
 # -- malformed input, one per RPC -------------------------------------------------------------
@@ -78,7 +78,7 @@ def test_lookup_rejects_ragged_keys_and_a_missing_spec(raw):
 def test_put_rejects_missing_header_wrong_sizes_bad_checksums_and_short_streams(raw):
     kv, _, md, _ = raw
     keys = b"".join(bytes([i]) * 32 for i in range(2))
-    header = pb.PutChunk(header=pb.PutHeader(target=_target(keys=keys)))
+    header = pb.PutFrame(header=pb.PutHeader(target=_target(keys=keys)))
     block = bytes(SPEC.block_nbytes)
     cases = {
         "no header": [_chunk(0, 0, block)],
@@ -244,3 +244,12 @@ def test_config_loads_from_toml_and_rejects_unknown_fields(tmp_path):
 def test_default_data_dir_rules(tmp_path):
     assert server_config.default_data_dir({"KVSTORE_HOME": str(tmp_path / "h")}) == tmp_path / "h"
     assert server_config.default_data_dir({}, cwd=tmp_path) == tmp_path / ".kvstore"
+
+
+def test_put_answers_invalid_argument_for_frames_that_are_not_protobuf(sidecar, raw):
+    _, _, md, _ = raw
+    with grpc.insecure_channel(sidecar.target) as ch:
+        put = ch.stream_unary("/kvstore.v1.KVStore/Put", request_serializer=None,
+                              response_deserializer=pb.PutResponse.FromString)
+        code, msg = _code(put, iter([b"\xff\xff\xff"]), metadata=md)
+    assert code == INVALID and "malformed PutFrame" in msg

@@ -91,16 +91,18 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., extra: _Optional[_Iterable[_Union[ExtraKeys, _Mapping]]] = ...) -> None: ...
 
 class Target(_message.Message):
-    __slots__ = ("spec", "namespace", "keys", "tokens")
+    __slots__ = ("spec", "namespace", "keys", "tokens", "parent")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     spec: ModelSpec
     namespace: str
     keys: bytes
     tokens: TokenIds
-    def __init__(self, spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., namespace: _Optional[str] = ..., keys: _Optional[bytes] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+    parent: bytes
+    def __init__(self, spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., namespace: _Optional[str] = ..., keys: _Optional[bytes] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., parent: _Optional[bytes] = ...) -> None: ...
 
 class BlockKeysRequest(_message.Message):
     __slots__ = ("spec", "namespace", "tokens")
@@ -125,14 +127,14 @@ class LookupRequest(_message.Message):
     def __init__(self, target: _Optional[_Union[Target, _Mapping]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_blocks", "tiers", "keys")
+    __slots__ = ("num_blocks", "keys", "tier_codes")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    TIERS_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIER_CODES_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
-    tiers: _containers.RepeatedScalarFieldContainer[Tier]
     keys: bytes
-    def __init__(self, num_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., keys: _Optional[bytes] = ...) -> None: ...
+    tier_codes: bytes
+    def __init__(self, num_blocks: _Optional[int] = ..., keys: _Optional[bytes] = ..., tier_codes: _Optional[bytes] = ...) -> None: ...
 
 class PutHeader(_message.Message):
     __slots__ = ("target", "session", "ttl_s")
@@ -144,25 +146,21 @@ class PutHeader(_message.Message):
     ttl_s: float
     def __init__(self, target: _Optional[_Union[Target, _Mapping]] = ..., session: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
-class BlockChunk(_message.Message):
-    __slots__ = ("block", "offset", "data", "xxh3")
+class PutFrame(_message.Message):
+    __slots__ = ("meta_bytes", "header", "block", "offset", "xxh3", "data")
+    META_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
     XXH3_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    meta_bytes: int
+    header: PutHeader
     block: int
     offset: int
-    data: bytes
     xxh3: int
-    def __init__(self, block: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., xxh3: _Optional[int] = ...) -> None: ...
-
-class PutChunk(_message.Message):
-    __slots__ = ("header", "chunk")
-    HEADER_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_FIELD_NUMBER: _ClassVar[int]
-    header: PutHeader
-    chunk: BlockChunk
-    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., chunk: _Optional[_Union[BlockChunk, _Mapping]] = ...) -> None: ...
+    data: bytes
+    def __init__(self, meta_bytes: _Optional[int] = ..., header: _Optional[_Union[PutHeader, _Mapping]] = ..., block: _Optional[int] = ..., offset: _Optional[int] = ..., xxh3: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("blocks_written",)
@@ -179,22 +177,28 @@ class GetRequest(_message.Message):
     def __init__(self, target: _Optional[_Union[Target, _Mapping]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class GetHeader(_message.Message):
-    __slots__ = ("num_blocks", "block_nbytes", "tiers")
+    __slots__ = ("num_blocks", "block_nbytes")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
-    TIERS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_nbytes: int
-    tiers: _containers.RepeatedScalarFieldContainer[Tier]
-    def __init__(self, num_blocks: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+    def __init__(self, num_blocks: _Optional[int] = ..., block_nbytes: _Optional[int] = ...) -> None: ...
 
-class GetChunk(_message.Message):
-    __slots__ = ("header", "chunk")
+class GetFrame(_message.Message):
+    __slots__ = ("meta_bytes", "header", "block", "offset", "xxh3", "data")
+    META_BYTES_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    XXH3_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    meta_bytes: int
     header: GetHeader
-    chunk: BlockChunk
-    def __init__(self, header: _Optional[_Union[GetHeader, _Mapping]] = ..., chunk: _Optional[_Union[BlockChunk, _Mapping]] = ...) -> None: ...
+    block: int
+    offset: int
+    xxh3: int
+    data: bytes
+    def __init__(self, meta_bytes: _Optional[int] = ..., header: _Optional[_Union[GetHeader, _Mapping]] = ..., block: _Optional[int] = ..., offset: _Optional[int] = ..., xxh3: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class RegisterRegionRequest(_message.Message):
     __slots__ = ("kind", "name", "size", "nonce", "cuda_ipc_handle", "device")
@@ -255,12 +259,10 @@ class GetLocalRequest(_message.Message):
     def __init__(self, target: _Optional[_Union[Target, _Mapping]] = ..., region_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetLocalResponse(_message.Message):
-    __slots__ = ("num_blocks", "tiers")
+    __slots__ = ("num_blocks",)
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    TIERS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
-    tiers: _containers.RepeatedScalarFieldContainer[Tier]
-    def __init__(self, num_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -51,13 +51,13 @@ class KVStoreStub:
                 _registered_method=True)
         self.Put = channel.stream_unary(
                 '/kvstore.v1.KVStore/Put',
-                request_serializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.PutChunk.SerializeToString,
+                request_serializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.PutFrame.SerializeToString,
                 response_deserializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
                 _registered_method=True)
         self.Get = channel.unary_stream(
                 '/kvstore.v1.KVStore/Get',
                 request_serializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.GetRequest.SerializeToString,
-                response_deserializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.GetChunk.FromString,
+                response_deserializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.GetFrame.FromString,
                 _registered_method=True)
         self.RegisterRegion = channel.unary_unary(
                 '/kvstore.v1.KVStore/RegisterRegion',
@@ -235,13 +235,13 @@ def add_KVStoreServicer_to_server(servicer, server):
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
-                    request_deserializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.PutChunk.FromString,
+                    request_deserializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.PutFrame.FromString,
                     response_serializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.PutResponse.SerializeToString,
             ),
             'Get': grpc.unary_stream_rpc_method_handler(
                     servicer.Get,
                     request_deserializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.GetRequest.FromString,
-                    response_serializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.GetChunk.SerializeToString,
+                    response_serializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.GetFrame.SerializeToString,
             ),
             'RegisterRegion': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterRegion,
@@ -405,7 +405,7 @@ class KVStore:
             request_iterator,
             target,
             '/kvstore.v1.KVStore/Put',
-            proto_dot_kvstore_dot_v1_dot_kvstore__pb2.PutChunk.SerializeToString,
+            proto_dot_kvstore_dot_v1_dot_kvstore__pb2.PutFrame.SerializeToString,
             proto_dot_kvstore_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
             options,
             channel_credentials,
@@ -433,7 +433,7 @@ class KVStore:
             target,
             '/kvstore.v1.KVStore/Get',
             proto_dot_kvstore_dot_v1_dot_kvstore__pb2.GetRequest.SerializeToString,
-            proto_dot_kvstore_dot_v1_dot_kvstore__pb2.GetChunk.FromString,
+            proto_dot_kvstore_dot_v1_dot_kvstore__pb2.GetFrame.FromString,
             options,
             channel_credentials,
             insecure,

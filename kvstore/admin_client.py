@@ -1,0 +1,90 @@
+"""Client of the sidecar's Admin service (operators' plane): tenants, policies, purge, audit.
+
+::
+
+    from kvstore.admin_client import AdminClient
+    with AdminClient("127.0.0.1:50551", admin_token) as admin:
+        token = admin.create_tenant("acme")
+
+Every call needs an admin token; errors come back as kvstore's typed exceptions.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore.client import Client, ClientTLS, spec_to_pb
+from kvstore.spec import ModelSpec
+from proto.kvstore.v1 import admin_pb2 as apb
+from proto.kvstore.v1 import kvstore_pb2 as pb
+
+
+class AdminClient:
+    """The Admin service (operators' plane); every call needs an admin token."""
+
+    def __init__(self, target: str, token: str, *, timeout: float | None = 30.0, tls: ClientTLS | None = None) -> None:
+        self._inner = Client(target, token, local=False, timeout=timeout, tls=tls)
+        self._stub = self._inner._admin
+
+    def _call(self, name: str, request: Any) -> Any:
+        return self._inner._call(getattr(self._stub, name), request)
+
+    def create_tenant(self, name: str, role: str = "tenant", namespaces: Sequence[str] = ()) -> str:
+        r = self._call("CreateTenant", apb.CreateTenantRequest(
+            name=name, role=apb.Role.Value(f"ROLE_{role.upper()}"), namespaces=list(namespaces)))
+        return r.token
+
+    def rotate_token(self, name: str) -> str:
+        return self._call("RotateToken", apb.TenantName(name=name)).token
+
+    def delete_tenant(self, name: str) -> None:
+        self._call("DeleteTenant", apb.TenantName(name=name))
+
+    def list_tenants(self) -> list[dict[str, Any]]:
+        r = self._call("ListTenants", apb.ListTenantsRequest())
+        return [{"name": t.name, "role": apb.Role.Name(t.role)[5:].lower(), "namespaces": list(t.namespaces),
+                 "created": t.created} for t in r.tenants]
+
+    def grant(self, tenant: str, namespace: str, *, revoke: bool = False) -> None:
+        self._call("Grant", apb.GrantRequest(tenant=tenant, namespace=namespace, revoke=revoke))
+
+    def get_policy(self, tenant: str) -> dict[str, Any]:
+        return _policy_dict(self._call("GetPolicy", apb.TenantName(name=tenant)))
+
+    def set_policy(self, tenant: str, *, ttl_s: float | None = None, quota_bytes: dict[str, int] | None = None,
+                   priority: int = 0) -> dict[str, Any]:
+        msg = apb.TenantPolicy(tenant=tenant, quota_bytes=quota_bytes or {}, priority=priority)
+        if ttl_s is not None:
+            msg.ttl_s = ttl_s
+        return _policy_dict(self._call("SetPolicy", msg))
+
+    def purge_model(self, spec_or_fingerprint: ModelSpec | bytes) -> int:
+        if isinstance(spec_or_fingerprint, ModelSpec):
+            req = apb.PurgeModelRequest(spec=spec_to_pb(spec_or_fingerprint))
+        else:
+            req = apb.PurgeModelRequest(fingerprint=bytes(spec_or_fingerprint))
+        return self._call("PurgeModel", req).blocks
+
+    def audit(self, since_seq: int = 0, limit: int = 0) -> list[dict[str, Any]]:
+        r = self._call("ReadAudit", apb.ReadAuditRequest(since_seq=since_seq, limit=limit))
+        return [{"seq": e.seq, "time": e.time, "principal": e.principal, "action": e.action,
+                 "target": e.target, "result": e.result, "detail": e.detail} for e in r.entries]
+
+    def stats(self) -> dict[str, Any]:
+        return json.loads(self._call("Stats", pb.StatsRequest()).json)
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def __enter__(self) -> AdminClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _policy_dict(msg: apb.TenantPolicy) -> dict[str, Any]:
+    return {"tenant": msg.tenant, "ttl_s": msg.ttl_s if msg.HasField("ttl_s") else None,
+            "quota_bytes": dict(msg.quota_bytes), "priority": msg.priority}

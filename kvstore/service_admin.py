@@ -1,0 +1,59 @@
+"""The admin plane on Python values: operator actions over the auth registry and the Store.
+
+:class:`AdminPlane` knows nothing of gRPC; the Admin servicer authenticates the caller, requires
+the admin role and audits every call (who, what, target, result) around these methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstore.audit import AuditLog
+from kvstore.auth import SHARED_PREFIX, AuthRegistry, Role, TenantPolicy, check_name
+from kvstore.block import Tier
+from kvstore.errors import InvalidArgument
+from kvstore.spec import FINGERPRINT_BYTES
+
+
+class AdminPlane:
+    """Operator actions; each raises typed errors from kvstore.errors."""
+
+    def __init__(self, store: Any, registry: AuthRegistry, audit: AuditLog) -> None:
+        self.store, self.registry, self.audit = store, registry, audit
+
+    def create_tenant(self, name: str, role: Role, namespaces: list[str]) -> str:
+        """Create a principal; returns its token (shown once)."""
+        return self.registry.create(name, role, namespaces)
+
+    def rotate(self, name: str) -> str:
+        return self.registry.rotate(name)
+
+    def delete_tenant(self, name: str) -> None:
+        """Remove a principal (its token stops working) and, for a tenant or a shared namespace,
+        destroy its data key and blocks on every tier."""
+        if name.startswith(SHARED_PREFIX):
+            self.store.drop_tenant(name)
+            return
+        check_name(name)
+        principal = self.registry.delete(name)
+        if principal.role is Role.TENANT:
+            self.store.drop_tenant(name)
+
+    def set_policy(self, namespace: str, policy: TenantPolicy) -> TenantPolicy:
+        if policy.ttl_s is not None and policy.ttl_s <= 0:
+            raise InvalidArgument("ttl_s must be positive (unset it for no TTL)")
+        quota = {Tier.parse(t).label: int(v) for t, v in policy.quota_bytes.items()}
+        policy = TenantPolicy(ttl_s=policy.ttl_s, quota_bytes=quota, priority=policy.priority)
+        self.registry.set_policy(namespace, policy)
+        self.store.set_tenant_policy(namespace, policy.ttl_s, quota or None)
+        return policy
+
+    def apply_policies(self) -> None:
+        """Re-apply the recorded policies to a freshly opened Store."""
+        for ns, policy in self.registry.policies().items():
+            self.store.set_tenant_policy(ns, policy.ttl_s, dict(policy.quota_bytes) or None)
+
+    def purge_model(self, fingerprint: bytes) -> int:
+        if len(fingerprint) != FINGERPRINT_BYTES:
+            raise InvalidArgument(f"fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}")
+        return int(self.store.purge_model(fingerprint))

@@ -1,0 +1,133 @@
+"""Bounded resources the service hands out per call; each class has one lock and one job.
+
+* :class:`InflightBudget` — bytes each tenant has buffered in unfinished Put streams
+  (``limits.max_inflight_bytes_per_tenant``); past it -> ResourceExhausted naming the limit.
+* :class:`RegionTable` — shared-memory regions registered by principals; a region is usable
+  only by the principal that registered it.
+* :class:`StagingPool` — reusable block-sized buffers for the in-band streams. A fresh large
+  buffer per call costs page faults (a first touch runs at ~2 GB/s against ~10 GB/s for a warm
+  copy), more than the copy itself; buffers given back are kept up to ``cache_bytes``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvstore.shm import Region, attach_region
+
+
+class InflightBudget:
+    """Bytes in flight per tenant, bounded by ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._used: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, tenant: str, nbytes: int) -> None:
+        with self._lock:
+            used = self._used.get(tenant, 0)
+            if used + nbytes > self._limit:
+                raise ResourceExhausted(
+                    f"tenant {tenant!r} would have {used + nbytes} bytes in flight, over "
+                    f"limits.max_inflight_bytes_per_tenant={self._limit}",
+                    resource="limits.max_inflight_bytes_per_tenant",
+                )
+            self._used[tenant] = used + nbytes
+
+    def give(self, tenant: str, nbytes: int) -> None:
+        with self._lock:
+            left = self._used.get(tenant, 0) - nbytes
+            assert left >= 0, "in-flight accounting went negative"
+            if left:
+                self._used[tenant] = left
+            else:
+                self._used.pop(tenant, None)
+
+
+class RegionTable:
+    """Shared-memory regions registered by principals (at most ``max_per_principal`` each)."""
+
+    def __init__(self, max_per_principal: int, max_bytes: int) -> None:
+        self._max_per, self._max_bytes = max_per_principal, max_bytes
+        self._regions: dict[int, tuple[str, Region]] = {}
+        self._next = 1
+        self._lock = threading.Lock()
+
+    def register(self, owner: str, kind: str, name: str, size: int, handle: bytes = b"") -> tuple[int, Region]:
+        if self._max_per == 0:
+            raise FailedPrecondition("the local data plane is disabled on this server")
+        if size <= 0 or size > self._max_bytes:
+            raise InvalidArgument(f"region size {size} must be in (0, limits.max_region_bytes={self._max_bytes}]")
+        with self._lock:
+            if sum(o == owner for o, _ in self._regions.values()) >= self._max_per:
+                raise ResourceExhausted(
+                    f"{owner!r} has limits.max_regions_per_principal={self._max_per} regions",
+                    resource="limits.max_regions_per_principal",
+                )
+        region = attach_region(kind, name, size, handle)
+        with self._lock:
+            rid = self._next
+            self._next += 1
+            self._regions[rid] = (owner, region)
+        return rid, region
+
+    def get(self, owner: str, region_id: int) -> Region:
+        entry = self._regions.get(region_id)
+        if entry is None or entry[0] != owner:
+            raise InvalidArgument(f"region {region_id} is not registered by this caller")
+        return entry[1]
+
+    def unregister(self, owner: str, region_id: int) -> None:
+        with self._lock:
+            self.get(owner, region_id)
+            _, region = self._regions.pop(region_id)
+        region.close()
+
+    def close(self) -> None:
+        with self._lock:
+            regions, self._regions = list(self._regions.values()), {}
+        for _, region in regions:
+            region.close()
+
+
+class StagingPool:
+    """Reusable uint8 buffers, handed out by exact size and kept up to ``cache_bytes`` in all.
+
+    ``take(nbytes)`` returns a buffer nobody else holds (contents undefined); ``give(buf)``
+    returns it; the caller must not touch it afterwards."""
+
+    def __init__(self, cache_bytes: int) -> None:
+        self._cap = cache_bytes
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._cached = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            stack = self._free.get(nbytes)
+            if stack:
+                self._cached -= nbytes
+                return stack.pop()
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        n = buf.nbytes
+        if n > self._cap:
+            return
+        with self._lock:
+            # make room by dropping buffers of other sizes (block sizes change with the model)
+            for size in [s for s in self._free if s != n]:
+                while self._cached + n > self._cap and self._free[size]:
+                    self._free[size].pop()
+                    self._cached -= size
+            if self._cached + n <= self._cap:
+                self._free.setdefault(n, []).append(buf)
+                self._cached += n
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached

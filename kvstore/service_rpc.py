@@ -1,0 +1,111 @@
+"""What every RPC shares: authentication, timing, error mapping, auditing, and registration.
+
+* :class:`RpcRunner` — ``run(name, context, fn)`` authenticates the bearer token, calls
+  ``fn(principal)``, maps typed errors to status codes through :mod:`kvstore.status` (the one
+  place that does), counts rejections and observes latency. With ``audit`` it also requires the
+  admin role and records the outcome.
+* :func:`service_handler` — the grpc handler of a service built from its descriptor, with
+  per-method (de)serializers overridable: the KVStore service serves Put/Get as raw frames
+  (:mod:`kvstore.frames`) and every other method with the generated protobuf classes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import grpc
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message_factory import GetMessageClass
+
+from kvstore.auth import AuthRegistry, Principal, Role, bearer_token
+from kvstore.errors import KVStoreError, PermissionDenied, ResourceExhausted
+from kvstore.metrics import ServiceMetrics
+from kvstore.status import to_status
+
+log = logging.getLogger(__name__)
+
+#: (request_deserializer, response_serializer); None = pass bytes through unchanged
+Codec = tuple[Callable[[bytes], Any] | None, Callable[[Any], bytes] | None]
+
+
+class RpcRunner:
+    """Authentication, timing, error mapping and (for Admin) auditing around one plain call."""
+
+    def __init__(self, registry: AuthRegistry, metrics: ServiceMetrics | None) -> None:
+        self.registry, self.metrics = registry, metrics
+
+    def principal(self, context: grpc.ServicerContext) -> Principal:
+        return self.registry.authenticate(bearer_token(context.invocation_metadata()))
+
+    def run(self, name: str, context: grpc.ServicerContext, fn: Callable[[Principal], Any],
+            audit: Callable[[str, str], None] | None = None) -> Any:
+        """Authenticate, call ``fn(principal)``, map errors; with ``audit``, require the admin
+        role and record the outcome (failed authentications included, as principal ``?``)."""
+        start = time.perf_counter()
+        code = "OK"
+        who = "?"
+        try:
+            principal = self.principal(context)
+            who = principal.name
+            if audit is not None and principal.role is not Role.ADMIN:
+                raise PermissionDenied(f"{principal.name!r} is not an admin")
+            result = fn(principal)
+            if audit is not None:
+                audit(who, "OK")
+            return result
+        except KVStoreError as exc:
+            status, message = to_status(exc)
+            code = status.name
+            if audit is not None:
+                audit(who, code)
+            if self.metrics is not None and isinstance(exc, ResourceExhausted):
+                self.metrics.rejections.labels(resource=exc.resource or "unknown").inc()
+            context.abort(status, message)
+        except Exception:
+            if context.code() is not None or not context.is_active():
+                code = "CANCELLED"
+                raise
+            code = "INTERNAL"
+            log.exception("%s failed", name)
+            if audit is not None:
+                audit(who, code)
+            context.abort(grpc.StatusCode.INTERNAL, "internal error")
+        finally:
+            if self.metrics is not None:
+                self.metrics.observe(name, code, time.perf_counter() - start)
+
+
+_FACTORIES = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def method_handlers(service: ServiceDescriptor, servicer: Any,
+                    overrides: Mapping[str, Codec] | None = None) -> dict[str, grpc.RpcMethodHandler]:
+    """One handler per method of ``service``, calling ``servicer.<Method>``."""
+    overrides = overrides or {}
+    unknown = set(overrides) - {m.name for m in service.methods}
+    assert not unknown, f"overrides name unknown methods: {sorted(unknown)}"
+    handlers = {}
+    for m in service.methods:
+        codec = overrides.get(m.name)
+        if codec is None:
+            codec = (GetMessageClass(m.input_type).FromString, GetMessageClass(m.output_type).SerializeToString)
+        factory = _FACTORIES[(m.client_streaming, m.server_streaming)]
+        handlers[m.name] = factory(getattr(servicer, m.name), request_deserializer=codec[0],
+                                   response_serializer=codec[1])
+    return handlers
+
+
+def add_service(server: grpc.Server, service: ServiceDescriptor, servicer: Any,
+                overrides: Mapping[str, Codec] | None = None) -> None:
+    """Register ``servicer`` for ``service`` on ``server`` (as the generated add_* functions do)."""
+    handlers = method_handlers(service, servicer, overrides)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)

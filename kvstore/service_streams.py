@@ -1,0 +1,134 @@
+"""The in-band Put and Get streams on the server, as plain functions over frames.
+
+* :func:`put_stream` — validates the header frame, copies every chunk into a reused staging
+  buffer as it arrives, checks every chunk's xxh3, and commits once the whole stream arrived
+  intact. A cancelled, failed or past-deadline Put leaves nothing visible.
+  NOTE: keeping the received frames instead of copying them looks cheaper but is not: grpc
+  allocates each message afresh, and holding tens of MiB of them makes every call fault in new
+  pages (~2 GB/s) where a copy into warm staging memory runs at ~10 GB/s and lets grpc reuse
+  the freed message memory.
+* :func:`get_stream` — reads the served prefix into reused staging buffers (errors surface
+  here, before any frame is sent) and returns the header frame plus a generator of chunk frames.
+
+Frames are :mod:`kvstore.frames`; the servicer only authenticates and maps errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from kvstore.auth import Principal
+from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvstore.frames import Frame, data_frame, encode, intact
+from kvstore.service_data import Blocks, DataPlane
+from kvstore.service_resources import StagingPool
+from proto.kvstore.v1 import kvstore_pb2 as pb
+
+
+def _check_size(plane: DataPlane, b: Blocks, *, count_blocks: bool = True) -> int:
+    """Total payload bytes of ``b``; past a stream limit -> InvalidArgument / ResourceExhausted."""
+    limits = plane.limits
+    if count_blocks and len(b.keys) > limits.max_blocks_per_stream:
+        raise InvalidArgument(f"{len(b.keys)} blocks exceed limits.max_blocks_per_stream={limits.max_blocks_per_stream}")
+    total = b.spec.block_nbytes * len(b.keys)
+    if total > limits.max_stream_bytes:
+        raise ResourceExhausted(f"{total} bytes exceed limits.max_stream_bytes={limits.max_stream_bytes}",
+                                resource="limits.max_stream_bytes")
+    return total
+
+
+def put_stream(plane: DataPlane, p: Principal, frames: Iterator[Frame], is_active: Callable[[], bool]) -> int:
+    """Receive and commit one Put stream; the number of blocks written."""
+    first = next(frames, None)
+    if first is not None and first.error:
+        raise InvalidArgument(first.error)
+    if first is None or not first.meta.HasField("header"):
+        raise InvalidArgument("the first Put frame must carry the header")
+    if len(first.data):
+        raise InvalidArgument("the header frame carries no data")
+    header = first.meta.header
+    b = plane.resolve(p, header.target, write=True)
+    total = _check_size(plane, b)
+    plane.inflight.take(b.namespace, total)
+    staged: list[np.ndarray] = []
+    try:
+        buffers = assemble(frames, len(b.keys), b.spec.block_nbytes, plane.staging, staged)
+        if not is_active():  # cancelled or past its deadline: commit nothing
+            raise FailedPrecondition("the Put was cancelled before it completed")
+        ttl = header.ttl_s if header.HasField("ttl_s") else None
+        return plane.put(b, buffers, header.session, ttl, plane="stream")
+    finally:
+        for buf in staged:
+            plane.staging.give(buf)
+        plane.inflight.give(b.namespace, total)
+
+
+def assemble(frames: Iterator[Frame], n: int, nbytes: int, staging: StagingPool, staged: list[np.ndarray]) -> list[Any]:
+    """Collect ``n`` blocks of ``nbytes`` from in-order, checksummed chunk frames. Staging
+    buffers taken are appended to ``staged`` (the caller gives them back)."""
+    buffers: list[Any] = []
+    current: np.ndarray | None = None
+    filled = 0
+    for frame in frames:
+        if frame.error:
+            raise InvalidArgument(frame.error)
+        m, data = frame.meta, frame.data
+        if m.HasField("header"):
+            raise InvalidArgument("only the first Put frame may carry a header")
+        if m.block != len(buffers) or m.offset != filled:
+            raise InvalidArgument(f"out-of-order chunk: got block {m.block} offset {m.offset}, "
+                                  f"expected block {len(buffers)} offset {filled}")
+        if len(buffers) >= n:
+            raise InvalidArgument(f"more data than the {n} blocks the header names")
+        size = len(data)
+        if not size or filled + size > nbytes:
+            raise InvalidArgument(f"chunk of {size} bytes at offset {filled} overruns the {nbytes}-byte block")
+        if not intact(frame):
+            raise InvalidArgument(f"checksum mismatch in block {m.block} at offset {m.offset}")
+        if current is None:
+            current = staging.take(nbytes)
+            staged.append(current)
+        current[filled : filled + size] = np.frombuffer(data, dtype=np.uint8)
+        filled += size
+        if filled == nbytes:
+            buffers.append(current)
+            current, filled = None, 0
+    if len(buffers) != n or current is not None:
+        raise InvalidArgument(f"the stream ended after {len(buffers)} of {n} blocks")
+    return buffers
+
+
+def get_stream(plane: DataPlane, p: Principal, request: pb.GetRequest) -> tuple[bytes, Iterator[bytes]]:
+    """Read the served prefix; returns the header frame and a generator of chunk frames."""
+    b = plane.resolve(p, request.target)
+    _check_size(plane, b, count_blocks=False)  # bounds the staging memory of one Get
+    nbytes = b.spec.block_nbytes
+    limit = plane.limits.chunk_bytes
+    chunk = min(request.chunk_bytes or limit, limit)
+    outs = [plane.staging.take(nbytes) for _ in b.keys]
+    try:
+        n = plane.get_into(b, outs, plane="stream")
+    except BaseException:
+        _give_all(plane.staging, outs)
+        raise
+    _give_all(plane.staging, outs[n:])
+    header = encode(pb.GetFrame(header=pb.GetHeader(num_blocks=n, block_nbytes=nbytes)))
+    return header, _chunks(outs[:n], nbytes, chunk, plane.staging)
+
+
+def _chunks(outs: list[np.ndarray], nbytes: int, chunk: int, staging: StagingPool) -> Iterator[bytes]:
+    try:
+        for i, buf in enumerate(outs):
+            view = memoryview(buf)
+            for off in range(0, nbytes, chunk):
+                yield data_frame(pb.GetFrame, i, off, view[off : off + chunk])
+    finally:
+        _give_all(staging, outs)
+
+
+def _give_all(staging: StagingPool, bufs: list[np.ndarray]) -> None:
+    for buf in bufs:
+        staging.give(buf)

@@ -1,0 +1,108 @@
+"""The ``kvstore.v1.Admin`` servicer: operators' calls, each audited (who, what, target, result).
+
+Thin: every method decodes its request, calls :class:`~kvstore.service_admin.AdminPlane`
+through :meth:`RpcRunner.run` (which requires the admin role and writes the audit entry), and
+encodes the result. Reading the audit log and Stats are admin-only but not audited (reading the
+log must not grow it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.auth import Principal, Role, TenantPolicy
+from kvstore.errors import PermissionDenied
+from kvstore.service_admin import AdminPlane
+from kvstore.service_convert import spec_from_pb
+from kvstore.service_rpc import RpcRunner
+from proto.kvstore.v1 import admin_pb2 as apb
+from proto.kvstore.v1 import admin_pb2_grpc
+from proto.kvstore.v1 import kvstore_pb2 as pb
+
+_ROLE_PB = {Role.TENANT: apb.ROLE_TENANT, Role.PUBLISHER: apb.ROLE_PUBLISHER, Role.ADMIN: apb.ROLE_ADMIN}
+_ROLE_FROM_PB = {v: k for k, v in _ROLE_PB.items()} | {apb.ROLE_UNSPECIFIED: Role.TENANT}
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    def __init__(self, plane: AdminPlane, rpc: RpcRunner) -> None:
+        self.plane, self.rpc = plane, rpc
+
+    def _run(self, name: str, action: str, target: str, context, fn: Callable[[Principal], Any]) -> Any:
+        def audit(who: str, result: str) -> None:
+            self.plane.audit.append(who, action, target, result)
+        return self.rpc.run(f"Admin.{name}", context, fn, audit=audit)
+
+    def CreateTenant(self, request, context):
+        role = _ROLE_FROM_PB.get(request.role, Role.TENANT)
+        return self._run("CreateTenant", "tenant.create", request.name, context, lambda p: apb.TenantToken(
+            name=request.name, token=self.plane.create_tenant(request.name, role, list(request.namespaces))))
+
+    def RotateToken(self, request, context):
+        return self._run("RotateToken", "tenant.rotate", request.name, context, lambda p: apb.TenantToken(
+            name=request.name, token=self.plane.rotate(request.name)))
+
+    def DeleteTenant(self, request, context):
+        def call(p: Principal) -> apb.DeleteTenantResponse:
+            self.plane.delete_tenant(request.name)
+            return apb.DeleteTenantResponse()
+        return self._run("DeleteTenant", "tenant.delete", request.name, context, call)
+
+    def ListTenants(self, request, context):
+        return self._run("ListTenants", "tenant.list", "", context, lambda p: apb.ListTenantsResponse(
+            tenants=[_tenant_pb(t) for t in self.plane.registry.list()]))
+
+    def Grant(self, request, context):
+        action = "namespace.revoke" if request.revoke else "namespace.grant"
+        return self._run("Grant", action, f"{request.tenant} {request.namespace}", context, lambda p: _tenant_pb(
+            self.plane.registry.grant(request.tenant, request.namespace, revoke=request.revoke)))
+
+    def GetPolicy(self, request, context):
+        return self._run("GetPolicy", "policy.get", request.name, context,
+                         lambda p: _policy_pb(request.name, self.plane.registry.policy(request.name)))
+
+    def SetPolicy(self, request, context):
+        policy = TenantPolicy(ttl_s=request.ttl_s if request.HasField("ttl_s") else None,
+                              quota_bytes=dict(request.quota_bytes), priority=request.priority)
+        return self._run("SetPolicy", "policy.set", request.tenant, context,
+                         lambda p: _policy_pb(request.tenant, self.plane.set_policy(request.tenant, policy)))
+
+    def PurgeModel(self, request, context):
+        def call(p: Principal) -> apb.PurgeModelResponse:
+            fp = request.fingerprint or (spec_from_pb(request.spec, request.HasField("spec")).fingerprint)
+            return apb.PurgeModelResponse(blocks=self.plane.purge_model(fp))
+        target = request.fingerprint.hex() or request.spec.model
+        return self._run("PurgeModel", "model.purge", target, context, call)
+
+    def ReadAudit(self, request, context):
+        def call(p: Principal) -> apb.ReadAuditResponse:
+            entries = self.plane.audit.read(request.since_seq, request.limit or 1000)
+            return apb.ReadAuditResponse(entries=[apb.AuditEntry(
+                seq=e.seq, time=e.time, principal=e.principal, action=e.action, target=e.target,
+                result=e.result, detail=e.detail) for e in entries])
+        return self.rpc.run("Admin.ReadAudit", context, _admin_only(call))
+
+    def Stats(self, request, context):
+        return self.rpc.run("Admin.Stats", context, _admin_only(lambda p: pb.StatsResponse(
+            json=json.dumps(self.plane.store.stats(), default=str, sort_keys=True))))
+
+
+def _admin_only(fn: Callable[[Principal], Any]) -> Callable[[Principal], Any]:
+    """For read-only admin calls that are not audited (reading the audit log must not grow it)."""
+    def call(p: Principal) -> Any:
+        if p.role is not Role.ADMIN:
+            raise PermissionDenied(f"{p.name!r} is not an admin")
+        return fn(p)
+    return call
+
+
+def _tenant_pb(p: Principal) -> apb.TenantInfo:
+    return apb.TenantInfo(name=p.name, role=_ROLE_PB[p.role], namespaces=list(p.namespaces), created=p.created)
+
+
+def _policy_pb(name: str, policy: TenantPolicy) -> apb.TenantPolicy:
+    msg = apb.TenantPolicy(tenant=name, quota_bytes=policy.quota_bytes, priority=policy.priority)
+    if policy.ttl_s is not None:
+        msg.ttl_s = policy.ttl_s
+    return msg

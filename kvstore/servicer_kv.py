@@ -1,0 +1,137 @@
+"""The ``kvstore.v1.KVStore`` servicer: decode, call one plain function, encode.
+
+Each method hands :meth:`RpcRunner.run` a function of the authenticated principal that calls
+:class:`~kvstore.service_data.DataPlane` (or :mod:`kvstore.service_streams` for Put/Get). Put
+and Get exchange raw frames (see :data:`FRAME_CODECS` and :mod:`kvstore.frames`); register
+the servicer with :func:`add_kvstore_servicer`, which installs those codecs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import grpc
+
+from kvstore.auth import Principal, Role
+from kvstore.errors import InvalidArgument, PermissionDenied
+from kvstore.frames import Frame, decoder
+from kvstore.service_convert import spec_from_pb, tier_codes, tier_from_pb
+from kvstore.service_data import DataPlane
+from kvstore.service_rpc import Codec, RpcRunner, add_service
+from kvstore.service_streams import get_stream, put_stream
+from proto.kvstore.v1 import kvstore_pb2 as pb
+from proto.kvstore.v1 import kvstore_pb2_grpc
+
+SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
+#: Put requests arrive as PutFrame frames; Get responses leave as already-encoded frames
+FRAME_CODECS: dict[str, Codec] = {
+    "Put": (decoder(pb.PutFrame), pb.PutResponse.SerializeToString),
+    "Get": (pb.GetRequest.FromString, None),
+}
+_REGION_KINDS = {pb.REGION_KIND_POSIX_SHM: "posix_shm", pb.REGION_KIND_CUDA_IPC: "cuda_ipc"}
+_SESSION_STATES = {"open": pb.SESSION_STATE_ACTIVE, "pause": pb.SESSION_STATE_PAUSED,
+                   "resume": pb.SESSION_STATE_RESUMED, "close": pb.SESSION_STATE_CLOSED}
+
+
+def add_kvstore_servicer(servicer: KVStoreServicer, server: grpc.Server) -> None:
+    add_service(server, SERVICE, servicer, FRAME_CODECS)
+
+
+class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
+    def __init__(self, plane: DataPlane, rpc: RpcRunner) -> None:
+        self.plane, self.rpc = plane, rpc
+
+    def WhoAmI(self, request, context):
+        return self.rpc.run("WhoAmI", context, lambda p: pb.WhoAmIResponse(
+            principal=p.name, role=p.role.value, readable=sorted(p.readable), writable=sorted(p.writable)))
+
+    def BlockKeys(self, request, context):
+        def call(p: Principal) -> pb.BlockKeysResponse:
+            spec = spec_from_pb(request.spec, request.HasField("spec"))
+            extra = [list(e.items) for e in request.tokens.extra]
+            _, keys = self.plane.keys_for(p, spec, request.namespace, list(request.tokens.ids), extra)
+            return pb.BlockKeysResponse(keys=b"".join(keys))
+        return self.rpc.run("BlockKeys", context, call)
+
+    def Lookup(self, request, context):
+        def call(p: Principal) -> pb.LookupResponse:
+            b = self.plane.resolve(p, request.target)
+            n, tiers = self.plane.lookup(b)
+            return pb.LookupResponse(num_blocks=n, tier_codes=tier_codes(tiers),
+                                     keys=b"".join(b.keys) if b.computed else b"")
+        return self.rpc.run("Lookup", context, call)
+
+    def Put(self, request_iterator: Iterator[Frame], context):
+        return self.rpc.run("Put", context, lambda p: pb.PutResponse(
+            blocks_written=put_stream(self.plane, p, request_iterator, context.is_active)))
+
+    def Get(self, request, context):
+        # the header is produced inside run(): errors abort before any data is sent
+        header, chunks = self.rpc.run("Get", context, lambda p: get_stream(self.plane, p, request))
+        yield header
+        yield from chunks
+
+    def RegisterRegion(self, request, context):
+        def call(p: Principal) -> pb.RegisterRegionResponse:
+            if p.role is Role.ADMIN:
+                raise PermissionDenied("admin tokens have no data-plane access")
+            kind = _REGION_KINDS.get(request.kind)
+            if kind is None:
+                raise InvalidArgument("region kind is required")
+            rid, region = self.plane.regions.register(p.name, kind, request.name, request.size,
+                                                      request.cuda_ipc_handle)
+            return pb.RegisterRegionResponse(region_id=rid, nonce=getattr(region, "nonce", b""))
+        return self.rpc.run("RegisterRegion", context, call)
+
+    def UnregisterRegion(self, request, context):
+        def call(p: Principal) -> pb.UnregisterRegionResponse:
+            self.plane.regions.unregister(p.name, request.region_id)
+            return pb.UnregisterRegionResponse()
+        return self.rpc.run("UnregisterRegion", context, call)
+
+    def PutLocal(self, request, context):
+        def call(p: Principal) -> pb.PutResponse:
+            b = self.plane.resolve(p, request.target, write=True)
+            ttl = request.ttl_s if request.HasField("ttl_s") else None
+            n = self.plane.put_local(p, b, request.region_id, request.offsets, request.session, ttl)
+            return pb.PutResponse(blocks_written=n)
+        return self.rpc.run("PutLocal", context, call)
+
+    def GetLocal(self, request, context):
+        def call(p: Principal) -> pb.GetLocalResponse:
+            b = self.plane.resolve(p, request.target)
+            return pb.GetLocalResponse(num_blocks=self.plane.get_local(p, b, request.region_id, request.offsets))
+        return self.rpc.run("GetLocal", context, call)
+
+    def _session(self, verb: str, request, context):
+        def call(p: Principal) -> pb.SessionResponse:
+            self.plane.session(p, verb, request.session_id)
+            return pb.SessionResponse(session_id=request.session_id, state=_SESSION_STATES[verb])
+        return self.rpc.run(f"{verb.capitalize()}Session", context, call)
+
+    def OpenSession(self, request, context):
+        return self._session("open", request, context)
+
+    def PauseSession(self, request, context):
+        return self._session("pause", request, context)
+
+    def ResumeSession(self, request, context):
+        return self._session("resume", request, context)
+
+    def CloseSession(self, request, context):
+        return self._session("close", request, context)
+
+    def Prefetch(self, request, context):
+        def call(p: Principal) -> pb.PrefetchResponse:
+            b = self.plane.resolve(p, request.target)
+            return pb.PrefetchResponse(blocks=self.plane.prefetch(b, tier_from_pb(request.tier)))
+        return self.rpc.run("Prefetch", context, call)
+
+    def Delete(self, request, context):
+        return self.rpc.run("Delete", context, lambda p: pb.DeleteResponse(
+            deleted=self.plane.delete(p, request.namespace, request.keys)))
+
+    def Stats(self, request, context):
+        return self.rpc.run("Stats", context, lambda p: pb.StatsResponse(
+            json=json.dumps(self.plane.stats(p), default=str, sort_keys=True)))

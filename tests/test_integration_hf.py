@@ -1,0 +1,228 @@
+"""kvstore.integrations.hf against real transformers models (random-init, built from configs).
+
+Each check runs for Llama, Qwen2 and Qwen3, through the in-process Store and through the gRPC
+client of a sidecar on port 0. The last test loads the real SmolLM2-135M (GGUF fixture); it skips
+only when the package registry is unreachable. Skips everything when transformers is missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is not installed: pip install 'kvstore[hf]'")
+
+from transformers import (  # noqa: E402
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import service_harness  # noqa: E402
+from kvstore.config import StoreConfig  # noqa: E402
+from kvstore.errors import DTypeMismatch, InvalidArgument  # noqa: E402
+from kvstore.integrations.hf import (  # noqa: E402
+    PrefixCache,
+    TenantStore,
+    blocks_from_cache,
+    forward,
+    layer_kv,
+    output_cache,
+    spec_from_config,
+)
+from kvstore.store import Store  # noqa: E402
+
+BLOCK = 8
+VOCAB = 256
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+MODELS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
+}
+
+
+def _build(name: str) -> Any:
+    config_cls, model_cls, extra = MODELS[name]
+    torch.manual_seed(1234)
+    return model_cls(config_cls(**TINY, **extra)).eval()
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request: pytest.FixtureRequest) -> Any:
+    return _build(request.param)
+
+
+@pytest.fixture(params=["store", "grpc"])
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    if request.param == "store":
+        store = Store.open(StoreConfig(path=tmp_path / "store", hbm_bytes=8 << 20, dram_bytes=8 << 20,
+                                       nvme_bytes=64 << 20, master_key=bytes(range(32)), durable=False))
+        yield TenantStore(store, "tenant-a")
+        store.close()
+    else:
+        sidecar = service_harness.start(tmp_path / "sidecar")
+        yield sidecar.tenant("tenant-a")
+        sidecar.stop()
+
+
+def _prompt(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (1, n), generator=g)
+
+
+def _live_cache(model: Any, ids: torch.Tensor) -> Any:
+    return output_cache(forward(model, ids, DynamicCache()))
+
+
+def _adapter(model: Any, target: Any) -> PrefixCache:
+    return PrefixCache(target, spec_from_config(model.config, model.dtype, BLOCK, model=model.config.model_type))
+
+
+def test_restored_kv_is_bit_identical_to_what_was_stored(model: Any, target: Any) -> None:
+    prompt = _prompt(5 * BLOCK + 3, seed=1)
+    live = _live_cache(model, prompt)
+    pc = _adapter(model, target)
+
+    assert pc.save(prompt, live).num_blocks == 5
+    stored = target.get(pc.spec, target.block_keys(pc.spec, prompt[0, : 5 * BLOCK].tolist()))
+    assert torch.equal(stored, blocks_from_cache(live, pc.spec, 0, 5))
+
+    restored = pc.restore(torch.cat([prompt, _prompt(4, seed=2)], dim=1))
+    assert restored.num_tokens == 5 * BLOCK and len(restored.tiers) == 5
+    assert restored.cache.get_seq_length() == 5 * BLOCK
+    for layer in range(pc.spec.num_layers):
+        for got, want in zip(layer_kv(restored.cache, layer), layer_kv(live, layer)):
+            assert got.dtype == want.dtype
+            assert torch.equal(got, want[:, :, : 5 * BLOCK])
+
+
+def test_logits_after_restore_equal_a_live_cache_of_the_same_prefix(model: Any, target: Any) -> None:
+    prompt = _prompt(4 * BLOCK + 5, seed=3)
+    pc = _adapter(model, target)
+    pc.save(prompt, _live_cache(model, prompt))
+
+    restored = pc.restore(prompt)
+    n = restored.num_tokens
+    assert n == 4 * BLOCK
+    live = _live_cache(model, prompt[:, :n])
+    want = forward(model, prompt[:, n:], live).logits
+    got = forward(model, prompt[:, n:], restored.cache).logits
+    assert torch.equal(got, want)
+
+
+def test_greedy_tokens_equal_a_full_recompute(model: Any, target: Any) -> None:
+    system = _prompt(3 * BLOCK + 2, seed=4)
+    turn1 = torch.cat([system, _prompt(5, seed=5)], dim=1)
+    pc = _adapter(model, target)
+    first = pc.generate(model, turn1, max_new_tokens=6, do_sample=False)
+    assert first.reused_tokens == 0 and first.saved.new_blocks == first.saved.num_blocks > 0
+
+    turn2 = torch.cat([first.sequences, _prompt(7, seed=6)], dim=1)
+    second = pc.generate(model, turn2, max_new_tokens=8, do_sample=False)
+    reference = model.generate(turn2, max_new_tokens=8, do_sample=False)
+    assert second.reused_tokens == first.saved.num_blocks * BLOCK
+    assert torch.equal(second.sequences, reference)
+
+
+def test_at_least_one_prompt_token_is_left_uncached(model: Any, target: Any) -> None:
+    prompt = _prompt(3 * BLOCK, seed=7)  # exactly three full blocks, all stored
+    pc = _adapter(model, target)
+    assert pc.save(prompt, _live_cache(model, prompt)).num_blocks == 3
+    assert pc.restore(prompt).num_tokens == 2 * BLOCK
+    assert pc.restore(prompt[:, : BLOCK + 1]).num_tokens == BLOCK
+    short = pc.restore(prompt[:, :BLOCK])  # one block: restoring it would leave nothing to compute
+    assert short.cache is None and short.num_tokens == 0
+
+
+def test_save_sends_only_blocks_not_stored_yet(model: Any, target: Any) -> None:
+    prompt = _prompt(6 * BLOCK + 1, seed=8)
+    live = _live_cache(model, prompt)
+    pc = _adapter(model, target)
+    assert (pc.save(prompt[:, : 2 * BLOCK], live).new_blocks, pc.save(prompt, live).new_blocks) == (2, 4)
+    again = pc.save(prompt, live)
+    assert (again.num_blocks, again.new_blocks) == (6, 0)
+
+
+def test_same_tokens_at_another_position_are_a_miss(model: Any, target: Any) -> None:
+    # keys are stored after RoPE: a block is only valid after exactly its prefix
+    prompt = _prompt(3 * BLOCK + 1, seed=9)
+    pc = _adapter(model, target)
+    pc.save(prompt, _live_cache(model, prompt))
+    shifted = torch.cat([_prompt(BLOCK, seed=10), prompt], dim=1)
+    assert pc.restore(shifted).cache is None
+    changed = prompt.clone()
+    changed[0, 0] = (changed[0, 0] + 1) % VOCAB
+    assert pc.restore(changed).num_tokens == 0
+
+
+def test_spec_from_config_describes_the_cache(model: Any) -> None:
+    spec = spec_from_config(model.config, torch.float32, BLOCK, model="tiny", revision="r1")
+    cache = _live_cache(model, _prompt(BLOCK, seed=11))
+    k, _ = layer_kv(cache, 0)
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (len(cache), k.shape[1], k.shape[3])
+    assert (spec.dtype, spec.block_tokens, spec.hidden_size) == ("float32", BLOCK, 64)
+    assert "10000" in spec.rope_scaling
+    other = spec_from_config(model.config, "float32", BLOCK, model="tiny", revision="r2")
+    assert other.fingerprint != spec.fingerprint
+
+
+def test_unsupported_caches_are_refused() -> None:
+    sliding = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=16, max_window_layers=0)
+    with pytest.raises(InvalidArgument, match="full-attention"):
+        spec_from_config(sliding, torch.float32, BLOCK)
+    with pytest.raises(InvalidArgument, match="dtype"):
+        spec_from_config(LlamaConfig(**TINY), torch.int8, BLOCK)
+    model = _build("llama")
+    cache = _live_cache(model, _prompt(2 * BLOCK, seed=12))
+    with pytest.raises(DTypeMismatch):
+        blocks_from_cache(cache, spec_from_config(model.config, torch.float16, BLOCK), 0, 2)
+
+
+# -- the real model -----------------------------------------------------------------------------
+def test_smollm2_two_turn_chat_reuses_turn_one_and_decodes_the_same(tmp_path: Path) -> None:
+    pytest.importorskip("gguf", reason="gguf is not installed: pip install 'kvstore[hf]'")
+    pytest.importorskip("accelerate", reason="accelerate is not installed: pip install 'kvstore[hf]'")
+    from bench.hf_demo import chat_ids, load_smollm2
+    from bench.model_fixture import ModelUnavailable, ensure_smollm2
+
+    try:
+        files = ensure_smollm2()
+    except ModelUnavailable as exc:
+        pytest.skip(str(exc))
+    model, tokenizer = load_smollm2(files)
+    store = Store.open(StoreConfig(path=tmp_path / "store", hbm_bytes=64 << 20, dram_bytes=64 << 20,
+                                   nvme_bytes=256 << 20, master_key=bytes(range(32)), durable=False))
+    try:
+        pc = PrefixCache(TenantStore(store, "chat"),
+                         spec_from_config(model.config, model.dtype, 16, model="SmolLM2-135M-Instruct-Q4_1"))
+        messages = [{"role": "system", "content": "You are a terse assistant."},
+                    {"role": "user", "content": "Name three primary colours."}]
+        turn1 = chat_ids(tokenizer, messages)
+        first = pc.generate(model, turn1, max_new_tokens=12, do_sample=False)
+        answer = tokenizer.decode(first.sequences[0, turn1.shape[1]:], skip_special_tokens=True)
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And two more?"}]
+        turn2 = chat_ids(tokenizer, messages)
+
+        restored = pc.restore(turn2)
+        assert restored.num_tokens >= (turn1.shape[1] // 16) * 16 > 0
+        live = _live_cache(model, turn2[:, : restored.num_tokens])
+        for layer in range(pc.spec.num_layers):
+            for got, want in zip(layer_kv(restored.cache, layer), layer_kv(live, layer)):
+                assert torch.equal(got, want)
+
+        second = pc.generate(model, turn2, max_new_tokens=12, do_sample=False)
+        reference = model.generate(turn2, max_new_tokens=12, do_sample=False)
+        assert second.reused_tokens == restored.num_tokens
+        assert torch.equal(second.sequences, reference)
+    finally:
+        store.close()

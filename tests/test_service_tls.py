@@ -1,0 +1,102 @@
+"""TLS and mutual TLS: throwaway certificates made in the test (cryptography's x509 builder)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+from pathlib import Path
+
+import pytest
+import torch
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from kvstore.admin_client import AdminClient
+from kvstore.client import Client, ClientTLS
+from kvstore.errors import KVStoreError
+from service_harness import SPEC, fresh_tokens, random_kv, start
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: str, issuer_key: ec.EllipticCurvePrivateKey,
+          *, ca: bool = False, usage: x509.ObjectIdentifier | None = None) -> x509.Certificate:
+    now = dt.datetime.now(dt.timezone.utc)
+    b = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(_name(issuer))
+         .public_key(key.public_key()).serial_number(x509.random_serial_number())
+         .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
+         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if usage is not None:
+        b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+    if usage == ExtendedKeyUsageOID.SERVER_AUTH:
+        b = b.add_extension(x509.SubjectAlternativeName(
+            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+    return b.sign(issuer_key, hashes.SHA256())
+
+
+def _write(path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey | None = None) -> None:
+    path.with_suffix(".pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    if key is not None:
+        path.with_suffix(".key").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    """ca.pem, server.pem/.key (localhost, 127.0.0.1), client.pem/.key, all from one throwaway CA."""
+    d = tmp_path_factory.mktemp("pki")
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = _cert("kvstore test CA", ca_key, "kvstore test CA", ca_key, ca=True)
+    _write(d / "ca", ca)
+    for name, usage in (("server", ExtendedKeyUsageOID.SERVER_AUTH), ("client", ExtendedKeyUsageOID.CLIENT_AUTH)):
+        key = ec.generate_private_key(ec.SECP256R1())
+        _write(d / name, _cert(f"kvstore {name}", key, "kvstore test CA", ca_key, usage=usage), key)
+    return d
+
+
+def _tls(pki: Path, mutual: bool) -> dict[str, str]:
+    cfg = {"cert_file": str(pki / "server.pem"), "key_file": str(pki / "server.key")}
+    if mutual:
+        cfg["client_ca_file"] = str(pki / "ca.pem")
+    return cfg
+
+
+def _refused(target: str, token: str, tls: ClientTLS | None) -> None:
+    with Client(target, token, local=False, timeout=3, tls=tls) as c, pytest.raises(KVStoreError) as err:
+        c.whoami()
+    assert err.value.code == "UNAVAILABLE"
+
+
+def test_tls_client_works_and_plaintext_client_fails(tmp_path, pki):
+    sc = start(tmp_path, tls=_tls(pki, mutual=False))
+    try:
+        tls = ClientTLS(root_cert_file=pki / "ca.pem")
+        with AdminClient(sc.target, sc.admin_token, tls=tls) as admin:
+            token = admin.create_tenant("secure")
+        with Client(sc.target, token, local=False, tls=tls) as c:
+            assert c.whoami()["principal"] == "secure"
+            keys = c.block_keys(SPEC, fresh_tokens(2))
+            kv = random_kv(2, seed=2)
+            c.put(SPEC, keys, kv)
+            assert torch.equal(c.get(SPEC, keys).view(torch.int16), kv.view(torch.int16))
+        _refused(sc.target, token, None)
+    finally:
+        sc.stop()
+
+
+def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path, pki):
+    sc = start(tmp_path, tls=_tls(pki, mutual=True))
+    try:
+        with_cert = ClientTLS(root_cert_file=pki / "ca.pem", cert_file=pki / "client.pem", key_file=pki / "client.key")
+        with AdminClient(sc.target, sc.admin_token, tls=with_cert) as admin:
+            token = admin.create_tenant("mutual")
+        with Client(sc.target, token, local=False, tls=with_cert) as c:
+            assert c.whoami()["principal"] == "mutual"
+        _refused(sc.target, token, ClientTLS(root_cert_file=pki / "ca.pem"))
+        _refused(sc.target, token, None)
+    finally:
+        sc.stop()
