@@ -1,7 +1,7 @@
 """Typed errors of kvstore.
 
 Every error a caller can provoke is a subclass of :class:`KVStoreError` and carries a ``code``
-naming the gRPC status it maps to; the service maps them in one place (``kvstore.service``).
+naming the gRPC status it maps to; the service maps them in one place (``kvstore.status``).
 Expected outcomes (a miss, "no room in this tier") are return values, not exceptions;
 ``assert`` is kept for our own invariants.
 """

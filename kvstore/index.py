@@ -24,27 +24,35 @@ Ident = tuple[str, bytes]
 
 class PrefixIndex:
     def __init__(self) -> None:
-        self._metas: dict[Ident, BlockMeta] = {}
+        self._metas: dict[str, dict[bytes, BlockMeta]] = {}  # tenant -> key -> meta
+        self._count = 0
         self._children: dict[Ident, set[bytes]] = {}
         self._by_tier: dict[Tier, dict[Ident, BlockMeta]] = {t: {} for t in Tier}
         self._persisted: dict[Ident, BlockMeta] = {}  # blocks above NVMe that keep an NVMe copy
 
     def __len__(self) -> int:
-        return len(self._metas)
+        return self._count
 
     def __iter__(self) -> Iterator[BlockMeta]:
-        return iter(list(self._metas.values()))
+        return iter([m for per in self._metas.values() for m in per.values()])
 
     def get(self, tenant: str, key: bytes) -> BlockMeta | None:
-        return self._metas.get((tenant, key))
+        per = self._metas.get(tenant)
+        return per.get(key) if per is not None else None
+
+    def tenant_blocks(self, tenant: str) -> dict[bytes, BlockMeta]:
+        """The tenant's key -> meta map (read-only for callers; fast chain walks)."""
+        return self._metas.get(tenant) or {}
 
     def add(self, meta: BlockMeta) -> None:
         ident = (meta.tenant, meta.key)
-        assert ident not in self._metas, "block added twice"
-        self._metas[ident] = meta
+        per = self._metas.setdefault(meta.tenant, {})
+        assert meta.key not in per, "block added twice"
+        per[meta.key] = meta
+        self._count += 1
         self._by_tier[meta.tier][ident] = meta
         self._children.setdefault((meta.tenant, meta.parent), set()).add(meta.key)
-        parent = self._metas.get((meta.tenant, meta.parent))
+        parent = per.get(meta.parent)
         if parent is not None:
             parent.children += 1
         meta.children = len(self._children.get(ident, ()))
@@ -52,7 +60,9 @@ class PrefixIndex:
 
     def remove(self, meta: BlockMeta) -> None:
         ident = (meta.tenant, meta.key)
-        del self._metas[ident]
+        per = self._metas[meta.tenant]
+        del per[meta.key]
+        self._count -= 1
         del self._by_tier[meta.tier][ident]
         self._persisted.pop(ident, None)
         siblings = self._children.get((meta.tenant, meta.parent))
@@ -60,9 +70,11 @@ class PrefixIndex:
             siblings.discard(meta.key)
             if not siblings:
                 del self._children[(meta.tenant, meta.parent)]
-        parent = self._metas.get((meta.tenant, meta.parent))
+        parent = per.get(meta.parent)
         if parent is not None:
             parent.children -= 1
+        if not per:
+            del self._metas[meta.tenant]
 
     def set_tier(self, meta: BlockMeta, tier: Tier) -> None:
         ident = (meta.tenant, meta.key)
@@ -85,7 +97,8 @@ class PrefixIndex:
     # -- queries ------------------------------------------------------------------------------
     def children(self, meta: BlockMeta) -> list[BlockMeta]:
         keys = self._children.get((meta.tenant, meta.key), ())
-        return [self._metas[(meta.tenant, k)] for k in keys if (meta.tenant, k) in self._metas]
+        per = self._metas.get(meta.tenant, {})
+        return [per[k] for k in keys if k in per]
 
     def in_tier(self, tier: Tier) -> Iterable[BlockMeta]:
         return self._by_tier[tier].values()
@@ -119,4 +132,4 @@ class PrefixIndex:
         return order
 
     def of_tenant(self, tenant: str) -> list[BlockMeta]:
-        return [m for (t, _), m in self._metas.items() if t == tenant]
+        return list(self._metas.get(tenant, {}).values())

@@ -112,8 +112,8 @@ def block_keys(
 
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:
     """Validate a caller-supplied key list; returns it as a list of ``bytes``."""
-    if type(keys) is list and all(type(k) is bytes and len(k) == KEY_BYTES for k in keys):
-        return keys  # the common case, checked without copying
+    if type(keys) is list and set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {KEY_BYTES}:
+        return keys  # the common case, checked at C speed without copying
     out = []
     for i, k in enumerate(keys):
         if not isinstance(k, (bytes, bytearray, memoryview)) or len(k) != KEY_BYTES:

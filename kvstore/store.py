@@ -336,11 +336,11 @@ class Store:
                parent: bytes = ROOT_KEY) -> list[BlockMeta]:
         """The usable prefix of ``keys`` (a chain continuing from ``parent``)."""
         out: list[BlockMeta] = []
-        get = self._index.get
+        get = self._index.tenant_blocks(tenant).get
         fp = spec.fingerprint
         prev = parent
         for key in keys:
-            m = get(tenant, key)
+            m = get(key)
             if m is None or m.in_flight or m.fingerprint != fp or m.parent != prev:
                 break
             if m.ttl_deadline is not None and now >= m.ttl_deadline:
