@@ -67,7 +67,8 @@ class KVTarget(Protocol):
 
     def lookup(self, spec: ModelSpec, keys: Sequence[bytes], *, parent: bytes | None = None) -> _Hit: ...
 
-    def put(self, spec: ModelSpec, keys: Sequence[bytes], kv: Any, *, parent: bytes | None = None) -> None: ...
+    def put(self, spec: ModelSpec, keys: Sequence[bytes], kv: Any, *,
+            parent: bytes | None = None) -> None: ...
 
     def get(self, spec: ModelSpec, keys: Sequence[bytes], *, parent: bytes | None = None) -> torch.Tensor: ...
 
@@ -282,8 +283,9 @@ class PrefixCache:
             have = 0
         return Saved(total, total - have)
 
-    def restore(self, token_ids: Any) -> Restored:
-        """The longest stored prefix of ``token_ids`` as a new cache, leaving >= 1 token uncached."""
+    def restore(self, token_ids: Any, *, device: str | torch.device | None = None) -> Restored:
+        """The longest stored prefix of ``token_ids`` as a new cache, leaving >= 1 token uncached;
+        on ``device`` (default: the adapter's ``device``, else where the target returns blocks)."""
         tokens = _token_list(token_ids)
         T = self.spec.block_tokens
         usable = max(len(tokens) - 1, 0) // T  # NOTE: the last prompt token is always computed
@@ -297,14 +299,14 @@ class PrefixCache:
         n = int(kv.shape[0])  # may be shorter than the lookup said (evicted in between)
         if n == 0:
             return Restored(None, 0, [])
-        return Restored(cache_from_blocks(kv, self.spec, device=self.device), n * T,
+        return Restored(cache_from_blocks(kv, self.spec, device=device or self.device), n * T,
                         list(hit.tiers[:n]))
 
     def generate(self, model: Any, input_ids: torch.Tensor, *, save: bool = True,
                  **generate_kwargs: Any) -> Generation:
         """Restore the prompt's stored prefix, ``model.generate`` from it (batch 1), and save
         the full blocks of the whole sequence (prompt and generated tokens) if ``save``."""
-        restored = self.restore(input_ids)
+        restored = self.restore(input_ids, device=self.device or model.device)
         cache = restored.cache if restored.cache is not None else DynamicCache()
         kwargs = {cache_argument(model): cache, "use_cache": True, **generate_kwargs}
         with torch.no_grad():
