@@ -2,6 +2,7 @@
 
 * ``serve``, ``tenant``, ``policy``, ``stats``, ``audit`` — the sidecar (``kvstore.cli_serve``)
 * ``replay`` — trace replay through the placement policies (``kvstore.cli_replay``)
+* ``bench``  — the benchmark suites: tiers, service, replay, peers (``kvstore.cli_bench``)
 
 ``main(argv=None)`` is testable by construction.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import typer
 
+from kvstore.cli_bench import bench
 from kvstore.cli_replay import replay
 from kvstore.cli_serve import register as register_service_commands
 
@@ -17,6 +19,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="kvstore: a tiered KV-cache store for LLM inference.")
 register_service_commands(app)
 app.command("replay")(replay)
+app.command("bench")(bench)
 
 
 def main(argv: list[str] | None = None) -> None:

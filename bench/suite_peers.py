@@ -1,0 +1,215 @@
+"""The ``peers`` suite: one put/get workload through LMCache, Redis and kvstore, same chunk shapes.
+
+Chunks: 32 layers x 8 KV heads x 128 head dim, fp16, 16-token (2 MiB) and 256-token (32 MiB)
+blocks; one op = ``blocks`` chunks. Every read-back is compared byte for byte (untimed).
+
+* LMCache 0.5.6 in its own venv (``~/.cache/kvstore/lmcache-venv``, created on first use with
+  ``python3 -m venv``, ``pip install torch==2.13.0``, ``pip install lmcache==0.5.6``), driven by
+  ``bench/lmcache_peer.py`` in a child process with ``LMCACHE_TRACK_USAGE=false``: DRAM L1 put/get,
+  ``fs`` L2 store/get, with and without its ``aesgcm`` serde (AES-256).
+* Redis: redis-py SET/GET on 127.0.0.1:6379, one block per command.
+* kvstore: a DRAM-only Store (put / get_into) and an NVMe-only Store (LMDB + codec: AES-256-GCM
+  and zstd 1, durable commits with fsync, and the same without sync), same API as in ``tiers``.
+
+Targets (issue 7): kvstore DRAM put/get >= 0.9 x LMCache L1; kvstore NVMe put/get with
+encryption on >= 2.5 x LMCache fs L2 with aesgcm. If LMCache cannot be installed or run, the JSON
+says why under ``lmcache.error``; nothing is invented.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.store_bench import TENANT, kv_like, make_spec, token_ids
+from bench.suite_tiers import _open
+
+REPO = Path(__file__).resolve().parents[1]
+VENV = Path.home() / ".cache" / "kvstore" / "lmcache-venv"
+LMCACHE_ENV = {"LMCACHE_TRACK_USAGE": "false"}
+
+
+def ensure_lmcache_venv(timeout_s: float = 1500) -> Path:
+    """The venv's python, creating the venv and installing LMCache on first use."""
+    py = VENV / "bin" / "python"
+    probe = [str(py), "-c", "import lmcache.v1.distributed.storage_manager"]
+    if py.exists() and subprocess.run(probe, capture_output=True, env={**os.environ, **LMCACHE_ENV},
+                                      timeout=300).returncode == 0:
+        return py
+    VENV.parent.mkdir(parents=True, exist_ok=True)
+    steps = [["python3", "-m", "venv", str(VENV)],
+             [str(py), "-m", "pip", "install", "torch==2.13.0"],
+             [str(py), "-m", "pip", "install", "lmcache==0.5.6"]]
+    deadline = time.monotonic() + timeout_s
+    for cmd in steps:
+        proc = subprocess.run(cmd, capture_output=True, text=True,
+                              timeout=max(1.0, deadline - time.monotonic()))
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr[-1500:]}")
+    return py
+
+
+def lmcache_run(py: Path, tokens: int, blocks: int, rounds: int, aesgcm: bool,
+                workdir: Path) -> dict[str, Any]:
+    d = workdir / f"lmcache-{tokens}-{int(aesgcm)}"
+    d.mkdir(parents=True, exist_ok=True)
+    cmd = [str(py), str(REPO / "bench" / "lmcache_peer.py"), "--dir", str(d), "--tokens",
+           str(tokens), "--blocks", str(blocks), "--rounds", str(rounds),
+           *(["--aesgcm"] if aesgcm else [])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, **LMCACHE_ENV}, cwd=d)
+    last = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not last:
+        return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
+    return json.loads(last[-1])
+
+
+def _median_gbps(nbytes: int, times: list[float]) -> float:
+    return round(nbytes / statistics.median(times) / 1e9, 3)
+
+
+def redis_run(blocks: list[np.ndarray], rounds: int) -> dict[str, Any]:
+    try:
+        import redis
+
+        r = redis.Redis(host="127.0.0.1", port=6379)
+        r.ping()
+    except Exception as exc:  # noqa: BLE001 - any failure means "no redis here", recorded
+        return {"error": f"redis unreachable: {exc}"[:300]}
+    total = sum(b.nbytes for b in blocks)
+    names = [f"kvstore-bench-peers:{i}" for i in range(len(blocks))]
+    puts, gets = [], []
+    try:
+        for rnd in range(rounds + 1):
+            t0 = time.perf_counter()
+            for n, b in zip(names, blocks):
+                r.set(n, memoryview(b))
+            t1 = time.perf_counter()
+            got = [r.get(n) for n in names]
+            t2 = time.perf_counter()
+            for g, b in zip(got, blocks):
+                assert g is not None and np.array_equal(np.frombuffer(g, np.uint8), b), \
+                    "redis read-back differs"
+            if rnd:
+                puts.append(t1 - t0)
+                gets.append(t2 - t1)
+    finally:
+        r.delete(*names)
+        r.close()
+    return {"put": _median_gbps(total, puts), "get": _median_gbps(total, gets), "verified": True}
+
+
+def kvstore_run(tier: str, spec: Any, kv: torch.Tensor, blocks: list[np.ndarray], rounds: int,
+                workdir: Path, durable: bool = True) -> dict[str, Any]:
+    n = kv.shape[0]
+    total = n * spec.block_nbytes
+    cap = 4 * total + (64 << 20)
+    path = workdir / f"kvstore-{tier}-{spec.block_tokens}-{int(durable)}"
+    store = _open(path, **{tier: cap}) if durable else _open_nosync(path, cap)
+    outs = [np.empty(spec.block_nbytes, np.uint8) for _ in range(n)]
+    puts, gets = [], []
+    try:
+        for rnd in range(rounds + 1):
+            keys = store.block_keys(TENANT, spec, token_ids(spec, n, rnd << 24))
+            t0 = time.perf_counter()
+            store.put(TENANT, spec, keys, kv)
+            t1 = time.perf_counter()
+            got = store.get_into(TENANT, spec, keys, outs)
+            t2 = time.perf_counter()
+            assert got == n, f"kvstore {tier}: served {got} of {n}"
+            for o, b in zip(outs, blocks):
+                assert np.array_equal(o, b), f"kvstore {tier}: read-back differs"
+                o.fill(0)
+            store.delete(TENANT, keys[:1])
+            if rnd:
+                puts.append(t1 - t0)
+                gets.append(t2 - t1)
+    finally:
+        store.close()
+    return {"put": _median_gbps(total, puts), "get": _median_gbps(total, gets), "verified": True}
+
+
+def _open_nosync(path: Path, cap: int) -> Any:
+    from kvstore.config import StoreConfig
+    from kvstore.store import Store
+
+    from bench.store_bench import MASTER_KEY
+
+    return Store.open(StoreConfig(path=path, hbm_bytes=0, dram_bytes=0, nvme_bytes=cap,
+                                  device="cpu", master_key=MASTER_KEY, durable=False,
+                                  persist_on_close=False))
+
+
+def _ratios(row: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets for one block size (None where a side is missing)."""
+    def g(*path: str) -> float | None:
+        cur: Any = row
+        for p in path:
+            if not isinstance(cur, dict) or p not in cur:
+                return None
+            cur = cur[p]
+        return cur if isinstance(cur, (int, float)) else None
+
+    pairs = {"dram_put/lmcache_l1_put": (("kvstore_dram", "put"), ("lmcache", "gbps", "l1_put"), 0.9),
+             "dram_get/lmcache_l1_get": (("kvstore_dram", "get"), ("lmcache", "gbps", "l1_get"), 0.9),
+             "nvme_put/lmcache_fs_aesgcm_store": (("kvstore_nvme_aes_zstd1_durable", "put"),
+                                                  ("lmcache_aesgcm", "gbps", "l2_store"), 2.5),
+             "nvme_get/lmcache_fs_aesgcm_get": (("kvstore_nvme_aes_zstd1_durable", "get"),
+                                                ("lmcache_aesgcm", "gbps", "l2_get"), 2.5)}
+    out = {}
+    for name, (num, den, target) in pairs.items():
+        a, b = g(*num), g(*den)
+        out[name] = None if a is None or b is None else {
+            "ratio": round(a / b, 3), "target": target, "pass": a >= target * b}
+    return out
+
+
+def run_peers(quick: bool, tick: Callable[[str, int], Callable[[], None]],
+              workdir: Path) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    cases = [(2, 2), (32, 1)] if quick else [(2, 16), (32, 2)]
+    rounds = 1 if quick else 5
+    step = tick("peers", 1 + len(cases) * 5)
+    result: dict[str, Any] = {"shape": "32 layers x 8 KV heads x 128 head dim, fp16",
+                              "rounds": rounds, "cases": []}
+    try:
+        py: Path | None = ensure_lmcache_venv()
+        result["lmcache_venv"] = str(VENV)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        py = None
+        result["lmcache"] = {"error": f"LMCache not available: {exc}"[:2000]}
+    step()
+    for block_mib, n in cases:
+        spec = make_spec(block_mib, "float16")
+        kv = kv_like(spec, n, seed=block_mib + 7)
+        flat = kv.view(torch.uint8).reshape(n, -1).numpy()
+        blocks = [flat[i] for i in range(n)]
+        row: dict[str, Any] = {"block_tokens": spec.block_tokens, "block_mib": block_mib,
+                               "blocks_per_op": n}
+        for aes in (False, True):
+            key = "lmcache_aesgcm" if aes else "lmcache"
+            row[key] = lmcache_run(py, spec.block_tokens, n, rounds, aes, workdir) if py else \
+                {"error": "LMCache not available (see lmcache.error)"}
+            step()
+        row["redis"] = redis_run(blocks, rounds)
+        step()
+        row["kvstore_dram"] = kvstore_run("dram", spec, kv, blocks, rounds, workdir)
+        row["kvstore_nvme_aes_zstd1_durable"] = kvstore_run("nvme", spec, kv, blocks, rounds,
+                                                            workdir)
+        step()
+        row["kvstore_nvme_aes_zstd1_nosync"] = kvstore_run("nvme", spec, kv, blocks, rounds,
+                                                           workdir, durable=False)
+        step()
+        row["targets"] = _ratios(row)
+        result["cases"].append(row)
+    return result

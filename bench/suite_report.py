@@ -1,0 +1,176 @@
+"""Plots (matplotlib, Agg) and the ``bench/RESULTS.md`` sections of the benchmark suite.
+
+``RESULTS.md`` holds one section per suite (``quick`` runs get their own), delimited by HTML
+comments; a run replaces its own section and leaves the others as they are, so the file always
+shows the last real run of every suite, written by the suite itself.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+HEADER = ("# Benchmark results\n\nWritten by `kvstore bench SUITE` (bench/suite.py); do not edit "
+          "by hand. GB/s = 1e9 bytes/s, medians over rounds. The machine may be shared: see the "
+          "load average of each run.\n")
+
+
+# -- markdown ---------------------------------------------------------------------------------
+def _table(head: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _tiers_md(res: dict[str, Any]) -> str:
+    out = []
+    for case in res["cases"]:
+        out.append(f"**{case['block_mib']} MiB blocks** ({case['dtype']}, {case['blocks_per_op']} "
+                   f"per op, {case['rounds']} rounds)\n")
+        out.append(_table(["limit stage", "GB/s"], [[k, v] for k, v in case["limits"].items()]))
+        out.append("")
+        rows = [[p["path"], p["gbps"], f"{p['limit']} {p['limit_gbps']}", p["ratio"],
+                 p.get("vs_disk_write_fsync", ""), "yes" if p["pass"] else "**no**"]
+                for p in case["paths"]]
+        out.append(_table(["path", "GB/s", "limit (slowest stage) GB/s", "ratio",
+                           "vs disk+fsync", f">= {res['target_ratio']}x"], rows))
+        out.append("")
+    return "\n".join(out)
+
+
+def _replay_md(res: dict[str, Any]) -> str:
+    pols = res["policies"]
+    rows = []
+    for e in res["summary"]:
+        cells = []
+        for p in pols:
+            if p not in e:
+                cells.append("-")
+                continue
+            s = f"{e[p]['net_saved_time_fraction']:.4f}"
+            if e[p].get("gap_closed") is not None:
+                s += f" [{e[p]['gap_closed']:.2f}]"
+            cells.append(s)
+        rows.append([f"{e['trace']}#{e['seed']}", e["hbm_blocks"], *cells])
+    return ("net saved time fraction per policy [share of the LRU->Belady gap closed]; DRAM = "
+            f"{res['dram_factor']}x, NVMe = {res['nvme_factor']}x HBM\n\n"
+            + _table(["trace", "HBM blocks", *pols], rows) + "\n")
+
+
+def _flat_md(res: dict[str, Any]) -> str:
+    rows = [[k, v] for k, v in _flatten(res).items() if not isinstance(v, list)]
+    return _table(["figure", "value"], rows) + "\n"
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    else:
+        out[prefix] = d
+    return out
+
+
+def section_text(doc: dict[str, Any], plot: Path | None, md_dir: Path) -> str:
+    m = doc["machine"]
+    res = doc["results"]
+    body = {"tiers": _tiers_md, "replay": _replay_md}.get(doc["suite"], _flat_md)(res)
+    lines = [f"## {doc['suite']}{' (quick)' if doc['quick'] else ''}", "",
+             f"- date: {doc['date']} (wall {doc['wall_s']} s)",
+             f"- command: `{doc['command']}`",
+             f"- machine: {m['cpu']}, {m['cpus_usable']} usable CPUs, {m['mem_gib']} GiB, "
+             f"kernel {m['kernel']}, python {m['python']}, torch {m['torch']} "
+             f"({m['torch_threads']} thread), git {m['git_commit']}",
+             f"- load average (1/5/15 min): start {m['loadavg_start']}, end {m['loadavg_end']}",
+             ""]
+    if plot is not None:
+        lines += [f"![{doc['suite']}]({os.path.relpath(plot.resolve(), md_dir.resolve())})", ""]
+    return "\n".join(lines) + body
+
+
+def write_section(md: Path, doc: dict[str, Any], plot: Path | None) -> None:
+    """Replace (or append) this run's section of ``md``."""
+    tag = doc["suite"] + ("-quick" if doc["quick"] else "")
+    begin, end = f"<!-- suite:{tag} -->", f"<!-- /suite:{tag} -->"
+    block = f"{begin}\n{section_text(doc, plot, md.parent)}\n{end}"
+    text = md.read_text() if md.exists() else HEADER
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _m: block, text) if pattern.search(text) else (
+        text.rstrip("\n") + "\n\n" + block + "\n")
+    md.parent.mkdir(parents=True, exist_ok=True)
+    tmp = md.with_suffix(".md.tmp")
+    tmp.write_text(text)
+    tmp.replace(md)
+
+
+# -- plots ------------------------------------------------------------------------------------
+def plot(doc: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drawer = {"tiers": _plot_tiers, "replay": _plot_replay}.get(doc["suite"], _plot_bars)
+    fig = drawer(plt, doc["results"])
+    fig.suptitle(f"kvstore bench {doc['suite']} — {doc['date']} "
+                 f"(load {doc['machine']['loadavg_start'][0]})", fontsize=9, y=1.02)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _plot_tiers(plt: Any, res: dict[str, Any]) -> Any:
+    cases = res["cases"]
+    fig, axes = plt.subplots(1, len(cases), figsize=(7 * len(cases), 8), squeeze=False)
+    for ax, case in zip(axes[0], cases):
+        paths = case["paths"]
+        y = range(len(paths))
+        ax.barh([i + 0.2 for i in y], [p["gbps"] for p in paths], height=0.4, label="measured")
+        ax.barh([i - 0.2 for i in y], [p["limit_gbps"] for p in paths], height=0.4,
+                label="limit (slowest stage)", alpha=0.5)
+        ax.set_yticks(list(y), [p["path"] for p in paths], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("GB/s (median)")
+        ax.set_title(f"{case['block_mib']} MiB blocks")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def _plot_replay(plt: Any, res: dict[str, Any]) -> Any:
+    traces = sorted({(e["trace"], e["seed"]) for e in res["summary"]})
+    cols = min(3, len(traces))
+    rows = (len(traces) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    for ax, (trace, seed) in zip(axes.flat, traces):
+        entries = sorted((e for e in res["summary"] if (e["trace"], e["seed"]) == (trace, seed)),
+                         key=lambda e: e["hbm_blocks"])
+        for p in res["policies"]:
+            pts = [(e["hbm_blocks"], e[p]["net_saved_time_fraction"]) for e in entries if p in e]
+            ax.plot([x for x, _ in pts], [v for _, v in pts], marker="o", label=p)
+        ax.set_title(f"{trace}#{seed}", fontsize=9)
+        ax.set_xlabel("HBM capacity (blocks)")
+        ax.set_ylabel("net saved time fraction")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(traces):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def _plot_bars(plt: Any, res: dict[str, Any]) -> Any:
+    """Every numeric ``*gbps*``-like leaf as a horizontal bar (service, peers)."""
+    flat = {k: v for k, v in _flatten(res).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and any(s in k for s in ("gbps", "put", "get"))}
+    fig, ax = plt.subplots(figsize=(9, max(3, 0.22 * len(flat))))
+    ax.barh(range(len(flat)), list(flat.values()))
+    ax.set_yticks(range(len(flat)), list(flat), fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel("GB/s (median)")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,130 @@
+"""The ``service`` suite: bench/service_bench.py (run as a child, its JSON taken as is) plus the
+aggregate Put/Get throughput of 1, 4 and 16 concurrent clients on one sidecar.
+
+Concurrency: one sidecar child process; N client threads in this process, each with its own
+:class:`kvstore.client.Client` (in-band gRPC stream and, separately, the shared-memory plane),
+each putting then getting its own 2 MiB blocks (verified). Aggregate GB/s = all bytes of a round
+/ the round's wall time; median over rounds. On a 2-core machine the clients and the server share
+the cores, so this shows contention, not scaling.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+
+
+def _service_bench(quick: bool, workdir: Path) -> dict[str, Any]:
+    out = workdir / "service_bench.json"
+    args = ["--repeats", "2", "--sizes", "2", "--bytes-per-call", "8"] if quick else \
+        ["--repeats", "5", "--sizes", "2,32"]
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "service_bench.py"), *args,
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=1800)
+    if proc.returncode != 0:
+        return {"error": f"service_bench exited {proc.returncode}: {proc.stderr[-2000:]}"}
+    return json.loads(out.read_text())
+
+
+def _server(workdir: Path) -> tuple[subprocess.Popen, str, str]:
+    from bench.service_bench import _start_child
+
+    cfg = workdir / "conc.toml"
+    cfg.write_text(
+        f'listen = "127.0.0.1:0"\naudit_fsync = false\nexpire_interval_s = 0\n'
+        f'[store]\npath = "{workdir}/conc-data"\nhbm_bytes = {1024 * MiB}\n'
+        f'dram_bytes = {256 * MiB}\nnvme_bytes = {512 * MiB}\ndurable = false\n'
+        f'persist_on_close = false\n[metrics]\nenabled = false\n'
+        f'[limits]\nmax_stream_bytes = {1 << 30}\n')
+    proc, lines = _start_child(["-c", "from kvstore.cli_serve import admin_app; admin_app()",
+                                "serve", "--config", str(cfg)])
+    port = int(next(ln for ln in lines if "serving on" in ln).rsplit(":", 1)[1])
+    admin = next(ln for ln in lines if "admin token" in ln).split()[-1]
+    return proc, f"127.0.0.1:{port}", admin
+
+
+def _concurrency(clients: int, target: str, token: str, local: bool, blocks: int,
+                 rounds: int) -> dict[str, Any]:
+    from bench.service_bench import _spec
+    from kvstore.client import Client
+
+    spec = _spec(2)
+    nbytes = blocks * spec.block_nbytes
+    conns = [Client(target, token, local=local, region_bytes=3 * nbytes + MiB)
+             for _ in range(clients)]
+    kv = [torch.randint(-999, 999, (blocks, *spec.block_shape), dtype=torch.int16)
+          .view(torch.float16) for _ in range(clients)]
+    sinks = [torch.empty_like(t) for t in kv]
+    errors: list[BaseException] = []
+    try:
+        def work(i: int, r: int) -> None:
+            try:
+                c = conns[i]
+                base = (r * 100 + i) * 10**6
+                keys = c.block_keys(spec, list(range(base, base + blocks * spec.block_tokens)))
+                c.put(spec, keys, kv[i])
+                assert c.get_into(spec, keys, sinks[i]) == blocks
+                assert torch.equal(sinks[i].view(torch.int16), kv[i].view(torch.int16))
+                c.delete(keys)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+                errors.append(exc)
+
+        rates = []
+        for r in range(rounds + 1):
+            threads = [threading.Thread(target=work, args=(i, r)) for i in range(clients)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t0
+            if errors:
+                raise errors[0]
+            if r:  # round 0 warms up
+                rates.append(2 * clients * nbytes / wall / 1e9)
+    finally:
+        for c in conns:
+            c.close()
+    return {"clients": clients, "plane": "shm" if local else "stream",
+            "bytes_per_client_round": 2 * nbytes,
+            "aggregate_put_get_gbps": round(statistics.median(rates), 3)}
+
+
+def run_service_suite(quick: bool, tick: Callable[[str, int], Callable[[], None]],
+                      workdir: Path) -> dict[str, Any]:
+    step = tick("service", 1 + 2 * 3)
+    result: dict[str, Any] = {"service_bench": _service_bench(quick, workdir)}
+    step()
+    from kvstore.admin_client import AdminClient
+
+    proc, target, admin_token = _server(workdir)
+    rows = []
+    try:
+        with AdminClient(target, admin_token) as admin:
+            token = admin.create_tenant("bench-conc")
+        for local in (False, True):
+            for n in (1, 4, 16):
+                try:
+                    rows.append(_concurrency(n, target, token, local, blocks=2 if quick else 4,
+                                             rounds=1 if quick else 3))
+                except Exception as exc:  # noqa: BLE001 - recorded in the JSON, not hidden
+                    rows.append({"clients": n, "plane": "shm" if local else "stream",
+                                 "error": f"{type(exc).__name__}: {exc}"[:300]})
+                step()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    result["concurrency"] = rows
+    return result
