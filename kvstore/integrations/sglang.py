@@ -1,0 +1,276 @@
+"""SGLang HiCache storage backend (the L3 tier of SGLang's hierarchical cache) on the kvstore sidecar.
+
+Importing this module does not import SGLang. The backend class is built on first access of
+:data:`KVStoreHiCacheStorage` (a PEP 562 module attribute) by :func:`hicache_storage_class`, which
+subclasses the installed ``sglang.srt.mem_cache.hicache_storage.HiCacheStorage``. SGLang loads it
+through its dynamic-backend path::
+
+    --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "kvstore",
+        "module_path": "kvstore.integrations.sglang", "class_name": "KVStoreHiCacheStorage",
+        "kvstore_target": "127.0.0.1:50551", "kvstore_token": "..."}'
+
+``StorageBackendFactory`` then calls ``KVStoreHiCacheStorage(storage_config, kwargs)``.
+Settings are read from ``storage_config.extra_config`` (see :class:`KVStoreBackendConfig`).
+
+Contracts:
+
+* **Keys.** SGLang keys are strings (hashes of a page's token ids that already chain over the
+  prefix: SGLang computes each page's hash from its parent's). Prefix chaining is therefore
+  SGLang's responsibility in this API: every page is stored as an independent *root* block of
+  kvstore (no parent), under the 32-byte key ``BLAKE2b-256(person="kvstore-sglang1",
+  spec fingerprint || utf-8 key)``. The tenant namespace is applied by the server from the
+  authenticated token, so two tenants never see each other's pages even for equal SGLang keys.
+* **Values.** A page is opaque bytes of a fixed size ``page_bytes`` (SGLang's flat data page,
+  e.g. ``[2, layers, page_size, heads, head_dim]`` for MHA). It is stored under a *flat bytes*
+  :class:`~kvstore.spec.ModelSpec` — one layer, one head, one token, ``head_dim =
+  page_bytes / (2 * itemsize)`` of the page dtype — whose fingerprint still separates model,
+  page geometry, SGLang layout, TP shard (MLA pages are shared by all TP ranks) and PP stage
+  (in the ``layout`` tag). Round trips are bit-exact (kvstore's codecs are lossless unless an
+  operator enables NVMe quantization for the tenant or model).
+* **Results.** ``get`` returns the page or ``None``; ``set``/``batch_set`` return ``False`` on
+  a store-side failure (quota, unavailable, ...) and log it; a page of the wrong size raises
+  :class:`~kvstore.errors.InvalidArgument` (a caller bug). ``batch_exists`` returns the number of
+  leading keys present. The ``*_v1`` variants move pages between the registered host pool and
+  the store with one staging page buffer (not zero-copy: the host pool does not live in the
+  client's shared-memory region).
+* **Cost.** Pages are independent roots, so each page is one RPC (lookup, put or get).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.keys import KEY_BYTES
+from kvstore.spec import DTYPES, ModelSpec
+
+__all__ = ["KVStoreBackendConfig", "hicache_storage_class", "page_key", "page_spec"]
+
+log = logging.getLogger(__name__)
+
+_PERSON = b"kvstore-sglang1"
+#: torch dtype -> kvstore dtype name
+_DTYPE_NAMES = {getattr(torch, attr): name for name, (attr, _) in DTYPES.items() if name == attr}
+
+
+@dataclass(frozen=True, slots=True)
+class KVStoreBackendConfig:
+    """The backend's settings, from ``HiCacheStorageConfig.extra_config`` (``kvstore_*`` keys).
+
+    Attributes:
+        target: sidecar address (``kvstore_target``, required).
+        token: tenant bearer token (``kvstore_token``; else ``$KVSTORE_TOKEN``).
+        page_bytes: bytes of one page (``kvstore_page_bytes``); 0 = take it from the host pool
+            registered by SGLang (``get_dummy_flat_data_page().nbytes``).
+        dtype: page dtype name for the spec (``kvstore_dtype``); "" = the host pool's, else float16.
+        model / revision: spec identity (``kvstore_model`` defaults to SGLang's ``model_name``).
+        ttl_s: per-page TTL in seconds (``kvstore_ttl_s``), None = the tenant's policy.
+        shared_memory: ``kvstore_shared_memory``: None = automatic, False = in-band streams only.
+    """
+
+    target: str
+    token: str
+    page_bytes: int = 0
+    dtype: str = ""
+    model: str = "sglang"
+    revision: str = ""
+    ttl_s: float | None = None
+    shared_memory: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not self.target:
+            raise InvalidArgument("extra_config needs kvstore_target (the sidecar address)")
+        if not self.token:
+            raise InvalidArgument("extra_config needs kvstore_token (or set $KVSTORE_TOKEN)")
+        if not isinstance(self.page_bytes, int) or self.page_bytes < 0:
+            raise InvalidArgument(f"kvstore_page_bytes must be a non-negative int, got {self.page_bytes!r}")
+        if self.dtype and self.dtype not in DTYPES:
+            raise InvalidArgument(f"kvstore_dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.ttl_s is not None and self.ttl_s <= 0:
+            raise InvalidArgument("kvstore_ttl_s must be positive")
+
+    @classmethod
+    def from_storage_config(cls, storage_config: Any) -> KVStoreBackendConfig:
+        extra = dict(storage_config.extra_config or {})
+        ttl = extra.get("kvstore_ttl_s")
+        return cls(target=str(extra.get("kvstore_target", "")),
+                   token=str(extra.get("kvstore_token") or os.environ.get("KVSTORE_TOKEN", "")),
+                   page_bytes=int(extra.get("kvstore_page_bytes", 0)),
+                   dtype=str(extra.get("kvstore_dtype", "")),
+                   model=str(extra.get("kvstore_model") or storage_config.model_name or "sglang"),
+                   revision=str(extra.get("kvstore_revision", "")),
+                   ttl_s=None if ttl is None else float(ttl),
+                   shared_memory=extra.get("kvstore_shared_memory"))
+
+
+def page_spec(cfg: KVStoreBackendConfig, storage_config: Any, page_bytes: int, dtype: str,
+              layout: str) -> ModelSpec:
+    """The flat bytes spec of one SGLang page (see the module docstring)."""
+    itemsize = DTYPES[dtype][1]
+    if page_bytes <= 0 or page_bytes % (2 * itemsize):
+        raise InvalidArgument(f"page of {page_bytes} bytes is not a whole number of K/V {dtype} pairs")
+    mla = bool(storage_config.is_mla_model)
+    tp_rank, tp_size = (0, 1) if mla else (storage_config.tp_rank, storage_config.tp_size)
+    tag = (f"sglang-page:{layout or 'flat'}:pp{storage_config.pp_rank}/{storage_config.pp_size}"
+           f":cp{storage_config.attn_cp_rank}/{storage_config.attn_cp_size}:mla={int(mla)}")
+    return ModelSpec(model=cfg.model, revision=cfg.revision, num_layers=1, num_kv_heads=1,
+                     head_dim=page_bytes // (2 * itemsize), dtype=dtype, block_tokens=1,
+                     layout=tag, tp_rank=tp_rank, tp_size=tp_size)
+
+
+def page_key(spec: ModelSpec, key: str) -> bytes:
+    """The kvstore block key of SGLang page ``key`` under ``spec`` (deterministic everywhere)."""
+    return hashlib.blake2b(spec.fingerprint + key.encode(), digest_size=KEY_BYTES, person=_PERSON).digest()
+
+
+def _byte_rows(t: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """``t`` as a [1, nbytes] uint8 CPU view (a copy only when not contiguous or not on CPU)."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgument(f"a page must be a torch.Tensor, got {type(t).__name__}")
+    flat = t.detach().contiguous().view(-1).view(torch.uint8)
+    if flat.numel() != nbytes:
+        raise InvalidArgument(f"page of {flat.numel()} bytes, the backend stores pages of {nbytes}")
+    return flat.cpu().view(1, nbytes)
+
+
+@functools.cache
+def hicache_storage_class() -> type:
+    """Build (once) the ``HiCacheStorage`` subclass; needs the sglang package importable."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+    from kvstore.client import Client
+
+    class KVStoreHiCacheStorage(HiCacheStorage):
+        """SGLang ``HiCacheStorage`` on a kvstore sidecar; see :mod:`kvstore.integrations.sglang`."""
+
+        def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
+            self.storage_config = storage_config
+            self.config = KVStoreBackendConfig.from_storage_config(storage_config)
+            self.client = Client(self.config.target, self.config.token, local=self.config.shared_memory)
+            self._spec: ModelSpec | None = None
+            self._dtype = self.config.dtype
+            if self.config.page_bytes:
+                self._spec = page_spec(self.config, storage_config, self.config.page_bytes,
+                                       self._dtype or "float16", "flat")
+
+        # -- page geometry --------------------------------------------------------------------
+        def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+            super().register_mem_pool_host(mem_pool_host)
+            if self._spec is None:
+                page = mem_pool_host.get_dummy_flat_data_page()
+                dtype = self._dtype or _DTYPE_NAMES.get(page.dtype, "float16")
+                self._spec = page_spec(self.config, self.storage_config, page.numel() * page.element_size(),
+                                       dtype, str(getattr(mem_pool_host, "layout", "")))
+
+        @property
+        def spec(self) -> ModelSpec:
+            """The page spec; unsafe to use before a page size is known (config or host pool)."""
+            if self._spec is None:
+                raise InvalidArgument("page size unknown: set kvstore_page_bytes or register the host pool")
+            return self._spec
+
+        def _key(self, key: str) -> bytes:
+            return page_key(self.spec, key)
+
+        # -- the HiCacheStorage verbs ---------------------------------------------------------
+        def exists(self, key: str) -> bool:
+            return self.client.lookup(self.spec, [self._key(key)]).num_blocks == 1
+
+        def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+            """Number of leading ``keys`` present (stops at the first miss)."""
+            for i, key in enumerate(keys):
+                if not self.exists(key):
+                    return i
+            return len(keys)
+
+        def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+            """The page into ``target_location`` (a tensor of ``page_bytes``) or a new flat tensor
+            of the spec's dtype; ``None`` on a miss."""
+            spec = self.spec
+            out = target_location if isinstance(target_location, torch.Tensor) else \
+                torch.empty(spec.block_nbytes // spec.itemsize, dtype=spec.torch_dtype)
+            direct = out.device.type == "cpu" and out.is_contiguous()
+            buf = out if direct else torch.empty(out.shape, dtype=out.dtype)  # CPU staging page
+            if self.client.get_into(spec, [self._key(key)], _byte_rows(buf, spec.block_nbytes)) != 1:
+                return None
+            if not direct:
+                out.copy_(buf)
+            return out
+
+        def batch_get(self, keys: list[str], target_locations: Any = None,
+                      target_sizes: Any = None) -> list[torch.Tensor | None]:
+            targets = target_locations or [None] * len(keys)
+            return [self.get(k, t) for k, t in zip(keys, targets)]
+
+        def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+            """Store one page (``value``, else ``target_location``); ``True`` when stored (or
+            already present), ``False`` on a store-side failure."""
+            page = value if value is not None else target_location
+            rows = _byte_rows(page, self.spec.block_nbytes)
+            try:
+                self.client.put_bytes(self.spec, [self._key(key)], rows.numpy(), ttl_s=self.config.ttl_s)
+            except InvalidArgument:
+                raise
+            except KVStoreError as err:
+                log.warning("kvstore HiCache set of %s failed: %s", key, err)
+                return False
+            return True
+
+        def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                      target_sizes: Any = None) -> bool:
+            pages = values if values is not None else target_locations
+            if pages is None or len(pages) != len(keys):
+                raise InvalidArgument(f"batch_set of {len(keys)} keys needs as many values")
+            return all(self.set(k, v) for k, v in zip(keys, pages))
+
+        # -- host-pool variants ---------------------------------------------------------------
+        def _page_offsets(self, keys: list[str], host_indices: torch.Tensor) -> list[int]:
+            page_size = int(getattr(self.mem_pool_host, "page_size", 1) or 1)
+            if host_indices.numel() != len(keys) * page_size:
+                raise InvalidArgument(f"{host_indices.numel()} host indices for {len(keys)} pages of {page_size}")
+            return [int(host_indices[i * page_size]) for i in range(len(keys))]
+
+        def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+            """Load pages into the registered host pool at ``host_indices``; per-page success."""
+            pool = self.mem_pool_host
+            staging = pool.get_dummy_flat_data_page()
+            done = []
+            for key, offset in zip(keys, self._page_offsets(keys, host_indices)):
+                ok = self.get(key, staging) is not None
+                if ok:
+                    pool.set_from_flat_data_page(offset, staging)
+                done.append(ok)
+            return done
+
+        def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+            """Store the host pool's pages at ``host_indices``; per-page success."""
+            pool = self.mem_pool_host
+            return [self.set(key, pool.get_data_page(offset, flat=True))
+                    for key, offset in zip(keys, self._page_offsets(keys, host_indices))]
+
+        # -- housekeeping ---------------------------------------------------------------------
+        def delete(self, key: str) -> bool:
+            """Drop one page (not part of ``HiCacheStorage``; for tests and tools)."""
+            return self.client.delete([self._key(key)]) == 1
+
+        def get_stats(self) -> dict[str, Any]:
+            return self.client.stats()
+
+        def close(self) -> None:
+            self.client.close()
+
+    return KVStoreHiCacheStorage
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KVStoreHiCacheStorage":
+        return hicache_storage_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
