@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 
 from bench.kv_accuracy import PPL_TEXT
-from bench.model_fixture import ModelFiles, ensure_smollm2
+from kvstore.integrations.smollm2 import MODEL_ID, chat_ids, ensure_smollm2, load_smollm2
 from kvstore.config import StoreConfig
 from kvstore.integrations.hf import PrefixCache, TenantStore, forward, spec_from_config
 from kvstore.store import Store
@@ -41,31 +40,6 @@ from kvstore.store import Store
 __all__ = ["chat_ids", "load_smollm2", "main", "run"]
 
 BLOCK_TOKENS = 16
-MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1, run in float32)"
-
-
-def load_smollm2(files: ModelFiles) -> tuple[Any, Any]:
-    """The GGUF model (de-quantized to float32, eval mode) and its tokenizer, offline."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import transformers
-    from packaging.version import Version
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    # NOTE: ``torch_dtype`` was renamed ``dtype`` in transformers 4.56
-    dtype_kw = "dtype" if Version(transformers.__version__).release >= (4, 56) else "torch_dtype"
-    tokenizer = AutoTokenizer.from_pretrained(files.directory, gguf_file=files.gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(files.directory, gguf_file=files.gguf_file,
-                                                 **{dtype_kw: torch.float32})
-    return model.eval(), tokenizer
-
-
-def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
-    """Token ids ``[1, n]`` of a chat with the generation prompt appended."""
-    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
-    ids = enc if isinstance(enc, torch.Tensor) else enc["input_ids"]
-    return ids[:1]
-
-
 def _document(sentences: int) -> str:
     parts = [s.strip() + "." for s in PPL_TEXT.split(". ") if s.strip()]
     return " ".join(parts[i % len(parts)] for i in range(sentences))

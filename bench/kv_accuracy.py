@@ -30,13 +30,13 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.model_fixture import ModelFiles, ensure_smollm2
+from kvstore.integrations.smollm2 import ModelFiles, ensure_smollm2
 from kernels.quant import QuantScheme, dequantize, quantize
 
 BLOCK_TOKENS = 16

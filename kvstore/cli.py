@@ -3,6 +3,7 @@
 * ``serve``, ``tenant``, ``policy``, ``stats``, ``audit`` — the sidecar (``kvstore.cli_serve``)
 * ``replay`` — trace replay through the placement policies (``kvstore.cli_replay``)
 * ``bench``  — the benchmark suites: tiers, service, replay, peers (``kvstore.cli_bench``)
+* ``demo``   — a chat model reusing prompt KV through an embedded sidecar (``kvstore.cli_demo``)
 
 ``main(argv=None)`` is testable by construction.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import typer
 
 from kvstore.cli_bench import bench
+from kvstore.cli_demo import demo
 from kvstore.cli_replay import replay
 from kvstore.cli_serve import register as register_service_commands
 
@@ -20,6 +22,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 register_service_commands(app)
 app.command("replay")(replay)
 app.command("bench")(bench)
+app.command("demo")(demo)
 
 
 def main(argv: list[str] | None = None) -> None:

