@@ -12,8 +12,10 @@ Engine layouts (one tensor per layer, ``bs`` = engine block size in tokens):
 
 * ``PagedLayout.BLOCKS_FIRST``: ``[num_blocks, 2, bs, heads, head_dim]``
 * ``PagedLayout.KV_FIRST``:     ``[2, num_blocks, bs, heads, head_dim]``
-* ``PagedLayout.CPU_FUSED``:    ``[num_blocks, heads, bs, 2 * head_dim]`` (vLLM CPU: K in the
-  first ``head_dim`` of the last axis, V in the second)
+* ``PagedLayout.CPU_FUSED``:    ``[num_blocks, heads, bs, 2 * head_dim]`` (K in the first
+  ``head_dim`` of the last axis, V in the second: the CPU layout as older vLLM documented it).
+  NOTE: vLLM 0.32's CPU cache is ``[num_blocks, heads, 2 * bs, head_dim]`` with an ISA-dependent
+  token order inside K; ``kvstore.integrations.vllm`` handles that layout itself (see there).
 
 The store block size ``T`` must be a multiple ``k`` of ``bs``; store block ``i`` is made of the
 engine blocks ``table[i*k : (i+1)*k]`` in token order, so ``len(table) == n * k``.

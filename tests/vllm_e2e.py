@@ -13,7 +13,7 @@ from a config-only directory, no tokenizer: prompts are token ids), and runs one
 
 Checks: the blocks are in kvstore after run 1; run 3's ``num_cached_tokens`` equals run 2's
 (the external hit) and the connector reports loading them; run 3's sampled tokens and logprobs
-are bit-identical to run 2's; a control prompt with another first token changes the
+are bit-identical to run 2's; a control prompt with another first block changes the
 logprobs (the KV matters). Prints one line ``KVSTORE_VLLM_E2E {json}``; exit code 0 only if every check passes.
 """
 
@@ -70,6 +70,56 @@ def init_weights(model: Any) -> int:
     return n
 
 
+def check_cpu_layout() -> dict[str, bool]:
+    """Write known K/V with vLLM's own CPU cache kernel (as its CPU attention backend calls it) and
+    report which reading of a block recovers them (the connector relies only on the K|V split)."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    nb, ntok = 4, 40
+    cache = torch.zeros(nb, KV_HEADS, BLOCK, 2 * HEAD_DIM)
+    g = torch.Generator().manual_seed(7)
+    key = torch.randn(ntok, KV_HEADS, HEAD_DIM, generator=g)
+    value = torch.randn(ntok, KV_HEADS, HEAD_DIM, generator=g)
+    slots = torch.tensor([2 * BLOCK + t for t in range(BLOCK)] + [BLOCK + t for t in range(ntok - BLOCK)])
+    key_cache, value_cache = cache.view(nb, KV_HEADS, 2 * BLOCK, HEAD_DIM).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots,
+                                   _get_attn_isa(torch.float32, BLOCK, HEAD_DIM))
+    canon = cache.view(nb, KV_HEADS, 2, BLOCK, HEAD_DIM).permute(0, 2, 3, 1, 4)
+    got_k = canon[slots // BLOCK, 0, slots % BLOCK]
+    got_v = canon[slots // BLOCK, 1, slots % BLOCK]
+    # kernels.paged's CPU_FUSED reading (K | V halves of the last axis of [nb, H, bs, 2D])
+    fused_k = cache.permute(0, 2, 1, 3)[slots // BLOCK, slots % BLOCK, :, :HEAD_DIM]
+    # the "vec" kernels' order: K slab dim-major [D, bs], V slab token-major [bs, D]
+    slab = cache.view(nb, KV_HEADS, 2, BLOCK * HEAD_DIM)
+    vec_k = slab[:, :, 0].view(nb, KV_HEADS, HEAD_DIM, BLOCK).permute(0, 3, 1, 2)[slots // BLOCK, slots % BLOCK]
+    vec_v = slab[:, :, 1].view(nb, KV_HEADS, BLOCK, HEAD_DIM).permute(0, 2, 1, 3)[slots // BLOCK, slots % BLOCK]
+    # the connector's own path: canonical view -> kernels.paged gather -> K fix-up, and back
+    from kernels.paged import PagedLayout, gather_layer, scatter_layer
+    from kvstore.integrations.vllm import k_to_dim_major, k_to_token_major
+
+    table = [2, 1]
+    out = torch.empty(2, 2, KV_HEADS, BLOCK, HEAD_DIM)
+    gather_layer(canon, table, PagedLayout.BLOCKS_FIRST, out)
+    k_to_token_major(out.unsqueeze(2))
+    want = torch.zeros(2, 2, KV_HEADS, BLOCK, HEAD_DIM)  # block 2 = tokens 0..31, block 1 = 32..39
+    want[0, 0], want[0, 1] = key[:BLOCK].transpose(0, 1), value[:BLOCK].transpose(0, 1)
+    want[1, 0, :, : ntok - BLOCK], want[1, 1, :, : ntok - BLOCK] = key[BLOCK:].transpose(0, 1), value[BLOCK:].transpose(0, 1)
+    back = torch.zeros_like(cache)
+    native = out.clone()
+    k_to_dim_major(native.unsqueeze(2))
+    scatter_layer(native, back.view(nb, KV_HEADS, 2, BLOCK, HEAD_DIM).permute(0, 2, 3, 1, 4), table,
+                  PagedLayout.BLOCKS_FIRST)
+    return {"isa": _get_attn_isa(torch.float32, BLOCK, HEAD_DIM),
+            "connector_reads_canonical": bool(torch.equal(out, want)),
+            "connector_writes_kernel_order": bool(torch.equal(back, cache)),
+            "kv_slabs_split_as_connector_assumes": bool(torch.equal(got_v, value) or torch.equal(vec_v, value)),
+            "token_major_kv": bool(torch.equal(got_k, key) and torch.equal(got_v, value)),
+            "vec_dim_major_k": bool(torch.equal(vec_k, key) and torch.equal(vec_v, value)),
+            "paged_cpu_fused_matches_kernel": bool(torch.equal(fused_k, key))}
+
+
 def start_sidecar(data_dir: Path) -> tuple[Any, str, str]:
     """An in-process sidecar on a free loopback port; returns (server, target, tenant token)."""
     from kvstore import server_config
@@ -117,6 +167,7 @@ def main() -> int:
     from kvstore.integrations.vllm import make_spec
 
     result["vllm"] = vllm.__version__
+    result["cpu_layout"] = check_cpu_layout()
     model_dir = root / "model"
     write_model(model_dir)
     ktc = KVTransferConfig(
@@ -139,20 +190,25 @@ def main() -> int:
 
     cold = run_once(llm, prompt, params)
     spec = make_spec(MODEL_ID, num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype="float32",
-                     block_size=BLOCK)
+                     block_size=BLOCK, layout="vllm" if result["cpu_layout"]["isa"] == "vec"
+                     else f"vllm-cpu-{result['cpu_layout']['isa']}")
     with Client(target, token) as kv:
         stored = kv.lookup(spec, token_ids=prompt[: full_blocks * BLOCK]).num_blocks
     warm = run_once(llm, prompt, params)
     reset = llm.reset_prefix_cache()
     external = run_once(llm, prompt, params)
-    # control: the same tail after a different first token must change the output (the KV matters)
-    other = run_once(llm, [prompt[0] + 1] + prompt[1:], params)
+    # control: the same tail after another first block must change the output (the KV matters)
+    other = run_once(llm, [(t + 1) % VOCAB for t in prompt[:BLOCK]] + prompt[BLOCK:], params)
     result["runs"] = {"cold": cold, "vllm_prefix_hit": warm, "kvstore_hit": external, "other_prefix": other}
     result["stored_blocks"] = stored
 
     hit_tokens = full_blocks * BLOCK
     loaded = ((external["kv_transfer_params"] or {}).get("kvstore") or {}).get("loaded_tokens")
     c = result["checks"]
+    c["cpu_cache_kv_split"] = result["cpu_layout"]["kv_slabs_split_as_connector_assumes"]
+    if result["cpu_layout"]["isa"] == "vec":  # the ISA the connector converts to canonical blocks
+        c["cpu_blocks_canonical"] = result["cpu_layout"]["connector_reads_canonical"]
+        c["cpu_blocks_written_back_in_kernel_order"] = result["cpu_layout"]["connector_writes_kernel_order"]
     c["cold_run_had_no_cache_hit"] = cold["num_cached_tokens"] == 0
     c["blocks_saved_to_kvstore"] = stored == full_blocks
     c["vllm_prefix_hit"] = warm["num_cached_tokens"] == hit_tokens

@@ -20,8 +20,14 @@ Contracts:
   sends the worker everything it needs in :class:`KVStoreConnectorMetadata` (keys, parents,
   block ids): the worker never computes keys.
 * **Blocks.** One kvstore block = one vLLM block (``block_tokens`` = vLLM's ``block_size``),
-  all layers of this worker's shard, stored canonically ``[2, L, H, T, D]``
-  (:func:`spec_for` gives the spec). Keys are the server-computed chained keys of the prompt's
+  all layers of this worker's shard, shaped ``[2, L, H, T, D]`` (:func:`spec_for` gives the
+  spec). Each layer's cache is viewed as ``[num_blocks, 2, bs, H, D]`` (the K/V halves of a
+  block as vLLM's CPU backend splits them) and moved with :mod:`kernels.paged`. The order
+  inside a ``(K|V, head)`` slab is the CPU kernel's and depends on its ISA: for ``vec`` (K
+  dim-major ``[D, bs]``, V token-major) K is transposed to the canonical ``[T, D]`` after a
+  gather and back before a scatter (:func:`k_to_token_major`); other ISAs keep the engine's
+  bytes under the layout tag ``vllm-cpu-<isa>`` (part of the fingerprint), so such blocks
+  round-trip exactly but never mix with canonical ones. Keys are the server-computed chained keys of the prompt's
   full blocks (the tenant namespace is applied by the server), so a block is only ever reused
   after the same prefix.
 * **Lookup.** :meth:`get_num_new_matched_tokens` asks the sidecar for the longest stored prefix,
@@ -65,7 +71,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-__all__ = ["KVStoreConnector", "KVStoreConnectorMetadata", "Transfer", "make_spec", "spec_for"]
+__all__ = ["KVStoreConnector", "KVStoreConnectorMetadata", "Transfer", "cpu_isa", "k_to_dim_major",
+           "k_to_token_major", "make_spec", "spec_for"]
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +80,11 @@ _FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8
 
 
 def make_spec(model: str, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str,
-              block_size: int, revision: str = "", tp_rank: int = 0, tp_size: int = 1) -> ModelSpec:
+              block_size: int, revision: str = "", tp_rank: int = 0, tp_size: int = 1,
+              layout: str = "vllm") -> ModelSpec:
     """The block spec the connector uses (also for callers that inspect the store)."""
     return ModelSpec(model=model, revision=revision, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                     head_dim=head_dim, dtype=dtype, block_tokens=block_size, layout="vllm",
+                     head_dim=head_dim, dtype=dtype, block_tokens=block_size, layout=layout,
                      tp_rank=tp_rank, tp_size=tp_size)
 
 
@@ -93,7 +101,45 @@ def spec_for(vllm_config: VllmConfig, extra: dict[str, Any], tp_rank: int = 0) -
     return make_spec(model, num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
                      head_dim=mc.get_head_size(), dtype=dtype, block_size=cc.block_size,
                      revision=str(extra.get("kvstore_revision") or mc.revision or ""),
-                     tp_rank=tp_rank, tp_size=pc.tensor_parallel_size)
+                     tp_rank=tp_rank, tp_size=pc.tensor_parallel_size,
+                     layout=_layout_tag(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype))
+
+
+#: CPU attention ISAs whose block order the connector converts to the canonical one
+#: (``vec``: K slab dim-major ``[D, bs]``, V slab token-major ``[bs, D]``; checked by tests/vllm_e2e.py)
+_K_DIM_MAJOR_ISAS = frozenset({"vec"})
+
+
+def cpu_isa(dtype: torch.dtype, block_size: int, head_size: int, cache_dtype: str) -> str | None:
+    """The vLLM CPU attention ISA for this cache (None off the CPU build)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return str(_get_attn_isa(dtype, block_size, head_size, cache_dtype))
+
+
+def _layout_tag(dtype: torch.dtype, block_size: int, head_size: int, cache_dtype: str) -> str:
+    """Spec layout tag: ``vllm`` for canonical blocks; ``vllm-cpu-<isa>`` for CPU kernels whose
+    in-block order is kept as is (not verified canonical), so those only match each other."""
+    isa = cpu_isa(dtype, block_size, head_size, cache_dtype)
+    return "vllm" if isa is None or isa in _K_DIM_MAJOR_ISAS else f"vllm-cpu-{isa}"
+
+
+def k_to_token_major(blocks: torch.Tensor) -> None:
+    """In place, on gathered blocks ``[n, 2, L, H, T, D]``: K slabs holding ``[D, T]`` bytes
+    become canonical ``[T, D]``."""
+    k = blocks[:, 0]
+    n, layers, heads, tokens, dim = k.shape
+    k.copy_(k.reshape(n, layers, heads, dim, tokens).transpose(-1, -2).clone())
+
+
+def k_to_dim_major(blocks: torch.Tensor) -> None:
+    """Inverse of :func:`k_to_token_major` (before a scatter)."""
+    k = blocks[:, 0]
+    k.copy_(k.transpose(-1, -2).contiguous().view(k.shape))
 
 
 @dataclass(slots=True)
@@ -143,6 +189,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
             tp_rank = get_tensor_model_parallel_rank()
         self._spec = spec_for(vllm_config, extra, tp_rank)
+        mc, cc = vllm_config.model_config, vllm_config.cache_config
+        self._k_dim_major = cpu_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype) in _K_DIM_MAJOR_ISAS
         self._client_obj: Any = None
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
@@ -151,6 +199,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._layer_pos: dict[str, int] = {}
         self._staged: list[tuple[Transfer, torch.Tensor, set[int]]] = []
         self._load_errors: set[int] = set()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A dropped save is only a future miss: never recompute a preempted request for it."""
+        return False
 
     # -- plumbing -------------------------------------------------------------------------------
     def _client(self) -> Any:
@@ -172,6 +225,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         prompt = list(request.prompt_token_ids or ())
         bs = self._block_size
         full = len(prompt) // bs
+        if full == 0:
+            return 0, False
         try:
             hit = self._client().lookup(self._spec, token_ids=prompt[: full * bs], namespace=self._namespace)
         except KVStoreError as exc:
@@ -193,8 +248,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         if num_external_tokens == 0:
             st.load = None  # vLLM chose not to use the hit (e.g. skip_reading_prefix_cache)
         elif st.load is not None and st.load[1] * self._block_size != num_external_tokens:
-            raise ShapeMismatch(f"kvstore connector: vLLM allocated {num_external_tokens} external "
-                                f"tokens, the lookup offered {st.load[1] * self._block_size}")
+            log.warning("kvstore connector: vLLM took %d external tokens of %s's %d offered",
+                        num_external_tokens, request.request_id, st.load[1] * self._block_size)
+            n = min(st.load[1], num_external_tokens // self._block_size)
+            st.load = (st.load[0], n) if n else None
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         meta = KVStoreConnectorMetadata()
@@ -261,6 +318,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         h, d = s.num_kv_heads, s.head_dim
         if cache.dim() == 4 and tuple(cache.shape[1:]) == (h, bs, 2 * d):
             # vLLM CPU: [nb, H, bs, 2D] is read as [nb, H, 2*bs, D] and split in K | V on dim 2
+            # (the order inside each K or V slab is the kernel's; see the module docstring)
             return cache.view(cache.shape[0], h, 2, bs, d).permute(0, 2, 3, 1, 4)
         if cache.dim() == 5 and tuple(cache.shape[1:]) == (2, bs, h, d):
             return cache
@@ -280,6 +338,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 log.warning("kvstore load failed for %s: %s", t.req_id, exc)
                 blocks = None
             n = 0 if blocks is None else blocks.shape[0]
+            if n and self._k_dim_major:
+                k_to_dim_major(blocks)
             if n:
                 scatter_blocks(blocks, self._layers, t.block_ids[:n], PagedLayout.BLOCKS_FIRST)
             if n < len(t.keys):
@@ -313,6 +373,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         for t, buf, seen in staged:
             for pos in set(range(len(self._layers))) - seen:
                 gather_layer(self._layers[pos], t.block_ids, PagedLayout.BLOCKS_FIRST, buf[:, :, pos])
+            if self._k_dim_major:
+                k_to_token_major(buf)
             try:
                 self._client().put(self._spec, t.keys, buf, parent=t.parent, namespace=self._namespace)
             except KVStoreError as exc:
