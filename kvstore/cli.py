@@ -2,7 +2,8 @@
 
 * ``serve``, ``tenant``, ``policy``, ``stats``, ``audit`` — the sidecar (``kvstore.cli_serve``)
 * ``replay`` — trace replay through the placement policies (``kvstore.cli_replay``)
-* ``bench``  — the benchmark suites: tiers, service, replay, peers (``kvstore.cli_bench``)
+* ``bench``  — the benchmark suites: tiers, service, replay, peers (``bench.cli``, plugged in
+  through the ``kvstore.commands`` entry point so that kvstore never imports bench)
 * ``demo``   — a chat model reusing prompt KV through an embedded sidecar (``kvstore.cli_demo``)
 
 ``main(argv=None)`` is testable by construction.
@@ -10,9 +11,10 @@
 
 from __future__ import annotations
 
+from importlib.metadata import entry_points
+
 import typer
 
-from kvstore.cli_bench import bench
 from kvstore.cli_demo import demo
 from kvstore.cli_replay import replay
 from kvstore.cli_serve import register as register_service_commands
@@ -21,7 +23,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="kvstore: a tiered KV-cache store for LLM inference.")
 register_service_commands(app)
 app.command("replay")(replay)
-app.command("bench")(bench)
+for _ep in entry_points(group="kvstore.commands"):
+    app.command(_ep.name)(_ep.load())
 app.command("demo")(demo)
 
 

@@ -13,7 +13,7 @@ import typer
 from typer.testing import CliRunner
 
 from bench import suite_report
-from kvstore.cli_bench import bench
+from bench.cli import bench
 
 
 def _app() -> typer.Typer:
