@@ -70,4 +70,13 @@ def open_store(tmp_path: Path, clock: FakeClock) -> Iterator[Callable[..., Store
         s.close()
 
 
+@pytest.fixture
+def redis_ns(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """``(url, namespace)`` on a real Redis; the namespace's keys are removed afterwards."""
+    from remote_harness import redis_namespace
+
+    with redis_namespace(tmp_path) as pair:
+        yield pair
+
+
 os.environ.setdefault("KVSTORE_TEST", "1")

@@ -16,6 +16,9 @@ import signal
 import socket
 import subprocess
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -188,3 +191,22 @@ class LocalCluster:
 
     def stop(self) -> None:
         self.procs.stop()
+
+
+@contextmanager
+def redis_namespace(tmp: Path) -> Iterator[tuple[str, str]]:
+    """``(url, namespace)``: a Redis to use (see :func:`redis_url`) and a fresh key namespace,
+    whose keys are unlinked afterwards (and any private server stopped)."""
+    procs = Procs()
+    url = redis_url(procs, tmp)
+    ns = f"test-{uuid.uuid4().hex[:12]}"
+    try:
+        yield url, ns
+    finally:
+        raw = redis.Redis.from_url(url)
+        try:
+            for k in raw.scan_iter(match=f"{ns}:*", count=1000):
+                raw.unlink(k)
+        finally:
+            raw.close()
+            procs.stop()

@@ -3,29 +3,16 @@ server A is found and served bit-exact by server B, for the same tenant only."""
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-import redis
 import torch
-from remote_harness import Procs, redis_url
 from service_harness import SPEC, fresh_tokens, random_kv, start
 
 from kvstore.keyring import load_master_key
 
 
-@pytest.fixture
-def url(tmp_path: Path) -> Iterator[str]:
-    procs = Procs()
-    u = redis_url(procs, tmp_path)
-    yield u
-    procs.stop()
-
-
-def test_two_sidecars_share_blocks_through_redis(tmp_path: Path, url: str) -> None:
-    ns = f"test-{uuid.uuid4().hex[:12]}"
+def test_two_sidecars_share_blocks_through_redis(tmp_path: Path, redis_ns) -> None:
+    url, ns = redis_ns
     key_file = tmp_path / "shared-master.key"  # both servers hold the same master key
     load_master_key(None, key_file=key_file, create=True, environ={})
     store = {"remote": {"urls": [url], "namespace": ns}, "remote_write": "through",
@@ -53,7 +40,3 @@ def test_two_sidecars_share_blocks_through_redis(tmp_path: Path, url: str) -> No
     finally:
         a.stop()
         b.stop()
-        raw = redis.Redis.from_url(url)
-        for k in raw.scan_iter(match=f"{ns}:*", count=1000):
-            raw.unlink(k)
-        raw.close()

@@ -7,14 +7,9 @@ queue, lookups continuing into the remote tier, promotion on hit.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-import redis
 import torch
-from remote_harness import Procs, redis_url
 
 from kvstore.config import StoreConfig
 from kvstore.spec import ModelSpec
@@ -26,16 +21,8 @@ SPEC = ModelSpec(model="m", revision="r1", num_layers=2, num_kv_heads=2, head_di
                  dtype="float16", block_tokens=4)
 
 
-@pytest.fixture
-def url(tmp_path: Path) -> Iterator[str]:
-    procs = Procs()
-    u = redis_url(procs, tmp_path)
-    yield u
-    procs.stop()
-
-
-def test_prefix_put_on_a_is_served_by_b_same_tenant_only(tmp_path: Path, url: str) -> None:
-    ns = f"test-{uuid.uuid4().hex[:12]}"
+def test_prefix_put_on_a_is_served_by_b_same_tenant_only(tmp_path: Path, redis_ns) -> None:
+    url, ns = redis_ns
     remote = RemoteConfig(urls=[url], namespace=ns)
     n = SPEC.block_nbytes
 
@@ -70,22 +57,11 @@ def test_prefix_put_on_a_is_served_by_b_same_tenant_only(tmp_path: Path, url: st
     finally:
         a.close()
         b.close()
-        raw = redis.Redis.from_url(url)
-        for k in raw.scan_iter(match=f"{ns}:*", count=1000):
-            raw.unlink(k)
-        raw.close()
-
-
-def _cleanup(url: str, ns: str) -> None:
-    raw = redis.Redis.from_url(url)
-    for k in raw.scan_iter(match=f"{ns}:*", count=1000):
-        raw.unlink(k)
-    raw.close()
 
 
 def test_blocks_evicted_from_the_last_local_tier_are_demoted_to_remote(tmp_path: Path,
-                                                                      url: str) -> None:
-    ns = f"test-{uuid.uuid4().hex[:12]}"
+                                                                      redis_ns) -> None:
+    url, ns = redis_ns
     n = SPEC.block_nbytes
     cfg = StoreConfig(path=tmp_path / "s", hbm_bytes=2 * n, dram_bytes=2 * n, nvme_bytes=2 * n,
                       master_key=MASTER, remote=RemoteConfig(urls=[url], namespace=ns),
@@ -113,11 +89,10 @@ def test_blocks_evicted_from_the_last_local_tier_are_demoted_to_remote(tmp_path:
             assert s.lookup("acme", SPEC, keys).num_blocks == 0
     finally:
         s.close()
-        _cleanup(url, ns)
 
 
-def test_remote_delete_and_purge(tmp_path: Path, url: str) -> None:
-    ns = f"test-{uuid.uuid4().hex[:12]}"
+def test_remote_delete_and_purge(tmp_path: Path, redis_ns) -> None:
+    url, ns = redis_ns
     n = SPEC.block_nbytes
     cfg = StoreConfig(path=tmp_path / "s", hbm_bytes=4 * n, dram_bytes=0, nvme_bytes=0,
                       master_key=MASTER, remote=RemoteConfig(urls=[url], namespace=ns),
@@ -134,4 +109,3 @@ def test_remote_delete_and_purge(tmp_path: Path, url: str) -> None:
         assert s.lookup("acme", SPEC, keys).num_blocks == 0
     finally:
         s.close()
-        _cleanup(url, ns)
