@@ -17,8 +17,14 @@ Primitives and what each guarantees (see DESIGN.md §7 for the invariants):
   them; CLOSED unpins them.
 * TTL/quotas  — per tenant; expired blocks are invisible and deleted from every tier; a tenant
   over quota evicts its own blocks first, never another tenant's.
+* remote      — with ``StoreConfig.remote``, blocks leaving the last local tier (or every new
+  block, ``remote_write="through"``) are queued to Redis/Valkey; lookups and gets continue into
+  it where the local chain ends and promote what they find.
+* chains      — ``parent=`` continues a chain split across calls; keys must chain from it.
 
-Thread-safe: one lock owns the index and every pool.
+Quantized NVMe copies (opt-in per tenant/model) are the one exception to bit-exact gets.
+Thread-safe: one lock owns the index and every pool; every public call that writes to NVMe
+commits one LMDB transaction (one sync).
 """
 
 from __future__ import annotations
