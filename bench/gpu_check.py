@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import platform
 import statistics
 import subprocess
@@ -50,6 +49,7 @@ from typing import Any
 
 import torch
 
+from bench.output import emit_json
 from kernels.copy import copy_bytes
 from kvstore.block import Tier
 from kvstore.spec import ModelSpec
@@ -343,10 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         rc |= not all(result["checks"].values())
     result["elapsed_s"] = round(time.perf_counter() - t0, 1)
     result["ok"] = rc == 0
-    text = json.dumps(result, indent=2)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
-    print(text)
+    emit_json(result, args.out)
     return rc
 
 

@@ -23,7 +23,6 @@ Prints one JSON document.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -37,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from bench.output import emit_json
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -348,11 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             for p in (server, raw):
                 p.terminate()
                 p.wait(timeout=30)
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit_json(results, args.out)
     return 0
 
 

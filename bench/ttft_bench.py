@@ -23,7 +23,6 @@ Prints JSON and writes it to ``--out``. Needs transformers, gguf, accelerate::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -38,11 +37,11 @@ from typing import Any
 import torch
 
 from bench.hf_demo import BLOCK_TOKENS
-from kvstore.integrations.smollm2 import MODEL_ID, load_smollm2
 from bench.kv_accuracy import PPL_TEXT
-from kvstore.integrations.smollm2 import ensure_smollm2
+from bench.output import emit_json
 from kvstore.config import StoreConfig
 from kvstore.integrations.hf import PrefixCache, TenantStore, forward, spec_from_config
+from kvstore.integrations.smollm2 import MODEL_ID, ensure_smollm2, load_smollm2
 from kvstore.store import Store
 
 __all__ = ["main", "run"]
@@ -188,11 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(quick=args.quick, repeats=args.repeats, threads=args.threads,
                  suffix_tokens=args.suffix_tokens,
                  prefixes=tuple(args.prefixes) if args.prefixes else None)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit_json(result, args.out)
     return 0
 
 

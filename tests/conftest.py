@@ -71,6 +71,16 @@ def open_store(tmp_path: Path, clock: FakeClock) -> Iterator[Callable[..., Store
 
 
 @pytest.fixture
+def sidecar(tmp_path: Path) -> Iterator[object]:
+    """A gRPC sidecar on port 0 in a temp dir (``service_harness.Sidecar``), stopped after."""
+    from service_harness import start
+
+    sc = start(tmp_path)
+    yield sc
+    sc.stop()
+
+
+@pytest.fixture
 def redis_ns(tmp_path: Path) -> Iterator[tuple[str, str]]:
     """``(url, namespace)`` on a real Redis; the namespace's keys are removed afterwards."""
     from remote_harness import redis_namespace

@@ -12,16 +12,9 @@ from kvstore.client import Client
 from kvstore.errors import IntegrityError, PermissionDenied, Unauthenticated
 from proto.kvstore.v1 import kvstore_pb2 as pb
 from proto.kvstore.v1 import kvstore_pb2_grpc
-from service_harness import SPEC, fresh_tokens, random_kv, start
+from service_harness import SPEC, fresh_tokens, random_kv
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture
-def sidecar(tmp_path):
-    sc = start(tmp_path)
-    yield sc
-    sc.stop()
 
 
 def _raw_lookup(target: str, metadata):

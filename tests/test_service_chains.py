@@ -7,16 +7,9 @@ import pytest
 import torch
 
 from kvstore.errors import InvalidArgument, NotFound
-from service_harness import SPEC, fresh_tokens, random_kv, start
+from service_harness import SPEC, fresh_tokens, random_kv
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture
-def sidecar(tmp_path):
-    sc = start(tmp_path)
-    yield sc
-    sc.stop()
 
 
 def _bytes_in(sc, plane: str) -> float:

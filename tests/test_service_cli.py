@@ -10,21 +10,13 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from prometheus_client import generate_latest
 from typer.testing import CliRunner
 
 from kvstore.cli_serve import admin_app, parse_size
-from service_harness import SPEC, fresh_tokens, random_kv, start
+from service_harness import SPEC, fresh_tokens, random_kv
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def sidecar(tmp_path):
-    sc = start(tmp_path)
-    yield sc
-    sc.stop()
 
 
 def _run(sc, *args: str) -> str:

@@ -18,13 +18,6 @@ from service_harness import SPEC, fresh_tokens, random_kv, restart, start
 torch.set_num_threads(1)
 
 
-@pytest.fixture
-def sidecar(tmp_path):
-    sc = start(tmp_path)
-    yield sc
-    sc.stop()
-
-
 @pytest.mark.parametrize("local", [True, False], ids=["shm", "stream"])
 def test_put_get_bit_exact_through_each_plane(sidecar, local):
     c = sidecar.tenant(f"t-{int(local)}", local=local)

@@ -10,7 +10,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.kvstore.v1 import generate
-from service_harness import start
 
 pytest.importorskip("grpc_tools")
 
@@ -36,13 +35,6 @@ def test_stubs_import_under_proto_package():
 
     assert kvstore_pb2.DESCRIPTOR.package == "kvstore.v1"
     assert hasattr(admin_pb2_grpc, "AdminStub")
-
-
-@pytest.fixture
-def sidecar(tmp_path):
-    sc = start(tmp_path)
-    yield sc
-    sc.stop()
 
 
 def test_health_reports_serving_for_each_service(sidecar):
