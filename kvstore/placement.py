@@ -232,8 +232,7 @@ class Placement:
         if dest == Tier.NVME:
             view = self._mem[src].view(ref)
             host = view.numpy() if view.device.type == "cpu" else view.cpu().numpy()
-            ok = self.write(Tier.NVME, ref, meta, host)
-            return ok
+            return self.write(Tier.NVME, ref, meta, host)
         dst = self._mem[dest]
         if not dst.reserve(ref):
             return False
@@ -245,7 +244,7 @@ class Placement:
                 dst.delete(ref)
                 self.lost(meta)
                 return False
-            if host is not None and out.device.type != "cpu":
+            if out.device.type != "cpu":
                 copy_bytes(out, host)
             return True
         copy_bytes(out, self._mem[src].view(ref))

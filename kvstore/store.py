@@ -675,8 +675,6 @@ class Store:
                 tiers[t.label] = {"used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes,
                                   "blocks": u.blocks}
             c = self.counters.snapshot()
-            if self._nvme is not None:
-                c["integrity_failures"] = c.get("integrity_failures", 0)
             tenants: dict[str, dict[str, int]] = {}
             for (tenant, tier), n in self._place.tenant_usage.items():
                 if n:

@@ -14,8 +14,8 @@ Writes go into one write transaction per :meth:`NVMeTier.batch` (the Store opens
 call), or one per operation outside a batch; with ``durable=True`` LMDB syncs on commit, so a
 block whose put returned survives ``kill -9``. A batch is a deferred commit, not an atomic
 unit: whatever the Store did inside it is committed when it ends, even on an exception (the
-Store has already undone its own inserts by then). A value that fails its integrity check is deleted and
-counted, never returned. Not thread-safe by itself beyond LMDB's own rules: the Store serialises
+Store has already undone its own inserts by then). A value that fails its integrity check is deleted (the Store
+counts it), never returned. Not thread-safe by itself beyond LMDB's own rules: the Store serialises
 writers.
 """
 
@@ -139,7 +139,6 @@ class NVMeTier:
         self._sizes: dict[tuple[str, bytes], int] = {}
         self._used = 0
         self._known_specs: set[bytes] = set()
-        self.integrity_failures = 0
         self._scratch = np.empty(0, dtype=np.uint8)
 
     # -- open / recovery ----------------------------------------------------------------------
@@ -222,7 +221,6 @@ class NVMeTier:
                 self.codec.decode(ref.tenant, ref.key, ref.spec, value, out=out)
             return True
         except IntegrityError:
-            self.integrity_failures += 1
             self.delete(ref)
             return False
 
@@ -237,17 +235,6 @@ class NVMeTier:
             txn.delete(k, db=self._meta)
         return True
 
-    def update_ttl(self, ref: BlockRef, ttl_deadline: float | None) -> None:
-        k = self._dbkey(ref)
-        with self._write() as txn:
-            raw = txn.get(k, db=self._meta)
-            if raw is None:
-                return
-            rec = NVMeRecord.unpack(ref.key, bytes(raw))
-            txn.put(k, NVMeRecord(rec.tenant, rec.key, rec.parent, rec.depth, rec.tokens,
-                                  rec.nbytes, rec.created, ttl_deadline, rec.fingerprint).pack(),
-                    db=self._meta)
-
     def contains(self, ref: BlockRef) -> bool:
         return ref.ident in self._sizes
 
@@ -259,9 +246,6 @@ class NVMeTier:
 
     def usage(self) -> TierUsage:
         return TierUsage(Tier.NVME, self._used, self.capacity, len(self._sizes))
-
-    def sync(self) -> None:
-        self._env.sync(True)
 
     def close(self) -> None:
         assert self._batch is None, "close inside a batch"
