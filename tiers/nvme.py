@@ -14,9 +14,9 @@ Writes go into one write transaction per :meth:`NVMeTier.batch` (the Store opens
 call), or one per operation outside a batch; with ``durable=True`` LMDB syncs on commit, so a
 block whose put returned survives ``kill -9``. A batch is a deferred commit, not an atomic
 unit: whatever the Store did inside it is committed when it ends, even on an exception (the
-Store has already undone its own inserts by then). A value that fails its integrity check is deleted (the Store
-counts it), never returned. Not thread-safe by itself beyond LMDB's own rules: the Store serialises
-writers.
+Store has already undone its own inserts by then). A value that fails its integrity check is
+deleted (the Store counts it), never returned. Not thread-safe by itself beyond LMDB's own
+rules: the Store serialises writers.
 """
 
 from __future__ import annotations
