@@ -30,6 +30,13 @@ Correctness checks (``checks``), made the way a caller would, with no extra sync
 
 A ``false`` in the first three means a non_blocking device-to-host copy was read before it
 completed (``kernels.copy.copy_bytes`` must synchronize, or the caller must).
+
+Kernels (``kernels``; skipped with ``--skip-kernels``): each Triton kernel against its torch
+reference on the same inputs (``backend="triton"`` vs ``backend="torch"``), median seconds, GB/s
+of the bytes the operation must move, ``speedup`` = torch / triton time, and ``exact`` = the
+outputs are bitwise equal (a ``false`` fails the run). Without triton the section says so. Sizes
+(:class:`KernelSizes`): 64 blocks of ``[2, 32, 8, 16, 128]`` fp16 (128 MiB) to quantize, shuffle
+and gather from 32 cache layers of 2048 engine blocks (4 GiB of cache).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -282,6 +290,110 @@ def measure_store(nbytes: int, device: torch.device, reps: int, n_blocks: int,
     return {"n_blocks": n_blocks, "figures": figs, "ratio_to_raw": ratios}, checks
 
 
+# -- Triton kernels vs torch references -----------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class KernelSizes:
+    """Workload of :func:`measure_kernels` (store blocks ``[n, 2, L, H, T, D]``, engine caches of
+    ``cache_blocks`` blocks of ``T`` tokens per layer)."""
+
+    blocks: int = 64
+    layers: int = 32
+    heads: int = 8
+    tokens: int = 16
+    dim: int = 128
+    cache_blocks: int = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class _KernelCase:
+    name: str
+    nbytes: int  # bytes the operation must read and write
+    run: Callable[[str], Any]  # run(backend): the timed operation
+    check: Callable[[str], Any]  # check(backend) -> output compared between backends
+
+
+def _kernel_cases(sizes: KernelSizes, device: torch.device) -> list[_KernelCase]:
+    """One case per Triton kernel (and paged layout)."""
+    from kernels.paged import PagedLayout, gather_blocks, scatter_blocks
+    from kernels.quant import QuantScheme, dequantize, quantize
+    from kernels.shuffle_tensor import shuffle_tensor, unshuffle_tensor
+
+    n, layers, heads, tokens, dim = sizes.blocks, sizes.layers, sizes.heads, sizes.tokens, sizes.dim
+    g = torch.Generator(device=device).manual_seed(11)
+    blocks = torch.randn((n, 2, layers, heads, tokens, dim), generator=g, device=device).half()
+    nbytes = blocks.numel() * 2
+    cases: list[_KernelCase] = []
+
+    def case(name: str, moved: int, run: Callable[[str], Any],
+             check: Callable[[str], Any] | None = None) -> None:
+        cases.append(_KernelCase(name, moved, run, run if check is None else check))
+
+    for scheme, gran in ((QuantScheme.FP8_E4M3, "channel"), (QuantScheme.INT8, "head")):
+        q = quantize(blocks, scheme, gran, backend="torch")
+        case(f"quantize.{scheme.value}.{gran}", nbytes + nbytes // 2,
+             lambda b, s=scheme, k=gran: quantize(blocks, s, k, backend=b))
+        case(f"dequantize.{scheme.value}.{gran}", nbytes + nbytes // 2,
+             lambda b, q=q: dequantize(q, backend=b))
+    flat = blocks.view(-1)
+    planes = shuffle_tensor(flat, 2, backend="torch")
+    case("shuffle.fp16", 2 * nbytes, lambda b: shuffle_tensor(flat, 2, backend=b))
+    case("unshuffle.fp16", 2 * nbytes, lambda b: unshuffle_tensor(planes, 2, backend=b))
+    table = torch.randperm(sizes.cache_blocks, generator=torch.Generator().manual_seed(3))[:n].tolist()
+    slots = torch.tensor(table, device=device)
+    for layout in (PagedLayout.BLOCKS_FIRST, PagedLayout.KV_FIRST):
+        shape = ((sizes.cache_blocks, 2, tokens, heads, dim) if layout is PagedLayout.BLOCKS_FIRST
+                 else (2, sizes.cache_blocks, tokens, heads, dim))
+        caches = [torch.randn(shape, generator=g, device=device).half() for _ in range(layers)]
+
+        def gather(b: str, c: list[torch.Tensor] = caches, lay: PagedLayout = layout) -> torch.Tensor:
+            return gather_blocks(c, table, lay, backend=b)
+
+        def scatter(b: str, c: list[torch.Tensor] = caches, lay: PagedLayout = layout) -> None:
+            scatter_blocks(blocks, c, table, lay, backend=b)
+
+        def scattered(b: str, c: list[torch.Tensor] = caches, lay: PagedLayout = layout) -> list[torch.Tensor]:
+            for x in c:  # clear the slots, scatter, read them back
+                x.index_fill_(lay.block_axis, slots, 0)
+            scatter(b, c, lay)
+            return [x.index_select(lay.block_axis, slots) for x in c]
+
+        case(f"paged.gather.{layout.value}", 2 * nbytes, gather)
+        case(f"paged.scatter.{layout.value}", 2 * nbytes, scatter, scattered)
+    return cases
+
+
+def _outputs_equal(a: Any, b: Any) -> bool:
+    """Bitwise equality of kernel outputs (tensors, QuantizedKV, lists of tensors)."""
+    if isinstance(a, torch.Tensor):
+        return _same_bytes(a, b)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_outputs_equal(x, y) for x, y in zip(a, b))
+    return all(_same_bytes(getattr(a, f), getattr(b, f)) for f in ("data", "k_scale", "v_scale"))
+
+
+def measure_kernels(device: str | torch.device, reps: int = 20,
+                    sizes: KernelSizes = KernelSizes()) -> dict[str, Any]:
+    """Each Triton kernel vs its torch reference on ``device`` (CPU only under TRITON_INTERPRET)."""
+    from kernels.backend import triton_available
+
+    if not triton_available():
+        return {"triton": None, "ok": True,
+                "reason": "triton is not installed (pip install -e '.[triton]'): nothing measured"}
+    import triton
+
+    device = torch.device(device)
+    figures: dict[str, Any] = {}
+    for c in _kernel_cases(sizes, device):
+        exact = _outputs_equal(c.check("triton"), c.check("torch"))  # also compiles before timing
+        t_torch = _median_s(lambda r=c.run: r("torch"), device, reps)
+        t_triton = _median_s(lambda r=c.run: r("triton"), device, reps)
+        figures[c.name] = {"torch": _figure(c.nbytes, t_torch, reps),
+                           "triton": _figure(c.nbytes, t_triton, reps),
+                           "speedup": t_torch / t_triton, "exact": exact}
+    return {"triton": triton.__version__, "sizes": {f: getattr(sizes, f) for f in sizes.__slots__},
+            "figures": figures, "ok": all(f["exact"] for f in figures.values())}
+
+
 # -- driver ---------------------------------------------------------------------------------------
 def run_checks(device: str | torch.device, sizes: tuple[int, ...] = DEFAULT_SIZES,
                reps: int = 20, store_bytes: int = 128 * MIB) -> dict[str, Any]:
@@ -318,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="where to write the JSON result")
     ap.add_argument("--skip-tests", action="store_true", help="only measure")
+    ap.add_argument("--skip-kernels", action="store_true", help="no Triton vs torch kernel timings")
     ap.add_argument("--test-timeout", type=float, default=200.0, help="seconds for pytest")
     ap.add_argument("--reps", type=int, default=20, help="timed repetitions per figure")
     args = ap.parse_args(argv)
@@ -341,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
             rc |= not result["tests"]["ok"]
         result.update(run_checks("cuda", reps=args.reps))
         rc |= not all(result["checks"].values())
+        if not args.skip_kernels:
+            result["kernels"] = measure_kernels("cuda", reps=args.reps)
+            rc |= not result["kernels"]["ok"]
     result["elapsed_s"] = round(time.perf_counter() - t0, 1)
     result["ok"] = rc == 0
     emit_json(result, args.out)

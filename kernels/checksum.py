@@ -44,4 +44,4 @@ def checksum(buf: object, algorithm: Algorithm = "xxh3_128", seed: int = 0) -> b
     raise InvalidArgument(f"unknown checksum algorithm {algorithm!r}; use one of {sorted(DIGEST_BYTES)}")
 
 
-__all__ = ["Algorithm", "DIGEST_BYTES", "checksum"]
+__all__ = ["DIGEST_BYTES", "Algorithm", "checksum"]

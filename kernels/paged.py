@@ -14,8 +14,14 @@ Engine layouts (one tensor per layer, ``bs`` = engine block size in tokens):
 * ``PagedLayout.KV_FIRST``:     ``[2, num_blocks, bs, heads, head_dim]``
 * ``PagedLayout.CPU_FUSED``:    ``[num_blocks, heads, bs, 2 * head_dim]`` (K in the first
   ``head_dim`` of the last axis, V in the second: the CPU layout as older vLLM documented it).
-  NOTE: vLLM 0.32's CPU cache is ``[num_blocks, heads, 2 * bs, head_dim]`` with an ISA-dependent
-  token order inside K; ``kvstore.integrations.vllm`` handles that layout itself (see there).
+* ``PagedLayout.CPU_SPLIT``:    vLLM 0.32's CPU cache. The tensor vLLM allocates is
+  ``[num_blocks, heads, bs, 2 * head_dim]`` (same shape as ``CPU_FUSED``, other meaning); its
+  kernels write it as ``[num_blocks, heads, 2, bs, head_dim]``: per (block, head) a K slab of
+  ``bs * head_dim`` values, then a V slab, both read token-major ``[bs, head_dim]``. For ISAs
+  whose K slab is not token-major this moves the engine's bytes unchanged (a bijection).
+* ``PagedLayout.CPU_SPLIT_KDIM``: as ``CPU_SPLIT`` but the K slab is dim-major
+  ``[head_dim, bs]`` (vLLM 0.32's ``vec`` CPU attention ISA); gathered K comes out canonical
+  ``[T, head_dim]``, so no transposing pass is needed after a gather or before a scatter.
 
 The store block size ``T`` must be a multiple ``k`` of ``bs``; store block ``i`` is made of the
 engine blocks ``table[i*k : (i+1)*k]`` in token order, so ``len(table) == n * k``.
@@ -33,6 +39,9 @@ Contracts:
   where the table lives: pass a list or CPU tensor to keep a CUDA stream free of syncs. The
   ``*_blocks`` calls check the table once for all layers, and everything before writing.
 * Only the cache slots named by the table are written by a scatter.
+* ``backend`` (:mod:`kernels.backend`): ``"auto"`` runs :mod:`kernels.triton_paged` on CUDA when
+  triton imports (one kernel launch moves every layer, with no scratch buffer), the torch code
+  otherwise. Both move the same bytes.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.backend import Backend, use_triton
 from kvstore.errors import DTypeMismatch, InvalidArgument, ShapeMismatch
 
 
@@ -51,6 +61,13 @@ class PagedLayout(str, enum.Enum):
     BLOCKS_FIRST = "blocks_first"  # [num_blocks, 2, bs, heads, head_dim]
     KV_FIRST = "kv_first"  # [2, num_blocks, bs, heads, head_dim]
     CPU_FUSED = "cpu_fused"  # [num_blocks, heads, bs, 2 * head_dim]
+    CPU_SPLIT = "cpu_split"  # [num_blocks, heads, bs, 2 * head_dim] as [nb, heads, 2, bs, head_dim]
+    CPU_SPLIT_KDIM = "cpu_split_kdim"  # as CPU_SPLIT, K slab [head_dim, bs]
+
+    @property
+    def fused_shape(self) -> bool:
+        """The cache tensor is ``[num_blocks, heads, bs, 2 * head_dim]``."""
+        return self in (PagedLayout.CPU_FUSED, PagedLayout.CPU_SPLIT, PagedLayout.CPU_SPLIT_KDIM)
 
     @property
     def block_axis(self) -> int:
@@ -60,7 +77,7 @@ class PagedLayout(str, enum.Enum):
 def cache_geometry(cache: torch.Tensor, layout: PagedLayout) -> tuple[int, int, int, int]:
     """``(num_blocks, block_size, heads, head_dim)`` of one layer's cache tensor."""
     layout = PagedLayout(layout)
-    if cache.dim() != (4 if layout is PagedLayout.CPU_FUSED else 5):
+    if cache.dim() != (4 if layout.fused_shape else 5):
         raise ShapeMismatch(f"{layout.value} cache has wrong rank: {tuple(cache.shape)}")
     if layout is PagedLayout.BLOCKS_FIRST:
         nb, two, bs, heads, dim = cache.shape
@@ -70,7 +87,7 @@ def cache_geometry(cache: torch.Tensor, layout: PagedLayout) -> tuple[int, int, 
         nb, heads, bs, dim2 = cache.shape
         two, dim = 2, dim2 // 2
         if dim2 % 2:
-            raise ShapeMismatch(f"cpu_fused last axis must be 2*head_dim, got {dim2}")
+            raise ShapeMismatch(f"{layout.value} last axis must be 2*head_dim, got {dim2}")
     if two != 2:
         raise ShapeMismatch(f"{layout.value} cache must have a K/V axis of 2: {tuple(cache.shape)}")
     return nb, bs, heads, dim
@@ -83,16 +100,23 @@ def gather_layer(
     out: torch.Tensor,
     *,
     scratch: torch.Tensor | None = None,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
     """Copy the blocks named by ``table`` from one layer's cache into ``out`` ``[n, 2, H, T, D]``.
 
     ``out`` may be a strided view (e.g. ``blocks[:, :, layer]``). ``scratch`` (optional, reused
-    across layers) receives the ``index_select``; it is resized as needed. Returns ``out``.
+    across layers; torch path only) receives the ``index_select``; it is resized as needed.
+    Returns ``out``.
     """
     layout = PagedLayout(layout)
     nb, k = _check_layer(cache, layout, out)
     idx = _checked_table(table, cache.device, nb, out.shape[0] * k, unique=False)
-    _gather(cache, idx, layout, out, k, scratch)
+    if _use_triton(backend, [cache], layout, out):
+        from kernels import triton_paged
+
+        triton_paged.move([cache], idx, layout, out.unsqueeze(2), k, gather=True)
+    else:
+        _gather(cache, idx, layout, out, k, scratch)
     return out
 
 
@@ -103,15 +127,22 @@ def scatter_layer(
     layout: PagedLayout,
     *,
     scratch: torch.Tensor | None = None,
+    backend: Backend = "auto",
 ) -> None:
     """Copy store blocks of one layer ``src`` ``[n, 2, H, T, D]`` into the cache slots in ``table``.
 
-    ``scratch`` (optional, reused across layers) is resized to the selection's shape.
+    ``scratch`` (optional, reused across layers; torch path only) is resized to the selection's
+    shape.
     """
     layout = PagedLayout(layout)
     nb, k = _check_layer(cache, layout, src)
     idx = _checked_table(table, cache.device, nb, src.shape[0] * k, unique=True)
-    _scatter(src, cache, idx, layout, k, scratch)
+    if _use_triton(backend, [cache], layout, src):
+        from kernels import triton_paged
+
+        triton_paged.move([cache], idx, layout, src.unsqueeze(2), k, gather=False)
+    else:
+        _scatter(src, cache, idx, layout, k, scratch)
 
 
 def gather_blocks(
@@ -121,6 +152,7 @@ def gather_blocks(
     *,
     block_tokens: int | None = None,
     out: torch.Tensor | None = None,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
     """Gather every layer into store blocks ``[n, 2, L, H, T, D]``.
 
@@ -141,6 +173,11 @@ def gather_blocks(
         raise ShapeMismatch(f"out must be [n, 2, {len(layers)}, H, T, D], got {tuple(out.shape)}")
     nb, k = _check_layer(first, layout, out[:, :, 0])
     idx = _checked_table(table, first.device, nb, out.shape[0] * k, unique=False)
+    if _use_triton(backend, layers, layout, out):
+        from kernels import triton_paged
+
+        triton_paged.move(layers, idx, layout, out, k, gather=True)
+        return out
     scratch = _scratch(out.dtype, out.device)
     for layer, cache in enumerate(layers):
         _gather(cache, idx, layout, out[:, :, layer], k, scratch)
@@ -152,6 +189,8 @@ def scatter_blocks(
     layers: Sequence[torch.Tensor],
     table: torch.Tensor | Sequence[int],
     layout: PagedLayout,
+    *,
+    backend: Backend = "auto",
 ) -> None:
     """Scatter store blocks ``[n, 2, L, H, T, D]`` into every layer's cache, in place.
 
@@ -163,12 +202,29 @@ def scatter_blocks(
         raise ShapeMismatch(f"blocks must be [n, 2, {len(layers)}, H, T, D], got {tuple(blocks.shape)}")
     nb, k = _check_layer(first, layout, blocks[:, :, 0])
     idx = _checked_table(table, first.device, nb, blocks.shape[0] * k, unique=True)
+    if _use_triton(backend, layers, layout, blocks):
+        from kernels import triton_paged
+
+        triton_paged.move(layers, idx, layout, blocks, k, gather=False)
+        return
     scratch = _scratch(blocks.dtype, blocks.device)
     for layer, cache in enumerate(layers):
         _scatter(blocks[:, :, layer], cache, idx, layout, k, scratch)
 
 
 # -- internals ----------------------------------------------------------------------------------
+
+
+def _use_triton(backend: Backend, layers: Sequence[torch.Tensor], layout: PagedLayout,
+                blocks: torch.Tensor) -> bool:
+    """Resolve ``backend``; ``"auto"`` also keeps to torch for a split-slab cache whose last two
+    axes are not contiguous (the Triton kernel addresses K|V slabs through that view; it raises
+    ShapeMismatch on such a cache when ``backend="triton"`` forces it)."""
+    if not use_triton(backend, layers[0], blocks):
+        return False
+    if backend == "auto" and layout in (PagedLayout.CPU_SPLIT, PagedLayout.CPU_SPLIT_KDIM):
+        return all(c.shape[2] < 2 or c.stride(2) == c.shape[3] * c.stride(3) for c in layers)
+    return True
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -188,8 +244,8 @@ def _gather(cache: torch.Tensor, idx: torch.Tensor, layout: PagedLayout, out: to
         scratch = torch.index_select(cache, layout.block_axis, idx)
     else:
         torch.index_select(cache, layout.block_axis, idx, out=scratch)
-    view = _canonical_view(scratch, layout, out.shape[0], k)
-    out.unflatten(3, view.shape[3:5]).copy_(view)
+    for sel, view in _canonical_views(scratch, layout, out.shape[0], k):
+        out[:, sel].unflatten(-2, (k, view.shape[-2])).copy_(view)
 
 
 def _scatter(src: torch.Tensor, cache: torch.Tensor, idx: torch.Tensor, layout: PagedLayout,
@@ -202,8 +258,8 @@ def _scatter(src: torch.Tensor, cache: torch.Tensor, idx: torch.Tensor, layout: 
         scratch = torch.empty(shape, dtype=cache.dtype, device=cache.device)
     else:
         scratch.resize_(shape)
-    view = _canonical_view(scratch, layout, src.shape[0], k)
-    view.copy_(src.unflatten(3, view.shape[3:5]))
+    for sel, view in _canonical_views(scratch, layout, src.shape[0], k):
+        view.copy_(src[:, sel].unflatten(-2, (k, view.shape[-2])))
     cache.index_copy_(layout.block_axis, idx, scratch)
 
 
@@ -263,17 +319,29 @@ def _checked_table(table: torch.Tensor | Sequence[int], device: torch.device, nu
     return idx.to(device, non_blocking=True)
 
 
-def _canonical_view(sel: torch.Tensor, layout: PagedLayout, n: int, k: int) -> torch.Tensor:
-    """View a contiguous selection of ``n*k`` engine blocks as ``[n, 2, H, k, bs, D]`` (no copy).
+def _canonical_views(sel: torch.Tensor, layout: PagedLayout, n: int,
+                     k: int) -> list[tuple[slice | int, torch.Tensor]]:
+    """Views (no copy) of a contiguous selection of ``n*k`` engine blocks matching the store side
+    ``out[:, s]`` with its T axis unflattened to ``(k, bs)``: one ``[n, 2, H, k, bs, D]`` view
+    (``s = :``), or for ``CPU_SPLIT_KDIM`` one ``[n, H, k, bs, D]`` view each for K and V.
 
     NOTE: (k, bs) are not adjacent in memory after the permute, so merging them into T would
     copy; callers unflatten the store side's T axis into (k, bs) instead, which is always a view.
     """
+    everything = slice(None)
     if layout is PagedLayout.BLOCKS_FIRST:
         _, _, bs, heads, dim = sel.shape
-        return sel.view(n, k, 2, bs, heads, dim).permute(0, 2, 4, 1, 3, 5)
+        return [(everything, sel.view(n, k, 2, bs, heads, dim).permute(0, 2, 4, 1, 3, 5))]
     if layout is PagedLayout.KV_FIRST:
         _, _, bs, heads, dim = sel.shape
-        return sel.view(2, n, k, bs, heads, dim).permute(1, 0, 4, 2, 3, 5)
+        return [(everything, sel.view(2, n, k, bs, heads, dim).permute(1, 0, 4, 2, 3, 5))]
     _, heads, bs, dim2 = sel.shape
-    return sel.view(n, k, heads, bs, 2, dim2 // 2).permute(0, 4, 2, 1, 3, 5)
+    dim = dim2 // 2
+    if layout is PagedLayout.CPU_FUSED:
+        return [(everything, sel.view(n, k, heads, bs, 2, dim).permute(0, 4, 2, 1, 3, 5))]
+    if layout is PagedLayout.CPU_SPLIT:
+        return [(everything, sel.view(n, k, heads, 2, bs, dim).permute(0, 3, 2, 1, 4, 5))]
+    slabs = sel.view(n, k, heads, 2, bs * dim)
+    k_view = slabs[:, :, :, 0].unflatten(-1, (dim, bs)).permute(0, 2, 1, 4, 3)
+    v_view = slabs[:, :, :, 1].unflatten(-1, (bs, dim)).permute(0, 2, 1, 3, 4)
+    return [(0, k_view), (1, v_view)]

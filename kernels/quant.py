@@ -2,8 +2,8 @@
 
 Primitives (torch reference, device-agnostic: they run wherever the input tensor lives)::
 
-    quantize(x, scheme, key_granularity="channel") -> QuantizedKV
-    dequantize(q, dtype=None, out=None) -> Tensor
+    quantize(x, scheme, key_granularity="channel", *, backend="auto") -> QuantizedKV
+    dequantize(q, dtype=None, out=None, *, backend="auto") -> Tensor
     error_bound(x, q, dtype=None) -> Tensor          # elementwise bound on |dequantize(q) - x|
     QuantizedKV.scales_bytes() / QuantizedKV.from_parts(...)   # scales for the block header
 
@@ -30,6 +30,10 @@ dequantized value in float32, before the output cast):
 * Casting ``x̂`` to the output dtype adds at most half an ulp of that dtype: relative
   ``2**-11`` (fp16), ``2**-8`` (bf16), ``2**-24`` (fp32), plus the dtype's subnormal half-step.
 
+``backend`` (:mod:`kernels.backend`): ``"auto"`` runs the Triton kernels of
+:mod:`kernels.triton_quant` on CUDA tensors when triton imports (bit-identical to this reference:
+same scales, same bytes), the torch code below otherwise.
+
 :func:`error_bound` evaluates exactly these formulas (with a float32 slack of a few ulps) so tests
 and benchmarks check against the documented bound, not an ad-hoc tolerance. Storage cost per
 block: data is 1 byte per element; scales are ``4 * L * H * (D + 1)`` bytes with per-channel keys
@@ -45,6 +49,7 @@ from typing import Literal
 
 import torch
 
+from kernels.backend import Backend, use_triton
 from kvstore.errors import DTypeMismatch, InvalidArgument, ShapeMismatch
 
 KeyGranularity = Literal["channel", "head"]
@@ -141,6 +146,8 @@ def quantize(
     x: torch.Tensor,
     scheme: QuantScheme | str,
     key_granularity: KeyGranularity = "channel",
+    *,
+    backend: Backend = "auto",
 ) -> QuantizedKV:
     """Quantize a KV block tensor ``[..., 2, L, H, T, D]`` (fp16, bf16 or fp32).
 
@@ -154,6 +161,10 @@ def quantize(
     if x.dtype not in _FLOAT_INPUTS:
         raise DTypeMismatch(f"quantize expects fp16/bf16/fp32, got {x.dtype}")
     _check_block_shape(x)
+    if use_triton(backend, x):
+        from kernels import triton_quant
+
+        return triton_quant.quantize(x, scheme, key_granularity)
     xf = x.to(torch.float32)
     k, v = xf.select(-5, 0), xf.select(-5, 1)
     k_dims = (-2,) if key_granularity == "channel" else (-2, -1)
@@ -166,11 +177,16 @@ def quantize(
 
 
 def dequantize(
-    q: QuantizedKV, dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None
+    q: QuantizedKV,
+    dtype: torch.dtype | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
     """Dequantize to ``dtype`` (default ``q.orig_dtype``, e.g. the spec's ``torch_dtype``).
 
     With ``out`` (same shape as ``q.data``, dtype ``dtype``), writes there and returns it.
+    The Triton path covers fp16/bf16/fp32 outputs; other dtypes always run the torch code.
     """
     dtype = q.orig_dtype if dtype is None else dtype
     if out is None:
@@ -179,6 +195,10 @@ def dequantize(
         raise ShapeMismatch(
             f"out is {tuple(out.shape)} {out.dtype}, expected {tuple(q.data.shape)} {dtype}"
         )
+    if dtype in _FLOAT_INPUTS and use_triton(backend, q.data, out):
+        from kernels import triton_quant
+
+        return triton_quant.dequantize_into(q, out)
     for idx, scale in ((0, q.k_scale), (1, q.v_scale)):
         out.select(-5, idx).copy_(q.data.select(-5, idx).to(torch.float32) * scale)
     return out

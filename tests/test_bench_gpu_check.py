@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from bench.gpu_check import run_checks, run_cuda_tests
@@ -61,3 +62,26 @@ def test_gpu_check_cuda_test_step_counts_from_junit() -> None:
         assert res["ok"] and res["passed"] > 0
     else:  # every CUDA test skips: nothing passed, which the check reports as not ok
         assert res["skipped"] > 0 and res["passed"] == 0 and res["ok"] is False
+
+
+def test_gpu_check_kernel_timings_run_as_a_cpu_dry_run(monkeypatch) -> None:
+    """The Triton-vs-torch section on tiny sizes, in Triton's interpreter (or, without triton,
+    the section says so and measures nothing)."""
+    from bench.gpu_check import KernelSizes, measure_kernels
+    from kernels.backend import triton_available
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the kernels are compiled for it, not interpreted (gpu_check runs them)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    res = measure_kernels("cpu", reps=1, sizes=KernelSizes(blocks=2, layers=2, heads=1, tokens=4,
+                                                           dim=8, cache_blocks=5))
+    if not triton_available():
+        assert res["triton"] is None and res["ok"] and "not installed" in res["reason"]
+        return
+    names = set(res["figures"])
+    assert {"quantize.fp8_e4m3.channel", "dequantize.int8.head", "shuffle.fp16", "unshuffle.fp16",
+            "paged.gather.blocks_first", "paged.scatter.kv_first"} <= names and len(names) == 10
+    for fig in res["figures"].values():
+        assert fig["exact"] is True, res["figures"]
+        assert fig["torch"]["median_s"] > 0 and fig["triton"]["median_s"] > 0 and fig["speedup"] > 0
+    assert res["ok"] is True

@@ -26,6 +26,8 @@ def layer_shape(layout, num_blocks, bs, heads, dim):
         PagedLayout.BLOCKS_FIRST: (num_blocks, 2, bs, heads, dim),
         PagedLayout.KV_FIRST: (2, num_blocks, bs, heads, dim),
         PagedLayout.CPU_FUSED: (num_blocks, heads, bs, 2 * dim),
+        PagedLayout.CPU_SPLIT: (num_blocks, heads, bs, 2 * dim),
+        PagedLayout.CPU_SPLIT_KDIM: (num_blocks, heads, bs, 2 * dim),
     }[layout]
 
 
@@ -41,8 +43,14 @@ def engine_token(cache, layout, block, kv, token, head):
         return cache[block, kv, token, head]
     if layout is PagedLayout.KV_FIRST:
         return cache[kv, block, token, head]
-    dim = cache.shape[-1] // 2
-    return cache[block, head, token, kv * dim : (kv + 1) * dim]
+    nb, heads, bs, dim2 = cache.shape
+    dim = dim2 // 2
+    if layout is PagedLayout.CPU_FUSED:
+        return cache[block, head, token, kv * dim : (kv + 1) * dim]
+    slab = cache.reshape(nb, heads, 2, bs * dim)[block, head, kv]  # K slab, then V slab
+    if layout is PagedLayout.CPU_SPLIT_KDIM and kv == 0:
+        return slab.view(dim, bs)[:, token]  # K dim-major [D, bs]
+    return slab.view(bs, dim)[token]  # token-major [bs, D]
 
 
 def reference_gather(layers, table, layout, tokens):
@@ -192,3 +200,49 @@ def test_paged_one_byte_dtypes_move_bytes_exactly(layout, dtype):
     for cache, old in zip(fresh, layers):
         got = cache.view(torch.uint8).index_select(layout.block_axis, sel)
         assert torch.equal(got, old.view(torch.uint8).index_select(layout.block_axis, sel))
+
+
+# -- vLLM 0.32 CPU cache: what kvstore.integrations.vllm does by hand, as one layout ---------------
+def connector_gather(cache, table, k_dim_major):
+    """The connector's path (kept in step with kvstore/integrations/vllm.py, which imports vLLM):
+    a BLOCKS_FIRST view of [nb, H, 2, bs, D], then K transposed from [D, T] bytes to [T, D]."""
+    nb, heads, bs, dim2 = cache.shape
+    canon = cache.view(nb, heads, 2, bs, dim2 // 2).permute(0, 2, 3, 1, 4)
+    out = torch.empty(len(table), 2, heads, bs, dim2 // 2, dtype=cache.dtype)
+    gather_layer(canon, table, PagedLayout.BLOCKS_FIRST, out)
+    if k_dim_major:  # k_to_token_major
+        k = out[:, 0]
+        k.copy_(k.reshape(len(table), heads, dim2 // 2, bs).transpose(-1, -2).clone())
+    return out
+
+
+@pytest.mark.parametrize(("layout", "k_dim_major"), [(PagedLayout.CPU_SPLIT, False),
+                                                     (PagedLayout.CPU_SPLIT_KDIM, True)])
+def test_paged_vllm_cpu_split_layouts_match_the_connector_path(layout, k_dim_major):
+    nb, heads, bs, dim = 6, 2, 4, 3
+    cache = torch.randn(nb, heads, bs, 2 * dim)  # the tensor vLLM 0.32 allocates
+    table = [4, 0, 5]
+    want = connector_gather(cache, table, k_dim_major)
+    out = torch.empty(3, 2, heads, bs, dim)
+    assert torch.equal(gather_layer(cache, table, layout, out), want)
+    # and back: scatter writes the engine's bytes where the connector's scatter would
+    back = torch.zeros_like(cache)
+    scatter_layer(out, back, table, layout)
+    for b in range(nb):
+        assert torch.equal(back[b], cache[b] if b in table else torch.zeros_like(cache[b]))
+
+
+def test_paged_cpu_split_kdim_gathers_tokens_written_dim_major():
+    """A K written the way vLLM's ``vec`` CPU kernel writes it comes out canonical [T, D]."""
+    nb, heads, bs, dim = 3, 2, 4, 5
+    key = torch.randn(2 * bs, heads, dim)  # tokens 0..7 in engine blocks 2 then 0
+    value = torch.randn(2 * bs, heads, dim)
+    cache = torch.zeros(nb, heads, bs, 2 * dim)
+    slabs = cache.view(nb, heads, 2, bs * dim)
+    for t in range(2 * bs):
+        block, s = (2, 0)[t // bs], t % bs
+        slabs[block, :, 0].view(heads, dim, bs)[:, :, s] = key[t]  # K slab [D, bs]
+        slabs[block, :, 1].view(heads, bs, dim)[:, s] = value[t]  # V slab [bs, D]
+    blocks = gather_blocks([cache], [2, 0], PagedLayout.CPU_SPLIT_KDIM, block_tokens=2 * bs)
+    assert torch.equal(blocks[0, 0, 0], key.transpose(0, 1))
+    assert torch.equal(blocks[0, 1, 0], value.transpose(0, 1))
