@@ -234,7 +234,8 @@ def measure_store(nbytes: int, device: torch.device, reps: int, n_blocks: int,
     spec = _block_spec(nbytes)
     cap = (int(n_blocks / 0.8) + 2) * nbytes
     cfg = StoreConfig(path=workdir / f"store-{nbytes}", hbm_bytes=cap, dram_bytes=cap,
-                      nvme_bytes=0, device=str(device), persist_on_close=False)
+                      nvme_bytes=0, device=str(device), persist_on_close=False,
+                      policy="lru")  # the mechanism alone: every eviction demotes
     blocks = _random_bytes(n_blocks * nbytes, device, seed=7).view(torch.float16).reshape(
         n_blocks, *spec.block_shape)
     checks: dict[str, bool] = {}

@@ -6,7 +6,11 @@ one is read again; from :mod:`policy.cost_model` the time a hit saves in each ti
 * **Value** of a block in tier ``t``: ``E[future reads] × gain(t) / bytes`` where
   ``E[future reads] = p / (1 − p)`` (each read is followed by another with probability ``p``)
   and ``gain(t) = saving(t) − saving(t+1)`` is what leaving the tier costs on each such read
-  (from the last tier, the whole ``saving(t)``).
+  (from the last tier, the whole ``saving(t)``). ``valuation="rate"`` uses the saving per
+  byte-second instead, ``p × gain(t) / (bytes × mean_gap)`` (``mean_gap``: the learned time to
+  the next read for blocks of its class): it closes more of the LRU→Belady gap on the Mooncake
+  trace (17/12/13 % against 10/9/8 % at HBM 400/1000/1500) but loses to LRU on the generated
+  agent and tenants workloads, so it is not the default (bench/RESULTS.md, issue 3 note).
 * **Eviction order**: greedy-dual — each block carries ``H = L_t + value``, stamped when it is
   inserted, read or demoted into ``t``; the candidate with the lowest ``H`` goes first (ties:
   deepest first) and ``L_t`` rises to each victim's ``H``, so blocks not read for a long time
@@ -34,6 +38,7 @@ from policy.reuse import ReuseConfig, ReuseEstimator
 
 _LAST = Tier.NVME  # the slowest tier the cost model ranks against (REMOTE: treated as last)
 _P_MAX = 0.999  # caps E[future reads] at 999
+_MIN_GAP_S = 1e-3  # floor of the mean gap (a class read back within the same instant)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +54,13 @@ class CostPolicyConfig:
     0 by default: the learned ``p`` already depends on the access count, and a larger
     exponent helped shared-prompt traces but hurt agent and chat traces (see the note)."""
 
+    valuation: str = "reads"
+    """``reads`` (saving per byte over all expected future reads, the default) or ``rate``
+    (saving per byte-second; see the module docstring for where each wins)."""
+
     def __post_init__(self) -> None:
+        if self.valuation not in ("rate", "reads"):
+            raise InvalidArgument("CostPolicyConfig.valuation must be 'rate' or 'reads'")
         if not 0.0 <= self.write_cost_weight <= 10.0:
             raise InvalidArgument("CostPolicyConfig.write_cost_weight must be in [0, 10]")
         if not 0.0 <= self.frequency_weight <= 4.0:
@@ -88,8 +99,12 @@ class CostPolicy:
         return reads
 
     def value(self, meta: BlockMeta, tier: Tier) -> float:
-        """Expected seconds lost per byte by evicting the block from ``tier``."""
-        return self.expected_reads(meta) * self.gain(meta, tier) / max(meta.nbytes, 1)
+        """What keeping the block in ``tier`` is worth, per byte (see the module docstring)."""
+        per_byte = self.gain(meta, tier) / max(meta.nbytes, 1)
+        if self.config.valuation == "reads":
+            return self.expected_reads(meta) * per_byte
+        p = min(self.reuse.probability(meta), _P_MAX)
+        return p * per_byte / max(self.reuse.mean_gap(meta), _MIN_GAP_S)
 
     def _stamp(self, meta: BlockMeta, tier: Tier) -> None:
         self._h[meta.key] = self._level[tier] + self.value(meta, tier)

@@ -7,7 +7,7 @@ import pytest
 from kvstore.block import BlockMeta, Tier
 from kvstore.errors import InvalidArgument
 from kvstore.spec import ModelSpec
-from policy.cost import CostPolicy
+from policy.cost import CostPolicy, CostPolicyConfig
 from policy.cost_model import CostModel, CostModelConfig, CostModels
 
 LLAMA = ModelSpec(model="llama-3-8b", revision="0", num_layers=32, num_kv_heads=8, head_dim=128,
@@ -115,3 +115,51 @@ def test_deep_blocks_are_worth_keeping_longer_in_nvme():
     pol.on_insert(deep, 0.0)
     assert pol.value(deep, Tier.NVME) > pol.value(shallow, Tier.NVME)
     assert pol.rank(Tier.NVME, [deep, shallow], 1.0) == [shallow, deep]
+
+
+def _lookup(fp: bytes) -> ModelSpec | None:
+    return LLAMA if fp == LLAMA.fingerprint else None
+
+
+def test_reads_valuation_by_hand():
+    """Default: value = p/(1-p) × gain / bytes; a fresh estimator's prior is p = 1/2."""
+    pol = CostPolicy(_lookup)
+    m = _meta(b"a", 0)
+    assert pol.reuse.probability(m) == pytest.approx(0.5)
+    assert pol.value(m, Tier.DRAM) == pytest.approx(1.0 * pol.gain(m, Tier.DRAM) / LLAMA.block_nbytes)
+
+
+def test_rate_valuation_by_hand():
+    """``rate``: value = p × gain / (bytes × mean_gap); with one observed gap of 10 s and no
+    other history the class's mean gap is (10 + prior 10) / (1 + 1) = 10 s."""
+    pol = CostPolicy(_lookup, CostPolicyConfig(valuation="rate"))
+    m = _meta(b"a", 0)
+    pol.on_insert(m, 0.0)
+    m.access_count = 2
+    pol.on_access(m, 10.0)  # the insert's episode succeeds after 10 s
+    gap = pol.reuse.mean_gap(m)
+    assert gap == pytest.approx(10.0)
+    p = pol.reuse.probability(m)
+    assert pol.value(m, Tier.NVME) == pytest.approx(p * pol.gain(m, Tier.NVME) / LLAMA.block_nbytes / gap)
+
+
+def test_rate_valuation_prefers_blocks_read_back_sooner():
+    """Two classes with the same reuse probability: the one read back sooner is worth more
+    (fast class: read again after 1 s; slow class — partial blocks — after 100 s)."""
+    pol = CostPolicy(_lookup, CostPolicyConfig(valuation="rate"))
+    for i in range(20):
+        for tokens, gap in ((512, 1.0), (100, 100.0)):
+            m = _meta(b"%d-%d" % (tokens, i), 0, tokens=tokens)
+            pol.on_insert(m, 1000.0 * i)
+            m.access_count = 2
+            pol.on_access(m, 1000.0 * i + gap)
+    fast, slow = _meta(b"f", 0), _meta(b"s", 0, tokens=100)
+    assert pol.reuse.probability(fast) == pytest.approx(pol.reuse.probability(slow))
+    # value / (gain per byte) = p / mean_gap: gaps (20 + 50.5) / 21 and (2000 + 50.5) / 21
+    ratio = [pol.value(m, Tier.DRAM) * m.nbytes / pol.gain(m, Tier.DRAM) for m in (fast, slow)]
+    assert ratio[0] / ratio[1] == pytest.approx(2050.5 / 70.5)
+
+
+def test_unknown_valuation_is_rejected():
+    with pytest.raises(InvalidArgument, match="valuation"):
+        CostPolicyConfig(valuation="bogus")

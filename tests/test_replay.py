@@ -167,3 +167,18 @@ def test_cli_replay_writes_json(tmp_path):
     assert "net saved time" in res.stdout
     bad = CliRunner().invoke(app, ["replay", str(path), "--hbm-blocks", "50", "--policy", "nope"])
     assert bad.exit_code == 2
+
+
+def test_oracle_reuse_reference_by_hand():
+    """``bench.replay_ceiling``'s reference knows only *whether* a block comes back.
+    HBM 2 blocks, requests 1, 2, 9, 1, 2: 9 is never read again.
+      LRU:          {1,2}; 9 evicts 1 {2,9}; 1 evicts 2 {9,1}; 2 evicts 9 {1,2}  -> 0 hits
+      oracle-reuse: 9 evicts 1 (LRU: both come back) {2,9}; 1 evicts 9 (never read
+                    again) {2,1}; 2 HIT                                          -> 1 hit"""
+    from bench.replay_ceiling import OracleReuseLRU
+
+    trace = [req(0, 1), req(1, 2), req(2, 9), req(3, 1), req(4, 2)]
+    cfg = ReplayConfig(hbm_blocks=2, dram_blocks=0, nvme_blocks=0, spec=SPEC, costs=COSTS)
+    assert run_replay(trace, cfg, make_replay_policy("lru", cfg)).block_hits_by_tier["hbm"] == 0
+    r = run_replay(trace, cfg, OracleReuseLRU(), check_invariants=True)
+    assert r.block_hits_by_tier["hbm"] == 1 and r.net_saved_s == pytest.approx(REC)

@@ -135,7 +135,7 @@ def test_failed_put_rolls_back_the_blocks_it_inserted(open_store, spec):
 
 def test_eviction_is_lru_leaf_first_and_demotes(open_store, spec, clock):
     s = open_store(spec, hbm_blocks=4, dram_blocks=4, nvme_blocks=32,
-                   high_watermark=1.0, low_watermark=1.0)
+                   high_watermark=1.0, low_watermark=1.0, policy="lru")
     old = s.block_keys("a", spec, tokens(2, spec, start=0))
     new = s.block_keys("a", spec, tokens(2, spec, start=1000))
     s.put("a", spec, old, make_kv(spec, 2))
@@ -151,6 +151,22 @@ def test_eviction_is_lru_leaf_first_and_demotes(open_store, spec, clock):
     # promotion on hit brings the old prefix back up, bit-exact
     assert torch.equal(s.get("a", spec, old), make_kv(spec, 2))
     assert s.lookup("a", spec, old).tiers == ["hbm", "hbm"]
+
+
+def test_default_policy_is_cost_and_demotes_what_is_worth_keeping(open_store, spec, clock):
+    s = open_store(spec, hbm_blocks=4, dram_blocks=4, nvme_blocks=32,
+                   high_watermark=1.0, low_watermark=1.0)
+    assert s.config.policy == "cost"
+    chains = [s.block_keys("a", spec, tokens(2, spec, start=1000 * i)) for i in range(4)]
+    for i, keys in enumerate(chains):
+        s.put("a", spec, keys, make_kv(spec, 2, seed=i))
+        clock.advance(1)
+    # 8 blocks, 4 fit in HBM: the other 4 went down a tier instead of being dropped
+    tiers = [t for keys in chains for t in s.lookup("a", spec, keys).tiers]
+    assert len(tiers) == 8 and tiers.count("hbm") == 4 and tiers.count("dram") == 4
+    assert s.stats()["demotions"] >= 4
+    for i, keys in enumerate(chains):
+        assert torch.equal(s.get("a", spec, keys), make_kv(spec, 2, seed=i))
 
 
 def test_ttl_expiry_with_injected_clock(open_store, spec, clock):
