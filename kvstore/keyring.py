@@ -12,6 +12,9 @@ Primitives and what each guarantees:
   (AES-256-GCM under the master key, the tenant name as associated data, so a wrapped key cannot
   be moved to another tenant) in a caller-supplied ``MutableMapping[str, bytes]`` (the NVMe tier
   supplies an LMDB-backed one; tests use a dict), and cached unwrapped in memory.
+  With ``cache_ttl_s`` a cached key is re-read from the backend once it is that old, so when
+  the backend is shared (the remote tier's Redis) a key another server destroyed stops being
+  used here within ``cache_ttl_s`` (injected ``clock``).
   :meth:`Keyring.destroy` deletes the wrapped key and the cached copy: every value encrypted
   under it becomes unreadable (crypto-shredding), and ``data_key(tenant, create=False)`` then
   raises :class:`~kvstore.errors.KeyUnavailable`.
@@ -32,6 +35,7 @@ import binascii
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 
@@ -187,11 +191,17 @@ class Keyring:
         backend: MutableMapping[str, bytes],
         *,
         random_bytes: RandomBytes = os.urandom,
+        cache_ttl_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if cache_ttl_s is not None and not cache_ttl_s > 0:
+            raise InvalidArgument(f"Keyring(cache_ttl_s) must be positive or None, got {cache_ttl_s!r}")
         self._wrapper = AESGCM(_check_key(master_key, "Keyring(master_key)"))
         self._backend = backend
         self._random = random_bytes
-        self._cache: dict[str, bytes] = {}
+        self._ttl = cache_ttl_s
+        self._clock = clock
+        self._cache: dict[str, tuple[bytes, float]] = {}  # tenant -> (key, when it was read)
         self._lock = threading.Lock()
         with self._lock:
             check = self._backend.get(_CHECK_NAME)
@@ -229,9 +239,11 @@ class Keyring:
         """
         tenant = _check_tenant(tenant)
         with self._lock:
-            key = self._cache.get(tenant)
-            if key is not None:
-                return key
+            now = self._clock()
+            hit = self._cache.get(tenant)
+            if hit is not None and (self._ttl is None or now - hit[1] < self._ttl):
+                return hit[0]
+            self._cache.pop(tenant, None)
             wrapped = self._backend.get(tenant)
             if wrapped is not None:
                 key = self._unwrap(tenant, wrapped)
@@ -240,7 +252,7 @@ class Keyring:
             else:
                 key = _check_key(self._random(KEY_BYTES), "the random generator")
                 self._backend[tenant] = self._wrap(tenant, key)
-            self._cache[tenant] = key
+            self._cache[tenant] = (key, now)
             return key
 
     def destroy(self, tenant: str) -> bool:
@@ -256,7 +268,7 @@ class Keyring:
     def tenants(self) -> list[str]:
         """Sorted names of tenants that hold a data key."""
         with self._lock:
-            return sorted(name for name in self._backend.keys() if name != _CHECK_NAME)
+            return sorted(name for name in self._backend if name != _CHECK_NAME)
 
 
 __all__ = ["DEFAULT_ENV_VAR", "KEY_BYTES", "Keyring", "load_master_key"]

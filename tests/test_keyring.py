@@ -181,3 +181,24 @@ def test_concurrent_first_use_yields_one_key() -> None:
     for t in threads:
         t.join()
     assert len(got) == 8 and len(set(got)) == 1
+
+
+def test_cached_keys_are_revalidated_after_the_cache_ttl() -> None:
+    """Two keyrings over one backend (as two servers over one Redis): a key destroyed by one
+    stops being served by the other once its cached copy is older than ``cache_ttl_s``."""
+    now = [0.0]
+    backend: dict[str, bytes] = {}
+    a = Keyring(K1, backend)
+    b = Keyring(K1, backend, cache_ttl_s=5.0, clock=lambda: now[0])
+    key = a.data_key("t")
+    assert b.data_key("t", create=False) == key
+    a.destroy("t")
+    now[0] = 4.9
+    assert b.data_key("t", create=False) == key  # still inside the TTL
+    now[0] = 5.0
+    with pytest.raises(KeyUnavailable):
+        b.data_key("t", create=False)
+    fresh = a.data_key("t")  # re-created elsewhere: picked up on the next read
+    assert b.data_key("t", create=False) == fresh != key
+    with pytest.raises(InvalidArgument, match="cache_ttl_s"):
+        Keyring(K1, {}, cache_ttl_s=0)

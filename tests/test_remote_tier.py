@@ -407,3 +407,31 @@ def test_keyring_creation_race_resolves_to_the_first_key(make, raw: redis.Redis)
     o = out()
     assert a.get_into(ref(2, "fresh"), o) and np.array_equal(o, block(2))
     assert b.get_into(ref(1, "fresh"), o) and np.array_equal(o, block(1))
+
+
+def test_deleted_tenant_key_expires_on_other_nodes(url: str, raw: redis.Redis) -> None:
+    """Server B keeps a cached copy of a tenant's data key; after server A deletes the tenant,
+    B stops decrypting with it once the copy is ``key_cache_ttl_s`` old."""
+    ns = f"test-{uuid.uuid4().hex[:12]}"
+    mono = Clock(0.0)
+    cfg = RemoteConfig(urls=[url], namespace=ns, key_cache_ttl_s=30.0)
+    a = RemoteTier.open(cfg, MASTER, monotonic=mono)
+    b = RemoteTier.open(cfg, MASTER, monotonic=mono)
+    try:
+        assert a.put(ref(1, "gone"), block(1))
+        o = out()
+        assert b.get_into(ref(1, "gone"), o) and np.array_equal(o, block(1))  # B caches the key
+        straggler = raw.get(a.redis_key(ref(1, "gone")))
+        assert a.delete_tenant("gone") == 1
+        raw.set(a.redis_key(ref(1, "gone")), straggler)  # a copy that survived somewhere
+        mono.t = 10.0  # within the TTL B still trusts its copy: the documented window
+        assert b.get_into(ref(1, "gone"), out())
+        mono.t = 31.0
+        o = out()
+        assert not b.get_into(ref(1, "gone"), o) and not o.any()
+        assert b.metrics()["key_unavailable"] == 1
+    finally:
+        a.close()
+        b.close()
+        for k in raw.scan_iter(match=f"{ns}:*", count=1000):
+            raw.unlink(k)

@@ -216,7 +216,8 @@ class RemoteTier:
         keyring = None
         try:
             if config.encrypt:
-                keyring = Keyring(master_key, RedisKeyBackend(client, config.namespace))
+                keyring = Keyring(master_key, RedisKeyBackend(client, config.namespace),
+                                  cache_ttl_s=config.key_cache_ttl_s, clock=monotonic)
         except FAULTS as exc:
             client.close()
             raise FailedPrecondition(f"remote tier unreachable at open: {exc}") from None

@@ -103,6 +103,11 @@ class RemoteConfig(BaseModel):
     encrypt: bool = True
     """AES-256-GCM with the tenant's data key (the Redis operator cannot read prompts)."""
 
+    key_cache_ttl_s: Annotated[float, Field(gt=0, le=86400)] = 30.0
+    """How long a server trusts its cached copy of a tenant's data key before re-reading the
+    shared wrapped key from Redis: after another server deletes the tenant, this one stops
+    encrypting or decrypting with the destroyed key within this time."""
+
     compression_level: Annotated[int, Field(ge=0, le=22)] = 0
     """zstd level of the value codec; 0 = off. Off is fastest on loopback or fast networks;
     level 1 pays for bf16 blocks (ratio ~1.45) on links slower than ~1.5 GB/s."""
