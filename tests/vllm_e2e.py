@@ -95,22 +95,20 @@ def check_cpu_layout() -> dict[str, bool]:
     slab = cache.view(nb, KV_HEADS, 2, BLOCK * HEAD_DIM)
     vec_k = slab[:, :, 0].view(nb, KV_HEADS, HEAD_DIM, BLOCK).permute(0, 3, 1, 2)[slots // BLOCK, slots % BLOCK]
     vec_v = slab[:, :, 1].view(nb, KV_HEADS, BLOCK, HEAD_DIM).permute(0, 2, 1, 3)[slots // BLOCK, slots % BLOCK]
-    # the connector's own path: canonical view -> kernels.paged gather -> K fix-up, and back
+    # the connector's own path: the raw cache in the layout it picks for this ISA -> gather, and back
     from kernels.paged import PagedLayout, gather_layer, scatter_layer
-    from kvstore.integrations.vllm import k_to_dim_major, k_to_token_major
+    from kvstore.integrations.vllm import _K_DIM_MAJOR_ISAS
 
+    isa = _get_attn_isa(torch.float32, BLOCK, HEAD_DIM)
+    layout = PagedLayout.CPU_SPLIT_KDIM if str(isa) in _K_DIM_MAJOR_ISAS else PagedLayout.CPU_SPLIT
     table = [2, 1]
     out = torch.empty(2, 2, KV_HEADS, BLOCK, HEAD_DIM)
-    gather_layer(canon, table, PagedLayout.BLOCKS_FIRST, out)
-    k_to_token_major(out.unsqueeze(2))
+    gather_layer(cache, table, layout, out)
     want = torch.zeros(2, 2, KV_HEADS, BLOCK, HEAD_DIM)  # block 2 = tokens 0..31, block 1 = 32..39
     want[0, 0], want[0, 1] = key[:BLOCK].transpose(0, 1), value[:BLOCK].transpose(0, 1)
     want[1, 0, :, : ntok - BLOCK], want[1, 1, :, : ntok - BLOCK] = key[BLOCK:].transpose(0, 1), value[BLOCK:].transpose(0, 1)
     back = torch.zeros_like(cache)
-    native = out.clone()
-    k_to_dim_major(native.unsqueeze(2))
-    scatter_layer(native, back.view(nb, KV_HEADS, 2, BLOCK, HEAD_DIM).permute(0, 2, 3, 1, 4), table,
-                  PagedLayout.BLOCKS_FIRST)
+    scatter_layer(out, back, table, layout)
     return {"isa": _get_attn_isa(torch.float32, BLOCK, HEAD_DIM),
             "connector_reads_canonical": bool(torch.equal(out, want)),
             "connector_writes_kernel_order": bool(torch.equal(back, cache)),

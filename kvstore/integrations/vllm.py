@@ -21,12 +21,12 @@ Contracts:
   block ids): the worker never computes keys.
 * **Blocks.** One kvstore block = one vLLM block (``block_tokens`` = vLLM's ``block_size``),
   all layers of this worker's shard, shaped ``[2, L, H, T, D]`` (:func:`spec_for` gives the
-  spec). Each layer's cache is viewed as ``[num_blocks, 2, bs, H, D]`` (the K/V halves of a
-  block as vLLM's CPU backend splits them) and moved with :mod:`kernels.paged`. The order
-  inside a ``(K|V, head)`` slab is the CPU kernel's and depends on its ISA: for ``vec`` (K
-  dim-major ``[D, bs]``, V token-major) K is transposed to the canonical ``[T, D]`` after a
-  gather and back before a scatter (:func:`k_to_token_major`); other ISAs keep the engine's
-  bytes under the layout tag ``vllm-cpu-<isa>`` (part of the fingerprint), so such blocks
+  spec). Each layer's cache is moved as vLLM allocated it by :mod:`kernels.paged`, in its
+  layout (``BLOCKS_FIRST``/``KV_FIRST`` on GPU; on CPU ``CPU_SPLIT``: ``[nb, H, bs, 2D]`` written
+  as a K slab then a V slab per block and head). The order inside a CPU slab is the kernel's and
+  depends on its ISA: for ``vec`` (K dim-major ``[D, bs]``, V token-major) the gather/scatter
+  kernel itself reads K as ``[D, bs]`` (``CPU_SPLIT_KDIM``), so stored blocks are canonical
+  with no transposing pass; other ISAs keep the engine's bytes under the layout tag ``vllm-cpu-<isa>`` (part of the fingerprint), so such blocks
   round-trip exactly but never mix with canonical ones. Keys are the server-computed chained keys of the prompt's
   full blocks (the tenant namespace is applied by the server), so a block is only ever reused
   after the same prefix.
@@ -71,8 +71,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-__all__ = ["KVStoreConnector", "KVStoreConnectorMetadata", "Transfer", "cpu_isa", "k_to_dim_major",
-           "k_to_token_major", "make_spec", "spec_for"]
+__all__ = ["KVStoreConnector", "KVStoreConnectorMetadata", "Transfer", "cpu_isa", "make_spec",
+           "spec_for"]
 
 log = logging.getLogger(__name__)
 
@@ -128,20 +128,6 @@ def _layout_tag(dtype: torch.dtype, block_size: int, head_size: int, cache_dtype
     return "vllm" if isa is None or isa in _K_DIM_MAJOR_ISAS else f"vllm-cpu-{isa}"
 
 
-def k_to_token_major(blocks: torch.Tensor) -> None:
-    """In place, on gathered blocks ``[n, 2, L, H, T, D]``: K slabs holding ``[D, T]`` bytes
-    become canonical ``[T, D]``."""
-    k = blocks[:, 0]
-    n, layers, heads, tokens, dim = k.shape
-    k.copy_(k.reshape(n, layers, heads, dim, tokens).transpose(-1, -2).clone())
-
-
-def k_to_dim_major(blocks: torch.Tensor) -> None:
-    """Inverse of :func:`k_to_token_major` (before a scatter)."""
-    k = blocks[:, 0]
-    k.copy_(k.transpose(-1, -2).contiguous().view(k.shape))
-
-
 @dataclass(slots=True)
 class Transfer:
     """Blocks of one request to move this step: ``keys[i]`` <-> engine block ``block_ids[i]``;
@@ -195,7 +181,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         # worker side
-        self._layers: list[torch.Tensor] = []  # canonical BLOCKS_FIRST views, in layer order
+        self._layers: list[torch.Tensor] = []  # the engine's caches, in layer order
+        self._layout = PagedLayout.BLOCKS_FIRST  # theirs (set by register_kv_caches)
         self._layer_pos: dict[str, int] = {}
         self._staged: list[tuple[Transfer, torch.Tensor, set[int]]] = []
         self._load_errors: set[int] = set()
@@ -304,26 +291,30 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     # == worker side ==============================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Keep a canonical ``[num_blocks, 2, bs, H, D]`` view of each layer, in layer order."""
+        """Keep each layer's cache as vLLM allocated it, in layer order, with its paged layout."""
         from vllm.model_executor.models.utils import extract_layer_index
 
         names = sorted(kv_caches, key=extract_layer_index)
         if len(names) != self._spec.num_layers:
             raise ShapeMismatch(f"kvstore connector: {len(names)} KV layers, spec has {self._spec.num_layers}")
-        self._layers = [self._canonical(kv_caches[n]) for n in names]
+        layouts = {self._layout_of(kv_caches[n]) for n in names}
+        if len(layouts) != 1:
+            raise ShapeMismatch(f"kvstore connector: layers use different KV layouts {sorted(layouts)}")
+        self._layout = layouts.pop()
+        self._layers = [kv_caches[n] for n in names]
         self._layer_pos = {n: i for i, n in enumerate(names)}
 
-    def _canonical(self, cache: torch.Tensor) -> torch.Tensor:
+    def _layout_of(self, cache: torch.Tensor) -> PagedLayout:
         s, bs = self._spec, self._block_size
         h, d = s.num_kv_heads, s.head_dim
         if cache.dim() == 4 and tuple(cache.shape[1:]) == (h, bs, 2 * d):
-            # vLLM CPU: [nb, H, bs, 2D] is read as [nb, H, 2*bs, D] and split in K | V on dim 2
-            # (the order inside each K or V slab is the kernel's; see the module docstring)
-            return cache.view(cache.shape[0], h, 2, bs, d).permute(0, 2, 3, 1, 4)
+            # vLLM CPU: [nb, H, bs, 2D] written as [nb, H, 2, bs, D] (K slab | V slab); the
+            # ``vec`` ISA keeps K dim-major, which the kernel turns canonical as it gathers
+            return PagedLayout.CPU_SPLIT_KDIM if self._k_dim_major else PagedLayout.CPU_SPLIT
         if cache.dim() == 5 and tuple(cache.shape[1:]) == (2, bs, h, d):
-            return cache
+            return PagedLayout.BLOCKS_FIRST
         if cache.dim() == 5 and cache.shape[0] == 2 and tuple(cache.shape[2:]) == (bs, h, d):
-            return cache.transpose(0, 1)
+            return PagedLayout.KV_FIRST
         raise ShapeMismatch(f"kvstore connector: unknown KV cache layout {tuple(cache.shape)} "
                             f"(block_size {bs}, {h} heads, head_dim {d})")
 
@@ -338,10 +329,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 log.warning("kvstore load failed for %s: %s", t.req_id, exc)
                 blocks = None
             n = 0 if blocks is None else blocks.shape[0]
-            if n and self._k_dim_major:
-                k_to_dim_major(blocks)
             if n:
-                scatter_blocks(blocks, self._layers, t.block_ids[:n], PagedLayout.BLOCKS_FIRST)
+                scatter_blocks(blocks, self._layers, t.block_ids[:n], self._layout)
             if n < len(t.keys):
                 self._load_errors.update(t.block_ids[n:])
 
@@ -354,7 +343,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if pos is None:
             return
         for t, buf, seen in self._staging():
-            gather_layer(self._layers[pos], t.block_ids, PagedLayout.BLOCKS_FIRST, buf[:, :, pos])
+            gather_layer(self._layers[pos], t.block_ids, self._layout, buf[:, :, pos])
             seen.add(pos)
 
     def _staging(self) -> list[tuple[Transfer, torch.Tensor, set[int]]]:
@@ -372,9 +361,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._staged = []
         for t, buf, seen in staged:
             for pos in set(range(len(self._layers))) - seen:
-                gather_layer(self._layers[pos], t.block_ids, PagedLayout.BLOCKS_FIRST, buf[:, :, pos])
-            if self._k_dim_major:
-                k_to_token_major(buf)
+                gather_layer(self._layers[pos], t.block_ids, self._layout, buf[:, :, pos])
             try:
                 self._client().put(self._spec, t.keys, buf, parent=t.parent, namespace=self._namespace)
             except KVStoreError as exc:
