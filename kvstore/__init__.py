@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Store", "StoreConfig", "ModelSpec", "Tier", "SessionState", "LookupResult"]
+__all__ = ["LookupResult", "ModelSpec", "SessionState", "Store", "StoreConfig", "Tier"]
 __version__ = "0.1.0"
 
 _LAZY = {

@@ -95,8 +95,12 @@ def _byte_chat_model(why: str) -> ChatModel:
 
 def _smollm2_chat_model() -> ChatModel:
     """SmolLM2-135M-Instruct via ``kvstore.integrations.smollm2``; raises ImportError / ModelUnavailable."""
-    from kvstore.integrations.smollm2 import MODEL_ID, chat_ids, load_smollm2
-    from kvstore.integrations.smollm2 import ensure_smollm2
+    from kvstore.integrations.smollm2 import (
+        MODEL_ID,
+        chat_ids,
+        ensure_smollm2,
+        load_smollm2,
+    )
 
     model, tokenizer = load_smollm2(ensure_smollm2())
     return ChatModel(MODEL_ID, model, lambda msgs: chat_ids(tokenizer, msgs),

@@ -27,10 +27,10 @@ there on first start and the server prints the admin token once.
 from __future__ import annotations
 
 import os
-import tomllib
 from pathlib import Path
 from typing import Annotated, Any
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvstore.config import StoreConfig

@@ -4,6 +4,6 @@
 returns decisions. The Store owns the metadata and the mechanism; a policy only ranks and decides.
 """
 
-from policy.base import EvictionPolicy, make_policy, POLICIES
+from policy.base import POLICIES, EvictionPolicy, make_policy
 
-__all__ = ["EvictionPolicy", "make_policy", "POLICIES"]
+__all__ = ["POLICIES", "EvictionPolicy", "make_policy"]
