@@ -82,7 +82,7 @@ class StoreConfig(BaseModel):
     (cross-server sharing at once). Remote writes are asynchronous (bounded queue)."""
 
     nvme_quantization: str = "none"
-    """Default format of blocks written to NVMe: ``"none"`` = lossless (default), ``"int8"`` or
+    """Default format of blocks written to NVMe and the remote tier: ``"none"`` = lossless (default), ``"int8"`` or
     ``"fp8_e4m3"`` (per-channel key scales; add ``"/head"`` for per-head). Lossy: see the README
     for the measured error. Per tenant: ``Store.set_tenant_policy(quantization=)``; per model:
     ``Store.set_model_quantization``."""

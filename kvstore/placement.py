@@ -264,12 +264,15 @@ class Placement:
         return host
 
     def spill_remote(self, meta: BlockMeta) -> bool:
-        """Queue a copy of ``meta`` to the remote tier (asynchronous; False when refused)."""
+        """Queue a copy of ``meta`` to the remote tier (asynchronous; False when refused),
+        quantized when the tenant's or model's rule says so (as for NVMe)."""
         assert self.remote is not None
         host = self.host_copy(meta)
         if host is None:
             return False
-        ok = self.remote.submit(self.ref(meta), host, ttl_deadline=meta.ttl_deadline)
+        ref = self.ref(meta)
+        ok = self.remote.submit(ref, host, ttl_deadline=meta.ttl_deadline,
+                                quant=self.quant_policy.for_block(ref.tenant, ref.spec))
         self.counters.add("demotions_remote" if ok else "remote_queue_full")
         return ok
 

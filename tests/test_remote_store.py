@@ -109,3 +109,39 @@ def test_remote_delete_and_purge(tmp_path: Path, redis_ns) -> None:
         assert s.lookup("acme", SPEC, keys).num_blocks == 0
     finally:
         s.close()
+
+
+def test_quantization_rules_apply_to_remote_copies(tmp_path: Path, redis_ns) -> None:
+    """A tenant whose rule says int8 has its remote copies stored int8 (smaller), and another
+    server restores them dequantized within the documented bound; other tenants stay exact."""
+    from kernels.quant import QuantScheme, error_bound, quantize
+
+    url, ns = redis_ns
+    remote = RemoteConfig(urls=[url], namespace=ns)
+    n = SPEC.block_nbytes
+
+    def server(name: str) -> Store:
+        return Store.open(StoreConfig(path=tmp_path / name, hbm_bytes=16 * n, dram_bytes=0,
+                                      nvme_bytes=0, master_key=MASTER, remote=remote,
+                                      remote_write="through"))
+
+    a, b = server("a"), server("b")
+    try:
+        a.set_tenant_policy("lossy", quantization="int8")
+        tokens = list(range(4 * SPEC.block_tokens))
+        kv = torch.randn((4, *SPEC.block_shape),
+                         generator=torch.Generator().manual_seed(3)).to(SPEC.torch_dtype)
+        stored = []
+        for tenant in ("exact", "lossy"):
+            a.put(tenant, SPEC, a.block_keys(tenant, SPEC, tokens), kv)
+            a.flush()
+            stored.append(a._remote.metrics()["put_stored_bytes"] - sum(stored))
+        assert stored[1] < 0.9 * stored[0]  # the int8 copies are smaller
+        assert torch.equal(b.get("exact", SPEC, b.block_keys("exact", SPEC, tokens)), kv)
+        lossy = b.get("lossy", SPEC, b.block_keys("lossy", SPEC, tokens))
+        assert lossy.shape == kv.shape and not torch.equal(lossy, kv)
+        bound = error_bound(kv.float(), quantize(kv.float(), QuantScheme.INT8))
+        assert torch.all((lossy.float() - kv.float()).abs() <= bound + kv.float().abs() * 2**-10 + 1e-6)
+    finally:
+        a.close()
+        b.close()

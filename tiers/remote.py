@@ -54,6 +54,7 @@ from kvstore.block import Tier
 from kvstore.codec import Codec, CodecConfig, tenant_hash
 from kvstore.errors import FailedPrecondition, IntegrityError, KeyUnavailable
 from kvstore.keyring import Keyring
+from kvstore.quantization import QuantArg
 from tiers.base import BlockRef, TierUsage, as_bytes_view
 from tiers.remote_config import RemoteConfig
 
@@ -199,7 +200,7 @@ class RemoteTier:
         self._put_scratch = np.empty(0, dtype=np.uint8)
         # asynchronous demotion: a bounded deque drained by one writer thread
         self._cond = threading.Condition()
-        self._queue: deque[tuple[BlockRef, np.ndarray, float | None, int]] = deque()
+        self._queue: deque[tuple[BlockRef, np.ndarray, float | None, int, QuantArg]] = deque()
         self._queued_bytes = 0
         self._pending = 0
         self._closed = False
@@ -392,7 +393,7 @@ class RemoteTier:
             self._keyring.data_key(tenant, create=True)
 
     def _put_with(self, scratch: np.ndarray, ref: BlockRef, data: np.ndarray,
-                  deadline: float | None) -> tuple[bool, np.ndarray]:
+                  deadline: float | None, quant: QuantArg = None) -> tuple[bool, np.ndarray]:
         px, local_deadline = self._px(deadline)
         if px == 0:
             self._count("put_expired")
@@ -405,7 +406,7 @@ class RemoteTier:
             need = self.codec.max_encoded_nbytes(ref.spec)
             if scratch.shape[0] < need:
                 scratch = np.empty(need, dtype=np.uint8)
-            n = self.codec.encode_into(ref.tenant, ref.key, ref.spec, data, scratch)
+            n = self.codec.encode_into(ref.tenant, ref.key, ref.spec, data, scratch, quant=quant)
         except FAULTS + (FailedPrecondition,) as exc:  # keyring unreachable or unusable
             self._count("put_failures")
             self._count("key_errors" if isinstance(exc, FailedPrecondition) else "faults")
@@ -422,14 +423,17 @@ class RemoteTier:
         self._count("put_stored_bytes", n)
         return True, scratch
 
-    def put(self, ref: BlockRef, data: Any, *, ttl_deadline: float | None = None) -> bool:
-        """Encode and store synchronously; False on a fault, a full tier or a past deadline."""
+    def put(self, ref: BlockRef, data: Any, *, ttl_deadline: float | None = None,
+            quant: QuantArg = None) -> bool:
+        """Encode and store synchronously; False on a fault, a full tier or a past deadline.
+        ``quant``: store a quantized copy (the codec's formats; a get returns it dequantized)."""
         view = as_bytes_view(data)
         with self._put_lock:
-            ok, self._put_scratch = self._put_with(self._put_scratch, ref, view, ttl_deadline)
+            ok, self._put_scratch = self._put_with(self._put_scratch, ref, view, ttl_deadline, quant)
         return ok
 
-    def submit(self, ref: BlockRef, data: Any, *, ttl_deadline: float | None = None) -> bool:
+    def submit(self, ref: BlockRef, data: Any, *, ttl_deadline: float | None = None,
+               quant: QuantArg = None) -> bool:
         """Queue an asynchronous put; False (nothing queued) when the queue is full or closed.
         ``data`` (a buffer of ``ref.nbytes``) is owned by the tier from now on."""
         view = as_bytes_view(data)
@@ -440,7 +444,7 @@ class RemoteTier:
                     self._counts["queue_rejected"] += 1
                 return False
             epoch = self._epochs.get(ref.tenant, 0)
-            self._queue.append((ref, view, ttl_deadline, epoch))
+            self._queue.append((ref, view, ttl_deadline, epoch, quant))
             self._queued_bytes += ref.nbytes
             self._pending += 1
             self._cond.notify_all()
@@ -455,12 +459,12 @@ class RemoteTier:
                     self._cond.wait()
                 if not self._queue:
                     return
-                ref, data, deadline, epoch = self._queue.popleft()
+                ref, data, deadline, epoch, quant = self._queue.popleft()
             try:
                 if self._epochs.get(ref.tenant, 0) != epoch:
                     self._count("queue_dropped")  # the tenant was deleted meanwhile
                 else:
-                    ok, scratch = self._put_with(scratch, ref, data, deadline)
+                    ok, scratch = self._put_with(scratch, ref, data, deadline, quant)
                     self._count("queue_written" if ok else "queue_failed")
             except Exception:  # noqa: BLE001 - NOTE: counted; the writer must outlive any item
                 self._count("queue_failed")
