@@ -47,28 +47,28 @@ def _flat_bytes(src: torch.Tensor, itemsize: int, out: torch.Tensor | None) -> t
 def shuffle_tensor(src: torch.Tensor, itemsize: int, out: torch.Tensor | None = None, *,
                    backend: Backend = "auto") -> torch.Tensor:
     """Split ``src``'s bytes into ``itemsize`` planes (see the module docstring)."""
-    flat, out = _flat_bytes(src, itemsize, out)
-    if use_triton(backend, flat, out):
-        from kernels import triton_shuffle
-
-        triton_shuffle.run(flat, itemsize, out, unshuffle=False)
-    else:
-        n = flat.numel() // itemsize
-        out.view(itemsize, n).copy_(flat.view(n, itemsize).t())
-    return out
+    return _move(src, itemsize, out, backend, unshuffle=False)
 
 
 def unshuffle_tensor(src: torch.Tensor, itemsize: int, out: torch.Tensor | None = None, *,
                      backend: Backend = "auto") -> torch.Tensor:
     """Interleave ``itemsize`` consecutive byte planes of ``src`` back into items."""
+    return _move(src, itemsize, out, backend, unshuffle=True)
+
+
+def _move(src: torch.Tensor, itemsize: int, out: torch.Tensor | None, backend: Backend,
+          unshuffle: bool) -> torch.Tensor:
     flat, out = _flat_bytes(src, itemsize, out)
     if use_triton(backend, flat, out):
         from kernels import triton_shuffle
 
-        triton_shuffle.run(flat, itemsize, out, unshuffle=True)
-    else:
-        n = flat.numel() // itemsize
+        triton_shuffle.run(flat, itemsize, out, unshuffle=unshuffle)
+        return out
+    n = flat.numel() // itemsize  # items viewed [n, itemsize] = planes viewed [itemsize, n].T
+    if unshuffle:
         out.view(n, itemsize).copy_(flat.view(itemsize, n).t())
+    else:
+        out.view(itemsize, n).copy_(flat.view(n, itemsize).t())
     return out
 
 
