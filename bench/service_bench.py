@@ -6,7 +6,8 @@ For 2 MiB and 32 MiB blocks, GB/s (median of repeats) of:
   (a') shm-staged — same plane, an ordinary tensor staged through the region (two copies)
   (b) stream  — kvstore client, in-band gRPC stream (chunked, checksummed)
   (c) memcpy  — numpy copy of the same bytes into a preallocated buffer
-  (d) grpc    — a bare grpcio client/server stream of the same raw bytes, same chunking, no kvstore
+  (d) grpc    — a bare grpcio client/server stream of the same raw bytes, same chunking (the
+                client's ``chunk_bytes``, ``--chunk-kib``) both ways, no kvstore logic
   (e) redis   — redis-py SET/GET of the same bytes on 127.0.0.1:6379 (skipped when unreachable)
 
 (memcpy's "get" copies the bytes back). Every method runs once per repeat, interleaved with
@@ -15,7 +16,7 @@ latency of a 128K-token prompt (8,192 blocks of 16 tokens, keys sent by the clie
 same lookup on an in-process Store, and the per-chunk costs of the stream (xxh3, framing).
 Servers run in child processes (one core each side on a 2-core machine).
 
-    python bench/service_bench.py [--repeats 5] [--sizes 2,32] [--out bench/results/service.json]
+    python bench/service_bench.py [--repeats 5] [--sizes 2,32] [--chunk-kib N] [--out bench/results/service.json]
 
 Prints one JSON document.
 """
@@ -43,7 +44,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 MiB = 1 << 20
-CHUNK = 4 * MiB - 4096
 
 
 def _spec(block_mib: int):
@@ -86,14 +86,14 @@ def _raw_server_main(port_file: str) -> None:
     import grpc
 
     ident = lambda b: b  # noqa: E731
-    payload: dict[int, list[bytes]] = {}
+    payload: dict[tuple[int, int, int], list[bytes]] = {}
 
-    def chunks_of(nbytes: int) -> list[bytes]:
+    def chunks_of(nbytes: int, count: int, chunk: int) -> list[bytes]:
         # NOTE: not payload.setdefault(nbytes, [urandom...]): that would draw fresh random bytes
         # on every call and time os.urandom instead of grpc
-        if nbytes not in payload:
-            payload[nbytes] = [os.urandom(min(CHUNK, nbytes - o)) for o in range(0, nbytes, CHUNK)]
-        return payload[nbytes]
+        if (nbytes, count, chunk) not in payload:
+            payload[nbytes, count, chunk] = _blocks_as_messages(nbytes, count, chunk)
+        return payload[nbytes, count, chunk]
 
     def sink(it, ctx):
         n = 0
@@ -102,10 +102,8 @@ def _raw_server_main(port_file: str) -> None:
         return str(n).encode()
 
     def source(req, ctx):
-        nbytes, count = map(int, req.decode().split(","))
-        chunks = chunks_of(nbytes)
-        for _ in range(count):
-            yield from chunks
+        nbytes, count, chunk = map(int, req.decode().split(","))
+        yield from chunks_of(nbytes, count, chunk)
 
     handler = grpc.method_handlers_generic_handler("raw.Raw", {
         "Sink": grpc.stream_unary_rpc_method_handler(sink, request_deserializer=ident, response_serializer=ident),
@@ -128,7 +126,18 @@ def _raw_server_main(port_file: str) -> None:
 Round = Callable[[], tuple[float, float]]
 
 
-def raw_grpc_round(stack: ExitStack, port: int, nbytes: int, count: int) -> Round:
+def _blocks_as_messages(nbytes: int, count: int, chunk: int) -> list[bytes]:
+    """``count`` distinct random blocks of ``nbytes``, each cut into ``chunk``-byte messages as
+    the kvstore client cuts a block. NOTE: distinct blocks, not one block sent ``count`` times:
+    the in-band stream moves ``count * nbytes`` distinct bytes through memory, and one block
+    repeated would stay in cache (2 MiB fits in L2) and flatter the baseline."""
+    blocks = [os.urandom(nbytes) for _ in range(count)]
+    return [b[o : o + chunk] for b in blocks for o in range(0, nbytes, chunk)]
+
+
+def raw_grpc_round(stack: ExitStack, port: int, nbytes: int, count: int, chunk: int) -> Round:
+    """Bare grpcio, same process layout and message sizes as the in-band stream: a client
+    stream of ``count`` blocks of ``nbytes`` in ``chunk``-byte messages, and the same back."""
     import grpc
 
     ident = lambda b: b  # noqa: E731
@@ -136,13 +145,13 @@ def raw_grpc_round(stack: ExitStack, port: int, nbytes: int, count: int) -> Roun
     ch = stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{port}", options=opts))
     sink = ch.stream_unary("/raw.Raw/Sink", request_serializer=ident, response_deserializer=ident)
     source = ch.unary_stream("/raw.Raw/Source", request_serializer=ident, response_deserializer=ident)
-    chunks = [os.urandom(min(CHUNK, nbytes - o)) for o in range(0, nbytes, CHUNK)]
+    messages = _blocks_as_messages(nbytes, count, chunk)
 
     def one() -> tuple[float, float]:
         t0 = time.perf_counter()
-        sink(iter(chunks * count))
+        sink(iter(messages))
         t1 = time.perf_counter()
-        for _ in source(f"{nbytes},{count}".encode()):
+        for _ in source(f"{nbytes},{count},{chunk}".encode()):
             pass
         return t1 - t0, time.perf_counter() - t1
 
@@ -189,7 +198,8 @@ def memcpy_round(nbytes: int, count: int) -> Round:
     return one
 
 
-def kvstore_rounds(stack: ExitStack, target: str, token: str, block_mib: int, count: int) -> dict[str, Round]:
+def kvstore_rounds(stack: ExitStack, target: str, token: str, block_mib: int, count: int,
+                   chunk: int) -> dict[str, Round]:
     """shm (buffers in the region), shm_staged (ordinary tensors), stream (in-band)."""
     from kvstore.client import Client
 
@@ -214,7 +224,7 @@ def kvstore_rounds(stack: ExitStack, target: str, token: str, block_mib: int, co
         return one
 
     local = stack.enter_context(Client(target, token, local=True, region_bytes=3 * nbytes + MiB))
-    remote = stack.enter_context(Client(target, token, local=False))
+    remote = stack.enter_context(Client(target, token, local=False, chunk_bytes=chunk))
     assert local.uses_shared_memory and not remote.uses_shared_memory
     src = stack.enter_context(local.local_blocks(spec, count))
     dst = stack.enter_context(local.local_blocks(spec, count))
@@ -235,19 +245,20 @@ def _interleaved(rounds: dict[str, Round], repeats: int) -> dict[str, list[tuple
     return times
 
 
-def bench_size(target: str, token: str, raw_port: int, mib: int, count: int, repeats: int) -> dict[str, object]:
+def bench_size(target: str, token: str, raw_port: int, mib: int, count: int, repeats: int,
+               chunk: int) -> dict[str, object]:
     nbytes = mib * MiB
     with ExitStack() as stack:
-        rounds = kvstore_rounds(stack, target, token, mib, count)
+        rounds = kvstore_rounds(stack, target, token, mib, count, chunk)
         rounds["memcpy"] = memcpy_round(nbytes, count)
-        rounds["grpc_raw"] = raw_grpc_round(stack, raw_port, nbytes, count)
+        rounds["grpc_raw"] = raw_grpc_round(stack, raw_port, nbytes, count, chunk)
         redis = redis_round(stack, nbytes, count)
         if callable(redis):
             rounds["redis"] = redis
         times = _interleaved(rounds, repeats)
         rounds.clear()  # the rounds hold views of the shared region: drop them before it closes
     total = nbytes * count
-    row: dict[str, object] = {"blocks_per_call": count}
+    row: dict[str, object] = {"blocks_per_call": count, "chunk_bytes": chunk}
     for name, ts in times.items():
         row[name] = {"put": _gbps(total, [t[0] for t in ts]), "get": _gbps(total, [t[1] for t in ts])}
     if not callable(redis):
@@ -261,17 +272,17 @@ def bench_size(target: str, token: str, raw_port: int, mib: int, count: int, rep
     return row
 
 
-def bench_checksum() -> dict[str, float]:
-    """xxh3_64 and frame encoding of one 4 MiB chunk, GB/s (the per-chunk costs of the stream)."""
+def bench_checksum(chunk: int) -> dict[str, float]:
+    """xxh3_64 and frame encoding of one chunk, GB/s (the per-chunk costs of the stream)."""
     import xxhash
 
     from kvstore.frames import data_frame
     from proto.kvstore.v1 import kvstore_pb2 as pb
 
-    data = memoryview(np.random.randint(0, 255, CHUNK, dtype=np.uint8))
+    data = memoryview(np.random.randint(0, 255, chunk, dtype=np.uint8))
     xxh = _timed(lambda: xxhash.xxh3_64_intdigest(data), 50)
     frame = _timed(lambda: data_frame(pb.PutFrame, 0, 0, data), 50)
-    return {"xxh3_gbps": _gbps(CHUNK, xxh), "frame_encode_gbps": _gbps(CHUNK, frame)}
+    return {"xxh3_gbps": _gbps(chunk, xxh), "frame_encode_gbps": _gbps(chunk, frame)}
 
 
 def bench_lookup(target: str, token: str, repeats: int) -> dict[str, float]:
@@ -312,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sizes", default="2,32", help="block sizes in MiB")
     ap.add_argument("--bytes-per-call", type=int, default=64, help="MiB moved per Put/Get call")
+    ap.add_argument("--chunk-kib", type=int, default=None,
+                    help="payload per streamed message, both for kvstore and bare grpcio "
+                         "(default: the kvstore client's chunk_bytes)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--raw-server", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -320,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(1)
     sizes = [int(s) for s in args.sizes.split(",")]
+    from kvstore.client import DEFAULT_CHUNK_BYTES
+
+    chunk = args.chunk_kib * 1024 if args.chunk_kib else DEFAULT_CHUNK_BYTES
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "bench.toml"
         cfg.write_text(
@@ -342,8 +359,9 @@ def main(argv: list[str] | None = None) -> int:
             results: dict[str, object] = {"repeats": args.repeats, "unit": "GB/s (median)", "sizes": {}}
             for mib in sizes:
                 count = max(1, args.bytes_per_call // mib)
-                results["sizes"][f"{mib}MiB"] = bench_size(target, token, raw_port, mib, count, args.repeats)
-            results["per_chunk"] = bench_checksum()
+                results["sizes"][f"{mib}MiB"] = bench_size(target, token, raw_port, mib, count, args.repeats,
+                                                           chunk)
+            results["per_chunk"] = bench_checksum(chunk)
             results["lookup"] = bench_lookup(target, token, args.repeats)
         finally:
             for p in (server, raw):

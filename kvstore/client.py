@@ -57,6 +57,8 @@ from proto.kvstore.v1 import kvstore_pb2_grpc
 from tiers.arena import ExtentAllocator
 
 MiB = 1 << 20
+#: payload bytes per in-band stream message (see :class:`Client`)
+DEFAULT_CHUNK_BYTES = 4 * MiB - 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,11 +165,14 @@ class Client:
     """A connection to a kvstore sidecar; see the module docstring."""
 
     def __init__(self, target: str, token: str, *, local: bool | None = None,
-                 region_bytes: int = 256 * MiB, chunk_bytes: int = 4 * MiB - 4096,
+                 region_bytes: int = 256 * MiB, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  max_message_bytes: int = 4 * MiB, timeout: float | None = 60.0,
                  tls: ClientTLS | None = None, options: Sequence[tuple[str, Any]] = ()) -> None:
         self.target = target
         self.timeout = timeout
+        if not 0 < chunk_bytes <= max_message_bytes - 1024:
+            raise InvalidArgument(f"chunk_bytes={chunk_bytes} must be positive and leave 1 KiB of "
+                                  f"max_message_bytes={max_message_bytes} for framing")
         self.chunk_bytes = chunk_bytes
         self._metadata = (("authorization", f"Bearer {token}"),)
         opts = [("grpc.max_receive_message_length", max_message_bytes),

@@ -11,9 +11,9 @@ every Store call below passes it on.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.audit import AuditLog
 from kvstore.auth import Principal, resolve_namespace
@@ -22,10 +22,18 @@ from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import ROOT_KEY, block_keys
 from kvstore.metrics import ServiceMetrics
 from kvstore.server_config import LimitsConfig
-from kvstore.service_convert import check_slots, parent_from_pb, spec_from_pb, split_keys
+from kvstore.service_convert import (
+    check_slots,
+    parent_from_pb,
+    spec_from_pb,
+    split_keys,
+)
 from kvstore.service_resources import InflightBudget, RegionTable, StagingPool
 from kvstore.spec import ModelSpec
 from proto.kvstore.v1 import kvstore_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvstore.store import PutReservation
 
 
 @dataclass(slots=True)
@@ -100,6 +108,24 @@ class DataPlane:
         if self.metrics is not None:
             self.metrics.bytes_in.labels(plane=plane).inc(nbytes * len(buffers))
         return len(buffers)
+
+    def reserve_put(self, b: Blocks) -> PutReservation:
+        """Reserve tier slots for a put whose bytes arrive later (``Store.reserve_put``)."""
+        return self.store.reserve_put(b.namespace, b.spec, b.keys, parent=b.parent)
+
+    def commit_put(self, b: Blocks, reservation: PutReservation, data: Callable[[int], Any], session: str,
+                   ttl_s: float | None, plane: str = "stream") -> int:
+        """Publish a reserved put, all or nothing; ``data(i)``: block i's bytes where the
+        reservation has no slot. The number of blocks written."""
+        if ttl_s is not None and ttl_s <= 0:
+            raise InvalidArgument("ttl_s must be positive")
+        self.store.commit_put(reservation, data, session=session or None, ttl_s=ttl_s)
+        if self.metrics is not None:
+            self.metrics.bytes_in.labels(plane=plane).inc(b.spec.block_nbytes * len(b.keys))
+        return len(b.keys)
+
+    def abort_put(self, reservation: PutReservation) -> None:
+        self.store.abort_put(reservation)
 
     def get_into(self, b: Blocks, outs: Sequence[Any], plane: str = "store") -> int:
         """Copy the longest usable prefix into ``outs``; the number of blocks written."""

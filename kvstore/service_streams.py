@@ -1,12 +1,14 @@
 """The in-band Put and Get streams on the server, as plain functions over frames.
 
-* :func:`put_stream` — validates the header frame, copies every chunk into a reused staging
-  buffer as it arrives, checks every chunk's xxh3, and commits once the whole stream arrived
-  intact. A cancelled, failed or past-deadline Put leaves nothing visible.
-  NOTE: keeping the received frames instead of copying them looks cheaper but is not: grpc
-  allocates each message afresh, and holding tens of MiB of them makes every call fault in new
-  pages (~2 GB/s) where a copy into warm staging memory runs at ~10 GB/s and lets grpc reuse
-  the freed message memory.
+* :func:`put_stream` — validates the header frame, reserves a tier slot per new block
+  (``Store.reserve_put``), writes every chunk straight into its block's slot as it arrives
+  (after checking its xxh3), and commits once the whole stream arrived intact; blocks with no
+  slot (already stored, or no room above NVMe) go through a reused staging buffer. A
+  cancelled, failed or past-deadline Put is aborted: its slots are freed, nothing was visible.
+  NOTE: keeping the received frames until the commit looks cheaper but is not: grpc allocates
+  each message afresh, and holding tens of MiB of them makes every call fault in new pages
+  (~2 GB/s) where a copy into warm memory runs at ~10 GB/s and lets grpc reuse the freed
+  message memory. Writing into the slot is that one copy; staging it first would be a second.
 * :func:`get_stream` — reads the served prefix into reused staging buffers (errors surface
   here, before any frame is sent) and returns the header frame plus a generator of chunk frames.
 
@@ -20,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from kernels.copy import copy_bytes
 from kvstore.auth import Principal
 from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.frames import Frame, data_frame, encode, intact
@@ -52,36 +55,51 @@ def put_stream(plane: DataPlane, p: Principal, frames: Iterator[Frame], is_activ
     header = first.meta.header
     b = plane.resolve(p, header.target, write=True)
     total = _check_size(plane, b)
+    nbytes = b.spec.block_nbytes
     plane.inflight.take(b.namespace, total)
-    staged: list[np.ndarray] = []
+    staged: dict[int, np.ndarray] = {}
+    reservation = None
     try:
-        buffers = assemble(frames, len(b.keys), b.spec.block_nbytes, plane.staging, staged)
+        reservation = plane.reserve_put(b)
+        slots = reservation.views
+
+        def destination(i: int) -> Any:
+            # a reserved tier slot, else (block already stored, no room above NVMe) staging
+            if slots[i] is not None:
+                return slots[i]
+            staged[i] = plane.staging.take(nbytes)
+            return staged[i]
+
+        receive(frames, len(b.keys), nbytes, destination)
         if not is_active():  # cancelled or past its deadline: commit nothing
             raise FailedPrecondition("the Put was cancelled before it completed")
         ttl = header.ttl_s if header.HasField("ttl_s") else None
-        return plane.put(b, buffers, header.session, ttl, plane="stream")
+        n = plane.commit_put(b, reservation, staged.__getitem__, header.session, ttl)
+        reservation = None
+        return n
     finally:
-        for buf in staged:
+        if reservation is not None:
+            plane.abort_put(reservation)
+        for buf in staged.values():
             plane.staging.give(buf)
         plane.inflight.give(b.namespace, total)
 
 
-def assemble(frames: Iterator[Frame], n: int, nbytes: int, staging: StagingPool, staged: list[np.ndarray]) -> list[Any]:
-    """Collect ``n`` blocks of ``nbytes`` from in-order, checksummed chunk frames. Staging
-    buffers taken are appended to ``staged`` (the caller gives them back)."""
-    buffers: list[Any] = []
-    current: np.ndarray | None = None
-    filled = 0
+def receive(frames: Iterator[Frame], n: int, nbytes: int, destination: Callable[[int], Any]) -> None:
+    """Write ``n`` blocks of ``nbytes`` from in-order, checksummed chunk frames, each chunk
+    straight into ``destination(i)`` (a writable buffer of block i, asked for once per block)."""
+    block = filled = 0
+    current: Any = None
     for frame in frames:
         if frame.error:
             raise InvalidArgument(frame.error)
         m, data = frame.meta, frame.data
         if m.HasField("header"):
             raise InvalidArgument("only the first Put frame may carry a header")
-        if m.block != len(buffers) or m.offset != filled:
+        if m.block != block or m.offset != filled:
             raise InvalidArgument(f"out-of-order chunk: got block {m.block} offset {m.offset}, "
-                                  f"expected block {len(buffers)} offset {filled}")
-        if len(buffers) >= n:
+                                  f"expected block {block} offset {filled}")
+        if block >= n:
             raise InvalidArgument(f"more data than the {n} blocks the header names")
         size = len(data)
         if not size or filled + size > nbytes:
@@ -89,16 +107,16 @@ def assemble(frames: Iterator[Frame], n: int, nbytes: int, staging: StagingPool,
         if not intact(frame):
             raise InvalidArgument(f"checksum mismatch in block {m.block} at offset {m.offset}")
         if current is None:
-            current = staging.take(nbytes)
-            staged.append(current)
-        current[filled : filled + size] = np.frombuffer(data, dtype=np.uint8)
+            current = destination(block)
+        if isinstance(current, np.ndarray):
+            current[filled : filled + size] = np.frombuffer(data, dtype=np.uint8)
+        else:  # a device tensor
+            copy_bytes(current[filled : filled + size], data)
         filled += size
         if filled == nbytes:
-            buffers.append(current)
-            current, filled = None, 0
-    if len(buffers) != n or current is not None:
-        raise InvalidArgument(f"the stream ended after {len(buffers)} of {n} blocks")
-    return buffers
+            block, filled, current = block + 1, 0, None
+    if block != n or filled:
+        raise InvalidArgument(f"the stream ended after {block} of {n} blocks")
 
 
 def get_stream(plane: DataPlane, p: Principal, request: pb.GetRequest) -> tuple[bytes, Iterator[bytes]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -41,6 +42,14 @@ def test_blocks_larger_than_a_chunk_stream_in_pieces(sidecar):
     kv = random_kv(3, spec, seed=9)
     c.put(spec, keys, kv)
     assert torch.equal(c.get(spec, keys).view(torch.int16), kv.view(torch.int16))
+
+
+def test_a_chunk_that_leaves_no_room_for_framing_is_refused_up_front(sidecar):
+    from kvstore.client import Client
+    from kvstore.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="chunk_bytes"):
+        Client(sidecar.target, "unused", local=False, chunk_bytes=4 << 20, max_message_bytes=4 << 20)
 
 
 def test_local_blocks_move_with_one_copy_and_round_trip(sidecar):
@@ -141,17 +150,32 @@ def test_restart_keeps_nvme_blocks_tokens_and_policies(tmp_path):
         sc.stop()
 
 
+def _hbm_used(sidecar) -> int:
+    return sidecar.server.store.stats()["tiers"]["hbm"]["used_bytes"]
+
+
+def _wait_for(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
 def test_cancelled_put_leaves_nothing_visible(sidecar):
     token = sidecar.admin().create_tenant("cancel")
     c = sidecar.client(token, local=False)
     keys = c.block_keys(SPEC, fresh_tokens(3))
     release = threading.Event()
+    before = _hbm_used(sidecar)
+    reserved = []
 
     def messages():
         yield pb.PutFrame(header=pb.PutHeader(target=pb.Target(spec=_spec_pb(), keys=b"".join(keys))))
         data = bytes(SPEC.block_nbytes)
         yield pb.PutFrame(block=0, offset=0, data=data, xxh3=xxhash.xxh3_64_intdigest(data))
-        release.wait(5)  # the stream stalls after one block; the client cancels it
+        # the server reserved a tier slot per block; the stream stalls, the client cancels it
+        reserved.append(_wait_for(lambda: _hbm_used(sidecar) == before + 3 * SPEC.block_nbytes))
+        release.wait(5)
 
     with grpc.insecure_channel(sidecar.target) as ch:
         stub = kvstore_pb2_grpc.KVStoreStub(ch)
@@ -161,6 +185,8 @@ def test_cancelled_put_leaves_nothing_visible(sidecar):
             future.result(timeout=5)
         release.set()
     assert c.lookup(SPEC, keys).num_blocks == 0
+    assert reserved == [True]
+    assert _wait_for(lambda: _hbm_used(sidecar) == before)  # every reserved byte given back
 
 
 def test_deadline_exceeded_put_leaves_nothing_visible(sidecar):
