@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from bench.pyspy_profile import profiles_md
+
 HEADER = ("# Benchmark results\n\nWritten by `kvstore bench SUITE` (bench/suite.py); do not edit "
           "by hand. GB/s = 1e9 bytes/s, medians over rounds. The machine may be shared: see the "
           "load average of each run.\n")
@@ -59,6 +61,35 @@ def _replay_md(res: dict[str, Any]) -> str:
             + _table(["trace", "HBM blocks", *pols], rows) + "\n")
 
 
+def _peers_md(res: dict[str, Any]) -> str:
+    """One table of GB/s per case (every system side by side), then the issue's targets."""
+    if "cases" not in res:
+        return _flat_md(res)
+    out = [f"{res.get('shape')}; {res.get('rounds')} rounds; every read-back verified byte for byte.", ""]
+    if "error" in res.get("lmcache", {}):
+        out += [f"LMCache: {res['lmcache']['error']}", ""]
+    sides = [("LMCache L1 (DRAM)", "lmcache", "l1_put", "l1_get"),
+             ("LMCache fs L2", "lmcache", "l2_store", "l2_get"),
+             ("LMCache fs L2 + aesgcm serde", "lmcache_aesgcm", "l2_store", "l2_get")]
+    for case in res["cases"]:
+        rows = []
+        for label, key, put, get in sides:
+            side = case.get(key, {})
+            g = side.get("gbps", {})
+            rows.append([label, g.get(put, side.get("error", "-")), g.get(get, "-")])
+        for key, side in case.items():
+            if key == "redis" or key.startswith("kvstore"):
+                rows.append([key, side.get("put", side.get("error", "-")), side.get("get", "-")])
+        out += [(f"**{case['block_mib']} MiB blocks** ({case['block_tokens']} tokens, "
+                 f"{case['blocks_per_op']} per op)"), "",
+                _table(["system / path", "put (store) GB/s", "get GB/s"], rows), ""]
+        trows = [[name, t["ratio"], t["target"], "yes" if t["pass"] else "**no**"]
+                 for name, t in case["targets"].items() if t is not None]
+        if trows:
+            out += [_table(["target (kvstore / peer)", "ratio", "target", "met"], trows), ""]
+    return "\n".join(out)
+
+
 def _flat_md(res: dict[str, Any]) -> str:
     rows = [[k, v] for k, v in _flatten(res).items() if not isinstance(v, list)]
     return _table(["figure", "value"], rows) + "\n"
@@ -77,13 +108,17 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 def section_text(doc: dict[str, Any], plot: Path | None, md_dir: Path) -> str:
     m = doc["machine"]
     res = doc["results"]
-    body = {"tiers": _tiers_md, "replay": _replay_md}.get(doc["suite"], _flat_md)(res)
+    body = {"tiers": _tiers_md, "replay": _replay_md, "peers": _peers_md}.get(
+        doc["suite"], _flat_md)(res)
+    if isinstance(res, dict) and "profiles" in res:
+        body += "\n" + (profiles_md(res["profiles"]) if res["profiles"] else
+                        "All targets met or a quick run: no profiles.\n")
     lines = [f"## {doc['suite']}{' (quick)' if doc['quick'] else ''}", "",
              f"- date: {doc['date']} (wall {doc['wall_s']} s)",
              f"- command: `{doc['command']}`",
-             f"- machine: {m['cpu']}, {m['cpus_usable']} usable CPUs, {m['mem_gib']} GiB, "
-             f"kernel {m['kernel']}, python {m['python']}, torch {m['torch']} "
-             f"({m['torch_threads']} thread), git {m['git_commit']}",
+             (f"- machine: {m['cpu']}, {m['cpus_usable']} usable CPUs, {m['mem_gib']} GiB, "
+              f"kernel {m['kernel']}, python {m['python']}, torch {m['torch']} "
+              f"({m['torch_threads']} thread), git {m['git_commit']}"),
              f"- load average (1/5/15 min): start {m['loadavg_start']}, end {m['loadavg_end']}",
              ""]
     if plot is not None:
@@ -97,7 +132,7 @@ def write_section(md: Path, doc: dict[str, Any], plot: Path | None) -> None:
     begin, end = f"<!-- suite:{tag} -->", f"<!-- /suite:{tag} -->"
     block = f"{begin}\n{section_text(doc, plot, md.parent)}\n{end}"
     text = md.read_text() if md.exists() else HEADER
-    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.DOTALL)
     text = pattern.sub(lambda _m: block, text) if pattern.search(text) else (
         text.rstrip("\n") + "\n\n" + block + "\n")
     md.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,9 @@ stage), raw LMDB put (sync) / get, and a sequential file write + fsync. A path's
 slowest stage (the pipelined ideal), named in the JSON; ``ratio`` = path / limit. Reads are hot
 (page cache not dropped: no root here). Figures are medians over round-robin rounds, in GB/s
 (1e9 raw block bytes per second).
+
+Paths below target in a full (not ``--quick``) run are profiled with py-spy (the three worst,
+``bench.pyspy_profile``); the summaries land under ``profiles`` in the JSON and in RESULTS.md.
 """
 
 from __future__ import annotations
@@ -76,10 +79,13 @@ def variant_name(encrypt: bool, level: int) -> str:
 
 def _open(path: Path, *, hbm: int = 0, dram: int = 0, nvme: int = 0, encrypt: bool = True,
           level: int = 1) -> Store:
+    # NOTE: the LRU baseline policy, whatever the default: these are mechanism paths, and the
+    # nvme->dram setup needs evicted, persisted blocks demoted (kept in NVMe), which the
+    # cost-aware policy may decide against (it drops blocks it deems not worth keeping).
     return Store.open(StoreConfig(path=path, hbm_bytes=hbm, dram_bytes=dram, nvme_bytes=nvme,
                                   device="cpu", master_key=MASTER_KEY, durable=True,
                                   encrypt=encrypt, compression_level=level,
-                                  persist_on_close=False))
+                                  persist_on_close=False, policy="lru"))
 
 
 def disk_write_measure(blocks: list[np.ndarray], workdir: Path) -> Measure:
@@ -225,6 +231,28 @@ def judge(figures: dict[str, float], raw_names: set[str]) -> list[dict[str, Any]
     return rows
 
 
+def profile_target(path: str) -> tuple[str, int, bool] | None:
+    """The ``bench.profile_target`` (target, zstd level, encrypt) that runs ``path``, if any."""
+    v = path[path.index("[") + 1:-1] if "[" in path else "aes+zstd1"
+    level, encrypt = (1 if v.endswith("zstd1") else 0), v.startswith("aes")
+    kind = path.split("[")[0]
+    target = {"put.nvme": "nvme-put", "dram->nvme": "dram-nvme", "get.nvme": "nvme-get",
+              "nvme->dram": "nvme-get", "put.dram": "dram-put", "get.dram": "dram-get"}.get(kind)
+    return None if target is None else (target, level, encrypt)
+
+
+def missed_profiles(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from bench.pyspy_profile import profile_missed
+
+    wanted = []
+    for case in cases:
+        for p in case["paths"]:
+            t = profile_target(p["path"])
+            if not p["pass"] and t is not None:
+                wanted.append((p["ratio"], t[0], case["block_mib"], case["blocks_per_op"], *t[1:]))
+    return profile_missed(wanted)
+
+
 def run_tiers(quick: bool, workdir: Path, tick: Callable[[int], Tick]) -> dict[str, Any]:
     """Run every case; ``tick(total_ops)`` returns the per-op progress callback of a case."""
     torch.set_num_threads(1)
@@ -251,4 +279,5 @@ def run_tiers(quick: bool, workdir: Path, tick: Callable[[int], Tick]) -> dict[s
                       "paths": judge(figures, raw_names),
                       "all_rounds_gbps": {m.name: m.summary()["gbps_all"] for m in ms}})
     return {"cases": cases, "codec_variants": [variant_name(e, c) for e, c in CODEC_VARIANTS],
-            "target_ratio": TARGET_RATIO, "hot_reads": True, "durable": True}
+            "target_ratio": TARGET_RATIO, "hot_reads": True, "durable": True,
+            "profiles": [] if quick else missed_profiles(cases)}

@@ -9,16 +9,7 @@ or, when encryption is off, covered by an xxh3-128 checksum. Chunks are processe
 small thread pool (zstd, AES-GCM, xxhash and large numpy ops release the GIL); a chunk that does
 not shrink is stored uncompressed.
 
-Value layout (little-endian)::
-
-    fixed header  magic "KVSV", format version, flags, compression, quantization, itemsize,
-                  dtype-name length, ndim, chunk_bytes, n_chunks, raw length,
-                  fingerprint (16), block key (32), tenant hash (16)
-    dtype name, shape (u32 each)
-    chunk table   per chunk: stored length u32, chunk flags u8, then
-                  nonce (12) when encrypted, or xxh3-128 of the stored chunk (seed = index)
-    header digest xxh3-128 of all of the above (unencrypted values only)
-    payload       chunks back to back; encrypted chunks are ciphertext + 16-byte GCM tag
+The value layout and :func:`parse_header` live in :mod:`kvstore.codec_format`.
 
 Quantization (opt-in, per call): ``encode(..., quant=QuantScheme.INT8)`` (or a
 :class:`~kvstore.quantization.Quantization`, which also picks the key-scale granularity) stores
@@ -50,7 +41,6 @@ Contracts:
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 import struct
@@ -58,7 +48,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import numpy as np
 import torch
@@ -68,6 +58,29 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kernels.checksum import checksum
 from kernels.shuffle import shuffle_into, unshuffle_planes_into
+from kvstore.codec_format import (
+    CHUNK_COMPRESSED,
+    CHUNK_INDEX,
+    COMPRESSION_NONE,
+    COMPRESSION_ZSTD_ALL,
+    COMPRESSION_ZSTD_TOP,
+    DIGEST_BYTES,
+    ENTRY_ENC,
+    ENTRY_SUM,
+    FIXED,
+    FLAG_CHECKSUM,
+    FLAG_ENCRYPTED,
+    FORMAT_VERSION,
+    MAGIC,
+    NONCE_BYTES,
+    TAG_BYTES,
+    HeaderInfo,
+    chunk_ranges,
+    effective_chunk,
+    parse_header,
+    spec_fingerprint,
+    tenant_hash,
+)
 from kvstore.errors import (
     FailedPrecondition,
     IntegrityError,
@@ -87,28 +100,7 @@ from kvstore.quantization import (
     unpack_payload_into,
     worth_it,
 )
-from kvstore.spec import DTYPES, FINGERPRINT_BYTES, ModelSpec
-
-MAGIC = b"KVSV"
-FORMAT_VERSION = 1
-
-FLAG_ENCRYPTED = 0x01
-FLAG_CHECKSUM = 0x02
-CHUNK_COMPRESSED = 0x01
-
-COMPRESSION_NONE = 0
-COMPRESSION_ZSTD_ALL = 1  # zstd over every byte plane of the chunk
-COMPRESSION_ZSTD_TOP = 2  # zstd over the top byte plane only; lower planes stored raw
-
-TAG_BYTES = 16
-NONCE_BYTES = 12
-DIGEST_BYTES = 16
-TENANT_HASH_BYTES = 16
-
-_FIXED = struct.Struct(f"<4sBBBBBBBxIIQ{FINGERPRINT_BYTES}s{KEY_BYTES}s{TENANT_HASH_BYTES}s")
-_ENTRY_ENC = struct.Struct(f"<IB{NONCE_BYTES}s")
-_ENTRY_SUM = struct.Struct(f"<IB{DIGEST_BYTES}s")
-_INDEX = struct.Struct("<I")
+from kvstore.spec import DTYPES, ModelSpec
 
 RandomBytes = Callable[[int], bytes]
 
@@ -146,115 +138,6 @@ class CodecConfig:
         if not isinstance(self.encrypt, bool):
             raise InvalidArgument("encrypt must be a bool")
 
-
-def _fingerprint(spec: ModelSpec) -> bytes:
-    return spec.fingerprint
-
-
-def tenant_hash(tenant: str) -> bytes:
-    """The 16-byte tenant namespace hash stored in headers (the name itself is not stored)."""
-    return hashlib.blake2b(tenant.encode(), digest_size=TENANT_HASH_BYTES, person=b"kvstore-tenant").digest()
-
-
-@dataclass(frozen=True, slots=True)
-class HeaderInfo:
-    """A parsed header. Unauthenticated until the value decodes: use for diagnostics only."""
-
-    version: int
-    encrypted: bool
-    compression: int
-    quantization: int
-    itemsize: int
-    dtype: str
-    shape: tuple[int, ...]
-    raw_nbytes: int
-    """Bytes of the stored plaintext: the block, or the quantized payload."""
-    chunk_bytes: int
-    fingerprint: bytes
-    key: bytes
-    tenant_hash: bytes
-    chunks: tuple[tuple[int, int, bytes], ...]
-    """(stored length, chunk flags, nonce or checksum) per chunk."""
-    header_nbytes: int
-    """Bytes of the header, chunk table and (unencrypted) header digest."""
-
-    @property
-    def quant(self) -> Quantization | None:
-        """The value's lossy format, None when it is stored lossless."""
-        return Quantization.from_format_id(self.quantization)
-
-    @property
-    def total_nbytes(self) -> int:
-        tag = TAG_BYTES if self.encrypted else 0
-        return self.header_nbytes + sum(n + tag for n, _, _ in self.chunks)
-
-
-def _chunk_ranges(nbytes: int, chunk: int) -> list[tuple[int, int]]:
-    return [(lo, min(lo + chunk, nbytes)) for lo in range(0, nbytes, chunk)]
-
-
-def _effective_chunk(chunk_bytes: int, itemsize: int) -> int:
-    return max(itemsize, chunk_bytes - chunk_bytes % itemsize)
-
-
-def parse_header(value: Any) -> HeaderInfo:
-    """Parse and sanity-check a value's header; IntegrityError if it is malformed or truncated."""
-    try:
-        mv = memoryview(value).cast("B")
-    except TypeError:
-        raise IntegrityError(f"value is not a buffer ({type(value).__name__})") from None
-    if len(mv) < _FIXED.size:
-        raise IntegrityError(f"value truncated: {len(mv)} bytes is shorter than the fixed header")
-    (magic, version, flags, comp, quant, itemsize, dtype_len, ndim, chunk_bytes, n_chunks, raw_len,
-     fp, key, th) = _FIXED.unpack_from(mv, 0)
-    if magic != MAGIC:
-        raise IntegrityError("bad magic: not a kvstore value")
-    if version != FORMAT_VERSION:
-        raise IntegrityError(f"unsupported value format version {version}")
-    encrypted = flags == FLAG_ENCRYPTED
-    if flags not in (FLAG_ENCRYPTED, FLAG_CHECKSUM):
-        raise IntegrityError(f"bad flags {flags:#x}")
-    if comp not in (COMPRESSION_NONE, COMPRESSION_ZSTD_ALL, COMPRESSION_ZSTD_TOP):
-        raise IntegrityError(f"unknown compression id {comp}")
-    if itemsize < 1 or chunk_bytes < itemsize or chunk_bytes % itemsize:
-        raise IntegrityError("bad itemsize or chunk size")
-    try:
-        Quantization.from_format_id(quant)
-    except InvalidArgument:
-        raise IntegrityError(f"unknown quantization id {quant}") from None
-    if n_chunks != -(-raw_len // chunk_bytes) or n_chunks == 0:
-        raise IntegrityError("chunk count does not match the raw length")
-    entry = _ENTRY_ENC if encrypted else _ENTRY_SUM
-    off = _FIXED.size
-    end = off + dtype_len + 4 * ndim + n_chunks * entry.size + (0 if encrypted else DIGEST_BYTES)
-    if len(mv) < end:
-        raise IntegrityError(f"value truncated inside its header ({len(mv)} < {end} bytes)")
-    try:
-        dtype = bytes(mv[off : off + dtype_len]).decode("ascii")
-    except UnicodeDecodeError:
-        raise IntegrityError("dtype name is not ASCII") from None
-    off += dtype_len
-    shape = struct.unpack_from(f"<{ndim}I", mv, off)
-    off += 4 * ndim
-    chunks = []
-    for i, (lo, hi) in enumerate(_chunk_ranges(raw_len, chunk_bytes)):
-        stored, cflags, extra = entry.unpack_from(mv, off)
-        off += entry.size
-        compressed = cflags == CHUNK_COMPRESSED
-        if cflags not in (0, CHUNK_COMPRESSED) or (compressed and comp == COMPRESSION_NONE):
-            raise IntegrityError(f"chunk {i}: bad chunk flags {cflags:#x}")
-        if stored > hi - lo or (not compressed and stored != hi - lo):
-            raise IntegrityError(f"chunk {i}: stored length {stored} impossible for {hi - lo} raw bytes")
-        chunks.append((stored, cflags, extra))
-    if not encrypted:
-        if checksum(mv[:off]) != bytes(mv[off : off + DIGEST_BYTES]):
-            raise IntegrityError("header checksum mismatch")
-        off += DIGEST_BYTES
-    info = HeaderInfo(version, encrypted, comp, quant, itemsize, dtype, tuple(shape), raw_len,
-                      chunk_bytes, fp, key, th, tuple(chunks), off)
-    if len(mv) != info.total_nbytes:
-        raise IntegrityError(f"value length {len(mv)} != {info.total_nbytes} announced by its header")
-    return info
 
 
 class _ScratchPool:
@@ -337,7 +220,7 @@ class Codec:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
-    def __enter__(self) -> Codec:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -405,12 +288,12 @@ class Codec:
             q = Quantization("int8", gran)  # type: ignore[arg-type]  # fp8: same payload size
             if worth_it(spec, q):
                 n = max(n, self._n_chunks(q.payload_nbytes(spec), 1))
-        entry = _ENTRY_ENC.size + TAG_BYTES if self.config.encrypt else _ENTRY_SUM.size
-        return (_FIXED.size + len(DTYPES[spec.dtype][0]) + 4 * len(spec.block_shape) + DIGEST_BYTES
+        entry = ENTRY_ENC.size + TAG_BYTES if self.config.encrypt else ENTRY_SUM.size
+        return (FIXED.size + len(DTYPES[spec.dtype][0]) + 4 * len(spec.block_shape) + DIGEST_BYTES
                 + n * entry + spec.block_nbytes)
 
     def _n_chunks(self, nbytes: int, unit: int) -> int:
-        return len(_chunk_ranges(nbytes, self._chunk_for(nbytes, unit)))
+        return len(chunk_ranges(nbytes, self._chunk_for(nbytes, unit)))
 
     def _chunk_for(self, nbytes: int, itemsize: int) -> int:
         """Chunk size for a value of ``nbytes``: at most ``chunk_bytes``, and small enough that
@@ -420,7 +303,7 @@ class Codec:
         if self.config.threads > 1:
             per = -(-nbytes // self.config.threads)
             cb = min(cb, max(256 << 10, -(-per // 64) * 64))
-        return _effective_chunk(cb, itemsize)
+        return effective_chunk(cb, itemsize)
 
     # -- encode -----------------------------------------------------------------------------
     def encode(self, tenant: str, key: bytes, spec: ModelSpec, data: Any, *,
@@ -464,7 +347,7 @@ class Codec:
         else:  # the quantized payload: 1-byte units, nothing to shuffle
             src, unit = payload, 1
         chunk = self._chunk_for(src.size, unit)
-        ranges = _chunk_ranges(src.size, chunk)
+        ranges = chunk_ranges(src.size, chunk)
         n = len(ranges)
         data_key = self._data_key(tenant, create=True) if cfg.encrypt else None
         if cfg.compression_level == 0:
@@ -476,10 +359,10 @@ class Codec:
             raise FailedPrecondition("random source returned too few bytes")
         dtype = DTYPES[spec.dtype][0].encode()
         shape = spec.block_shape
-        prefix = _FIXED.pack(MAGIC, FORMAT_VERSION, FLAG_ENCRYPTED if data_key else FLAG_CHECKSUM, comp,
+        prefix = FIXED.pack(MAGIC, FORMAT_VERSION, FLAG_ENCRYPTED if data_key else FLAG_CHECKSUM, comp,
                              q.format_id if q else QUANT_NONE, itemsize, len(dtype), len(shape),
                              chunk, n, src.size,
-                             _fingerprint(spec), bytes(key), tenant_hash(tenant))
+                             spec_fingerprint(spec), bytes(key), tenant_hash(tenant))
         prefix += dtype + struct.pack(f"<{len(shape)}I", *shape)
         tag = TAG_BYTES if data_key else 0
         if comp == COMPRESSION_NONE:
@@ -516,9 +399,9 @@ class Codec:
             table = []
             for i, (_, stored, flags, digest) in enumerate(staged):
                 if data_key:
-                    table.append(_ENTRY_ENC.pack(stored, flags, nonces[i * NONCE_BYTES : (i + 1) * NONCE_BYTES]))
+                    table.append(ENTRY_ENC.pack(stored, flags, nonces[i * NONCE_BYTES : (i + 1) * NONCE_BYTES]))
                 else:
-                    table.append(_ENTRY_SUM.pack(stored, flags, digest))
+                    table.append(ENTRY_SUM.pack(stored, flags, digest))
             header = prefix + b"".join(table)
             if not data_key:
                 header += checksum(header)
@@ -535,7 +418,7 @@ class Codec:
                 target = dst[offsets[i] : offsets[i + 1]]
                 if data_key is not None:
                     nonce = nonces[i * NONCE_BYTES : (i + 1) * NONCE_BYTES]
-                    AESGCM(data_key).encrypt_into(nonce, buf[:stored], header + _INDEX.pack(i), target)
+                    AESGCM(data_key).encrypt_into(nonce, buf[:stored], header + CHUNK_INDEX.pack(i), target)
                 else:
                     target[:] = buf[:stored]
 
@@ -549,7 +432,7 @@ class Codec:
                        data_key: bytes | None, nonces: bytes, out: Any) -> tuple[Any, int]:
         """Compression off: no shuffle (it only helps compression); one pass per chunk."""
         n = len(ranges)
-        entry = _ENTRY_ENC if data_key else _ENTRY_SUM
+        entry = ENTRY_ENC if data_key else ENTRY_SUM
         hlen = len(prefix) + n * entry.size + (0 if data_key else DIGEST_BYTES)
         tag = TAG_BYTES if data_key else 0
         offsets = [hlen]
@@ -560,7 +443,7 @@ class Codec:
         header = b""
         if data_key is not None:
             header = prefix + b"".join(
-                _ENTRY_ENC.pack(hi - lo, 0, nonces[i * NONCE_BYTES : (i + 1) * NONCE_BYTES])
+                ENTRY_ENC.pack(hi - lo, 0, nonces[i * NONCE_BYTES : (i + 1) * NONCE_BYTES])
                 for i, (lo, hi) in enumerate(ranges))
 
         def place(i: int) -> bytes:
@@ -568,7 +451,7 @@ class Codec:
             target = dst[offsets[i] : offsets[i + 1]]
             if data_key is not None:
                 nonce = nonces[i * NONCE_BYTES : (i + 1) * NONCE_BYTES]
-                AESGCM(data_key).encrypt_into(nonce, src[lo:hi], header + _INDEX.pack(i), target)
+                AESGCM(data_key).encrypt_into(nonce, src[lo:hi], header + CHUNK_INDEX.pack(i), target)
                 return b""
             np.copyto(target, src[lo:hi])
             return checksum(target, seed=i)
@@ -576,7 +459,7 @@ class Codec:
         digests = self._parallel(place, n)
         if data_key is None:
             header = prefix + b"".join(
-                _ENTRY_SUM.pack(hi - lo, 0, digests[i]) for i, (lo, hi) in enumerate(ranges))
+                ENTRY_SUM.pack(hi - lo, 0, digests[i]) for i, (lo, hi) in enumerate(ranges))
             header += checksum(header)
         assert len(header) == hlen
         dst[:hlen] = np.frombuffer(header, dtype=np.uint8)
@@ -627,7 +510,7 @@ class Codec:
         mv = memoryview(value).cast("B")
         src = np.frombuffer(mv, dtype=np.uint8)
         header = bytes(mv[: info.header_nbytes])
-        ranges = _chunk_ranges(info.raw_nbytes, info.chunk_bytes)
+        ranges = chunk_ranges(info.raw_nbytes, info.chunk_bytes)
         tag = TAG_BYTES if data_key else 0
         offsets = [info.header_nbytes]
         for stored, _, _ in info.chunks:
@@ -675,7 +558,7 @@ class Codec:
             raise IntegrityError("value belongs to another block key")
         if info.tenant_hash != tenant_hash(tenant):
             raise IntegrityError("value belongs to another tenant")
-        if info.fingerprint != _fingerprint(spec):
+        if info.fingerprint != spec_fingerprint(spec):
             raise IntegrityError("value belongs to another model spec (fingerprint mismatch)")
         if info.dtype != DTYPES[spec.dtype][0] or info.itemsize != spec.itemsize:
             raise IntegrityError(f"value dtype {info.dtype!r} does not match the spec's {spec.dtype!r}")
@@ -693,7 +576,7 @@ class Codec:
     def _decrypt(data_key: bytes, nonce: bytes, body: np.ndarray, header: bytes, i: int,
                  dst: np.ndarray) -> None:
         try:
-            AESGCM(data_key).decrypt_into(nonce, body, header + _INDEX.pack(i), dst)
+            AESGCM(data_key).decrypt_into(nonce, body, header + CHUNK_INDEX.pack(i), dst)
         except InvalidTag:
             raise IntegrityError(f"chunk {i}: authentication failed") from None
         except ValueError as exc:  # buffer length mismatch: the header lied about sizes
@@ -726,5 +609,13 @@ class Codec:
         unshuffle_planes_into(full_planes + tail_planes, dst)
 
 
-__all__ = ["Codec", "CodecConfig", "HeaderInfo", "Quantization", "QuantScheme", "parse_header",
-           "tenant_hash", "FORMAT_VERSION"]
+__all__ = [
+    "FORMAT_VERSION",
+    "Codec",
+    "CodecConfig",
+    "HeaderInfo",
+    "QuantScheme",
+    "Quantization",
+    "parse_header",
+    "tenant_hash",
+]

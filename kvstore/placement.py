@@ -20,7 +20,8 @@ Unsafe unless the caller holds the Store's lock.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,7 @@ from policy.quantization import QuantizationPolicy
 from tiers.base import BlockRef
 from tiers.memory import MemoryTier
 from tiers.nvme import NVMeRecord, NVMeTier
+from tiers.nvme_ahead import AheadJob
 from tiers.remote import RemoteTier
 
 
@@ -122,6 +124,17 @@ class Placement:
             return ok
         return self._mem[tier].put(ref, data)
 
+    def nvme_ahead(self, blocks: Sequence[tuple[BlockRef, Any]]) -> AbstractContextManager[None]:
+        """While the returned context is open, the NVMe tier encodes ``blocks`` ((ref, host
+        bytes) in the order they will be written) ahead of :meth:`write`. Only for blocks bound
+        for NVMe: an encoding nobody writes is wasted work. The bytes must stay unchanged
+        until the context ends."""
+        if self._nvme is None or not blocks:
+            return nullcontext()
+        quant = self.quant_policy.for_block
+        return self._nvme.pipelined([AheadJob(ref, data, quant(ref.tenant, ref.spec))
+                                     for ref, data in blocks if isinstance(data, np.ndarray)])
+
     @staticmethod
     def record(meta: BlockMeta) -> NVMeRecord:
         return NVMeRecord(meta.tenant, meta.key, meta.parent, meta.depth, meta.tokens,
@@ -143,14 +156,13 @@ class Placement:
         if need > cap:
             return False
         high, low = self.config.high_watermark * cap, self.config.low_watermark * cap
-        used = backend.usage().used_bytes
-        if used + need <= high and backend.can_fit(meta.nbytes):
+        if backend.used_bytes + need <= high and backend.can_fit(meta.nbytes):
             return True
         target = min(low, cap - need)
-        while backend.usage().used_bytes + need > target or not backend.can_fit(meta.nbytes):
+        while backend.used_bytes + need > target or not backend.can_fit(meta.nbytes):
             if not self.evict_some(tier):
                 break
-        return backend.usage().used_bytes + need <= cap and backend.can_fit(meta.nbytes)
+        return backend.used_bytes + need <= cap and backend.can_fit(meta.nbytes)
 
     def evict_some(self, tier: Tier, tenant: str | None = None) -> bool:
         """Evict the policy's first choice among the evictable leaves; False if none."""

@@ -66,7 +66,10 @@ class ExtentAllocator:
 
     def can_fit(self, nbytes: int) -> bool:
         size = self.rounded(nbytes)
-        return any(length >= size for length in self._lens)
+        for length in self._lens:  # NOTE: a plain loop: any(<genexpr>) costs ~1 us more
+            if length >= size:
+                return True
+        return False
 
     @property
     def free_bytes(self) -> int:

@@ -14,9 +14,13 @@ Writes go into one write transaction per :meth:`NVMeTier.batch` (the Store opens
 call), or one per operation outside a batch; with ``durable=True`` LMDB syncs on commit, so a
 block whose put returned survives ``kill -9``. A batch is a deferred commit, not an atomic
 unit: whatever the Store did inside it is committed when it ends, even on an exception (the
-Store has already undone its own inserts by then). A value that fails its integrity check is
-deleted (the Store counts it), never returned. Not thread-safe by itself beyond LMDB's own
-rules: the Store serialises writers.
+Store has already undone its own inserts by then). Inside :meth:`NVMeTier.pipelined` (a Store
+call that writes many blocks), values are encoded ahead on a background thread
+(``tiers.nvme_ahead``) while this thread writes the previous ones, and the batch commits every
+``PIPELINE_COMMIT_BYTES`` as it goes, so the disk writes overlap the encoding: a batch is several
+durable commits then, each made before the call returns. A value that fails its integrity check
+is deleted (the Store counts it), never returned. Not thread-safe by itself beyond LMDB's own
+rules: the Store serialises writers (LMDB's write transactions stay on the caller's thread).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator, MutableMapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,9 +43,13 @@ from kvstore.errors import IntegrityError, ResourceExhausted
 from kvstore.quantization import Quantization
 from kvstore.spec import ModelSpec
 from tiers.base import BlockRef, TierUsage
+from tiers.nvme_ahead import AheadJob, BufferPool, EncodeAhead
 
 _META = struct.Struct("<32sIIQdd16sB")  # parent, depth, tokens, nbytes, created, ttl, fp, has_ttl
 TENANT_PREFIX_BYTES = 16
+#: Inside a pipelined batch, commit (durably) once this many value bytes are pending, so the disk
+#: writes and syncs of the values stored so far overlap the encoding of the next ones.
+PIPELINE_COMMIT_BYTES = 4 << 20
 
 
 def tenant_prefix(tenant: str) -> bytes:
@@ -120,14 +129,21 @@ class NVMeTier:
     tier = Tier.NVME
 
     def __init__(self, path: Path, capacity: int, *, durable: bool = True,
-                 map_size: int | None = None) -> None:
+                 map_size: int | None = None,
+                 pipeline_commit_bytes: int | None = None,
+                 writemap: bool = False) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.capacity = capacity
         # Room for LMDB's own pages and for values that do not compress (header overhead).
+        # NOTE: writemap (values copied straight into the file mapping, no malloc'd dirty
+        # pages, no copy at commit) is off by default: LMDB then extends the file to map_size
+        # as a sparse file, and a write fault on a full disk is SIGBUS, not an error; on this
+        # VM its gain did not stand out of the noise (see bench/RESULTS.md, tiers suite).
         self._env = lmdb.open(
             str(self.path), map_size=map_size or max(capacity * 2 + (256 << 20), 1 << 26),
-            max_dbs=8, sync=durable, metasync=durable, readahead=False, lock=True)
+            max_dbs=8, sync=durable, metasync=durable, readahead=False, lock=True,
+            writemap=writemap)
         self._blocks = self._env.open_db(b"blocks")
         self._meta = self._env.open_db(b"meta")
         self._specs = self._env.open_db(b"specs")
@@ -140,6 +156,12 @@ class NVMeTier:
         self._used = 0
         self._known_specs: set[bytes] = set()
         self._scratch = np.empty(0, dtype=np.uint8)
+        self._commit_bytes = (PIPELINE_COMMIT_BYTES if pipeline_commit_bytes is None
+                              else pipeline_commit_bytes)
+        self._ahead: EncodeAhead | None = None
+        self._ahead_exec: ThreadPoolExecutor | None = None
+        self._ahead_buffers = BufferPool(keep=3)
+        self._pending_bytes = 0  # value bytes written in the open batch since its last commit
 
     # -- open / recovery ----------------------------------------------------------------------
     def key_backend(self) -> MutableMapping[str, bytes]:
@@ -181,28 +203,40 @@ class NVMeTier:
             return True
         if self._used + ref.nbytes > self.capacity:
             return False
-        # NOTE: one reused scratch buffer (the Store serialises calls): a fresh 32 MiB buffer
-        # per put costs more in page faults than the cipher does.
-        need = self.codec.max_encoded_nbytes(ref.spec)
-        if self._scratch.shape[0] < need:
-            self._scratch = np.empty(need, dtype=np.uint8)
-        n = self.codec.encode_into(ref.tenant, ref.key, ref.spec, data, self._scratch, quant=quant)
-        value = memoryview(self._scratch)[:n]
+        ahead = self._ahead
+        staged = ahead.take(ref, data, quant) if ahead is not None else None
+        if staged is None:
+            # NOTE: one reused scratch buffer (the Store serialises calls): a fresh 32 MiB
+            # buffer per put costs more in page faults than the cipher does.
+            need = self.codec.max_encoded_nbytes(ref.spec)
+            if self._scratch.shape[0] < need:
+                self._scratch = np.empty(need, dtype=np.uint8)
+            buf = self._scratch
+            n = self.codec.encode_into(ref.tenant, ref.key, ref.spec, data, buf, quant=quant)
+        else:
+            buf, n = staged
         k = self._dbkey(ref)
         fp = ref.spec.fingerprint
         try:
             with self._write() as txn:
                 if fp not in self._known_specs:
                     txn.put(fp, json.dumps(ref.spec.to_dict()).encode(), db=self._specs)
-                txn.put(k, value, db=self._blocks)
+                txn.put(k, memoryview(buf)[:n], db=self._blocks)
                 txn.put(k, record.pack(), db=self._meta)
         except lmdb.MapFullError:
             if self._batch is not None:  # the open transaction is unusable now
                 raise ResourceExhausted("the NVMe tier's LMDB map is full", resource="nvme")
             return False
+        finally:
+            if staged is not None and ahead is not None:
+                ahead.release(buf)
         self._known_specs.add(fp)
         self._sizes[ref.ident] = ref.nbytes
         self._used += ref.nbytes
+        if ahead is not None and self._batch is not None:
+            self._pending_bytes += n
+            if self._pending_bytes >= self._commit_bytes:
+                self._commit_step()
         return True
 
     def put(self, ref: BlockRef, data: np.ndarray) -> bool:
@@ -244,11 +278,17 @@ class NVMeTier:
     def charge(self, nbytes: int) -> int:
         return nbytes
 
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
     def usage(self) -> TierUsage:
         return TierUsage(Tier.NVME, self._used, self.capacity, len(self._sizes))
 
     def close(self) -> None:
         assert self._batch is None, "close inside a batch"
+        if self._ahead_exec is not None:
+            self._ahead_exec.shutdown(wait=True)
         if self.codec is not None:
             self.codec.close()
         self._env.close()
@@ -265,11 +305,45 @@ class NVMeTier:
             yield
             return
         self._batch = self._env.begin(write=True, buffers=True)
+        self._pending_bytes = 0
         try:
             yield
         finally:
             txn, self._batch = self._batch, None
-            txn.commit()
+            if txn is not None:
+                txn.commit()
+
+    def _commit_step(self) -> None:
+        """Commit the open batch's writes so far and go on in a new transaction (pipelined
+        batches only). Durable like any commit: a block stored here survives kill -9 from now."""
+        txn, self._batch = self._batch, None
+        assert txn is not None
+        txn.commit()
+        self._pending_bytes = 0
+        self._batch = self._env.begin(write=True, buffers=True)
+
+    @contextmanager
+    def pipelined(self, jobs: Sequence[AheadJob]) -> Iterator[None]:
+        """Encode ``jobs`` ahead, in order, on a background thread, while the caller stores them
+        with :meth:`put_record` (same block, same source array, same ``quant``; others are
+        encoded inline). The source arrays must stay valid and unchanged until the block ends.
+        Inside a :meth:`batch`, the writes are committed every ``pipeline_commit_bytes`` (each
+        commit as durable as the batch's last), so a batch is several commits then."""
+        if self._ahead is not None or not jobs or self.codec is None:
+            yield
+            return
+        if self._ahead_exec is None:
+            self._ahead_exec = ThreadPoolExecutor(1, thread_name_prefix="kvstore-nvme-ahead")
+        self._ahead = EncodeAhead(
+            self._ahead_exec,
+            lambda ref, data, quant, out: self.codec.encode_into(
+                ref.tenant, ref.key, ref.spec, data, out, quant=quant),
+            self._ahead_buffers, lambda ref: self.codec.max_encoded_nbytes(ref.spec), jobs)
+        try:
+            yield
+        finally:
+            ahead, self._ahead = self._ahead, None
+            ahead.close()
 
     @contextmanager
     def _write(self) -> Iterator[lmdb.Transaction]:
