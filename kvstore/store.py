@@ -301,6 +301,7 @@ class Store:
             now = self._clock()
             deadline = self._ttl_deadline(tenant, ttl_s, now)
             inserted: list[BlockMeta] = []
+            existing: list[BlockMeta] = []  # already stored: touched and re-timed on success
             held: list[BlockMeta] = []
             guarded: list[Ident] = []
             parent_tier, base_depth = self.tiers[0], 0
@@ -332,8 +333,7 @@ class Store:
                                                  deadline, parent_tier, pinned=sess is not None)
                             inserted.append(m)
                         else:
-                            self._place.touch(m, now)
-                            m.ttl_deadline = _later(m.ttl_deadline, deadline)
+                            existing.append(m)
                             if sess is not None and m.tier > self.tiers[0]:
                                 self._place.promote([m])  # session blocks live in HBM
                                 if m.tier > self.tiers[0]:
@@ -346,6 +346,10 @@ class Store:
                             guarded.append((tenant, key))
                         held.append(m)
                         parent_tier = m.tier
+                    # NOTE: only once every block is placed: a failed put changes no TTL
+                    for m in existing:
+                        self._place.touch(m, now)
+                        m.ttl_deadline = _later(m.ttl_deadline, deadline)
                     if sess is not None:
                         for m in held:
                             self._session_add(sess, m)

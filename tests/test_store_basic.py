@@ -133,6 +133,22 @@ def test_failed_put_rolls_back_the_blocks_it_inserted(open_store, spec):
     assert s.stats()["tiers"]["hbm"]["used_bytes"] == 0
 
 
+def test_failed_put_leaves_the_ttl_of_blocks_it_found_unchanged(open_store, spec, clock):
+    """A put that re-sends a stored block (no TTL: would lift its expiry) and then fails on a
+    later block changes nothing: the stored block still expires when it was due to."""
+    s = open_store(spec, hbm_blocks=2, dram_blocks=0, nvme_blocks=0,
+                   high_watermark=1.0, low_watermark=1.0)
+    keys = s.block_keys("a", spec, tokens(3, spec))
+    s.put("a", spec, keys[:1], make_kv(spec, 1), ttl_s=5)
+    clock.advance(3)
+    s.open_session("a", "s")
+    with pytest.raises(ResourceExhausted):  # 3 pinned blocks do not fit in 2 HBM slots
+        s.put("a", spec, keys, make_kv(spec, 3), session="s")
+    assert s.lookup("a", spec, keys).num_blocks == 1
+    clock.advance(3)
+    assert s.lookup("a", spec, keys).num_blocks == 0  # expired at t=5 as it was put
+
+
 def test_eviction_is_lru_leaf_first_and_demotes(open_store, spec, clock):
     s = open_store(spec, hbm_blocks=4, dram_blocks=4, nvme_blocks=32,
                    high_watermark=1.0, low_watermark=1.0, policy="lru")

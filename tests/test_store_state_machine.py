@@ -91,6 +91,8 @@ class StoreMachine(RuleBasedStateMachine):
             if (t, k) in self.live and not self._expired(t, k):
                 old = self.live[(t, k)]
                 new = None if old is None or new is None else max(old, new)
+            else:  # a fresh block: whatever sessions held a removed one with this key let go
+                self._leave_sessions(t, [k])
             self.live[(t, k)] = new
         if sid is not None:
             state, skeys = self.sessions[(t, sid)]
@@ -115,6 +117,13 @@ class StoreMachine(RuleBasedStateMachine):
             if key in ks:
                 for k in ks[ks.index(key):]:
                     self.live.pop((t, k), None)
+                self._leave_sessions(t, ks[ks.index(key):])
+
+    def _leave_sessions(self, t, gone):
+        """A removed block leaves the sessions that held it (``SessionTable.forget_block``)."""
+        for (tt, sid), (state, skeys) in list(self.sessions.items()):
+            if tt == t:
+                self.sessions[(tt, sid)] = (state, [k for k in skeys if k not in gone])
 
     @rule(t=st.sampled_from(TENANTS))
     def drop_tenant(self, t):
