@@ -19,7 +19,8 @@ one is read again; from :mod:`policy.cost_model` the time a hit saves in each ti
 * **Demotion / admission**: a victim goes to the next tier offered only when its expected
   saving there, ``p × saving(dest)``, pays for writing it there,
   ``write_cost_weight × bytes / bandwidth(dest)``; otherwise it is dropped. A block with
-  resident children is always demoted when possible (dropping it would strand them).
+  resident children is always demoted when possible (dropping it would strand them), and so
+  is a block whose committed NVMe copy exists (demoting it there writes nothing).
 
 Keys are stamped when the policy hears about a block (insert, read, demotion), so they are
 stable between notifications as :class:`policy.registry.KeyedPolicy` requires.
@@ -132,8 +133,9 @@ class CostPolicy:
         return sorted(candidates, key=lambda m: self.evict_key(m, tier, now))
 
     def worth_writing(self, meta: BlockMeta, dest: Tier) -> bool:
-        """Expected saving in ``dest`` pays for the write there (always, with children)."""
-        if meta.children > 0:
+        """Expected saving in ``dest`` pays for the write there (always, with children, and
+        into NVMe when a committed copy is already there: keeping it costs no write)."""
+        if meta.children > 0 or (dest == Tier.NVME and meta.persisted):
             return True
         model = self._model(meta)
         expected = self.reuse.probability(meta) * model.saving(

@@ -163,3 +163,16 @@ def test_rate_valuation_prefers_blocks_read_back_sooner():
 def test_unknown_valuation_is_rejected():
     with pytest.raises(InvalidArgument, match="valuation"):
         CostPolicyConfig(valuation="bogus")
+
+
+def test_a_persisted_block_keeps_its_nvme_copy_when_evicted():
+    """Demoting a block whose NVMe copy is committed writes nothing: the policy never drops it
+    from DRAM when NVMe is offered, however unlikely it is to come back."""
+    pol = CostPolicy(_lookup, CostPolicyConfig(write_cost_weight=10.0))  # writes very dear
+    m = _meta(b"p", 0, tokens=64)  # a small partial block: little to save on a hit
+    m.tier = Tier.DRAM
+    pol.on_insert(m, 0.0)
+    assert pol.demote_to(m, Tier.DRAM, [Tier.NVME], 1.0) is None  # not worth a write
+    m.persisted = True
+    assert pol.demote_to(m, Tier.DRAM, [Tier.NVME], 1.0) == Tier.NVME
+    assert pol.admit(m, Tier.NVME, 1.0)

@@ -185,6 +185,23 @@ def test_default_policy_is_cost_and_demotes_what_is_worth_keeping(open_store, sp
         assert torch.equal(s.get("a", spec, keys), make_kv(spec, 2, seed=i))
 
 
+def test_cost_policy_keeps_nvme_copies_of_blocks_it_evicts_from_dram(open_store, spec):
+    """Two persisted chains take turns in a DRAM tier that holds one: under the default cost
+    policy an evicted block keeps its committed NVMe copy (nothing lost, nothing rewritten)."""
+    s = open_store(spec, hbm_blocks=0, dram_blocks=2, nvme_blocks=8,
+                   high_watermark=1.0, low_watermark=1.0)
+    chains = [s.block_keys("a", spec, tokens(2, spec, start=1000 * i)) for i in range(2)]
+    for i, keys in enumerate(chains):
+        s.put("a", spec, keys, make_kv(spec, 2, seed=i))
+        s.flush()
+    assert s.lookup("a", spec, chains[0]).tiers == ["nvme", "nvme"]  # evicted, not dropped
+    for _ in range(3):
+        for i, keys in enumerate(chains):
+            assert torch.equal(s.get("a", spec, keys), make_kv(spec, 2, seed=i))
+    for keys in chains:
+        assert s.lookup("a", spec, keys).num_blocks == 2
+
+
 def test_ttl_expiry_with_injected_clock(open_store, spec, clock):
     s = open_store(spec, hbm_blocks=1, dram_blocks=1, nvme_blocks=8)
     keys = s.block_keys("a", spec, tokens(3, spec))
