@@ -90,6 +90,16 @@ def _peers_md(res: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _service_md(res: dict[str, Any]) -> str:
+    rows = [[r["clients"], r["plane"], r["bytes_per_client_round"] >> 20,
+             r.get("aggregate_put_get_gbps", r.get("error", "-"))]
+            for r in res.get("concurrency", [])]
+    conc = ("\n**Concurrent clients** (aggregate put+get GB/s, one sidecar)\n\n"
+            + _table(["clients", "plane", "MiB per client per round", "GB/s"], rows) + "\n"
+            if rows else "")
+    return _flat_md({k: v for k, v in res.items() if k != "concurrency"}) + conc
+
+
 def _flat_md(res: dict[str, Any]) -> str:
     rows = [[k, v] for k, v in _flatten(res).items() if not isinstance(v, list)]
     return _table(["figure", "value"], rows) + "\n"
@@ -108,7 +118,8 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 def section_text(doc: dict[str, Any], plot: Path | None, md_dir: Path) -> str:
     m = doc["machine"]
     res = doc["results"]
-    body = {"tiers": _tiers_md, "replay": _replay_md, "peers": _peers_md}.get(
+    body = {"tiers": _tiers_md, "replay": _replay_md, "peers": _peers_md,
+            "service": _service_md}.get(
         doc["suite"], _flat_md)(res)
     if isinstance(res, dict) and "profiles" in res:
         body += "\n" + (profiles_md(res["profiles"]) if res["profiles"] else
