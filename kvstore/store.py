@@ -354,17 +354,25 @@ class Store:
                         for m in held:
                             self._session_add(sess, m)
                 except BaseException:
-                    for m in reversed(inserted):
-                        if self._index.get(m.tenant, m.key) is m:
-                            self._place.remove(m)
+                    self._unput(inserted)
                     raise
                 finally:
                     self._place.protected.difference_update(guarded)
-            self.counters.add("blocks_put", len(inserted))
-            if self._remote is not None and self.config.remote_write == "through":
-                for m in inserted:
-                    if self._index.get(m.tenant, m.key) is m:
-                        self._place.spill_remote(m)
+            self._published(inserted)
+
+    def _unput(self, metas: list[BlockMeta]) -> None:
+        """Roll back the blocks a failed put inserted (those still indexed as themselves)."""
+        for m in reversed(metas):
+            if self._index.get(m.tenant, m.key) is m:
+                self._place.remove(m)
+
+    def _published(self, metas: list[BlockMeta]) -> None:
+        """Count the blocks a put made visible; queue them to the remote tier (write-through)."""
+        self.counters.add("blocks_put", len(metas))
+        if self._remote is not None and self.config.remote_write == "through":
+            for m in metas:
+                if self._index.get(m.tenant, m.key) is m:
+                    self._place.spill_remote(m)
 
     def _put_ahead(self, tenant: str, spec: ModelSpec, keys: list[bytes],
                    data: Callable[[int], Any], parent_tier: Tier) -> AbstractContextManager[None]:
@@ -506,9 +514,7 @@ class Store:
             if b < n:
                 self._put(tenant, spec, keys[b:], lambda i: views[b + i], session, ttl_s, keys[b - 1])
         except BaseException:
-            for m in reversed(adopted):
-                if self._index.get(tenant, m.key) is m:
-                    self._place.remove(m)
+            self._unput(adopted)
             for key in reversed(fresh):
                 m = self._index.get(tenant, key)
                 if m is not None:
@@ -565,15 +571,9 @@ class Store:
                 for m in adopted:
                     self._session_add(sess, m)
         except BaseException:
-            for m in reversed(adopted):
-                if self._index.get(m.tenant, m.key) is m:
-                    self._place.remove(m)
+            self._unput(adopted)
             raise
-        self.counters.add("blocks_put", len(adopted))
-        if self._remote is not None and self.config.remote_write == "through":
-            for m in adopted:
-                if self._index.get(m.tenant, m.key) is m:
-                    self._place.spill_remote(m)
+        self._published(adopted)
         return adopted
 
     # -- lookup / get -------------------------------------------------------------------------
