@@ -33,7 +33,7 @@ from kvstore.spec import ModelSpec
 from proto.kvstore.v1 import kvstore_pb2 as pb
 
 if TYPE_CHECKING:
-    from kvstore.store import PutReservation
+    from kvstore.store_reserve import PutReservation
 
 
 @dataclass(slots=True)

@@ -21,8 +21,10 @@ Primitives and what each guarantees (see DESIGN.md §7 for the invariants):
   block, ``remote_write="through"``) are queued to Redis/Valkey; lookups and gets continue into
   it where the local chain ends and promote what they find.
 * chains      — ``parent=`` continues a chain split across calls; keys must chain from it.
+* reserve/commit_put — a put whose bytes arrive later (the gRPC stream) lands them in reserved
+  tier slots and publishes the slots without a copy (:mod:`kvstore.store_reserve`).
 
-Quantized NVMe copies (opt-in per tenant/model) are the one exception to bit-exact gets.
+Quantized NVMe and remote copies (opt-in per tenant/model) are the one exception to bit-exact gets.
 Thread-safe: one lock owns the index and every pool; every public call that writes to NVMe
 commits before it returns: one LMDB transaction (one sync), or, for a put or flush of many
 blocks bound for NVMe, one every few MiB while the next blocks are encoded (tiers.nvme).
@@ -32,8 +34,8 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import AbstractContextManager, nullcontext
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Any
@@ -41,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernels.copy import copy_bytes
 from kvstore.block import BlockMeta, SessionState, Tier
 from kvstore.config import StoreConfig
 from kvstore.errors import (
@@ -52,12 +55,12 @@ from kvstore.errors import (
     ShapeMismatch,
 )
 from kvstore.index import Ident, PrefixIndex
+from kvstore.keys import ROOT_KEY, block_keys, check_keys
 from kvstore.placement import Placement
 from kvstore.sessions import Session, SessionTable
-from kvstore.keys import ROOT_KEY, block_keys, check_keys
 from kvstore.spec import ModelSpec
 from kvstore.stats import Counters
-from kernels.copy import copy_bytes
+from kvstore.store_reserve import ReservedPuts, _block_views, _parent
 from tiers.base import BlockRef
 from tiers.memory import MemoryTier, default_device, dram_tier, hbm_tier
 from tiers.nvme import NVMeTier
@@ -80,51 +83,7 @@ class TenantPolicy:
     quota_bytes: dict[Tier, int] = field(default_factory=dict)
 
 
-@dataclass(slots=True)
-class PutReservation:
-    """A put whose bytes arrive later (see :meth:`Store.reserve_put`).
-
-    ``views[i]`` is a writable buffer of ``spec.block_nbytes`` inside a memory-tier slot reserved
-    for block i (numpy on a host arena, a device tensor otherwise), or None: the block was
-    already stored, or no memory tier had room; the caller keeps that block's bytes and hands
-    them to :meth:`Store.commit_put`. Reserved slots belong to no block: nothing reads, moves or
-    evicts them, and nothing is visible until the commit."""
-
-    tenant: str
-    spec: ModelSpec
-    keys: list[bytes]
-    parent: bytes
-    views: list[Any]
-    slots: list[tuple[Tier, int] | None]  # (tier, offset) of each reserved slot
-    probe: BlockMeta  # charges the reserved bytes to the tenant
-    charged: bool = True  # the reserved slots count for the tenant
-    done: bool = False
-
-
 _LABELS = tuple(t.label for t in Tier)
-
-
-def _parent(parent: bytes | None) -> bytes:
-    if parent is None:
-        return ROOT_KEY
-    if not isinstance(parent, bytes) or len(parent) != len(ROOT_KEY):
-        raise InvalidArgument(f"parent must be a {len(ROOT_KEY)}-byte block key")
-    return parent
-
-
-def _block_views(spec: ModelSpec, bufs: Sequence[Any], n_keys: int, what: str) -> list[Any]:
-    """Flat uint8 views (no copy) of one caller buffer per key, each a whole block."""
-    if len(bufs) != n_keys:
-        raise ShapeMismatch(f"{len(bufs)} {what}s for {n_keys} keys")
-    views = []
-    for i, b in enumerate(bufs):
-        v = b.reshape(-1).view(torch.uint8) if isinstance(b, torch.Tensor) else \
-            np.frombuffer(b, dtype=np.uint8)
-        if v.shape[0] != spec.block_nbytes:
-            raise ShapeMismatch(f"{what} {i} has {v.shape[0]} bytes, a block of this spec has "
-                                f"{spec.block_nbytes}")
-        views.append(v)
-    return views
 
 
 def _later(a: float | None, b: float | None) -> float | None:
@@ -132,7 +91,7 @@ def _later(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else max(a, b)
 
 
-class Store:
+class Store(ReservedPuts):
     """Use :meth:`Store.open`; see the module docstring for the contracts."""
 
     def __init__(self, config: StoreConfig, *, clock: Clock = time.time) -> None:
@@ -386,196 +345,6 @@ class Store:
 
     # -- room: quotas, watermarks, eviction ---------------------------------------------------
     # -- moves (two-phase) --------------------------------------------------------------------
-    # -- two-phase put: bytes that arrive later -----------------------------------------------
-    def reserve_put(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes], *,
-                    parent: bytes | None = None) -> PutReservation:
-        """Prepare a put whose bytes arrive later (e.g. streamed over the network): reserve a
-        slot in the fastest memory tier that can make room (the tier order along the chain
-        kept) for each block not stored yet, up to the first that finds no room, so the caller
-        writes the bytes straight into the tier instead of staging them for :meth:`put_bytes`
-        to copy again.
-
-        Finish with :meth:`commit_put` (all or nothing, like :meth:`put_bytes`) or
-        :meth:`abort_put`. Reserved bytes count against the tier and the tenant's quota
-        meanwhile (in-flight headroom), and making room for them may evict, as a put would."""
-        self._check_tenant(tenant)
-        keys = check_keys(keys)
-        parent0 = _parent(parent)
-        nbytes = spec.block_nbytes
-        with self._lock, self._batch():
-            self._check_open()
-            self._register_spec(spec)
-            now = self._clock()
-            probe = BlockMeta(key=ROOT_KEY, tenant=tenant, fingerprint=spec.fingerprint,
-                              parent=ROOT_KEY, depth=0, nbytes=nbytes, tokens=spec.block_tokens,
-                              tier=self.tiers[0], created=now, last_access=now)
-            res = PutReservation(tenant, spec, keys, parent0, [None] * len(keys), [None] * len(keys), probe)
-            pm = self._index.get(tenant, parent0) if parent0 != ROOT_KEY else None
-            floor = pm.tier if pm is not None else self.tiers[0]
-            # the stored blocks of the chain stay put while room is made for the others
-            guarded = [(tenant, k) for k in (parent0, *keys)
-                       if (tenant, k) not in self._place.protected and self._index.get(tenant, k) is not None]
-            self._place.protected.update(guarded)
-            try:
-                for i, key in enumerate(keys):
-                    m = self._index.get(tenant, key)
-                    if m is not None:
-                        floor = max(floor, m.tier)
-                        continue
-                    slot = self._reserve_slot(probe, floor)
-                    if slot is None:
-                        break  # no memory tier has room: the rest is stored by copy at commit
-                    tier, offset = res.slots[i] = slot
-                    res.views[i] = self._mem[tier].pending_view(offset, nbytes)
-                    floor = tier
-            except BaseException:
-                self._release_reservation(res)
-                raise
-            finally:
-                self._place.protected.difference_update(guarded)
-            return res
-
-    def _reserve_slot(self, probe: BlockMeta, floor: Tier) -> tuple[Tier, int] | None:
-        for tier in self.tiers:
-            if tier < floor or tier not in self._mem:
-                continue
-            if not self._place.make_room(tier, probe):
-                continue
-            offset = self._mem[tier].reserve_pending(probe.nbytes)
-            if offset is not None:
-                self._place.charge(probe, tier, +1)
-                return tier, offset
-        return None
-
-    def _release_reservation(self, res: PutReservation) -> None:
-        """Free every slot of ``res`` no block adopted (lock held); the reservation is done."""
-        res.done = True
-        for i, slot in enumerate(res.slots):
-            if slot is not None:
-                res.slots[i] = None
-                self._mem[slot[0]].release_pending(slot[1])
-                if res.charged:
-                    self._place.charge(res.probe, slot[0], -1)
-        res.views = [None] * len(res.views)
-
-    def abort_put(self, res: PutReservation) -> None:
-        """Give up a reserved put: its slots are freed, nothing was visible (idempotent)."""
-        with self._lock:
-            self._release_reservation(res)
-
-    def commit_put(self, res: PutReservation, data: Callable[[int], Any], *,
-                   session: str | None = None, ttl_s: float | None = None) -> None:
-        """Publish a reserved put once every slot holds its block's bytes, all or nothing, with
-        :meth:`put_bytes`' semantics. ``data(i)``: the bytes of block i where ``res.views[i]``
-        is None. The reservation is done either way (its unused slots freed).
-
-        The reserved blocks become visible in their slots, without a copy; the blocks around
-        them that had no slot (stored already, or past the memory tiers) go through the
-        ordinary put. If the chain changed since the reservation (a reserved block stored by
-        another call, the parent moved to a slower tier), this is an ordinary put of the whole
-        chain, copying out of the slots."""
-        self._check_tenant(res.tenant)
-        if ttl_s is not None and not ttl_s > 0:
-            raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s}")
-        with self._lock:
-            if res.done:
-                raise FailedPrecondition("this reservation was already committed or aborted")
-            try:
-                with self._batch():
-                    self._check_open()
-                    bufs = [v if v is not None else data(i) for i, v in enumerate(res.views)]
-                    views = _block_views(res.spec, bufs, len(res.keys), "buffer")
-                    self._commit_reserved(res, views, session, ttl_s)
-            finally:
-                self._release_reservation(res)
-
-    def _commit_reserved(self, res: PutReservation, views: list[Any], session: str | None,
-                         ttl_s: float | None) -> None:
-        tenant, spec, keys, slots = res.tenant, res.spec, res.keys, res.slots
-        n = len(keys)
-        # the usual shape: [stored already][reserved slots][no room above NVMe], any part empty
-        a = next((i for i, s in enumerate(slots) if s is not None), n)
-        b = next((i for i in range(a, n) if slots[i] is None), n)
-        if a == b or any(s is not None for s in slots[b:]) or (session is not None and (a or b < n)):
-            # NOTE: a session's pins on the blocks of a first ordinary put could not be undone
-            # if a later part failed: session puts around the slots take the ordinary put
-            self._put_from_slots(res, views, session, ttl_s)
-            return
-        get = self._index.tenant_blocks(tenant).get
-        fresh = [k for k in keys[:a] if get(k) is None]  # removed again if the commit fails
-        adopted: list[BlockMeta] = []
-        try:
-            if a:
-                self._put(tenant, spec, keys[:a], views.__getitem__, session, ttl_s, res.parent)
-            adopted = self._adopt_reserved(res, a, b, session, ttl_s)
-            if not adopted:  # the chain changed since the reservation
-                self._put_from_slots(res, views, session, ttl_s)
-                return
-            if b < n:
-                self._put(tenant, spec, keys[b:], lambda i: views[b + i], session, ttl_s, keys[b - 1])
-        except BaseException:
-            self._unput(adopted)
-            for key in reversed(fresh):
-                m = self._index.get(tenant, key)
-                if m is not None:
-                    for sub in self._index.subtree(m):
-                        self._place.remove(sub)
-            raise
-
-    def _put_from_slots(self, res: PutReservation, views: list[Any], session: str | None,
-                        ttl_s: float | None) -> None:
-        """The ordinary put of the whole chain, copying out of the slots. NOTE: the slots stay
-        reserved meanwhile (nothing may reuse them while they are read), but stop counting for
-        the tenant: the put charges its own blocks."""
-        for slot in res.slots:
-            if slot is not None:
-                self._place.charge(res.probe, slot[0], -1)
-        res.charged = False
-        self._put(res.tenant, res.spec, res.keys, views.__getitem__, session, ttl_s, res.parent)
-
-    def _adopt_reserved(self, res: PutReservation, a: int, b: int, session: str | None,
-                        ttl_s: float | None) -> list[BlockMeta]:
-        """Publish blocks ``a:b`` of ``res`` in their reserved slots (no copy) when the chain is
-        as reserved; [] (nothing changed) when the ordinary put has to run instead."""
-        tenant, spec, keys, slots = res.tenant, res.spec, res.keys, res.slots
-        get = self._index.tenant_blocks(tenant).get
-        if any(get(k) is not None for k in keys[a:b]):
-            return []
-        now = self._clock()
-        parent = keys[a - 1] if a else res.parent
-        base_depth = 0
-        if parent != ROOT_KEY:
-            pm = get(parent)
-            if (pm is None or pm.in_flight or pm.fingerprint != spec.fingerprint
-                    or self._place.expired(pm, now) or pm.tier > slots[a][0]):
-                return []
-            base_depth = pm.depth + 1
-        sess = self._sessions.get(tenant, session) if session is not None else None
-        if sess is not None and Tier.HBM in self._mem and any(s[0] != Tier.HBM for s in slots[a:b]):
-            return []  # session blocks live in HBM: the ordinary put places them
-        deadline = self._ttl_deadline(tenant, ttl_s, now)
-        adopted: list[BlockMeta] = []
-        try:
-            for i in range(a, b):
-                tier, offset = slots[i]
-                meta = BlockMeta(key=keys[i], tenant=tenant, fingerprint=spec.fingerprint,
-                                 parent=keys[i - 1] if i else res.parent, depth=base_depth + i - a,
-                                 nbytes=spec.block_nbytes, tokens=spec.block_tokens, tier=tier,
-                                 created=now, last_access=now, access_count=1, ttl_deadline=deadline)
-                self._mem[tier].adopt(offset, BlockRef(tenant, keys[i], spec))
-                slots[i] = None  # the block owns the slot (and its charge) now
-                self._index.add(meta)
-                adopted.append(meta)
-                self.policy.on_insert(meta, now)
-            if sess is not None:
-                for m in adopted:
-                    self._session_add(sess, m)
-        except BaseException:
-            self._unput(adopted)
-            raise
-        self._published(adopted)
-        return adopted
-
     # -- lookup / get -------------------------------------------------------------------------
     def _chain(self, tenant: str, spec: ModelSpec, keys: list[bytes], now: float,
                parent: bytes = ROOT_KEY) -> list[BlockMeta]:
