@@ -179,7 +179,10 @@ def test_paged_gather_scatter_property(layout, num_layers, num_blocks, bs, k, he
         t = data.draw(st.integers(0, bs * k - 1))
         kv, layer, head = data.draw(st.integers(0, 1)), data.draw(st.integers(0, num_layers - 1)), 0
         ref = engine_token(layers[layer], layout, table[i * k + t // bs], kv, t % bs, head)
-        assert torch.equal(out[i, kv, layer, head, t].view(torch.uint8), ref.contiguous().view(torch.uint8))
+        # NOTE: a fresh dense copy: .contiguous() keeps a size-1 tensor's stride, and a strided
+        # 2-byte tensor cannot be viewed as bytes
+        dense = torch.empty(ref.shape, dtype=ref.dtype).copy_(ref)
+        assert torch.equal(out[i, kv, layer, head, t].view(torch.uint8), dense.view(torch.uint8))
     # scatter into zeroed caches then gather again: identity on the named slots
     fresh = [torch.zeros_like(c) for c in layers]
     scatter_blocks(out, fresh, table, layout)
