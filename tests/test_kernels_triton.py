@@ -63,7 +63,8 @@ def device(request, monkeypatch):
 
 def raw(t: torch.Tensor) -> torch.Tensor:
     """Bytes of a tensor, for bitwise comparison (NaN-safe, fp8-safe)."""
-    return t.contiguous().view(torch.uint8).cpu()
+    # NOTE: a fresh dense copy: .contiguous() keeps a size-1 tensor's stride
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t).view(torch.uint8).cpu()
 
 
 def kv_block(shape, dtype, seed, device, magnitude=1.0):
