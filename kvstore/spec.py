@@ -68,6 +68,7 @@ class ModelSpec:
     num_params: int = 0
     hidden_size: int = 0
     _fingerprint: bytes = field(init=False, repr=False, compare=False, default=b"")
+    _nbytes: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -91,6 +92,9 @@ class ModelSpec:
         fp = hashlib.blake2b(self.canonical(), digest_size=FINGERPRINT_BYTES,
                              person=b"kvstore-spec-v1").digest()
         object.__setattr__(self, "_fingerprint", fp)
+        # NOTE: read on every block of every put/get: computed once, like the fingerprint
+        object.__setattr__(self, "_nbytes", 2 * self.num_layers * self.num_kv_heads
+                           * self.block_tokens * self.head_dim * DTYPES[self.dtype][1])
 
     # -- identity ---------------------------------------------------------------------------
     def canonical(self) -> bytes:
@@ -115,10 +119,7 @@ class ModelSpec:
 
     @property
     def block_nbytes(self) -> int:
-        n = 1
-        for d in self.block_shape:
-            n *= d
-        return n * self.itemsize
+        return self._nbytes
 
     @property
     def torch_dtype(self) -> Any:
