@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import threading
 import time
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from itertools import groupby
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -84,6 +85,7 @@ class TenantPolicy:
 
 
 _LABELS = tuple(t.label for t in Tier)
+_TIER = attrgetter("tier")
 
 
 def _later(a: float | None, b: float | None) -> float | None:
@@ -350,9 +352,11 @@ class Store(ReservedPuts):
                parent: bytes = ROOT_KEY) -> list[BlockMeta]:
         """The usable prefix of ``keys`` (a chain continuing from ``parent``)."""
         out: list[BlockMeta] = []
+        found = out.append
         get = self._index.tenant_blocks(tenant).get
         fp = spec.fingerprint
         prev = parent
+        # NOTE: one tight loop that creates nothing per key: a 128K-token prompt is 8,192 keys
         for key in keys:
             m = get(key)
             if m is None or m.in_flight or m.fingerprint != fp or m.parent != prev:
@@ -360,7 +364,7 @@ class Store(ReservedPuts):
             if m.ttl_deadline is not None and now >= m.ttl_deadline:
                 self._place.drop(m, reason="expired")
                 break
-            out.append(m)
+            found(m)
             prev = key
         return out
 
@@ -375,42 +379,23 @@ class Store(ReservedPuts):
         with self._lock:
             self._check_open()
             now = self._clock()
-            get = self._index.tenant_blocks(tenant).get
-            fp = spec.fingerprint
-            codes: list[Tier] = []
-            found = codes.append
-            expired = None
-            # NOTE: the same walk as _chain, as one tight loop that creates nothing per key (a
-            # 128K-token prompt is 8,192 keys). A hit proves its key well-formed (only 32-byte
-            # keys are stored), so only the keys after the prefix are validated below. An
-            # unhashable key (e.g. a bytearray) stops the walk: it is redone on checked keys.
-            for _ in range(2):
-                prev = parent0
-                try:
-                    for key in keys:
-                        m = get(key)
-                        if m is None or m.in_flight or m.fingerprint != fp or m.parent != prev:
-                            break
-                        if m.ttl_deadline is not None and now >= m.ttl_deadline:
-                            expired = m
-                            break
-                        found(m.tier)
-                        prev = key
-                    break
-                except TypeError:
-                    keys = check_keys(keys)
-                    codes.clear()
-            n = len(codes)
-            rest = check_keys(keys[n:])
-            if expired is not None:
-                self._place.drop(expired, reason="expired")
+            # NOTE: keys are validated only past the prefix found (a hit proves its key
+            # well-formed: only 32-byte keys are stored); an unhashable key (a bytearray) stops
+            # the walk before it changed anything, and it is redone on checked keys.
+            try:
+                chain = self._chain(tenant, spec, keys, now, parent0)
+            except TypeError:
+                keys = check_keys(keys)
+                chain = self._chain(tenant, spec, keys, now, parent0)
+            rest = check_keys(keys[len(chain):])
             self.counters.add("lookups")
-            if codes and codes.count(codes[0]) == n:  # the usual case: all in one tier
-                tiers = [_LABELS[codes[0]]] * n
-            else:  # else in a few runs (a block is never in a faster tier than its parent)
-                tiers = []
-                for tier, run in groupby(codes):
-                    tiers += [_LABELS[tier]] * len(list(run))
+            # a block is never in a faster tier than its parent: the tiers come in sorted runs
+            tiers, start = [], 0
+            while start < len(chain):
+                tier = chain[start].tier
+                end = bisect_right(chain, tier, lo=start, key=_TIER)
+                tiers += [_LABELS[tier]] * (end - start)
+                start = end
             if self._remote is not None and rest:
                 tiers += ["remote"] * self._remote.prefix_len([BlockRef(tenant, k, spec) for k in rest])
             return LookupResult(len(tiers), tiers)
