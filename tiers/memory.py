@@ -75,12 +75,9 @@ class MemoryTier:
 
     # -- TierBackend --------------------------------------------------------------------------
     def put(self, ref: BlockRef, data: Any) -> bool:
-        ident, n = ref.ident, ref.nbytes
-        assert ident not in self._slots, "put of a block the tier already holds"
-        off = self._alloc.alloc(n)
-        if off is None:
+        if not self.reserve(ref):
             return False
-        self._slots[ident] = (off, n)
+        off, n = self._slots[ref.ident]
         if (self._host is not None and type(data) is np.ndarray and data.dtype == np.uint8
                 and data.shape == (n,)):
             np.copyto(self._host[off : off + n], data)  # the common case: one memcpy
