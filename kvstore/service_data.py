@@ -96,13 +96,12 @@ class DataPlane:
         return result.num_blocks, result.tiers[: result.num_blocks]
 
     def put(self, b: Blocks, buffers: Sequence[Any], session: str, ttl_s: float | None, plane: str = "store") -> int:
-        """Store one buffer of ``spec.block_nbytes`` per key, all or nothing."""
+        """Store one buffer of ``spec.block_nbytes`` per key, all or nothing (the Store checks
+        ``ttl_s``)."""
         nbytes = b.spec.block_nbytes
         for i, buf in enumerate(buffers):
             if len(buf) != nbytes:
                 raise InvalidArgument(f"block {i} has {len(buf)} bytes; the spec's blocks are {nbytes}")
-        if ttl_s is not None and ttl_s <= 0:
-            raise InvalidArgument("ttl_s must be positive")
         self.store.put_bytes(b.namespace, b.spec, b.keys, buffers, session=session or None, ttl_s=ttl_s,
                              parent=b.parent)
         if self.metrics is not None:
@@ -117,8 +116,6 @@ class DataPlane:
                    ttl_s: float | None, plane: str = "stream") -> int:
         """Publish a reserved put, all or nothing; ``data(i)``: block i's bytes where the
         reservation has no slot. The number of blocks written."""
-        if ttl_s is not None and ttl_s <= 0:
-            raise InvalidArgument("ttl_s must be positive")
         self.store.commit_put(reservation, data, session=session or None, ttl_s=ttl_s)
         if self.metrics is not None:
             self.metrics.bytes_in.labels(plane=plane).inc(b.spec.block_nbytes * len(b.keys))

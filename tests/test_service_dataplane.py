@@ -34,6 +34,19 @@ def test_put_get_bit_exact_through_each_plane(sidecar, local):
     assert got.dtype == kv.dtype and torch.equal(got.view(torch.int16), kv.view(torch.int16))
 
 
+@pytest.mark.parametrize("local", [True, False], ids=["shm", "stream"])
+def test_a_non_positive_ttl_is_invalid_and_stores_nothing(sidecar, local):
+    from kvstore.errors import InvalidArgument
+
+    c = sidecar.tenant(f"ttl-{int(local)}", local=local)
+    keys = c.block_keys(SPEC, fresh_tokens(2))
+    for ttl in (0.0, -5.0):
+        with pytest.raises(InvalidArgument, match="ttl_s"):
+            c.put(SPEC, keys, random_kv(2), ttl_s=ttl)
+    assert c.lookup(SPEC, keys).num_blocks == 0
+    assert _hbm_used(sidecar) == 0
+
+
 def test_blocks_larger_than_a_chunk_stream_in_pieces(sidecar):
     spec = ModelSpec(model="big", revision="r", num_layers=4, num_kv_heads=4, head_dim=64, dtype="bfloat16")
     c = sidecar.tenant("chunky", local=False, chunk_bytes=16 * 1024)
