@@ -8,7 +8,8 @@ mechanism needs, in time proportional to the answer:
   fingerprint, and chained parent→child);
 * eviction candidates of a tier: unpinned, not in flight, not protected, and with no child in
   the same or a faster tier (leaf-first, which keeps the tier order along every path);
-* the subtree under a block (deepest first), for drops and deletions.
+* the subtree under a block (deepest first), for drops and deletions;
+* the blocks past their TTL deadline (:class:`kvstore.expiry.DeadlineHeap`), without a scan.
 
 Plain bookkeeping; the Store's lock serialises all calls.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from kvstore.block import BlockMeta, Tier
+from kvstore.expiry import DeadlineHeap
 
 Ident = tuple[str, bytes]
 
@@ -29,6 +31,7 @@ class PrefixIndex:
         self._children: dict[Ident, set[bytes]] = {}
         self._by_tier: dict[Tier, dict[Ident, BlockMeta]] = {t: {} for t in Tier}
         self._persisted: dict[Ident, BlockMeta] = {}  # blocks above NVMe that keep an NVMe copy
+        self._deadlines = DeadlineHeap()  # NOTE: a block's deadline only moves later once indexed
 
     def __len__(self) -> int:
         return self._count
@@ -57,6 +60,7 @@ class PrefixIndex:
             parent.children += 1
         meta.children = len(self._children.get(ident, ()))
         self._track_persisted(meta)
+        self._deadlines.push(meta, self._count)
 
     def remove(self, meta: BlockMeta) -> None:
         ident = (meta.tenant, meta.key)
@@ -99,6 +103,17 @@ class PrefixIndex:
         keys = self._children.get((meta.tenant, meta.key), ())
         per = self._metas.get(meta.tenant, {})
         return [per[k] for k in keys if k in per]
+
+    def expired(self, now: float) -> list[BlockMeta]:
+        """Indexed blocks whose TTL deadline has passed (``now >= deadline``), each reported once;
+        the caller drops them (with their subtrees)."""
+        if self._deadlines.needs_rebuild:
+            self._deadlines.rebuild(self)
+        return self._deadlines.due(now, self._indexed)
+
+    def _indexed(self, meta: BlockMeta) -> bool:
+        per = self._metas.get(meta.tenant)
+        return per is not None and per.get(meta.key) is meta
 
     def in_tier(self, tier: Tier) -> Iterable[BlockMeta]:
         return self._by_tier[tier].values()

@@ -112,6 +112,8 @@ def block_keys(
 
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:
     """Validate a caller-supplied key list; returns it as a list of ``bytes``."""
+    if isinstance(keys, PackedKeys):
+        return keys[:]  # well-formed by construction
     if type(keys) is list and set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {KEY_BYTES}:
         return keys  # the common case, checked at C speed without copying
     out = []
@@ -121,3 +123,35 @@ def check_keys(keys: Sequence[bytes]) -> list[bytes]:
                                   f"{len(k) if hasattr(k, '__len__') else '?'}")
         out.append(bytes(k))
     return out
+
+
+class PackedKeys(Sequence[bytes]):
+    """Keys as they travel: the concatenation of 32-byte keys, read one at a time.
+
+    A lookup probes a handful of positions of a long chain; slicing those keys out of the
+    packed buffer costs nothing per key it does not touch (splitting 8,192 keys into ``bytes``
+    objects would cost more than the lookup itself)."""
+
+    __slots__ = ("_buf", "_n")
+
+    def __init__(self, packed: bytes) -> None:
+        if len(packed) % KEY_BYTES:
+            raise InvalidArgument(f"keys must be a concatenation of {KEY_BYTES}-byte keys, got {len(packed)} bytes")
+        self._buf = bytes(packed)
+        self._n = len(packed) // KEY_BYTES
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        return self._buf[i * KEY_BYTES : (i + 1) * KEY_BYTES]
+
+    @property
+    def packed(self) -> bytes:
+        return self._buf

@@ -341,6 +341,15 @@ class Placement:
         self.policy.on_access(meta, now)
 
     def serve(self, meta: BlockMeta, dst: Any, now: float) -> bool:
+        if not (self.bring_up(meta) and self.copy_out(meta, dst)):
+            return False
+        self.touch(meta, now)
+        return True
+
+    def bring_up(self, meta: BlockMeta) -> bool:
+        """The first half of :meth:`serve`: promote ``meta`` to the top tier when its parent is
+        there (best effort) and count the hit in the tier it is served from; False when the
+        block was lost to an integrity failure meanwhile."""
         first = self.tiers[0]
         if meta.tier != first and meta.tier in (Tier.DRAM, Tier.NVME):
             parent = self._index.get(meta.tenant, meta.parent)
@@ -349,6 +358,11 @@ class Placement:
             if self._index.get(meta.tenant, meta.key) is not meta:
                 return False  # lost to an integrity failure while promoting
         self.counters.add(f"hits_{meta.tier.label}")
+        return True
+
+    def copy_out(self, meta: BlockMeta, dst: Any) -> bool:
+        """The second half of :meth:`serve`: copy (decode) the block's bytes into ``dst``; False
+        when its NVMe value failed its integrity check (the block is gone then)."""
         ref = self.ref(meta)
         if meta.tier == Tier.NVME:
             assert self._nvme is not None
@@ -362,7 +376,6 @@ class Placement:
                 copy_bytes(dst, host)
         else:
             self._mem[meta.tier].get_into(ref, dst)
-        self.touch(meta, now)
         return True
 
     def promote(self, chain: list[BlockMeta], tier: Tier | None = None) -> int:

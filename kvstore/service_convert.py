@@ -20,7 +20,7 @@ import numpy as np
 
 from kvstore.block import Tier
 from kvstore.errors import InvalidArgument
-from kvstore.keys import KEY_BYTES
+from kvstore.keys import KEY_BYTES, PackedKeys
 from kvstore.spec import ModelSpec
 from proto.kvstore.v1 import kvstore_pb2 as pb
 
@@ -55,6 +55,15 @@ def _spec_from_wire(wire: bytes) -> ModelSpec:
 
 def spec_to_pb(spec: ModelSpec) -> pb.ModelSpec:
     return pb.ModelSpec(**{name: getattr(spec, name) for name in _SPEC_FIELDS})
+
+
+def packed_keys(packed: bytes, limit: int) -> PackedKeys:
+    """Packed 32-byte keys left packed (a lookup reads only the few it probes); InvalidArgument
+    on a ragged buffer or past ``limit``."""
+    keys = PackedKeys(packed)
+    if len(keys) > limit:
+        raise InvalidArgument(f"{len(keys)} keys exceed limits.max_keys_per_call={limit}")
+    return keys
 
 
 def split_keys(packed: bytes, limit: int) -> list[bytes]:

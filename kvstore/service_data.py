@@ -24,6 +24,7 @@ from kvstore.metrics import ServiceMetrics
 from kvstore.server_config import LimitsConfig
 from kvstore.service_convert import (
     check_slots,
+    packed_keys,
     parent_from_pb,
     spec_from_pb,
     split_keys,
@@ -33,6 +34,9 @@ from kvstore.spec import ModelSpec
 from proto.kvstore.v1 import kvstore_pb2 as pb
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from kvstore.store_lease import ReadLease
     from kvstore.store_reserve import PutReservation
 
 
@@ -42,7 +46,7 @@ class Blocks:
 
     namespace: str
     spec: ModelSpec
-    keys: list[bytes]
+    keys: Sequence[bytes]  # a list, or PackedKeys from resolve(packed=True)
     computed: bool  # keys were computed from token ids
     parent: bytes | None = None
 
@@ -72,8 +76,10 @@ class DataPlane:
                           parent=parent or ROOT_KEY)
         return ns, keys
 
-    def resolve(self, principal: Principal, target: pb.Target, *, write: bool = False) -> Blocks:
-        """Validate a Target: spec, namespace (read or write access), keys, parent."""
+    def resolve(self, principal: Principal, target: pb.Target, *, write: bool = False,
+                packed: bool = False) -> Blocks:
+        """Validate a Target: spec, namespace (read or write access), keys, parent.
+        ``packed``: keys sent packed stay so (:class:`kvstore.keys.PackedKeys`, for lookups)."""
         spec = spec_from_pb(target.spec, target.HasField("spec"))
         parent = parent_from_pb(target.parent)
         if target.WhichOneof("blocks") == "tokens":
@@ -85,7 +91,9 @@ class DataPlane:
                     f"{len(keys)} blocks exceed limits.max_keys_per_call={self.limits.max_keys_per_call}")
             return Blocks(ns, spec, keys, True, parent)
         ns = resolve_namespace(principal, target.namespace, write=write)
-        return Blocks(ns, spec, split_keys(target.keys, self.limits.max_keys_per_call), False, parent)
+        limit = self.limits.max_keys_per_call
+        keys = packed_keys(target.keys, limit) if packed else split_keys(target.keys, limit)
+        return Blocks(ns, spec, keys, False, parent)
 
     # -- operations ---------------------------------------------------------------------------
     def lookup(self, b: Blocks) -> tuple[int, list[str]]:
@@ -131,6 +139,18 @@ class DataPlane:
             self.metrics.bytes_out.labels(plane=plane).inc(n * b.spec.block_nbytes)
         return n
 
+    def lease(self, b: Blocks, stage: Callable[[int], np.ndarray], plane: str = "stream") -> ReadLease:
+        """The longest usable prefix under a read lease (``Store.lease_prefix``): each block's
+        bytes in place in its memory tier, or copied into ``stage(i)``. Release it in a finally."""
+        lease = self.store.lease_prefix(b.namespace, b.spec, b.keys, stage, parent=b.parent)
+        if self.metrics is not None:
+            try:
+                self.metrics.bytes_out.labels(plane=plane).inc(len(lease.views) * b.spec.block_nbytes)
+            except BaseException:
+                lease.release()
+                raise
+        return lease
+
     def put_local(self, principal: Principal, b: Blocks, region_id: int, offsets: Sequence[int],
                   session: str, ttl_s: float | None) -> int:
         region = self.regions.get(principal.name, region_id)
@@ -166,10 +186,10 @@ class DataPlane:
     def prefetch(self, b: Blocks, tier: Tier) -> int:
         return int(self.store.prefetch(b.namespace, b.spec, b.keys, tier=tier.label, parent=b.parent))
 
-    def delete(self, principal: Principal, namespace: str, packed_keys: bytes) -> int:
+    def delete(self, principal: Principal, namespace: str, packed: bytes) -> int:
         """Delete blocks (audited, whatever the outcome)."""
         ns = resolve_namespace(principal, namespace, write=True)
-        keys = split_keys(packed_keys, self.limits.max_keys_per_call)
+        keys = split_keys(packed, self.limits.max_keys_per_call)
         result = "OK"
         try:
             return int(self.store.delete(ns, keys))

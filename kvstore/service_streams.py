@@ -9,8 +9,14 @@
   each message afresh, and holding tens of MiB of them makes every call fault in new pages
   (~2 GB/s) where a copy into warm memory runs at ~10 GB/s and lets grpc reuse the freed
   message memory. Writing into the slot is that one copy; staging it first would be a second.
-* :func:`get_stream` — reads the served prefix into reused staging buffers (errors surface
-  here, before any frame is sent) and returns the header frame plus a generator of chunk frames.
+* :func:`get_stream` — takes a read lease on the served prefix (``Store.lease_prefix``: errors
+  surface here, before any frame is sent) and returns the header frame plus a generator of chunk
+  frames built straight from the blocks' bytes in their memory tier: one copy, into the frame
+  grpc sends. Blocks that must be decoded (NVMe, remote) or live on an accelerator go through
+  reused staging buffers. The lease pins the blocks and keeps their memory from being reused
+  until the generator ends, is closed (grpc closes it on cancel) or is dropped, so a slow or
+  vanished client never reads bytes that changed under it; the Store's lock is not held while
+  grpc sends.
 
 Frames are :mod:`kvstore.frames`; the servicer only authenticates and maps errors.
 """
@@ -28,6 +34,7 @@ from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhauste
 from kvstore.frames import Frame, data_frame, encode, intact
 from kvstore.service_data import Blocks, DataPlane
 from kvstore.service_resources import StagingPool
+from kvstore.store_lease import ReadLease
 from proto.kvstore.v1 import kvstore_pb2 as pb
 
 
@@ -120,31 +127,50 @@ def receive(frames: Iterator[Frame], n: int, nbytes: int, destination: Callable[
 
 
 def get_stream(plane: DataPlane, p: Principal, request: pb.GetRequest) -> tuple[bytes, Iterator[bytes]]:
-    """Read the served prefix; returns the header frame and a generator of chunk frames."""
+    """Serve the prefix under a read lease; returns the header frame and a generator of chunk
+    frames, each built straight from the block's bytes in its tier (one copy). Errors surface
+    here, before any frame is sent. The generator holds the lease (and the staging buffers of
+    the blocks that had to be decoded or copied off an accelerator) until it ends, is closed
+    (grpc closes it on cancel) or is dropped, started or not."""
     b = plane.resolve(p, request.target)
-    _check_size(plane, b, count_blocks=False)  # bounds the staging memory of one Get
+    _check_size(plane, b, count_blocks=False)  # bounds what one Get holds (leased or staged)
     nbytes = b.spec.block_nbytes
     limit = plane.limits.chunk_bytes
     chunk = min(request.chunk_bytes or limit, limit)
-    outs = [plane.staging.take(nbytes) for _ in b.keys]
+    staged: list[np.ndarray] = []
+
+    def stage(_: int) -> np.ndarray:
+        staged.append(plane.staging.take(nbytes))
+        return staged[-1]
+
     try:
-        n = plane.get_into(b, outs, plane="stream")
+        lease = plane.lease(b, stage, plane="stream")
     except BaseException:
-        _give_all(plane.staging, outs)
+        _give_all(plane.staging, staged)
         raise
-    _give_all(plane.staging, outs[n:])
+    served = {id(v) for v in lease.views}
+    unused = [buf for buf in staged if id(buf) not in served]  # asked for past the prefix
+    staged = [buf for buf in staged if id(buf) in served]
+    _give_all(plane.staging, unused)
+    n = len(lease.views)
     header = encode(pb.GetFrame(header=pb.GetHeader(num_blocks=n, block_nbytes=nbytes)))
-    return header, _chunks(outs[:n], nbytes, chunk, plane.staging)
+    frames = _chunks(lease, nbytes, chunk, plane.staging, staged)
+    next(frames)  # NOTE: started, so closing or dropping it runs its finally (an unstarted
+    return header, frames  # generator's never runs: a Get cancelled after its header would leak)
 
 
-def _chunks(outs: list[np.ndarray], nbytes: int, chunk: int, staging: StagingPool) -> Iterator[bytes]:
+def _chunks(lease: ReadLease, nbytes: int, chunk: int, staging: StagingPool,
+            staged: list[np.ndarray]) -> Iterator[bytes]:
+    """Chunk frames of the leased blocks; the first value (b"") only primes the generator."""
     try:
-        for i, buf in enumerate(outs):
+        yield b""
+        for i, buf in enumerate(lease.views):
             view = memoryview(buf)
             for off in range(0, nbytes, chunk):
                 yield data_frame(pb.GetFrame, i, off, view[off : off + chunk])
     finally:
-        _give_all(staging, outs)
+        lease.release()
+        _give_all(staging, staged)
 
 
 def _give_all(staging: StagingPool, bufs: list[np.ndarray]) -> None:

@@ -56,7 +56,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     def Lookup(self, request, context):
         def call(p: Principal) -> pb.LookupResponse:
-            b = self.plane.resolve(p, request.target)
+            b = self.plane.resolve(p, request.target, packed=True)
             n, tiers = self.plane.lookup(b)
             return pb.LookupResponse(num_blocks=n, tier_codes=tier_codes(tiers),
                                      keys=b"".join(b.keys) if b.computed else b"")

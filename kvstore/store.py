@@ -23,6 +23,8 @@ Primitives and what each guarantees (see DESIGN.md §7 for the invariants):
 * chains      — ``parent=`` continues a chain split across calls; keys must chain from it.
 * reserve/commit_put — a put whose bytes arrive later (the gRPC stream) lands them in reserved
   tier slots and publishes the slots without a copy (:mod:`kvstore.store_reserve`).
+* lease_prefix — a get whose reader reads the blocks in place, outside the lock (the gRPC
+  stream): pinned and never freed until released (:mod:`kvstore.store_lease`).
 
 Quantized NVMe and remote copies (opt-in per tenant/model) are the one exception to bit-exact gets.
 Thread-safe: one lock owns the index and every pool; every public call that writes to NVMe
@@ -38,7 +40,6 @@ from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -56,11 +57,12 @@ from kvstore.errors import (
     ShapeMismatch,
 )
 from kvstore.index import Ident, PrefixIndex
-from kvstore.keys import ROOT_KEY, block_keys, check_keys
+from kvstore.keys import ROOT_KEY, PackedKeys, block_keys, check_keys
 from kvstore.placement import Placement
 from kvstore.sessions import Session, SessionTable
 from kvstore.spec import ModelSpec
 from kvstore.stats import Counters
+from kvstore.store_lease import LeasedGets
 from kvstore.store_reserve import ReservedPuts, _block_views, _parent
 from tiers.base import BlockRef
 from tiers.memory import MemoryTier, default_device, dram_tier, hbm_tier
@@ -85,7 +87,6 @@ class TenantPolicy:
 
 
 _LABELS = tuple(t.label for t in Tier)
-_TIER = attrgetter("tier")
 
 
 def _later(a: float | None, b: float | None) -> float | None:
@@ -93,7 +94,7 @@ def _later(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else max(a, b)
 
 
-class Store(ReservedPuts):
+class Store(ReservedPuts, LeasedGets):
     """Use :meth:`Store.open`; see the module docstring for the contracts."""
 
     def __init__(self, config: StoreConfig, *, clock: Clock = time.time) -> None:
@@ -139,7 +140,8 @@ class Store(ReservedPuts):
             self.keyring = Keyring(master, self._nvme.key_backend())
             self._nvme.codec = Codec(
                 CodecConfig(compression_level=config.compression_level,
-                            encrypt=config.encrypt, threads=config.codec_threads),
+                            encrypt=config.encrypt, threads=config.codec_threads,
+                            min_compress_ratio=config.min_compress_ratio),
                 self.keyring if config.encrypt else None)
         self._place = Placement(config=config, clock=clock, index=self._index, specs=self._specs,
                                 mem=self._mem, nvme=self._nvme, policy=self.policy,
@@ -371,34 +373,72 @@ class Store(ReservedPuts):
     def lookup(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes], *,
                parent: bytes | None = None) -> LookupResult:
         """Longest usable prefix of ``keys`` for ``tenant`` and the tier of each block.
-        ``parent``: the key ``keys[0]`` continues from (a chain split across calls)."""
+        ``parent``: the key ``keys[0]`` continues from (a chain split across calls).
+
+        The answer costs O(log n) index probes, not a walk: every key is the hash of its parent
+        key and its tokens (:func:`kvstore.keys.block_keys`), a block is indexed only under its
+        parent, and expired blocks are dropped before the probes, so whether block i is usable
+        decides it for every block before it. Each probed block's parent link, depth and
+        fingerprint are checked; blocks between probes are taken on the chain's word, so a
+        list that is not a key chain (keys spliced from different prompts) may be answered
+        longer than it is usable. :meth:`get` checks every link and serves only what is.
+        """
         self._check_tenant(tenant)
         parent0 = _parent(parent)
-        if not isinstance(keys, (list, tuple)):
-            keys = list(keys)
+        if not isinstance(keys, PackedKeys):
+            keys = check_keys(keys)
         with self._lock:
             self._check_open()
-            now = self._clock()
-            # NOTE: keys are validated only past the prefix found (a hit proves its key
-            # well-formed: only 32-byte keys are stored); an unhashable key (a bytearray) stops
-            # the walk before it changed anything, and it is redone on checked keys.
-            try:
-                chain = self._chain(tenant, spec, keys, now, parent0)
-            except TypeError:
-                keys = check_keys(keys)
-                chain = self._chain(tenant, spec, keys, now, parent0)
-            rest = check_keys(keys[len(chain):])
+            self._expire_due(self._clock())
+            blocks = self._index.tenant_blocks(tenant)
+            n = self._usable_len(blocks, spec, keys, parent0)
             self.counters.add("lookups")
             # a block is never in a faster tier than its parent: the tiers come in sorted runs
-            tiers, start = [], 0
-            while start < len(chain):
-                tier = chain[start].tier
-                end = bisect_right(chain, tier, lo=start, key=_TIER)
+            tier_of = lambda i: blocks[keys[i]].tier
+            tiers: list[str] = []
+            start = 0
+            while start < n:
+                tier = tier_of(start)
+                end = bisect_right(range(n), tier, lo=start, key=tier_of)
                 tiers += [_LABELS[tier]] * (end - start)
                 start = end
-            if self._remote is not None and rest:
+            if self._remote is not None and n < len(keys):
+                rest = keys[n:]
                 tiers += ["remote"] * self._remote.prefix_len([BlockRef(tenant, k, spec) for k in rest])
             return LookupResult(len(tiers), tiers)
+
+    @staticmethod
+    def _usable_len(blocks: dict[bytes, BlockMeta], spec: ModelSpec, keys: Sequence[bytes],
+                    parent0: bytes) -> int:
+        """How many leading ``keys`` are usable, by bisection over "block i is usable" (see
+        :meth:`lookup`); expired blocks must have been dropped already."""
+        n = len(keys)
+        if not n:
+            return 0
+        if parent0 == ROOT_KEY:
+            base = 0
+        else:
+            pm = blocks.get(parent0)
+            if pm is None or pm.in_flight or pm.fingerprint != spec.fingerprint:
+                return 0
+            base = pm.depth + 1
+        fp = spec.fingerprint
+
+        def usable(i: int) -> bool:
+            m = blocks.get(keys[i])
+            return (m is not None and not m.in_flight and m.fingerprint == fp and m.depth == base + i
+                    and m.parent == (keys[i - 1] if i else parent0))
+
+        if usable(n - 1):  # the common answer when the whole prompt is cached: one probe
+            return n
+        lo, hi = 0, n - 1  # usable(lo - 1) holds (or lo == 0); usable(hi) does not
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if usable(mid):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
 
     def get(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes], *,
             device: str | torch.device | None = None, out: torch.Tensor | None = None,
@@ -584,12 +624,16 @@ class Store(ReservedPuts):
         """Delete every expired block from every tier; returns how many."""
         with self._lock, self._batch():
             self._check_open()
-            now = self._clock()
-            n = 0
-            for m in sorted(self._index, key=lambda m: m.depth):
-                if self._index.get(m.tenant, m.key) is m and self._place.expired(m, now):
-                    n += self._place.drop(m, reason="expired")
-            return n
+            return self._expire_due(self._clock())
+
+    def _expire_due(self, now: float) -> int:
+        """Drop every block past its deadline, with its subtree (pinned or not, as a walk over
+        it would); the number of blocks dropped. Caller holds the lock."""
+        n = 0
+        for m in self._index.expired(now):
+            if self._index.get(m.tenant, m.key) is m:  # not in the subtree of one dropped before
+                n += self._place.drop(m, reason="expired")
+        return n
 
     # -- sessions -----------------------------------------------------------------------------
     def _session(self, tenant: str, session: str) -> Session:

@@ -173,6 +173,9 @@ class StoreMachine(RuleBasedStateMachine):
             return
         for (t, c), keys in self.keys.items():
             m = self.store.lookup(t, SPEC, keys)
+            with self.store._lock:  # the probing lookup agrees with get()'s key-by-key walk
+                walk = self.store._chain(t, SPEC, keys, self.clock())
+            assert (m.num_blocks, m.tiers) == (len(walk), [w.tier.label for w in walk])
             order = ["hbm", "dram", "nvme"]
             assert [order.index(x) for x in m.tiers] == sorted(order.index(x) for x in m.tiers)
             for k in keys[: m.num_blocks]:

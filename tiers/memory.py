@@ -7,6 +7,12 @@ handing out contiguous slots; a block's bytes live at ``arena[offset : offset + 
   the same code path.
 * DRAM: a host arena, page-locked (pinned) when CUDA is present so device copies are async DMA.
 
+Read leases (:meth:`MemoryTier.lease` / :meth:`MemoryTier.unlease`) let a reader outside the
+owner's lock read a block's bytes in place (a host arena only): while a slot is leased its memory
+is never reused. Deleting a leased block removes it from the tier at once (it is no longer here)
+but frees its slot only at the last unlease, so a block moved or deleted meanwhile cannot change
+the bytes under the reader.
+
 Not thread-safe by itself: the Store is the one owner and serialises calls.
 """
 
@@ -36,6 +42,8 @@ class MemoryTier:
         #: a fraction of a microsecond where a torch slice costs several (per-put overhead).
         self._host: np.ndarray | None = self._arena.numpy() if self.device.type == "cpu" else None
         self._slots: dict[tuple[str, bytes], tuple[int, int]] = {}  # ident -> (offset, nbytes)
+        self._leases: dict[int, int] = {}  # offset -> read leases held on that slot
+        self._orphans: set[int] = set()  # leased slots whose block was deleted: freed at the last unlease
 
     # -- allocation (the prepare half of a move) ----------------------------------------------
     def reserve(self, ref: BlockRef) -> bool:
@@ -51,6 +59,31 @@ class MemoryTier:
         """The block's bytes inside the arena (a view; valid until the block is deleted)."""
         off, n = self._slots[ref.ident]
         return self._arena[off : off + n]
+
+    # -- read leases (readers outside the owner's lock) -----------------------------------------
+    def lease(self, ref: BlockRef) -> tuple[int, np.ndarray] | None:
+        """A read-only host view of the block's bytes and the lease's token (for :meth:`unlease`);
+        None when the block is not here or the arena is not host memory (copy it out instead).
+        Until the lease ends, the slot's memory is never reused, whatever happens to the block."""
+        slot = self._slots.get(ref.ident)
+        if slot is None or self._host is None:
+            return None
+        off, n = slot
+        self._leases[off] = self._leases.get(off, 0) + 1
+        view = self._host[off : off + n]
+        view.flags.writeable = False
+        return off, view
+
+    def unlease(self, token: int) -> None:
+        """End one lease taken by :meth:`lease`; the last one frees a slot deleted meanwhile."""
+        left = self._leases[token] - 1  # KeyError on an unlease without a lease: a bug, let it surface
+        if left:
+            self._leases[token] = left
+            return
+        del self._leases[token]
+        if token in self._orphans:
+            self._orphans.discard(token)
+            self._alloc.free(token)
 
     # -- pending slots (two-phase writes whose bytes arrive later) ----------------------------
     def reserve_pending(self, nbytes: int) -> int | None:
@@ -99,7 +132,10 @@ class MemoryTier:
         slot = self._slots.pop(ref.ident, None)
         if slot is None:
             return False
-        self._alloc.free(slot[0])
+        if slot[0] in self._leases:
+            self._orphans.add(slot[0])  # NOTE: a reader holds it: freed at its last unlease
+        else:
+            self._alloc.free(slot[0])
         return True
 
     def contains(self, ref: BlockRef) -> bool:
@@ -120,7 +156,10 @@ class MemoryTier:
         return TierUsage(self.tier, self._alloc.used, self.capacity, len(self._slots))
 
     def close(self) -> None:
+        """Drop every block; views still leased keep the old arena's memory alive."""
         self._slots.clear()
+        self._leases.clear()
+        self._orphans.clear()
         self._arena = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._host = None
 

@@ -1,0 +1,148 @@
+"""Read leases of the Store: serve a prefix as views of the tiers' own memory, without a copy.
+
+The in-band gRPC Get builds each frame straight from a block's bytes in its memory tier instead
+of copying the prefix into staging buffers first (:meth:`LeasedGets.lease_prefix`). A mixin of
+:class:`kvstore.store.Store`, like :mod:`kvstore.store_reserve`: it uses the Store's lock, chain
+walk, placement and tiers, and finds and serves exactly what :meth:`Store.get_into` would (the
+longest usable prefix of the tenant's chain, promotions and counters included).
+
+While a :class:`ReadLease` is held:
+
+* its blocks in a host memory tier (HBM on a CPU machine, DRAM) are pinned: never evicted or
+  demoted, so a reader that is slow (or gone) cannot lose the cache its blocks;
+* their slots are never reused: a block deleted, expired, dropped with its tenant or promoted
+  meanwhile leaves its tier at once (nobody else finds it there), but its memory is freed only
+  when the last lease on it ends (:meth:`tiers.memory.MemoryTier.lease`), so the bytes under the
+  reader never change;
+* every other block (NVMe and remote values, which must be decoded, and HBM on an accelerator,
+  whose memory is a device tensor) was copied into a host buffer the caller provided, as
+  ``get_into`` does.
+
+End it with :meth:`ReadLease.release` (idempotent; the lease is also a context manager) in a
+``finally``: a lease never released keeps its blocks pinned. The Store's lock is held only to take
+and to end the lease, never while the reader reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Self
+
+import numpy as np
+
+from kvstore.block import BlockMeta
+from kvstore.keys import check_keys
+from kvstore.spec import ModelSpec
+from kvstore.store_reserve import _parent
+from tiers.memory import MemoryTier
+
+
+class ReadLease:
+    """The served prefix of a :meth:`LeasedGets.lease_prefix`: ``views[i]`` holds the bytes of
+    block i (a flat uint8 array, to be read only: a view of tier memory, or the caller's buffer
+    the block was copied into); ``len(views)`` blocks were served. The views are valid until
+    :meth:`release`."""
+
+    __slots__ = ("_held", "_released", "_store", "views")
+
+    def __init__(self, store: LeasedGets) -> None:
+        self.views: list[np.ndarray] = []
+        self._store = store
+        self._held: list[tuple[BlockMeta, MemoryTier, int]] = []  # (block, tier, tier's token)
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        """Unpin the blocks and give their slots back to their tiers (idempotent, thread-safe)."""
+        self._store._end_lease(self)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class LeasedGets:
+    """Store methods of the read lease (see the module docstring)."""
+
+    def lease_prefix(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes],
+                     stage: Callable[[int], np.ndarray], *, parent: bytes | None = None) -> ReadLease:
+        """Serve the longest usable prefix of ``keys`` (as :meth:`get_into` does) under a read
+        lease: block i's bytes stay where they are when its tier is host memory, else they are
+        copied into ``stage(i)`` (a writable flat uint8 host array of ``spec.block_nbytes`` the
+        caller owns; it may be asked for blocks past the prefix that end up unused).
+
+        Release the returned lease in a ``finally``. Errors surface here, with nothing held."""
+        self._check_tenant(tenant)
+        keys = check_keys(keys)
+        parent0 = _parent(parent)
+        lease = ReadLease(self)
+        with self._lock, self._batch():
+            self._check_open()
+            now = self._clock()
+            chain = self._chain(tenant, spec, keys, now, parent0)
+            protected = self._place.protected
+            idents = [(m.tenant, m.key) for m in chain if (m.tenant, m.key) not in protected]
+            protected.update(idents)
+            views = lease.views
+            try:
+                for m in chain:
+                    if not self._place.bring_up(m):
+                        break
+                    view = self._lease_block(lease, m)
+                    if view is None:
+                        view = _staged(stage, len(views), spec)
+                        if not self._place.copy_out(m, view):
+                            break
+                    self._place.touch(m, now)
+                    views.append(view)
+                if self._remote is not None and len(views) == len(chain) < len(keys):
+                    start, outs = len(views), {}
+
+                    def out(i: int) -> np.ndarray:
+                        outs[i] = _staged(stage, i, spec)
+                        return outs[i]
+
+                    n = self._get_remote(tenant, spec, keys, start, out, chain, parent0, now, idents)
+                    views += [outs[start + i] for i in range(n)]
+            except BaseException:
+                self._end_lease(lease)
+                raise
+            finally:
+                protected.difference_update(idents)
+            self.counters.add("hits", len(views))
+            self.counters.add("misses", len(keys) - len(views))
+            return lease
+
+    def _lease_block(self, lease: ReadLease, meta: BlockMeta) -> np.ndarray | None:
+        """Lease ``meta``'s bytes in place (lock held); None when its tier is not host memory."""
+        tier = self._mem.get(meta.tier)
+        got = tier.lease(self._place.ref(meta)) if tier is not None else None
+        if got is None:
+            return None
+        token, view = got
+        meta.pins += 1
+        lease._held.append((meta, tier, token))
+        return view
+
+    def _end_lease(self, lease: ReadLease) -> None:
+        with self._lock:
+            if lease._released:
+                return
+            lease._released = True
+            held, lease._held, lease.views = lease._held, [], []
+            for meta, tier, token in held:
+                meta.pins -= 1  # NOTE: harmless on a block deleted meanwhile (no longer indexed)
+                if not self._closed:  # a closed tier dropped its leases (and its slots) already
+                    tier.unlease(token)
+
+
+def _staged(stage: Callable[[int], np.ndarray], i: int, spec: ModelSpec) -> np.ndarray:
+    buf = stage(i)
+    assert isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.shape == (spec.block_nbytes,), \
+        "stage(i) must return a flat uint8 array of one block"
+    return buf
