@@ -187,6 +187,10 @@ class ReservedPuts:
             return
         get = self._index.tenant_blocks(tenant).get
         fresh = [k for k in keys[:a] if get(k) is None]  # removed again if the commit fails
+        # the first put extends the deadlines of the stored blocks it covers: put back if a
+        # later part fails. NOTE: safe for the DeadlineHeap (deadlines only move later) because
+        # the lock is held throughout: no expiry step ran between the extension and the undo
+        timed = [(m, m.ttl_deadline) for m in map(get, keys[:a]) if m is not None]
         adopted: list[BlockMeta] = []
         try:
             if a:
@@ -204,6 +208,8 @@ class ReservedPuts:
                 if m is not None:
                     for sub in self._index.subtree(m):
                         self._place.remove(sub)
+            for m, deadline in timed:
+                m.ttl_deadline = deadline
             raise
 
     def _put_from_slots(self, res: PutReservation, views: list[Any], session: str | None,

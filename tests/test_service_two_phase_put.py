@@ -189,3 +189,20 @@ def test_making_room_for_the_slots_never_moves_the_stored_part_of_the_chain(open
     assert store.lookup(T, spec, keys).tiers == ["hbm", "hbm", "hbm", "dram"]
     assert store.lookup(T, spec, other).tiers == ["dram"]
     assert torch.equal(store.get(T, spec, keys).view(torch.int16), kv.view(torch.int16))
+
+
+def test_a_failed_commit_leaves_the_stored_prefix_deadlines_as_they_were(open_store, spec, clock):
+    """The commit's first part (the stored prefix) extends its blocks' TTLs; when a later part
+    fails, the put changed nothing, those deadlines included."""
+    store = open_store(spec, hbm_blocks=2, dram_blocks=0, nvme_blocks=0)
+    keys = store.block_keys(T, spec, tokens(3, spec))
+    kv = make_kv(spec, 3, seed=6)
+    store.put(T, spec, keys[:1], kv[:1], ttl_s=5.0)
+    res = store.reserve_put(T, spec, keys)
+    assert res.views[0] is None and res.views[1] is not None and res.views[2] is None
+    with pytest.raises(ResourceExhausted):
+        store.commit_put(res, _fill(res, _rows(kv)).__getitem__, ttl_s=100.0)
+    assert store.lookup(T, spec, keys).num_blocks == 1
+    clock.advance(5.0)
+    assert store.lookup(T, spec, keys).num_blocks == 0, "the failed put extended the prefix's TTL"
+    assert _used(store)["hbm"] == 0
