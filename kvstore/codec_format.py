@@ -19,6 +19,7 @@ authenticates nothing (the codec does, when it decodes).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from dataclasses import dataclass
@@ -56,8 +57,10 @@ def spec_fingerprint(spec: ModelSpec) -> bytes:
     return spec.fingerprint
 
 
+@functools.lru_cache(maxsize=4096)
 def tenant_hash(tenant: str) -> bytes:
-    """The 16-byte tenant namespace hash stored in headers (the name itself is not stored)."""
+    """The 16-byte tenant namespace hash stored in headers (the name itself is not stored).
+    Memoized: every encode and decode needs it, and a process serves few tenants."""
     return hashlib.blake2b(tenant.encode(), digest_size=TENANT_HASH_BYTES, person=b"kvstore-tenant").digest()
 
 
@@ -141,22 +144,24 @@ def parse_header(value: Any) -> HeaderInfo:
     off += dtype_len
     shape = struct.unpack_from(f"<{ndim}I", mv, off)
     off += 4 * ndim
-    chunks = []
-    for i, (lo, hi) in enumerate(chunk_ranges(raw_len, chunk_bytes)):
-        stored, cflags, extra = entry.unpack_from(mv, off)
-        off += entry.size
+    table_end = off + n_chunks * entry.size
+    chunks = tuple(entry.iter_unpack(mv[off:table_end]))
+    off = table_end
+    payload = 0
+    for i, (stored, cflags, _) in enumerate(chunks):
+        size = chunk_bytes if i < n_chunks - 1 else raw_len - chunk_bytes * (n_chunks - 1)
         compressed = cflags == CHUNK_COMPRESSED
         if cflags not in (0, CHUNK_COMPRESSED) or (compressed and comp == COMPRESSION_NONE):
             raise IntegrityError(f"chunk {i}: bad chunk flags {cflags:#x}")
-        if stored > hi - lo or (not compressed and stored != hi - lo):
-            raise IntegrityError(f"chunk {i}: stored length {stored} impossible for {hi - lo} raw bytes")
-        chunks.append((stored, cflags, extra))
+        if stored > size or (not compressed and stored != size):
+            raise IntegrityError(f"chunk {i}: stored length {stored} impossible for {size} raw bytes")
+        payload += stored
     if not encrypted:
         if checksum(mv[:off]) != bytes(mv[off : off + DIGEST_BYTES]):
             raise IntegrityError("header checksum mismatch")
         off += DIGEST_BYTES
-    info = HeaderInfo(version, encrypted, comp, quant, itemsize, dtype, tuple(shape), raw_len,
-                      chunk_bytes, fp, key, th, tuple(chunks), off)
-    if len(mv) != info.total_nbytes:
-        raise IntegrityError(f"value length {len(mv)} != {info.total_nbytes} announced by its header")
-    return info
+    total = off + payload + (TAG_BYTES * n_chunks if encrypted else 0)
+    if len(mv) != total:
+        raise IntegrityError(f"value length {len(mv)} != {total} announced by its header")
+    return HeaderInfo(version, encrypted, comp, quant, itemsize, dtype, tuple(shape), raw_len,
+                      chunk_bytes, fp, key, th, chunks, off)

@@ -79,12 +79,13 @@ def test_codec_round_trip_bit_exact(dtype: str, layers: int, heads: int, head_di
         assert np.array_equal(out, data)
 
 
-def test_bf16_kv_compresses_and_random_bytes_are_stored_raw(codec: Codec) -> None:
+def test_bf16_kv_compresses_and_random_bytes_are_stored_raw(keyring: Keyring) -> None:
     spec = _spec("bfloat16", layers=4)
-    kv = codec.encode("t", KEY_A, spec, _kv_bytes(spec))
+    with Codec(CodecConfig(chunk_bytes=4096, min_compress_ratio=1.0), keyring) as codec:
+        kv = codec.encode("t", KEY_A, spec, _kv_bytes(spec))
+        rnd = codec.encode("t", KEY_A, spec, _kv_bytes(spec, kind="random"))
     assert len(kv) < 0.8 * spec.block_nbytes
     assert all(flags == 1 for _, flags, _ in parse_header(kv).chunks)
-    rnd = codec.encode("t", KEY_A, spec, _kv_bytes(spec, kind="random"))
     assert all(flags == 0 for _, flags, _ in parse_header(rnd).chunks)  # incompressible -> raw
 
 
@@ -145,7 +146,8 @@ def _flip(value: bytes | bytearray, pos: int) -> bytes:
 def test_every_tamper_is_an_integrity_error(keyring: Keyring, level: int) -> None:
     spec = _spec("bfloat16")
     data = _kv_bytes(spec)
-    with Codec(CodecConfig(compression_level=level, chunk_bytes=4096), keyring) as codec:
+    cfg = CodecConfig(compression_level=level, chunk_bytes=4096, min_compress_ratio=1.0)
+    with Codec(cfg, keyring) as codec:
         value = bytes(codec.encode("t", KEY_A, spec, data))
         info = parse_header(value)
         hn = info.header_nbytes
@@ -234,7 +236,8 @@ def test_encrypted_and_plain_values_do_not_cross(keyring: Keyring) -> None:
 def test_unencrypted_checksum_catches_any_flipped_byte(level: int) -> None:
     spec = _spec("float16", layers=1, heads=1, head_dim=32, tokens=8)
     data = _kv_bytes(spec)
-    with Codec(CodecConfig(compression_level=level, encrypt=False, chunk_bytes=4096), None) as codec:
+    cfg = CodecConfig(compression_level=level, encrypt=False, chunk_bytes=4096, min_compress_ratio=1.0)
+    with Codec(cfg, None) as codec:
         value = bytes(codec.encode("t", KEY_A, spec, data))
         for pos in range(0, len(value), 7):
             with pytest.raises(IntegrityError):
@@ -244,7 +247,7 @@ def test_unencrypted_checksum_catches_any_flipped_byte(level: int) -> None:
 
 def test_corrupt_zstd_frame_with_valid_checksums_is_an_integrity_error() -> None:
     spec = _spec("bfloat16", layers=1)
-    with Codec(CodecConfig(encrypt=False, chunk_bytes=1 << 20), None) as codec:
+    with Codec(CodecConfig(encrypt=False, chunk_bytes=1 << 20, min_compress_ratio=1.0), None) as codec:
         value = bytearray(codec.encode("t", KEY_A, spec, _kv_bytes(spec)))
         info = parse_header(value)
         stored, flags, _ = info.chunks[0]
@@ -265,13 +268,29 @@ def test_corrupt_zstd_frame_with_valid_checksums_is_an_integrity_error() -> None
 def test_any_single_flipped_bit_is_detected(data: st.DataObject, level: int, encrypt: bool) -> None:
     spec = _spec("bfloat16", layers=1, heads=1, head_dim=64, tokens=16)
     block = _kv_bytes(spec, seed=3)
-    cfg = CodecConfig(compression_level=level, encrypt=encrypt, chunk_bytes=1024 * 4)
+    cfg = CodecConfig(compression_level=level, encrypt=encrypt, chunk_bytes=1024 * 4,
+                      min_compress_ratio=1.0)  # level 1: the compressed layout
     with Codec(cfg, Keyring(MASTER, {}) if encrypt else None) as codec:
         value = bytearray(codec.encode("t", KEY_A, spec, block))
         pos = data.draw(st.integers(0, len(value) - 1))
         value[pos] ^= 1 << data.draw(st.integers(0, 7))
         with pytest.raises(IntegrityError):
             codec.decode("t", KEY_A, spec, value)
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_value_with_larger_chunks_than_the_reader_decodes(keyring: Keyring, encrypt: bool) -> None:
+    """Bug: decode staged a compressed chunk in a scratch buffer sized by the reader's own
+    chunk_bytes, so a value written with larger chunks (another config or server) failed its
+    integrity check and was deleted as corrupt."""
+    spec = _spec("bfloat16", layers=8)  # 64 KiB: one chunk of 64 KiB for the writer
+    data = _kv_bytes(spec)
+    kr = keyring if encrypt else None
+    with Codec(CodecConfig(encrypt=encrypt, chunk_bytes=1 << 20, min_compress_ratio=1.0), kr) as writer, \
+            Codec(CodecConfig(encrypt=encrypt, chunk_bytes=4096), kr) as reader:
+        value = writer.encode("t", KEY_A, spec, data)
+        assert parse_header(value).chunk_bytes > 4096 and parse_header(value).chunks[0][1] == 1
+        assert np.array_equal(reader.decode("t", KEY_A, spec, value), data)
 
 
 def test_concurrent_callers_share_one_codec(keyring: Keyring) -> None:

@@ -25,6 +25,7 @@ rules: the Store serialises writers (LMDB's write transactions stay on the calle
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -52,6 +53,7 @@ TENANT_PREFIX_BYTES = 16
 PIPELINE_COMMIT_BYTES = 4 << 20
 
 
+@functools.lru_cache(maxsize=4096)
 def tenant_prefix(tenant: str) -> bytes:
     return hashlib.blake2b(tenant.encode(), digest_size=TENANT_PREFIX_BYTES,
                            person=b"kvstore-tenant").digest()
