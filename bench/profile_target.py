@@ -36,6 +36,7 @@ def run(target: str, mib: int, blocks: int, rounds: int, level: int, encrypt: bo
     store = Store.open(StoreConfig(path=workdir, hbm_bytes=0, dram_bytes=dram, nvme_bytes=nvme,
                                    device="cpu", master_key=MASTER_KEY, durable=True,
                                    encrypt=encrypt, compression_level=level,
+                                   min_compress_ratio=1.0,  # --level N compresses every block
                                    persist_on_close=False, policy="lru"))  # as the suites
     outs = [np.empty(spec.block_nbytes, np.uint8) for _ in range(blocks)]
     try:

@@ -78,14 +78,19 @@ def variant_name(encrypt: bool, level: int) -> str:
 
 
 def _open(path: Path, *, hbm: int = 0, dram: int = 0, nvme: int = 0, encrypt: bool = True,
-          level: int = 1) -> Store:
+          level: int = 1, min_ratio: float | None = 1.0, durable: bool = True) -> Store:
+    """A Store for one path. ``min_ratio``: the codec's ``min_compress_ratio``; 1.0 (the
+    default here) always compresses when ``level`` > 0, so a ``zstd1`` path measures zstd (the
+    Store's own default stores KV raw: it does not compress enough to pay); None: the Store's
+    default."""
     # NOTE: the LRU baseline policy, whatever the default: these are mechanism paths, and the
     # nvme->dram setup needs evicted, persisted blocks demoted (kept in NVMe), which the
     # cost-aware policy may decide against (it drops blocks it deems not worth keeping).
+    extra = {} if min_ratio is None else {"min_compress_ratio": min_ratio}
     return Store.open(StoreConfig(path=path, hbm_bytes=hbm, dram_bytes=dram, nvme_bytes=nvme,
-                                  device="cpu", master_key=MASTER_KEY, durable=True,
+                                  device="cpu", master_key=MASTER_KEY, durable=durable,
                                   encrypt=encrypt, compression_level=level,
-                                  persist_on_close=False, policy="lru"))
+                                  persist_on_close=False, policy="lru", **extra))
 
 
 def disk_write_measure(blocks: list[np.ndarray], workdir: Path) -> Measure:
