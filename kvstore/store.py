@@ -58,6 +58,7 @@ from kvstore.errors import (
 )
 from kvstore.index import Ident, PrefixIndex
 from kvstore.keys import ROOT_KEY, PackedKeys, block_keys, check_keys
+from kvstore.memtune import retain_freed_memory
 from kvstore.placement import Placement
 from kvstore.sessions import Session, SessionTable
 from kvstore.spec import ModelSpec
@@ -104,6 +105,8 @@ class Store(ReservedPuts, LeasedGets):
         from policy.quantization import QuantizationPolicy
 
         self.config = config
+        if config.retain_freed_memory:
+            retain_freed_memory()
         self._clock = clock
         self._lock = threading.RLock()
         self._closed = False
