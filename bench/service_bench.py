@@ -82,8 +82,15 @@ def _start_child(args: list[str], env: dict[str, str] | None = None) -> tuple[su
 
 
 def _raw_server_main(port_file: str) -> None:
-    """A bare grpcio server: client-stream sink and server-stream source of raw bytes."""
+    """A bare grpcio server: client-stream sink and server-stream source of raw bytes. It keeps
+    freed buffers like the sidecar does (StoreConfig.retain_freed_memory, on by default): the
+    allocator setting speeds up grpc's own message handling too, and the baseline must not
+    lose by it."""
     import grpc
+
+    from kvstore.memtune import retain_freed_memory
+
+    retain_freed_memory()
 
     ident = lambda b: b  # noqa: E731
     payload: dict[tuple[int, int, int], list[bytes]] = {}
