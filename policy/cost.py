@@ -3,14 +3,27 @@
 From :mod:`policy.reuse` (learned online) comes ``p``, the probability that a block like this
 one is read again; from :mod:`policy.cost_model` the time a hit saves in each tier.
 
-* **Value** of a block in tier ``t``: ``E[future reads] × gain(t) / bytes`` where
-  ``E[future reads] = p / (1 − p)`` (each read is followed by another with probability ``p``)
-  and ``gain(t) = saving(t) − saving(t+1)`` is what leaving the tier costs on each such read
-  (from the last tier, the whole ``saving(t)``). ``valuation="rate"`` uses the saving per
-  byte-second instead, ``p × gain(t) / (bytes × mean_gap)`` (``mean_gap``: the learned time to
-  the next read for blocks of its class): it closes more of the LRU→Belady gap on the Mooncake
-  trace (17/12/13 % against 10/9/8 % at HBM 400/1000/1500) but loses to LRU on the generated
-  agent and tenants workloads, so it is not the default (bench/RESULTS.md, issue 3 note).
+* **Value** of a block in tier ``t`` (``valuation="horizon"``, the default):
+  ``E[future reads] × P(gap ≤ T_t) × gain(t) / bytes`` where
+  ``E[future reads] = p / (1 − p)`` (each read is followed by another with probability ``p``),
+  ``P(gap ≤ T_t)`` is the share of the observed gaps between reads of blocks of its class
+  that are shorter than ``T_t`` (:meth:`policy.reuse.ReuseEstimator.within`, a learned
+  histogram, no assumed distribution), ``T_t`` is the tier's characteristic time — the mean idle age of its recent victims, learned online (Che's
+  approximation: a block not read again within ``T_t`` is evicted before it is) — and
+  ``gain(t) = saving(t) − saving(t+1)`` is what leaving the tier costs on each such read
+  (from the last tier, the whole ``saving(t)``). A small tier (short ``T_t``) thus ranks by
+  saving per byte-second, like ``rate``; a large one by all expected reads, like ``reads``;
+  no constant picks between them. Before a tier's first victim ``T_t`` is infinite.
+  ``valuation="reads"`` (the previous default) drops the horizon factor; ``"rate"`` uses
+  ``p × gain(t) / (bytes × mean_gap)`` (``mean_gap``: the learned mean time to the next
+  read). On the issue-3 matrix ``rate`` closes more of the LRU→Belady gap on Mooncake than ``reads`` but loses to LRU on the generated agent and
+  tenants workloads and to ``reads`` on chat at large capacities; ``horizon`` keeps most of
+  the Mooncake gain without those losses (bench/RESULTS.md, issue 3 note); an exponential
+  gap model in place of the histogram did slightly worse on tenants. Tried and not kept:
+  multiplying by ``access_count`` (GDSF's frequency, ``frequency_weight=1``): +0.1 of the
+  gap on shared_prompt, −0.3 on agent and tenants; refusing a victim in the next tier when
+  its value there is below the mean value of that tier's recent victims (TinyLFU-style
+  admission): −0.35 of the gap on tenants at HBM 400 and −0.04 on Mooncake at 1000.
 * **Eviction order**: greedy-dual — each block carries ``H = L_t + value``, stamped when it is
   inserted, read or demoted into ``t``; the candidate with the lowest ``H`` goes first (ties:
   deepest first) and ``L_t`` rises to each victim's ``H``, so blocks not read for a long time
@@ -28,6 +41,7 @@ stable between notifications as :class:`policy.registry.KeyedPolicy` requires.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +54,7 @@ from policy.reuse import ReuseConfig, ReuseEstimator
 _LAST = Tier.NVME  # the slowest tier the cost model ranks against (REMOTE: treated as last)
 _P_MAX = 0.999  # caps E[future reads] at 999
 _MIN_GAP_S = 1e-3  # floor of the mean gap (a class read back within the same instant)
+_HORIZON_WINDOW = 1000  # victims averaged (running mean, then EWMA) into a tier's horizon
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +70,14 @@ class CostPolicyConfig:
     0 by default: the learned ``p`` already depends on the access count, and a larger
     exponent helped shared-prompt traces but hurt agent and chat traces (see the note)."""
 
-    valuation: str = "reads"
-    """``reads`` (saving per byte over all expected future reads, the default) or ``rate``
-    (saving per byte-second; see the module docstring for where each wins)."""
+    valuation: str = "horizon"
+    """``horizon`` (the default: expected reads that fall within the tier's learned
+    characteristic time), ``reads`` (all expected future reads) or ``rate`` (saving per
+    byte-second); see the module docstring for where each wins."""
 
     def __post_init__(self) -> None:
-        if self.valuation not in ("rate", "reads"):
-            raise InvalidArgument("CostPolicyConfig.valuation must be 'rate' or 'reads'")
+        if self.valuation not in ("rate", "reads", "horizon"):
+            raise InvalidArgument("CostPolicyConfig.valuation must be 'rate', 'reads' or 'horizon'")
         if not 0.0 <= self.write_cost_weight <= 10.0:
             raise InvalidArgument("CostPolicyConfig.write_cost_weight must be in [0, 10]")
         if not 0.0 <= self.frequency_weight <= 4.0:
@@ -78,6 +94,9 @@ class CostPolicy:
         self.reuse = ReuseEstimator(self.config.reuse)
         self._level = [0.0] * len(Tier)
         self._h: dict[bytes, float] = {}
+        # per tier: mean idle age of its victims (its characteristic time), EWMA; inf = none yet
+        self._horizon = [math.inf] * len(Tier)
+        self._victims = [0] * len(Tier)
 
     # -- valuation --------------------------------------------------------------------------
     def _model(self, meta: BlockMeta) -> CostModel:
@@ -104,8 +123,20 @@ class CostPolicy:
         per_byte = self.gain(meta, tier) / max(meta.nbytes, 1)
         if self.config.valuation == "reads":
             return self.expected_reads(meta) * per_byte
+        if self.config.valuation == "horizon":
+            horizon = self._horizon[tier]
+            return self.expected_reads(meta) * per_byte * self.reuse.within(meta, horizon)
         p = min(self.reuse.probability(meta), _P_MAX)
         return p * per_byte / max(self.reuse.mean_gap(meta), _MIN_GAP_S)
+
+    def horizon(self, tier: Tier) -> float:
+        """The tier's characteristic time: mean idle age of its victims (inf before any)."""
+        return self._horizon[tier]
+
+    def _learn_horizon(self, tier: Tier, age: float) -> None:
+        n = self._victims[tier] = min(self._victims[tier] + 1, _HORIZON_WINDOW)
+        prev = self._horizon[tier]
+        self._horizon[tier] = age if math.isinf(prev) else prev + (age - prev) / n
 
     def _stamp(self, meta: BlockMeta, tier: Tier) -> None:
         self._h[meta.key] = self._level[tier] + self.value(meta, tier)
@@ -148,6 +179,7 @@ class CostPolicy:
         h = self._h.get(meta.key)
         if h is not None and h > self._level[src]:
             self._level[src] = h
+        self._learn_horizon(src, max(0.0, now - meta.last_access))
         for dest in available:
             if self.worth_writing(meta, dest):
                 self._stamp(meta, dest)

@@ -122,8 +122,8 @@ def _lookup(fp: bytes) -> ModelSpec | None:
 
 
 def test_reads_valuation_by_hand():
-    """Default: value = p/(1-p) × gain / bytes; a fresh estimator's prior is p = 1/2."""
-    pol = CostPolicy(_lookup)
+    """``reads``: value = p/(1-p) × gain / bytes; a fresh estimator's prior is p = 1/2."""
+    pol = CostPolicy(_lookup, CostPolicyConfig(valuation="reads"))
     m = _meta(b"a", 0)
     assert pol.reuse.probability(m) == pytest.approx(0.5)
     assert pol.value(m, Tier.DRAM) == pytest.approx(1.0 * pol.gain(m, Tier.DRAM) / LLAMA.block_nbytes)
@@ -158,6 +158,57 @@ def test_rate_valuation_prefers_blocks_read_back_sooner():
     # value / (gain per byte) = p / mean_gap: gaps (20 + 50.5) / 21 and (2000 + 50.5) / 21
     ratio = [pol.value(m, Tier.DRAM) * m.nbytes / pol.gain(m, Tier.DRAM) for m in (fast, slow)]
     assert ratio[0] / ratio[1] == pytest.approx(2050.5 / 70.5)
+
+
+def test_horizon_valuation_by_hand():
+    """Default ``horizon``: before a tier's first victim its horizon is infinite and the value
+    is the ``reads`` value; then the horizon is the mean idle age of the tier's victims and the
+    value is scaled by the share of the class's gaps within it."""
+    import math
+
+    pol = CostPolicy(_lookup)
+    reads = CostPolicy(_lookup, CostPolicyConfig(valuation="reads"))
+    m = _meta(b"a", 0)
+    for p in (pol, reads):
+        p.on_insert(m, 0.0)
+        m.access_count = 2
+        p.on_access(m, 10.0)  # one observed gap of 10 s
+        m.access_count = 1
+    assert math.isinf(pol.horizon(Tier.DRAM))
+    assert pol.value(m, Tier.DRAM) == pytest.approx(reads.value(m, Tier.DRAM))
+    for i, age in enumerate((2.0, 4.0)):  # two DRAM victims, idle 2 s and 4 s
+        v = _meta(b"v%d" % i, 0)
+        v.tier = Tier.DRAM
+        v.last_access = 100.0 - age
+        pol.on_insert(v, 90.0)
+        pol.demote_to(v, Tier.DRAM, [], 100.0)
+    assert pol.horizon(Tier.DRAM) == pytest.approx(3.0)
+    assert math.isinf(pol.horizon(Tier.NVME))
+    share = pol.reuse.within(m, 3.0)
+    assert 0.0 < share < 1.0
+    per_byte = pol.gain(m, Tier.DRAM) / LLAMA.block_nbytes
+    assert pol.value(m, Tier.DRAM) == pytest.approx(pol.expected_reads(m) * per_byte * share)
+
+
+def test_horizon_valuation_prefers_blocks_read_back_within_the_horizon():
+    """Same reuse probability; one class comes back after 1 s, the other after 1000 s. With a
+    10 s horizon the fast class is worth more; with no horizon yet they are worth the same."""
+    pol = CostPolicy(_lookup)
+    for i in range(20):
+        for tokens, gap in ((512, 1.0), (100, 1000.0)):
+            m = _meta(b"%d-%d" % (tokens, i), 0, tokens=tokens)
+            pol.on_insert(m, 10_000.0 * i)
+            m.access_count = 2
+            pol.on_access(m, 10_000.0 * i + gap)
+    fast, slow = _meta(b"f", 0), _meta(b"s", 0, tokens=100)
+    per = [pol.value(m, Tier.HBM) * m.nbytes / pol.gain(m, Tier.HBM) for m in (fast, slow)]
+    assert per[0] == pytest.approx(per[1])
+    v = _meta(b"victim", 0)
+    v.last_access = 1e6 - 10.0
+    pol.on_insert(v, 1e6 - 10.0)
+    pol.demote_to(v, Tier.HBM, [], 1e6)
+    per = [pol.value(m, Tier.HBM) * m.nbytes / pol.gain(m, Tier.HBM) for m in (fast, slow)]
+    assert per[0] > 10 * per[1]
 
 
 def test_unknown_valuation_is_rejected():

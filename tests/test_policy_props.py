@@ -191,9 +191,10 @@ def test_reuse_estimate_learns_that_blocks_read_twice_come_back():
 
 
 def test_reuse_estimate_notices_removed_blocks_that_come_back():
-    from policy.reuse import ReuseEstimator
+    from policy.reuse import ReuseConfig, ReuseEstimator
 
-    est, gone = ReuseEstimator(), ReuseEstimator()
+    no_history = ReuseConfig(ghost_frequency=False)
+    est, gone = ReuseEstimator(no_history), ReuseEstimator(no_history)
     for i in range(100):
         for e in (est, gone):
             m = _block(b"k%d" % i)
@@ -204,6 +205,93 @@ def test_reuse_estimate_notices_removed_blocks_that_come_back():
     # 200 episodes each (100 still open); 100 successes vs none
     assert est.probability(_block(b"fresh")) == pytest.approx(101 / 202)
     assert gone.probability(_block(b"fresh")) == pytest.approx(1 / 202)
+
+
+def test_a_block_that_comes_back_keeps_its_earlier_reads():
+    """Ghost history (the default): a returning block is classed as read twice, so the
+    first-read class holds only first reads (100 episodes, all succeeded)."""
+    from policy.reuse import ReuseEstimator
+
+    est = ReuseEstimator()
+    for i in range(100):
+        m = _block(b"k%d" % i)
+        est.on_insert(m, 0.0)
+        est.on_remove(m)
+        est.on_insert(_block(b"k%d" % i), 5.0)
+    assert est.probability(_block(b"fresh")) == pytest.approx(101 / 102)
+    back = _block(b"k0")
+    assert est.klass(back) == est.klass(_block(b"other", count=2))
+    assert est.probability(back) == pytest.approx(1 / 102)  # 100 open episodes, none done
+    est.on_remove(back)  # removed again: its ghost remembers both reads
+    est.on_insert(back, 9.0)
+    assert est.klass(back) == est.klass(_block(b"other", count=3))
+    est.on_remove(_block(b"k1"))  # a resident block removed forgets nothing else
+    assert est.klass(_block(b"k2")) == est.klass(_block(b"other", count=2))
+
+
+def _chain_block(key: bytes, parent: bytes) -> BlockMeta:
+    m = _block(key)
+    m.parent = parent
+    return m
+
+
+def test_reuse_estimate_tells_new_prompts_from_tails_after_a_cached_prefix():
+    """Runs of inserts from a root (new prompts) come back; runs that extend an already
+    cached block (unique tails after a shared prefix) never do: the estimator learns both."""
+    from policy.reuse import ReuseConfig, ReuseEstimator
+
+    def feed(est: ReuseEstimator) -> None:
+        est.on_insert(_chain_block(b"shared", b""), 0.0)
+        for i in range(100):
+            t = float(i)
+            prompt = [_chain_block(b"p%d-0" % i, b""), _chain_block(b"p%d-1" % i, b"p%d-0" % i)]
+            for m in prompt:
+                est.on_insert(m, t)
+            tail = [_chain_block(b"u%d-0" % i, b"shared"), _chain_block(b"u%d-1" % i, b"u%d-0" % i)]
+            for m in tail:
+                est.on_insert(m, t)
+            for m in prompt:  # the prompt is read again; the tail never is
+                m.access_count = 2
+                est.on_access(m, t + 0.5)
+
+    est, flat = ReuseEstimator(), ReuseEstimator(ReuseConfig(extends_feature=False))
+    feed(est)
+    feed(flat)
+    new_prompt = _chain_block(b"q-0", b"")
+    est.on_insert(new_prompt, 200.0)
+    tail = _chain_block(b"v-0", b"shared")
+    est.on_insert(tail, 200.0)
+    tail2 = _chain_block(b"v-1", b"v-0")  # continues the run: inherits "extends"
+    est.on_insert(tail2, 200.0)
+    assert est.probability(new_prompt) > 0.95
+    assert est.probability(tail) < 0.05
+    assert est.probability(tail2) == est.probability(tail)
+    f = _chain_block(b"q", b"")
+    flat.on_insert(f, 200.0)
+    assert flat.probability(f) == pytest.approx(0.5, abs=0.01)  # one class for both
+
+
+def test_within_is_the_share_of_observed_gaps_below_the_horizon():
+    """Gaps of 1 s (x30) and 100 s (x10): P(gap <= 10 s) = (30 + prior) / (40 + 1) where the
+    prior is the exponential of the class's mean gap."""
+    import math
+
+    from policy.reuse import ReuseEstimator
+
+    est = ReuseEstimator()
+    for i, gap in enumerate([1.0] * 30 + [100.0] * 10):
+        m = _block(b"k%d" % i)
+        est.on_insert(m, 1000.0 * i)
+        m.access_count = 2
+        est.on_access(m, 1000.0 * i + gap)
+    probe = _block(b"p")
+    mean = est.mean_gap(probe)
+    assert mean == pytest.approx((30 + 1000 + (30 + 1000) / 40) / 41)
+    prior = -math.expm1(-10.0 / mean)
+    assert est.within(probe, 10.0) == pytest.approx((30 + prior) / 41)
+    assert est.within(probe, math.inf) == 1.0
+    assert est.within(probe, 0.0) == pytest.approx(0.0)
+    assert est.within(probe, 0.5) < est.within(probe, 10.0) < est.within(probe, 1e4)
 
 
 def test_paused_sessions_and_tenant_hints_raise_the_estimate():
