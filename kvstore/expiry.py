@@ -40,10 +40,6 @@ class DeadlineHeap:
             if len(self._heap) > 2 * live + _SLACK:
                 self._stale = True
 
-    def next_deadline(self) -> float | None:
-        """The earliest deadline filed (maybe of a block since extended or gone)."""
-        return self._heap[0][0] if self._heap else None
-
     def due(self, now: float, is_live: Callable[[BlockMeta], bool]) -> list[BlockMeta]:
         """Blocks whose deadline is ``<= now`` (``now >= deadline`` is expired), popped;
         entries of blocks no longer live (``is_live``) are discarded, extended ones refiled."""

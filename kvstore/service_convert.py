@@ -16,8 +16,6 @@ from collections.abc import Sequence
 from functools import lru_cache
 from itertools import groupby, pairwise
 
-import numpy as np
-
 from kvstore.block import Tier
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KEY_BYTES, PackedKeys
@@ -68,18 +66,7 @@ def packed_keys(packed: bytes, limit: int) -> PackedKeys:
 
 def split_keys(packed: bytes, limit: int) -> list[bytes]:
     """Packed 32-byte keys -> list of ``bytes``; InvalidArgument on a ragged buffer or past ``limit``."""
-    if len(packed) % KEY_BYTES:
-        raise InvalidArgument(f"keys must be a concatenation of {KEY_BYTES}-byte keys, got {len(packed)} bytes")
-    n = len(packed) // KEY_BYTES
-    if n > limit:
-        raise InvalidArgument(f"{n} keys exceed limits.max_keys_per_call={limit}")
-    # NOTE: numpy's fixed-width bytes dtype splits 8,192 keys ~5x faster than slicing in a
-    # comprehension; "S32" strips trailing NUL bytes, so keys ending in 0x00 are re-sliced.
-    keys = np.frombuffer(packed, dtype=f"S{KEY_BYTES}").tolist()
-    last = np.frombuffer(packed, dtype=np.uint8)[KEY_BYTES - 1 :: KEY_BYTES]
-    for i in np.flatnonzero(last == 0).tolist():
-        keys[i] = bytes(packed[i * KEY_BYTES : (i + 1) * KEY_BYTES])
-    return keys
+    return packed_keys(packed, limit)[:]
 
 
 def parent_from_pb(parent: bytes) -> bytes | None:

@@ -147,6 +147,7 @@ def test_packed_keys_read_back_each_key():
     keys = [bytes([i]) * KEY_BYTES for i in range(5)]
     pk = PackedKeys(b"".join(keys))
     assert len(pk) == 5 and list(pk) == keys and pk[-1] == keys[-1] and pk[1:3] == keys[1:3]
+    assert pk[:] == keys and pk[::2] == keys[::2]  # keys[0] ends in NUL bytes: the fast split keeps them
     with pytest.raises(IndexError):
         pk[5]
 
