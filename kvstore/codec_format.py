@@ -147,7 +147,6 @@ def parse_header(value: Any) -> HeaderInfo:
     table_end = off + n_chunks * entry.size
     chunks = tuple(entry.iter_unpack(mv[off:table_end]))
     off = table_end
-    payload = 0
     for i, (stored, cflags, _) in enumerate(chunks):
         size = chunk_bytes if i < n_chunks - 1 else raw_len - chunk_bytes * (n_chunks - 1)
         compressed = cflags == CHUNK_COMPRESSED
@@ -155,13 +154,12 @@ def parse_header(value: Any) -> HeaderInfo:
             raise IntegrityError(f"chunk {i}: bad chunk flags {cflags:#x}")
         if stored > size or (not compressed and stored != size):
             raise IntegrityError(f"chunk {i}: stored length {stored} impossible for {size} raw bytes")
-        payload += stored
     if not encrypted:
         if checksum(mv[:off]) != bytes(mv[off : off + DIGEST_BYTES]):
             raise IntegrityError("header checksum mismatch")
         off += DIGEST_BYTES
-    total = off + payload + (TAG_BYTES * n_chunks if encrypted else 0)
-    if len(mv) != total:
-        raise IntegrityError(f"value length {len(mv)} != {total} announced by its header")
-    return HeaderInfo(version, encrypted, comp, quant, itemsize, dtype, tuple(shape), raw_len,
+    info = HeaderInfo(version, encrypted, comp, quant, itemsize, dtype, tuple(shape), raw_len,
                       chunk_bytes, fp, key, th, chunks, off)
+    if len(mv) != info.total_nbytes:
+        raise IntegrityError(f"value length {len(mv)} != {info.total_nbytes} announced by its header")
+    return info
