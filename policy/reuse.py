@@ -242,7 +242,7 @@ class ReuseEstimator:
         hist = self._hist[c]
         b = _gap_bin(max(horizon, 0.0))
         below = sum(hist[:b]) + 0.5 * hist[b]
-        return (below + prior) / (sum(hist) + 1.0)
+        return (below + prior) / (self._hits[c] + 1.0)  # NOTE: _hits[c] is sum(hist), kept alike
 
     def p_alive(self, meta: BlockMeta, age: float) -> float:
         """P(read again | idle for ``age`` seconds), exponential gaps."""
