@@ -26,6 +26,11 @@ def bench(
     """Run a benchmark suite; figures are medians measured next to their baselines, same run."""
     if suite not in SUITES:
         raise typer.BadParameter(f"unknown suite {suite!r}; choose one of {', '.join(SUITES)}")
+    from kvstore.memtune import reexec_with_streaming_copies
+
+    # NOTE: as `kvstore serve` does (ServerConfig.streaming_copy_bytes): the store's block copies,
+    # the limits they are judged against and every baseline's child process run under it alike
+    reexec_with_streaming_copies()
     from bench.suite import DEFAULT_RESULTS, run_suite
 
     cmd = ["kvstore", "bench", suite, *(["--quick"] if quick else []), "--json", str(json_out),

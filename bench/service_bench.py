@@ -339,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.raw_server is not None:
         _raw_server_main(args.raw_server)
         return 0
+    from kvstore.memtune import reexec_with_streaming_copies
+
+    reexec_with_streaming_copies()  # as the sidecar does; the children (both servers) inherit it
     torch.set_num_threads(1)
     sizes = [int(s) for s in args.sizes.split(",")]
     from kvstore.client import DEFAULT_CHUNK_BYTES

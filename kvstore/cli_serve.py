@@ -68,7 +68,7 @@ def serve(
     data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="Store directory.")] = None,
 ) -> None:
     """Run the kvstore gRPC sidecar (embedded defaults when there is no config file)."""
-    from kvstore import server_config
+    from kvstore import memtune, server_config
     from kvstore.server import serve as run
 
     try:
@@ -76,6 +76,7 @@ def serve(
         if data_dir is not None and config is not None:
             cfg = server_config.build({**cfg.model_dump(exclude={"store"}),
                                        "store": {**cfg.store.model_dump(), "path": str(data_dir)}})
+        memtune.reexec_with_streaming_copies(cfg.streaming_copy_bytes)  # returns once it is set
         run(cfg, echo=typer.echo)
     except KVStoreError as exc:
         _fail(exc)

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidArgument
+from kvstore.memtune import NONTEMPORAL_MIN as STREAMING_COPY_MIN
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -134,6 +135,13 @@ class ServerConfig(BaseModel):
     memory-bound; extra intra-op threads slowed 2 MiB copies by an order of magnitude whenever
     another core was busy (see LIMITS.md)."""
 
+    streaming_copy_bytes: Annotated[int, Field(ge=0, lt=1 << 62)] = 1 << 20
+    """glibc's non-temporal threshold for ``kvstore serve``: copies of at least this many bytes
+    use streaming stores (2 MiB block copies ran at 9.0 instead of 5.1 GB/s on the development
+    machine; :mod:`kvstore.memtune`). Set at start through ``GLIBC_TUNABLES`` (the server
+    re-executes itself once); 0 keeps glibc's default, and a threshold already set in
+    ``GLIBC_TUNABLES`` is kept. No effect off glibc/x86-64. At least 16448 when not 0."""
+
     limits: LimitsConfig = LimitsConfig()
     """Per-call bounds."""
 
@@ -152,6 +160,13 @@ class ServerConfig(BaseModel):
 
     grace_s: Annotated[float, Field(ge=0)] = 5.0
     """On shutdown, how long in-flight calls may finish."""
+
+    @model_validator(mode="after")
+    def _streaming_copy_threshold(self) -> ServerConfig:
+        if 0 < self.streaming_copy_bytes < STREAMING_COPY_MIN:
+            raise ValueError(f"streaming_copy_bytes must be 0 or at least {STREAMING_COPY_MIN} "
+                             f"(glibc's minimum)")
+        return self
 
     @property
     def data_dir(self) -> Path:

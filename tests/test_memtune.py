@@ -3,6 +3,7 @@ configured (and only then), and a refusal leaves it unapplied."""
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -51,3 +52,61 @@ def test_thresholds_out_of_a_c_int_are_refused():
         memtune.retain_freed_memory(mmap_threshold=1 << 31)
     with pytest.raises(InvalidArgument):
         memtune.retain_freed_memory(trim_threshold=0)
+
+
+# -- glibc's non-temporal threshold (streaming stores for block copies) ---------------------------
+_GLIBC_X86 = platform.libc_ver()[0] == "glibc" and platform.machine() == "x86_64"
+_ITEM = f"{memtune.NONTEMPORAL_TUNABLE}={1 << 20}"
+
+
+@pytest.fixture
+def glibc_x86(monkeypatch):
+    monkeypatch.setattr(memtune.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    monkeypatch.setattr(memtune.platform, "machine", lambda: "x86_64")
+
+
+def test_streaming_copy_env_sets_the_tunable_and_keeps_the_rest(glibc_x86):
+    env = memtune.streaming_copy_env({"A": "1"}, 1 << 20)
+    assert env == {"A": "1", "GLIBC_TUNABLES": _ITEM}
+    other = "glibc.malloc.arena_max=2"
+    env = memtune.streaming_copy_env({"GLIBC_TUNABLES": other}, 1 << 20)
+    assert env == {"GLIBC_TUNABLES": f"{other}:{_ITEM}"}
+
+
+def test_streaming_copy_env_changes_nothing_when_off_already_set_or_elsewhere(glibc_x86, monkeypatch):
+    assert memtune.streaming_copy_env({}, 0) is None
+    # the operator's (or an earlier re-exec's) own value wins, wherever it sits in the list
+    mine = f"glibc.malloc.arena_max=2:{memtune.NONTEMPORAL_TUNABLE}=99999"
+    assert memtune.streaming_copy_env({"GLIBC_TUNABLES": mine}, 1 << 20) is None
+    monkeypatch.setattr(memtune.platform, "machine", lambda: "aarch64")
+    assert memtune.streaming_copy_env({}, 1 << 20) is None
+    monkeypatch.setattr(memtune.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(memtune.platform, "libc_ver", lambda: ("", ""))
+    assert memtune.streaming_copy_env({}, 1 << 20) is None
+
+
+@pytest.mark.parametrize("bad", [1, memtune.NONTEMPORAL_MIN - 1, -5, 1 << 62])
+def test_streaming_copy_thresholds_glibc_refuses_are_refused(bad):
+    with pytest.raises(InvalidArgument):
+        memtune.streaming_copy_env({}, bad)
+
+
+def test_server_config_validates_the_threshold(tmp_path):
+    from kvstore import server_config
+
+    assert server_config.build({}, data_dir=tmp_path).streaming_copy_bytes == 1 << 20
+    assert server_config.build({"streaming_copy_bytes": 0}, data_dir=tmp_path).streaming_copy_bytes == 0
+    with pytest.raises(InvalidArgument, match="streaming_copy_bytes"):
+        server_config.build({"streaming_copy_bytes": 4096}, data_dir=tmp_path)
+
+
+@pytest.mark.skipif(not _GLIBC_X86, reason="the tunable is glibc's, on x86-64")
+def test_reexec_runs_the_same_command_again_with_the_tunable_once(tmp_path):
+    code = ("import os, sys, kvstore.memtune as m; print('start', os.getpid(), sys.argv[1:], flush=True); "
+            "m.reexec_with_streaming_copies(); print('env', os.environ['GLIBC_TUNABLES'])")
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-c", code, "x", "y"], env=env, check=True, capture_output=True,
+                         text=True).stdout.splitlines()
+    # printed before the exec and again after it: same pid and arguments, then no third start
+    assert len(out) == 3 and out[0] == out[1] and out[0].endswith("['x', 'y']")
+    assert out[2] == f"env {_ITEM}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -78,6 +79,12 @@ def test_serve_runs_on_embedded_defaults_and_prints_the_token_once(tmp_path):
             lines.append(line)
             if line.startswith("ready") or line == "":
                 break
+        if sys.platform == "linux" and "GLIBC_TUNABLES" not in env:
+            # serve re-executed itself (same pid) with streaming copies on (memtune)
+            environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+            tunables = [e for e in environ if e.startswith(b"GLIBC_TUNABLES=")]
+            if platform.libc_ver()[0] == "glibc" and platform.machine() == "x86_64":
+                assert tunables == [b"GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=1048576"]
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
         outputs.append("".join(lines))
