@@ -242,24 +242,25 @@ class Placement:
 
     def copy(self, meta: BlockMeta, ref: BlockRef, src: Tier, dest: Tier) -> bool:
         if dest == Tier.NVME:
-            view = self._mem[src].view(ref)
-            host = view.numpy() if view.device.type == "cpu" else view.cpu().numpy()
+            view = self._mem[src].buffer(ref)
+            host = view if isinstance(view, np.ndarray) else view.cpu().numpy()
             return self.write(Tier.NVME, ref, meta, host)
         dst = self._mem[dest]
         if not dst.reserve(ref):
             return False
-        out = dst.view(ref)
+        out = dst.buffer(ref)
         if src == Tier.NVME:
             assert self._nvme is not None
-            host = out.numpy() if out.device.type == "cpu" else np.empty(ref.nbytes, np.uint8)
+            on_host = isinstance(out, np.ndarray)
+            host = out if on_host else np.empty(ref.nbytes, np.uint8)
             if not self._nvme.get_into(ref, host):
                 dst.delete(ref)
                 self.lost(meta)
                 return False
-            if out.device.type != "cpu":
+            if not on_host:
                 copy_bytes(out, host)
             return True
-        copy_bytes(out, self._mem[src].view(ref))
+        copy_bytes(out, self._mem[src].buffer(ref))
         return True
 
     def host_copy(self, meta: BlockMeta) -> np.ndarray | None:
@@ -272,7 +273,7 @@ class Placement:
                 self.lost(meta)
                 return None
         else:
-            copy_bytes(host, self._mem[meta.tier].view(ref))
+            copy_bytes(host, self._mem[meta.tier].buffer(ref))
         return host
 
     def spill_remote(self, meta: BlockMeta) -> bool:

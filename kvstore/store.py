@@ -795,8 +795,8 @@ class Store(ReservedPuts, LeasedGets):
                     if not self._nvme.can_fit(m.nbytes):
                         break
                     ref = self._place.ref(m)
-                    view = self._mem[m.tier].view(ref)
-                    host = view.numpy() if view.device.type == "cpu" else view.cpu().numpy()
+                    view = self._mem[m.tier].buffer(ref)
+                    host = view if isinstance(view, np.ndarray) else view.cpu().numpy()
                     if self._place.write(Tier.NVME, ref, m, host):
                         self._index.set_persisted(m, True)
                         self._place.charge(m, Tier.NVME, +1)
@@ -810,7 +810,7 @@ class Store(ReservedPuts, LeasedGets):
         for m in todo:
             if self._mem[m.tier].device.type == "cpu":
                 ref = self._place.ref(m)
-                jobs.append((ref, self._mem[m.tier].view(ref).numpy()))
+                jobs.append((ref, self._mem[m.tier].buffer(ref)))
         return self._place.nvme_ahead(jobs)
 
     def close(self) -> None:
