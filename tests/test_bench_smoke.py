@@ -44,3 +44,19 @@ def test_store_bench_quick_writes_json(tmp_path: Path) -> None:
             assert t["baseline"] in figs
     # the scratch store directory is removed after the run
     assert not list(tmp_path.glob("store_bench-*"))
+
+
+def test_stream_breakdown_runs_and_reports_its_four_ways(tmp_path: Path) -> None:
+    out = tmp_path / "breakdown.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.stream_breakdown", "--bytes-per-call", "4", "--rounds", "1",
+         "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=180, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    printed = json.loads(proc.stdout)
+    assert json.loads(out.read_text()) == printed
+    assert printed["blocks_per_call"] == 2 and printed["block_mib"] == 2
+    assert set(printed["gbps"]) == {"put", "prebuilt", "bare_frames", "bare"}
+    assert all(v > 0 for v in printed["gbps"].values())
+    g = printed["gbps"]
+    assert printed["ratios"]["put/bare"] == round(g["put"] / g["bare"], 3)
