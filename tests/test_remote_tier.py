@@ -114,6 +114,26 @@ def test_encrypted_at_rest(make, raw: redis.Redis) -> None:
     assert t.get_into(ref(1, "alice"), o) and o.tobytes() == data.tobytes()
 
 
+def test_compression_obeys_min_compress_ratio(make, raw: redis.Redis) -> None:
+    """A block that shrinks ~2x is stored compressed under a ratio floor of 1.0 and raw under
+    one of 4.0; both read back exactly."""
+    spec = ModelSpec(model="m", revision="r1", num_layers=2, num_kv_heads=2, head_dim=8,
+                     dtype="float16", block_tokens=256)  # 32 KiB: the header is noise
+    data = np.zeros(spec.block_nbytes, dtype=np.uint8)
+    data[::2] = block(7, spec)[::2]  # every other byte random: ~2x with zstd
+    sizes = {}
+    for floor in (1.0, 4.0):
+        t = make(compression_level=1, min_compress_ratio=floor, encrypt=False)
+        r = ref(int(floor), spec=spec)
+        assert t.put(r, data)
+        sizes[floor] = len(raw.get(t.redis_key(r)))
+        o = np.zeros(spec.block_nbytes, dtype=np.uint8)
+        assert t.get_into(r, o) and np.array_equal(o, data)
+    assert sizes[1.0] < 0.7 * spec.block_nbytes < spec.block_nbytes <= sizes[4.0]
+    with pytest.raises(ValueError):
+        RemoteConfig(urls=["redis://127.0.0.1:6379"], min_compress_ratio=0.5)
+
+
 def test_tenant_isolation(make) -> None:
     t = make()
     assert t.put(ref(7, "a"), block(7))

@@ -223,6 +223,7 @@ class RemoteTier:
             client.close()
             raise FailedPrecondition(f"remote tier unreachable at open: {exc}") from None
         codec = Codec(CodecConfig(compression_level=config.compression_level,
+                                  min_compress_ratio=config.min_compress_ratio,
                                   encrypt=config.encrypt, threads=config.codec_threads), keyring)
         return cls(config, client, codec, keyring=keyring, clock=clock, monotonic=monotonic)
 

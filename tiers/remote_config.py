@@ -110,7 +110,13 @@ class RemoteConfig(BaseModel):
 
     compression_level: Annotated[int, Field(ge=0, le=22)] = 0
     """zstd level of the value codec; 0 = off. Off is fastest on loopback or fast networks;
-    level 1 pays for bf16 blocks (ratio ~1.45) on links slower than ~1.5 GB/s."""
+    level 1 pays for bf16 blocks (ratio ~1.45) on links slower than ~1.5 GB/s (set
+    ``min_compress_ratio`` to 1.0 or 1.4 for them then)."""
+
+    min_compress_ratio: Annotated[float, Field(ge=1.0, le=64.0)] = 1.5
+    """With ``compression_level`` > 0, a value whose sampled ratio (raw / stored bytes) is below
+    this is stored uncompressed, as in ``StoreConfig.min_compress_ratio`` (fp16 KV compresses
+    ~1.18x, bf16 ~1.45x); 1.0 = always compress. Each value's header records the choice."""
 
     codec_threads: Annotated[int, Field(ge=1, le=64)] = 2
     """Threads that encode/decode the chunks of one value in parallel."""
