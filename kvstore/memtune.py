@@ -110,9 +110,12 @@ def reexec_with_streaming_copies(threshold: int = 1 * MiB) -> None:
     :func:`streaming_copy_env`'s environment; returns when that has nothing to change. Call it
     first thing in a command, before threads, open files or printed output that matter."""
     env = streaming_copy_env(os.environ, threshold)
-    if env is None:
+    if env is None or not sys.executable:  # an embedded interpreter has nothing to re-execute
         return
     argv = list(getattr(sys, "orig_argv", [])) or [sys.executable, *sys.argv]
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os.execve(sys.executable, argv, env)
+    try:
+        os.execve(sys.executable, argv, env)
+    except OSError as exc:  # run on without it: it is a speed-up, not a requirement
+        log.warning("could not re-execute with %s set: %s", NONTEMPORAL_TUNABLE, exc)

@@ -110,3 +110,19 @@ def test_reexec_runs_the_same_command_again_with_the_tunable_once(tmp_path):
     # printed before the exec and again after it: same pid and arguments, then no third start
     assert len(out) == 3 and out[0] == out[1] and out[0].endswith("['x', 'y']")
     assert out[2] == f"env {_ITEM}"
+
+
+def test_reexec_that_fails_runs_on(monkeypatch, glibc_x86, caplog):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+
+    def refuse(*args):
+        raise OSError("exec refused")
+
+    monkeypatch.setattr(memtune.os, "execve", refuse)
+    memtune.reexec_with_streaming_copies()  # returns instead of raising
+    assert "could not re-execute" in caplog.text
+    monkeypatch.setattr(memtune.sys, "executable", "")
+    calls = []
+    monkeypatch.setattr(memtune.os, "execve", lambda *a: calls.append(a))
+    memtune.reexec_with_streaming_copies()
+    assert calls == []  # nothing to re-execute: no attempt
