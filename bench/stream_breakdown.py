@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                     t_put = time.perf_counter() - t0
                     c.delete(keys)
                     keys = c.block_keys(spec, list(range(base + 5 * 10**6, base + 5 * 10**6 + count * spec.block_tokens)))
-                    header = pb.PutHeader(target=c._target(spec, keys, None, "", None))
+                    header = pb.PutHeader()
+                    c._target(header.target, spec, keys, None, "", None)
                     frames = [encode(pb.PutFrame(header=header))] + [
                         data_frame(pb.PutFrame, i, off, memoryview(rows[i])[off : off + step])
                         for i in range(count) for off in range(0, spec.block_nbytes, step)]

@@ -228,15 +228,18 @@ class Client:
         return self._local is not None
 
     @staticmethod
-    def _target(spec: ModelSpec, keys: Sequence[bytes] | None, token_ids: Any, namespace: str,
-                parent: bytes | None = None) -> pb.Target:
-        t = pb.Target(spec=spec_to_pb(spec), namespace=namespace, parent=parent or b"")
+    def _target(t: pb.Target, spec: ModelSpec, keys: Sequence[bytes] | None, token_ids: Any,
+                namespace: str, parent: bytes | None = None) -> None:
+        """Fill the request's own ``target`` in place (NOTE: ``Request(target=t)`` would copy
+        the packed keys once more: 256 KiB for a 128K-token prompt)."""
+        t.spec.CopyFrom(spec_to_pb(spec))
+        t.namespace = namespace
+        t.parent = parent or b""
         if token_ids is not None:
             ids = np.asarray(token_ids.cpu() if isinstance(token_ids, torch.Tensor) else token_ids, dtype=np.int64)
             t.tokens.ids.extend(ids.tolist())
         else:
             t.keys = _pack(keys or ())
-        return t
 
     # -- keys and lookup ----------------------------------------------------------------------
     def whoami(self) -> dict[str, Any]:
@@ -256,8 +259,9 @@ class Client:
     def lookup(self, spec: ModelSpec, keys: Sequence[bytes] | None = None, *, token_ids: Any = None,
                namespace: str = "", parent: bytes | None = None) -> LookupResult:
         """Longest usable prefix of ``keys`` (or of the keys of ``token_ids``, returned too)."""
-        target = self._target(spec, keys, token_ids, namespace, parent)
-        r = self._call(self._kv.Lookup, pb.LookupRequest(target=target))
+        req = pb.LookupRequest()
+        self._target(req.target, spec, keys, token_ids, namespace, parent)
+        r = self._call(self._kv.Lookup, req)
         computed = [r.keys[i : i + KEY_BYTES] for i in range(0, len(r.keys), KEY_BYTES)] if r.keys else None
         return LookupResult(r.num_blocks, tier_names(r.tier_codes), computed)
 
@@ -290,8 +294,8 @@ class Client:
             self._put_stream(put, rows, parent)
 
     def _put_stream(self, put: _Put, rows: Any, parent: bytes | None) -> None:
-        header = pb.PutHeader(target=self._target(put.spec, put.keys, None, put.namespace, parent),
-                              session=put.session)
+        header = pb.PutHeader(session=put.session)
+        self._target(header.target, put.spec, put.keys, None, put.namespace, parent)
         if put.ttl_s is not None:
             header.ttl_s = put.ttl_s
         nbytes, step = put.spec.block_nbytes, self.chunk_bytes
@@ -333,8 +337,8 @@ class Client:
 
     def _put_slots(self, put: _Put, keys: list[bytes], offsets: list[int], parent: bytes | None) -> None:
         assert self._local is not None
-        req = pb.PutLocalRequest(target=self._target(put.spec, keys, None, put.namespace, parent),
-                                 region_id=self._local.region_id, offsets=offsets, session=put.session)
+        req = pb.PutLocalRequest(region_id=self._local.region_id, offsets=offsets, session=put.session)
+        self._target(req.target, put.spec, keys, None, put.namespace, parent)
         if put.ttl_s is not None:
             req.ttl_s = put.ttl_s
         self._call(self._kv.PutLocal, req)
@@ -361,7 +365,8 @@ class Client:
 
     def _get_stream(self, spec: ModelSpec, keys: list[bytes], rows: np.ndarray, namespace: str,
                     parent: bytes | None) -> int:
-        req = pb.GetRequest(target=self._target(spec, keys, None, namespace, parent), chunk_bytes=self.chunk_bytes)
+        req = pb.GetRequest(chunk_bytes=self.chunk_bytes)
+        self._target(req.target, spec, keys, None, namespace, parent)
         nbytes = spec.block_nbytes
         stream = None
         try:
@@ -416,8 +421,8 @@ class Client:
     def _get_slots(self, spec: ModelSpec, keys: list[bytes], offsets: list[int], namespace: str,
                    parent: bytes | None) -> int:
         assert self._local is not None
-        req = pb.GetLocalRequest(target=self._target(spec, keys, None, namespace, parent),
-                                 region_id=self._local.region_id, offsets=offsets)
+        req = pb.GetLocalRequest(region_id=self._local.region_id, offsets=offsets)
+        self._target(req.target, spec, keys, None, namespace, parent)
         return self._call(self._kv.GetLocal, req).num_blocks
 
     # -- sessions, prefetch, delete, stats -----------------------------------------------------
@@ -435,8 +440,8 @@ class Client:
 
     def prefetch(self, spec: ModelSpec, keys: Sequence[bytes], tier: str | Tier = "hbm", *,
                  namespace: str = "", parent: bytes | None = None) -> int:
-        req = pb.PrefetchRequest(target=self._target(spec, keys, None, namespace, parent),
-                                 tier=int(Tier.parse(tier)) + 1)
+        req = pb.PrefetchRequest(tier=int(Tier.parse(tier)) + 1)
+        self._target(req.target, spec, keys, None, namespace, parent)
         return self._call(self._kv.Prefetch, req).blocks
 
     def delete(self, keys: Sequence[bytes], *, namespace: str = "") -> int:
