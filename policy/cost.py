@@ -129,9 +129,10 @@ class CostPolicy:
             return here
         return here - model.saving(meta.tokens, meta.depth, meta.nbytes, Tier(tier + 1))
 
-    def expected_reads(self, meta: BlockMeta) -> float:
-        """p / (1 − p), times ``access_count ** frequency_weight``."""
-        p = min(self.reuse.probability(meta), _P_MAX)
+    def expected_reads(self, meta: BlockMeta, c: int | None = None) -> float:
+        """p / (1 − p), times ``access_count ** frequency_weight`` (``c``: the block's reuse
+        class, when known)."""
+        p = min(self.reuse.probability(meta, c), _P_MAX)
         reads = p / (1.0 - p)
         if self.config.frequency_weight:
             reads *= max(meta.access_count, 1) ** self.config.frequency_weight
@@ -144,7 +145,8 @@ class CostPolicy:
             return self.expected_reads(meta) * per_byte
         if self.config.valuation == "horizon":
             horizon = self._horizon[tier]
-            return self.expected_reads(meta) * per_byte * self.reuse.within(meta, horizon)
+            c = self.reuse.klass(meta)  # NOTE: once, for both estimates
+            return self.expected_reads(meta, c) * per_byte * self.reuse.within(meta, horizon, c)
         p = min(self.reuse.probability(meta), _P_MAX)
         return p * per_byte / max(self.reuse.mean_gap(meta), _MIN_GAP_S)
 
@@ -163,9 +165,10 @@ class CostPolicy:
     # -- protocol ---------------------------------------------------------------------------
     def on_insert(self, meta: BlockMeta, now: float) -> None:
         self.reuse.on_insert(meta, now)
-        self._stamp(meta, meta.tier)
         if self.config.deferred_stamp:
             self._pending[meta.key] = self._level[meta.tier]
+        else:
+            self._stamp(meta, meta.tier)
 
     def on_access(self, meta: BlockMeta, now: float) -> None:
         self.reuse.on_access(meta, now)
@@ -177,12 +180,16 @@ class CostPolicy:
         self._h.pop(meta.key, None)
         self._pending.pop(meta.key, None)
 
+    def _stamped(self, meta: BlockMeta, tier: Tier) -> float | None:
+        """The block's key, valued now (once) if its insert deferred it."""
+        level = self._pending.pop(meta.key, None) if self._pending else None
+        if level is not None:
+            h = self._h[meta.key] = level + self.value(meta, tier)
+            return h
+        return self._h.get(meta.key)
+
     def evict_key(self, meta: BlockMeta, tier: Tier, now: float) -> tuple[float, int]:
-        if self._pending:
-            level = self._pending.pop(meta.key, None)
-            if level is not None:
-                self._h[meta.key] = level + self.value(meta, tier)
-        h = self._h.get(meta.key)
+        h = self._stamped(meta, tier)
         if h is None:
             h = self._level[tier] + self.value(meta, tier)
         return (h, -meta.depth)
@@ -203,8 +210,7 @@ class CostPolicy:
     def demote_to(
         self, meta: BlockMeta, src: Tier, available: Sequence[Tier], now: float
     ) -> Tier | None:
-        self._pending.pop(meta.key, None)
-        h = self._h.get(meta.key)
+        h = self._stamped(meta, src)
         if h is not None and h > self._level[src]:
             self._level[src] = h
         self._learn_horizon(src, max(0.0, now - meta.last_access))

@@ -329,12 +329,14 @@ class ReuseEstimator:
         """Mean seconds between reads of blocks like this one: mean_gap / p."""
         return self.mean_gap(meta) / self.probability(meta)
 
-    def within(self, meta: BlockMeta, horizon: float) -> float:
+    def within(self, meta: BlockMeta, horizon: float, c: int | None = None) -> float:
         """P(gap ≤ horizon | the block is read again): the class's empirical gap distribution,
-        with the exponential of the mean gap as a one-observation prior."""
-        c = self.klass(meta)
+        with the exponential of the mean gap as a one-observation prior. ``c``: the block's
+        :meth:`klass`, when the caller has it already."""
         if math.isinf(horizon):
             return 1.0
+        if c is None:
+            c = self.klass(meta)
         prior = -math.expm1(-max(horizon, 0.0) / max(self._class_gap(c), 1e-9))
         hist = self._hist[c]
         b = _gap_bin(max(horizon, 0.0))
@@ -355,9 +357,11 @@ class ReuseEstimator:
             return self.p_alive(meta, age)
         return self.p_alive(meta, age) * -math.expm1(-horizon / max(self.mean_gap(meta), 1e-9))
 
-    def probability(self, meta: BlockMeta) -> float:
-        """P(the block is read again), in (0, 1)."""
-        c = self.klass(meta)
+    def probability(self, meta: BlockMeta, c: int | None = None) -> float:
+        """P(the block is read again), in (0, 1). ``c``: the block's :meth:`klass`, when the
+        caller has it already."""
+        if c is None:
+            c = self.klass(meta)
         p = self.class_probability(c)
         f = self.fine_class(meta, c)
         if f >= 0:
