@@ -382,4 +382,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from kvstore.memtune import process_entry
+
+    process_entry()  # run as a script: it may re-execute itself (streaming copies)
     sys.exit(main())

@@ -29,6 +29,10 @@ app.command("demo")(demo)
 
 
 def main(argv: list[str] | None = None) -> None:
+    if argv is None:  # the console script: this process is ours (serve and bench may re-exec it)
+        from kvstore.memtune import process_entry
+
+        process_entry()
     app(args=argv, prog_name="kvstore")
 
 

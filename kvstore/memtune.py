@@ -105,10 +105,24 @@ def streaming_copy_env(env: Mapping[str, str], threshold: int) -> dict[str, str]
     return {**env, "GLIBC_TUNABLES": f"{current}:{item}" if current else item}
 
 
+def process_entry() -> None:
+    """Mark this process as started by a kvstore command line (the ``kvstore`` console
+    script, a benchmark run as a script): only such a process may re-execute itself."""
+    global _entry
+    _entry = True
+
+
+_entry = False
+
+
 def reexec_with_streaming_copies(threshold: int = 1 * MiB) -> None:
     """Re-execute this process (``sys.orig_argv``: same interpreter, flags and arguments) with
-    :func:`streaming_copy_env`'s environment; returns when that has nothing to change. Call it
-    first thing in a command, before threads, open files or printed output that matter."""
+    :func:`streaming_copy_env`'s environment; returns when that has nothing to change, and
+    always when :func:`process_entry` was not called (a command invoked from a library, a
+    test or an engine never replaces the caller's process). Call it first thing in a command,
+    before threads, open files or printed output that matter."""
+    if not _entry:
+        return
     env = streaming_copy_env(os.environ, threshold)
     if env is None or not sys.executable:  # an embedded interpreter has nothing to re-execute
         return

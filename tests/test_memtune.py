@@ -103,7 +103,7 @@ def test_server_config_validates_the_threshold(tmp_path):
 @pytest.mark.skipif(not _GLIBC_X86, reason="the tunable is glibc's, on x86-64")
 def test_reexec_runs_the_same_command_again_with_the_tunable_once(tmp_path):
     code = ("import os, sys, kvstore.memtune as m; print('start', os.getpid(), sys.argv[1:], flush=True); "
-            "m.reexec_with_streaming_copies(); print('env', os.environ['GLIBC_TUNABLES'])")
+            "m.process_entry(); m.reexec_with_streaming_copies(); print('env', os.environ['GLIBC_TUNABLES'])")
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     out = subprocess.run([sys.executable, "-c", code, "x", "y"], env=env, check=True, capture_output=True,
                          text=True).stdout.splitlines()
@@ -112,8 +112,23 @@ def test_reexec_runs_the_same_command_again_with_the_tunable_once(tmp_path):
     assert out[2] == f"env {_ITEM}"
 
 
+def test_only_a_process_entry_reexecutes(monkeypatch, glibc_x86):
+    """A command run from a library or a test (typer's CliRunner, an engine) must never
+    replace its caller's process."""
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.setattr(memtune, "_entry", False)
+    calls = []
+    monkeypatch.setattr(memtune.os, "execve", lambda *a: calls.append(a))
+    memtune.reexec_with_streaming_copies()
+    assert calls == []
+    memtune.process_entry()
+    memtune.reexec_with_streaming_copies()
+    assert len(calls) == 1 and calls[0][2]["GLIBC_TUNABLES"] == _ITEM
+
+
 def test_reexec_that_fails_runs_on(monkeypatch, glibc_x86, caplog):
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.setattr(memtune, "_entry", True)
 
     def refuse(*args):
         raise OSError("exec refused")

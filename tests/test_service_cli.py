@@ -66,7 +66,7 @@ def test_metrics_count_requests_and_read_store_stats(sidecar):
 
 def test_serve_runs_on_embedded_defaults_and_prints_the_token_once(tmp_path):
     env = {**os.environ, "KVSTORE_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO)}
-    code = "from kvstore.cli_serve import admin_app; admin_app()"
+    code = "from kvstore.cli import main; main()"  # as the console script runs it
     cmd = [sys.executable, "-c", code, "serve", "--listen", "127.0.0.1:0",
            "--config", str(_tiny_config(tmp_path))]
     outputs = []
