@@ -78,7 +78,7 @@ def _peers_md(res: dict[str, Any]) -> str:
             g = side.get("gbps", {})
             rows.append([label, g.get(put, side.get("error", "-")), g.get(get, "-")])
         for key, side in case.items():
-            if key == "redis" or key.startswith("kvstore"):
+            if key in ("redis", "disk_write_fsync") or key.startswith("kvstore"):
                 rows.append([key, side.get("put", side.get("error", "-")), side.get("get", "-")])
         out += [(f"**{case['block_mib']} MiB blocks** ({case['block_tokens']} tokens, "
                  f"{case['blocks_per_op']} per op)"), "",

@@ -42,13 +42,13 @@ one is read again; from :mod:`policy.cost_model` the time a hit saves in each ti
 
 Keys are stamped when the policy hears about a block (insert, read, demotion), so they are
 stable between notifications as :class:`policy.registry.KeyedPolicy` requires. One exception
-(``deferred_stamp``, the default): an inserted block keeps the level ``L_t`` of its insert but
+(``deferred_stamp``, off by default): an inserted block keeps the level ``L_t`` of its insert but
 is valued when it is first ranked, once its put run is complete, so the run features of
 :mod:`policy.reuse` (position from the run's end) see the whole run; from then on the key is
 stable (a block ranked before its run ends — the Store making room mid-put — is valued as
 it stands then, as without deferral). With the position feature this closes 19/17/17 % of
-the Mooncake LRU→Belady gap at HBM 400/1000/1500 (18/15/13 % without) and stays above LRU,
-writing less NVMe, in every generated-workload cell of the issue-3 matrix.
+the Mooncake LRU→Belady gap at HBM 400/1000/1500 (18/15/13 % without), but it falls below LRU
+on the tenants workload at HBM 100, so neither is the default.
 """
 
 from __future__ import annotations
@@ -87,8 +87,10 @@ class CostPolicyConfig:
     characteristic time), ``reads`` (all expected future reads) or ``rate`` (saving per
     byte-second); see the module docstring for where each wins."""
 
-    deferred_stamp: bool = True
-    """Value an inserted block when it is first ranked (its put run then complete, so the run
+    deferred_stamp: bool = False
+    """(Off by default, as the run features it serves: see
+    :attr:`policy.reuse.ReuseConfig.run_position_feature`; alone it put the tenants workload
+    at HBM 200 just below LRU.) Value an inserted block when it is first ranked (its put run then complete, so the run
     features of :class:`policy.reuse.ReuseConfig` see the whole run) rather than on insert;
     the level ``L_t`` is still the one at insert. The first ``rank``/``evict_key`` of such a
     block stores its key (a cache: the order it returns is the same on every later call)."""

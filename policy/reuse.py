@@ -15,7 +15,7 @@ trace. Blocks are grouped in classes by what is known online:
   0 % against 43 % and 78 %); on chats and agents the two differ little.
 
 A put run (the blocks one request inserts, each the child of the previous) also refines ``p``
-(``run_position_feature``, on by default): the block's position from the run's end, in
+(``run_position_feature``, off by default: see its field): the block's position from the run's end, in
 buckets 0, 1, 2–3, 4+. The tail of a request is what the next request is least likely to
 share (on the Mooncake trace a run's last blocks come back 5 %, 17 %, 29 % of the time
 against ~40 % further in). The refined class starts at its coarse class's ``p`` with
@@ -80,8 +80,11 @@ class ReuseConfig:
     """A PAUSED session's block gets p' = 1 − (1 − p)(1 − paused_boost), in [0, 1]."""
     run_length_feature: bool = False
     """Refine ``p`` by the length of the block's put run (log2 buckets: 1, 2–3, …, 128+)."""
-    run_position_feature: bool = True
-    """Refine ``p`` by the block's position from the end of its put run (0, 1, 2–3, 4+)."""
+    run_position_feature: bool = False
+    """Refine ``p`` by the block's position from the end of its put run (0, 1, 2–3, 4+). Off by
+    default: with it (and ``CostPolicyConfig.deferred_stamp``) the Mooncake gap closed rose
+    from 18/15/13 to 19/17/17 % at HBM 400/1000/1500, but the tenants workload at HBM 100 fell
+    below LRU (0.4103 against 0.4184; 0.4241 without it), so it does not hold everywhere."""
     run_prior: float = 2.0
     """Pseudo-trials with which a run-refined class starts at its coarse class's ``p``, > 0."""
 

@@ -99,10 +99,13 @@ def test_run_features_off_leave_p_unchanged():
     assert est.fine_class(b, est.klass(b)) == -1
 
 
-def test_defaults_refine_by_position_and_defer_the_stamp():
-    assert ReuseConfig().run_position_feature and not ReuseConfig().run_length_feature
-    assert CostPolicyConfig().deferred_stamp
-    est = ReuseEstimator()
+def test_run_features_and_deferral_are_opt_in():
+    assert not ReuseConfig().run_position_feature and not ReuseConfig().run_length_feature
+    assert not CostPolicyConfig().deferred_stamp
+
+
+def test_position_buckets_of_a_run():
+    est = ReuseEstimator(ReuseConfig(run_position_feature=True))
     a, b, c = _run(est, [b"a", b"b", b"c"])
     (d,) = _run(est, [b"d"])
     k = est.klass(a)
@@ -117,10 +120,11 @@ def test_run_prior_is_checked():
 
 
 def test_deferred_stamp_values_a_run_when_first_ranked_then_keeps_the_key():
-    """With the deferred stamp (the default), a's key is its level at insert (0) plus its value
-    once the run is complete (position 2 from the end; at its insert it was the last block),
-    and stays put while other blocks come and go."""
-    pol = CostPolicy(lambda fp: SPEC if fp == SPEC.fingerprint else None)
+    """With the deferred stamp, a's key is its level at insert (0) plus its value once the run
+    is complete (position 2 from the end; at its insert it was the last block), and stays put
+    while other blocks come and go."""
+    cfg = CostPolicyConfig(reuse=ReuseConfig(run_position_feature=True), deferred_stamp=True)
+    pol = CostPolicy(lambda fp: SPEC if fp == SPEC.fingerprint else None, cfg)
     a, b, _ = _run(pol, [b"a", b"b", b"c"])
     assert pol.reuse.fine_class(a, pol.reuse.klass(a)) % 4 == 2
     key = pol.evict_key(a, Tier.HBM, 0.0)
