@@ -19,9 +19,9 @@ engine that embeds a Store and tunes its own allocator turns that off.
 switches to non-temporal (streaming) stores only past ``x86_non_temporal_threshold``, which it
 sets from the cache size (48 MiB on the development machine). Below it, copying a 2 MiB block
 into a tier first reads every destination line into the cache and later writes it back; the
-stored block is not read again soon, so that traffic is wasted. Measured here (numpy
-``copyto``, 32 copies of 2 MiB): 5.1 GB/s at glibc's default, 9.0 GB/s with the threshold at
-1 MiB, the speed of one 64 MiB copy. The threshold is a glibc *tunable*, read only when a
+stored block is not read again soon, so that traffic is wasted. Measured here (``python -m
+bench.copy_bench``: numpy ``copyto``, 32 copies of 2 MiB): 5.6–5.8 GB/s at glibc's default,
+8.8–9.2 GB/s with the threshold at 1 MiB, about the speed of one 64 MiB copy. The threshold is a glibc *tunable*, read only when a
 process starts, so ``kvstore serve`` and ``kvstore bench`` re-execute themselves once with it
 set in ``GLIBC_TUNABLES`` (same pid, same arguments). An engine that embeds a Store sets it in
 its own environment (README, "Tuning").

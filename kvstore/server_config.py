@@ -137,8 +137,8 @@ class ServerConfig(BaseModel):
 
     streaming_copy_bytes: Annotated[int, Field(ge=0, lt=1 << 62)] = 1 << 20
     """glibc's non-temporal threshold for ``kvstore serve``: copies of at least this many bytes
-    use streaming stores (2 MiB block copies ran at 9.0 instead of 5.1 GB/s on the development
-    machine; :mod:`kvstore.memtune`). Set at start through ``GLIBC_TUNABLES`` (the server
+    use streaming stores (2 MiB block copies ran at 8.8–9.2 instead of 5.6–5.8 GB/s on the
+    development machine, ``python -m bench.copy_bench``; :mod:`kvstore.memtune`). Set at start through ``GLIBC_TUNABLES`` (the server
     re-executes itself once); 0 keeps glibc's default, and a threshold already set in
     ``GLIBC_TUNABLES`` is kept. No effect off glibc/x86-64. At least 16448 when not 0."""
 

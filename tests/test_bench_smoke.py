@@ -60,3 +60,15 @@ def test_stream_breakdown_runs_and_reports_its_four_ways(tmp_path: Path) -> None
     assert all(v > 0 for v in printed["gbps"].values())
     g = printed["gbps"]
     assert printed["ratios"]["put/bare"] == round(g["put"] / g["bare"], 3)
+
+
+def test_copy_bench_compares_both_thresholds(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.copy_bench", "--mib", "4", "--block-kib", "1024", "--rounds", "1"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    printed = json.loads(proc.stdout)
+    assert set(printed["gbps"]) == {"glibc_default", "streaming"}
+    assert all(v > 0 for side in printed["gbps"].values() for v in side.values())
+    assert printed["blocks_speedup"] == round(
+        printed["gbps"]["streaming"]["blocks"] / printed["gbps"]["glibc_default"]["blocks"], 2)

@@ -1,0 +1,92 @@
+"""What glibc's non-temporal threshold does to block copies (``kvstore.memtune``,
+``ServerConfig.streaming_copy_bytes``).
+
+Two child processes copy the same way, one with the C library's own threshold and one with
+``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=<--threshold>``; each measures, with
+numpy ``copyto`` (one ``memcpy``), ``--mib`` MiB moved as ``--block-kib`` KiB block copies and
+as one copy, over ``--rounds`` rounds (GB/s medians). The two children alternate round by round
+so a shared machine's drift hits both alike.
+
+    python -m bench.copy_bench [--mib 64] [--block-kib 2048] [--threshold 1048576] [--rounds 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.output import emit_json
+
+
+def _child(mib: int, block: int) -> None:
+    """Measure one round per line read from stdin; print each round's GB/s as JSON."""
+    import numpy as np
+
+    n = mib << 20
+    src = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
+    dst = np.ones_like(src)
+    for _ in sys.stdin:
+        t0 = time.perf_counter()
+        for off in range(0, n, block):
+            np.copyto(dst[off : off + block], src[off : off + block])
+        t1 = time.perf_counter()
+        np.copyto(dst, src)
+        t2 = time.perf_counter()
+        print(json.dumps({"blocks": n / (t1 - t0) / 1e9, "one_copy": n / (t2 - t1) / 1e9}), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=64)
+    ap.add_argument("--block-kib", type=int, default=2048)
+    ap.add_argument("--threshold", type=int, default=1 << 20, help="bytes")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    block = args.block_kib << 10
+    if args.child:
+        _child(args.mib, block)
+        return 0
+    from kvstore.memtune import NONTEMPORAL_TUNABLE
+
+    base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    envs = {"glibc_default": base,
+            "streaming": {**base, "GLIBC_TUNABLES": f"{NONTEMPORAL_TUNABLE}={args.threshold}"}}
+    cmd = [sys.executable, "-m", "bench.copy_bench", "--child", "--mib", str(args.mib),
+           "--block-kib", str(args.block_kib)]
+    repo = Path(__file__).resolve().parents[1]
+    procs = {k: subprocess.Popen(cmd, env=env, cwd=repo, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True) for k, env in envs.items()}
+    rounds: dict[str, list[dict[str, float]]] = {k: [] for k in procs}
+    try:
+        for r in range(args.rounds + 1):  # round 0 faults the pages in, untimed
+            for k, p in procs.items():
+                assert p.stdin is not None and p.stdout is not None
+                p.stdin.write("go\n")
+                p.stdin.flush()
+                line = json.loads(p.stdout.readline())
+                if r:
+                    rounds[k].append(line)
+    finally:
+        for p in procs.values():
+            if p.stdin is not None:
+                p.stdin.close()
+            p.wait(timeout=30)
+    gbps = {k: {m: round(statistics.median(x[m] for x in v), 2) for m in ("blocks", "one_copy")}
+            for k, v in rounds.items()}
+    emit_json({"mib": args.mib, "block_kib": args.block_kib, "threshold": args.threshold,
+               "rounds": args.rounds, "unit": "GB/s (median)", "gbps": gbps,
+               "blocks_speedup": round(gbps["streaming"]["blocks"] / gbps["glibc_default"]["blocks"], 2)},
+              args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
