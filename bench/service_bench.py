@@ -30,9 +30,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +79,40 @@ def _start_child(args: list[str], env: dict[str, str] | None = None) -> tuple[su
         lines.append(line)
         if line.startswith("ready"):
             return proc, lines
+
+
+@contextmanager
+def sidecar_and_raw(hbm: int, dram: int, nvme: int) -> Iterator[tuple[str, str, int]]:
+    """A sidecar (``kvstore serve``: memory tiers of these sizes, NVMe not durable, no metrics)
+    and the bare grpcio server, each in its own child process; yields (sidecar target, a new
+    tenant's token, the bare server's port) and stops both."""
+    from kvstore.admin_client import AdminClient
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Path(tmp) / "bench.toml"
+        cfg.write_text(
+            f'listen = "127.0.0.1:0"\naudit_fsync = false\nexpire_interval_s = 0\n'
+            f'[store]\npath = "{tmp}/data"\nhbm_bytes = {hbm}\ndram_bytes = {dram}\n'
+            f'nvme_bytes = {nvme}\ndurable = false\npersist_on_close = false\n'
+            f'[metrics]\nenabled = false\n[limits]\nmax_stream_bytes = {1 << 30}\n')
+        children = []
+        try:
+            server, lines = _start_child(["-c", "from kvstore.cli_serve import admin_app; admin_app()", "serve",
+                                          "--config", str(cfg)])
+            children.append(server)
+            raw, raw_lines = _start_child([str(Path(__file__).resolve()), "--raw-server", "x"])
+            children.append(raw)
+            port = int(next(ln for ln in lines if "serving on" in ln).rsplit(":", 1)[1])
+            admin_token = next(ln for ln in lines if "admin token" in ln).split()[-1]
+            raw_port = int(next(ln for ln in raw_lines if ln.startswith("port")).split()[1])
+            target = f"127.0.0.1:{port}"
+            with AdminClient(target, admin_token) as admin:
+                token = admin.create_tenant("bench")
+            yield target, token, raw_port
+        finally:
+            for p in children:
+                p.terminate()
+                p.wait(timeout=30)
 
 
 def _raw_server_main(port_file: str) -> None:
@@ -347,36 +381,14 @@ def main(argv: list[str] | None = None) -> int:
     from kvstore.client import DEFAULT_CHUNK_BYTES
 
     chunk = args.chunk_kib * 1024 if args.chunk_kib else DEFAULT_CHUNK_BYTES
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = Path(tmp) / "bench.toml"
-        cfg.write_text(
-            f'listen = "127.0.0.1:0"\naudit_fsync = false\nexpire_interval_s = 0\n'
-            f'[store]\npath = "{tmp}/data"\nhbm_bytes = {1024 * MiB}\ndram_bytes = {256 * MiB}\n'
-            f'nvme_bytes = {512 * MiB}\ndurable = false\npersist_on_close = false\n'
-            f'[metrics]\nenabled = false\n[limits]\nmax_stream_bytes = {1 << 30}\n')
-        server, lines = _start_child(["-c", "from kvstore.cli_serve import admin_app; admin_app()", "serve",
-                                      "--config", str(cfg)])
-        raw, raw_lines = _start_child([str(Path(__file__).resolve()), "--raw-server", "x"])
-        try:
-            port = int(next(ln for ln in lines if "serving on" in ln).rsplit(":", 1)[1])
-            admin_token = next(ln for ln in lines if "admin token" in ln).split()[-1]
-            raw_port = int(next(ln for ln in raw_lines if ln.startswith("port")).split()[1])
-            target = f"127.0.0.1:{port}"
-            from kvstore.admin_client import AdminClient
-
-            with AdminClient(target, admin_token) as admin:
-                token = admin.create_tenant("bench")
-            results: dict[str, object] = {"repeats": args.repeats, "unit": "GB/s (median)", "sizes": {}}
-            for mib in sizes:
-                count = max(1, args.bytes_per_call // mib)
-                results["sizes"][f"{mib}MiB"] = bench_size(target, token, raw_port, mib, count, args.repeats,
-                                                           chunk)
-            results["per_chunk"] = bench_checksum(chunk)
-            results["lookup"] = bench_lookup(target, token, args.repeats)
-        finally:
-            for p in (server, raw):
-                p.terminate()
-                p.wait(timeout=30)
+    with sidecar_and_raw(hbm=1024 * MiB, dram=256 * MiB, nvme=512 * MiB) as (target, token, raw_port):
+        results: dict[str, object] = {"repeats": args.repeats, "unit": "GB/s (median)", "sizes": {}}
+        for mib in sizes:
+            count = max(1, args.bytes_per_call // mib)
+            results["sizes"][f"{mib}MiB"] = bench_size(target, token, raw_port, mib, count, args.repeats,
+                                                       chunk)
+        results["per_chunk"] = bench_checksum(chunk)
+        results["lookup"] = bench_lookup(target, token, args.repeats)
     emit_json(results, args.out)
     return 0
 

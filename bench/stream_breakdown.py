@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from bench.output import emit_json
-from bench.service_bench import MiB, _gbps, _spec, _start_child
+from bench.service_bench import MiB, _gbps, _spec, sidecar_and_raw
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     import grpc
 
-    from kvstore.admin_client import AdminClient
     from kvstore.client import Client, _flat_bytes
     from kvstore.frames import data_frame, encode
     from proto.kvstore.v1 import kvstore_pb2 as pb
@@ -54,60 +52,41 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = count * spec.block_nbytes
     kv = torch.randint(-1000, 1000, (count, *spec.block_shape), dtype=torch.int16).view(torch.float16)
     rows = _flat_bytes(kv, count, spec.block_nbytes)
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = Path(tmp) / "bench.toml"
-        cfg.write_text(
-            f'listen = "127.0.0.1:0"\naudit_fsync = false\nexpire_interval_s = 0\n'
-            f'[store]\npath = "{tmp}/data"\nhbm_bytes = {1024 * MiB}\ndram_bytes = 0\nnvme_bytes = 0\n'
-            f'durable = false\npersist_on_close = false\n[metrics]\nenabled = false\n'
-            f'[limits]\nmax_stream_bytes = {1 << 30}\n')
-        server, lines = _start_child(["-c", "from kvstore.cli_serve import admin_app; admin_app()", "serve",
-                                      "--config", str(cfg)])
-        raw, raw_lines = _start_child([str(Path(__file__).with_name("service_bench.py")), "--raw-server", "x"])
-        try:
-            port = int(next(ln for ln in lines if "serving on" in ln).rsplit(":", 1)[1])
-            admin_token = next(ln for ln in lines if "admin token" in ln).split()[-1]
-            raw_port = int(next(ln for ln in raw_lines if ln.startswith("port")).split()[1])
-            with AdminClient(f"127.0.0.1:{port}", admin_token) as admin:
-                token = admin.create_tenant("bench")
-            opts = [("grpc.max_receive_message_length", 64 * MiB), ("grpc.max_send_message_length", 64 * MiB)]
-            ident = lambda b: b  # noqa: E731
-            with grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=opts) as ch, \
-                    Client(f"127.0.0.1:{port}", token, local=False) as c:
-                sink = ch.stream_unary("/raw.Raw/Sink", request_serializer=ident, response_deserializer=ident)
-                plain = [bytes(rows[i]) for i in range(count)]
-                step = c.chunk_bytes
-                times: dict[str, list[float]] = {k: [] for k in ("put", "prebuilt", "bare_frames", "bare")}
-                for r in range(args.rounds + 1):  # round 0 warms up, untimed
-                    base = (r + 1) * 10**7
-                    keys = c.block_keys(spec, list(range(base, base + count * spec.block_tokens)))
-                    t0 = time.perf_counter()
-                    c.put(spec, keys, kv)
-                    t_put = time.perf_counter() - t0
-                    c.delete(keys)
-                    keys = c.block_keys(spec, list(range(base + 5 * 10**6, base + 5 * 10**6 + count * spec.block_tokens)))
-                    header = pb.PutHeader()
-                    c._target(header.target, spec, keys, None, "", None)
-                    frames = [encode(pb.PutFrame(header=header))] + [
-                        data_frame(pb.PutFrame, i, off, memoryview(rows[i])[off : off + step])
-                        for i in range(count) for off in range(0, spec.block_nbytes, step)]
-                    t0 = time.perf_counter()
-                    c._call(c._put_frames, iter(frames))
-                    t_pre = time.perf_counter() - t0
-                    c.delete(keys)
-                    t0 = time.perf_counter()
-                    sink(iter(frames))
-                    t_bf = time.perf_counter() - t0
-                    t0 = time.perf_counter()
-                    sink(iter(plain))
-                    t_bare = time.perf_counter() - t0
-                    if r:
-                        for k, t in zip(times, (t_put, t_pre, t_bf, t_bare)):
-                            times[k].append(t)
-        finally:
-            for p in (server, raw):
-                p.terminate()
-                p.wait(timeout=30)
+    with sidecar_and_raw(hbm=1024 * MiB, dram=0, nvme=0) as (target, token, raw_port):
+        opts = [("grpc.max_receive_message_length", 64 * MiB), ("grpc.max_send_message_length", 64 * MiB)]
+        ident = lambda b: b  # noqa: E731
+        with grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=opts) as ch, \
+                Client(target, token, local=False) as c:
+            sink = ch.stream_unary("/raw.Raw/Sink", request_serializer=ident, response_deserializer=ident)
+            plain = [bytes(rows[i]) for i in range(count)]
+            step = c.chunk_bytes
+            times: dict[str, list[float]] = {k: [] for k in ("put", "prebuilt", "bare_frames", "bare")}
+            for r in range(args.rounds + 1):  # round 0 warms up, untimed
+                base = (r + 1) * 10**7
+                keys = c.block_keys(spec, list(range(base, base + count * spec.block_tokens)))
+                t0 = time.perf_counter()
+                c.put(spec, keys, kv)
+                t_put = time.perf_counter() - t0
+                c.delete(keys)
+                keys = c.block_keys(spec, list(range(base + 5 * 10**6, base + 5 * 10**6 + count * spec.block_tokens)))
+                header = pb.PutHeader()
+                c._target(header.target, spec, keys, None, "", None)
+                frames = [encode(pb.PutFrame(header=header))] + [
+                    data_frame(pb.PutFrame, i, off, memoryview(rows[i])[off : off + step])
+                    for i in range(count) for off in range(0, spec.block_nbytes, step)]
+                t0 = time.perf_counter()
+                c._call(c._put_frames, iter(frames))
+                t_pre = time.perf_counter() - t0
+                c.delete(keys)
+                t0 = time.perf_counter()
+                sink(iter(frames))
+                t_bf = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                sink(iter(plain))
+                t_bare = time.perf_counter() - t0
+                if r:
+                    for k, t in zip(times, (t_put, t_pre, t_bf, t_bare)):
+                        times[k].append(t)
     gbps = {k: _gbps(nbytes, v) for k, v in times.items()}
     result = {"block_mib": args.mib, "blocks_per_call": count, "rounds": args.rounds, "unit": "GB/s (median)",
               "gbps": gbps,
