@@ -21,8 +21,8 @@ sets from the cache size (48 MiB on the development machine). Below it, copying 
 into a tier first reads every destination line into the cache and later writes it back; the
 stored block is not read again soon, so that traffic is wasted. Measured here (``python -m
 bench.copy_bench``: numpy ``copyto``, 32 copies of 2 MiB): 5.6–5.8 GB/s at glibc's default,
-8.8–9.2 GB/s with the threshold at 1 MiB, about the speed of one 64 MiB copy. The threshold is a glibc *tunable*, read only when a
-process starts, so ``kvstore serve`` and ``kvstore bench`` re-execute themselves once with it
+8.8–9.2 GB/s with the threshold at 1 MiB, about the speed of one 64 MiB copy. The threshold is
+a glibc *tunable*, read only when a process starts, so ``kvstore serve`` and ``kvstore bench`` re-execute themselves once with it
 set in ``GLIBC_TUNABLES`` (same pid, same arguments). An engine that embeds a Store sets it in
 its own environment (README, "Tuning").
 """
@@ -46,6 +46,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
 _applied: tuple[int, int] | None = None
+_entry = False  # set by process_entry(): this process may re-execute itself
 
 NONTEMPORAL_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
 #: glibc refuses a threshold below this (its tunable's minimum)
@@ -110,9 +111,6 @@ def process_entry() -> None:
     script, a benchmark run as a script): only such a process may re-execute itself."""
     global _entry
     _entry = True
-
-
-_entry = False
 
 
 def reexec_with_streaming_copies(threshold: int = 1 * MiB) -> None:

@@ -242,9 +242,7 @@ class Placement:
 
     def copy(self, meta: BlockMeta, ref: BlockRef, src: Tier, dest: Tier) -> bool:
         if dest == Tier.NVME:
-            view = self._mem[src].buffer(ref)
-            host = view if isinstance(view, np.ndarray) else view.cpu().numpy()
-            return self.write(Tier.NVME, ref, meta, host)
+            return self.write(Tier.NVME, ref, meta, self._mem[src].host_bytes(ref))
         dst = self._mem[dest]
         if not dst.reserve(ref):
             return False

@@ -795,9 +795,7 @@ class Store(ReservedPuts, LeasedGets):
                     if not self._nvme.can_fit(m.nbytes):
                         break
                     ref = self._place.ref(m)
-                    view = self._mem[m.tier].buffer(ref)
-                    host = view if isinstance(view, np.ndarray) else view.cpu().numpy()
-                    if self._place.write(Tier.NVME, ref, m, host):
+                    if self._place.write(Tier.NVME, ref, m, self._mem[m.tier].host_bytes(ref)):
                         self._index.set_persisted(m, True)
                         self._place.charge(m, Tier.NVME, +1)
                         n += 1

@@ -143,16 +143,22 @@ def test_rate_valuation_by_hand():
     assert pol.value(m, Tier.NVME) == pytest.approx(p * pol.gain(m, Tier.NVME) / LLAMA.block_nbytes / gap)
 
 
+def _read_back_twenty(pol: CostPolicy, slow_gap: float, period: float) -> None:
+    """Twenty rounds, ``period`` s apart: a full block read back once after 1 s, a partial
+    (100-token) one after ``slow_gap`` s; two classes with the same reuse probability."""
+    for i in range(20):
+        for tokens, gap in ((512, 1.0), (100, slow_gap)):
+            m = _meta(b"%d-%d" % (tokens, i), 0, tokens=tokens)
+            pol.on_insert(m, period * i)
+            m.access_count = 2
+            pol.on_access(m, period * i + gap)
+
+
 def test_rate_valuation_prefers_blocks_read_back_sooner():
     """Two classes with the same reuse probability: the one read back sooner is worth more
     (fast class: read again after 1 s; slow class — partial blocks — after 100 s)."""
     pol = CostPolicy(_lookup, CostPolicyConfig(valuation="rate"))
-    for i in range(20):
-        for tokens, gap in ((512, 1.0), (100, 100.0)):
-            m = _meta(b"%d-%d" % (tokens, i), 0, tokens=tokens)
-            pol.on_insert(m, 1000.0 * i)
-            m.access_count = 2
-            pol.on_access(m, 1000.0 * i + gap)
+    _read_back_twenty(pol, slow_gap=100.0, period=1000.0)
     fast, slow = _meta(b"f", 0), _meta(b"s", 0, tokens=100)
     assert pol.reuse.probability(fast) == pytest.approx(pol.reuse.probability(slow))
     # value / (gain per byte) = p / mean_gap: gaps (20 + 50.5) / 21 and (2000 + 50.5) / 21
@@ -194,12 +200,7 @@ def test_horizon_valuation_prefers_blocks_read_back_within_the_horizon():
     """Same reuse probability; one class comes back after 1 s, the other after 1000 s. With a
     10 s horizon the fast class is worth more; with no horizon yet they are worth the same."""
     pol = CostPolicy(_lookup)
-    for i in range(20):
-        for tokens, gap in ((512, 1.0), (100, 1000.0)):
-            m = _meta(b"%d-%d" % (tokens, i), 0, tokens=tokens)
-            pol.on_insert(m, 10_000.0 * i)
-            m.access_count = 2
-            pol.on_access(m, 10_000.0 * i + gap)
+    _read_back_twenty(pol, slow_gap=1000.0, period=10_000.0)
     fast, slow = _meta(b"f", 0), _meta(b"s", 0, tokens=100)
     per = [pol.value(m, Tier.HBM) * m.nbytes / pol.gain(m, Tier.HBM) for m in (fast, slow)]
     assert per[0] == pytest.approx(per[1])

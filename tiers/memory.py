@@ -66,6 +66,12 @@ class MemoryTier:
         off, n = self._slots[ref.ident]
         return self._host[off : off + n] if self._host is not None else self._arena[off : off + n]
 
+    def host_bytes(self, ref: BlockRef) -> np.ndarray:
+        """The block's bytes as host numpy: :meth:`buffer` itself for a host arena, else a copy
+        off the device."""
+        buf = self.buffer(ref)
+        return buf if isinstance(buf, np.ndarray) else buf.cpu().numpy()
+
     # -- read leases (readers outside the owner's lock) -----------------------------------------
     def lease(self, ref: BlockRef) -> tuple[int, np.ndarray] | None:
         """A read-only host view of the block's bytes and the lease's token (for :meth:`unlease`);
