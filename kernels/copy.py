@@ -3,6 +3,16 @@
 CPU↔CPU copies go through numpy (one memcpy, no intra-op thread pool: LIMITS.md measured torch
 CPU copies with two intra-op threads collapsing to 0.26 GB/s when the other core is busy).
 Anything touching a GPU uses a synchronous ``Tensor.copy_`` (DMA from/to pinned DRAM).
+
+:func:`host_copy` is the one host memcpy of the data path. It steers around a trap of glibc's
+streaming-store copy (``memcpy`` past ``x86_non_temporal_threshold``, which ``kvstore serve``
+lowers to 1 MiB: see ``kvstore.memtune``): when the destination sits just *after* the source
+modulo the 4 KiB page, 0 < (dst - src) mod 4096 < 384 bytes, the copy runs at half its speed
+or less. Where a block lands in a caller's buffer is the caller's business, so such a copy is
+done in 768 KiB pieces instead: below the 1 MiB threshold (ordinary stores) and above the
+512 KiB where glibc stops using ``rep movsb`` on these AMD parts (``rep movsb`` has the same
+trouble with a short distance). Measured on the development machine (AMD EPYC, glibc 2.36,
+threshold 1 MiB; ``python -m bench.copy_bench --alias``): see that module's docstring.
 """
 
 from __future__ import annotations
@@ -25,13 +35,33 @@ def _host_view(buf: Any) -> np.ndarray | None:
     return np.frombuffer(buf, dtype=np.uint8)
 
 
+PAGE_BYTES = 4096
+#: destination offsets past the source (mod a page) that slow streaming copies down
+ALIAS_WINDOW = 384
+#: the piece size for such copies (module docstring)
+ALIAS_PIECE = 768 << 10
+
+
+def host_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``np.copyto(dst, src)`` for flat, contiguous uint8 arrays of equal length, in pieces when
+    the two sit in the slow window (module docstring)."""
+    n = dst.shape[0]
+    if n > ALIAS_PIECE:
+        delta = (dst.__array_interface__["data"][0] - src.__array_interface__["data"][0])
+        if 0 < delta % PAGE_BYTES < ALIAS_WINDOW:
+            for lo in range(0, n, ALIAS_PIECE):
+                np.copyto(dst[lo : lo + ALIAS_PIECE], src[lo : lo + ALIAS_PIECE])
+            return
+    np.copyto(dst, src)
+
+
 def copy_bytes(dst: Any, src: Any) -> None:
     """Copy ``src`` into ``dst``: flat buffers of equal byte length (numpy, tensor, bytes-like)."""
     d, s = _host_view(dst), _host_view(src)
     if d is not None and s is not None:
         if d.shape != s.shape:
             raise ValueError(f"copy_bytes: length mismatch {d.shape[0]} != {s.shape[0]}")
-        np.copyto(d, s)
+        host_copy(d, s)
         return
     dt = dst.reshape(-1).view(torch.uint8) if d is None else torch.from_numpy(d)
     if s is None:

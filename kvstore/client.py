@@ -43,6 +43,7 @@ import grpc
 import numpy as np
 import torch
 
+from kernels.copy import host_copy
 from kvstore.block import Tier
 from kvstore.errors import InvalidArgument, IntegrityError, KVStoreError
 from kvstore.frames import Frame, data_frame, decoder, encode, intact
@@ -327,7 +328,7 @@ class Client:
                 return
             try:
                 for j in range(count):
-                    np.copyto(lp.arena[off + j * nbytes : off + (j + 1) * nbytes], rows[done + j])
+                    host_copy(lp.arena[off + j * nbytes : off + (j + 1) * nbytes], rows[done + j])
                 self._put_slots(put, put.keys[done : done + count],
                                 [off + j * nbytes for j in range(count)], parent)
             finally:
@@ -408,8 +409,8 @@ class Client:
             try:
                 k = self._get_slots(spec, keys[got : got + count], [off + j * nbytes for j in range(count)],
                                     namespace, parent)
-                if k:
-                    np.copyto(rows[got : got + k], lp.arena[off : off + k * nbytes].reshape(k, nbytes))
+                for j in range(k):
+                    host_copy(rows[got + j], lp.arena[off + j * nbytes : off + (j + 1) * nbytes])
             finally:
                 lp.release(off)
             got += k

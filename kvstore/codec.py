@@ -59,6 +59,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kernels.checksum import checksum
+from kernels.copy import host_copy
 from kernels.shuffle import shuffle_into, unshuffle_planes_into
 from kvstore.codec_format import (
     CHUNK_COMPRESSED,
@@ -533,7 +534,7 @@ class Codec:
                 nonce = nonces[i * NONCE_BYTES : (i + 1) * NONCE_BYTES]
                 AESGCM(data_key).encrypt_into(nonce, src[lo:hi], header + CHUNK_INDEX.pack(i), target)
                 return b""
-            np.copyto(target, src[lo:hi])
+            host_copy(target, src[lo:hi])
             return checksum(target, seed=i)
 
         digests = self._parallel(place, n, inline=ranges[-1][1] <= INLINE_RAW_BYTES)
@@ -608,7 +609,7 @@ class Codec:
                 elif checksum(body, seed=i) != extra:
                     raise IntegrityError(f"chunk {i}: checksum mismatch")
                 else:
-                    np.copyto(dst[lo:hi], body)
+                    host_copy(dst[lo:hi], body)
                 return
             try:
                 if data_key is not None:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.copy import copy_bytes
+from kernels.copy import PAGE_BYTES, copy_bytes, host_copy
 from kvstore.block import Tier
 from tiers.arena import ExtentAllocator
 from tiers.base import BlockRef, TierUsage
@@ -125,7 +125,7 @@ class MemoryTier:
         off, n = self._slots[ref.ident]
         if (self._host is not None and type(data) is np.ndarray and data.dtype == np.uint8
                 and data.shape == (n,)):
-            np.copyto(self._host[off : off + n], data)  # the common case: one memcpy
+            host_copy(self._host[off : off + n], data)  # the common case: one memcpy
         else:
             try:
                 copy_bytes(self._arena[off : off + n], data)
@@ -141,7 +141,7 @@ class MemoryTier:
         off, n = slot
         if (self._host is not None and type(out) is np.ndarray and out.dtype == np.uint8
                 and out.shape == (n,)):
-            np.copyto(out, self._host[off : off + n])  # the common case: one memcpy, no tensor view
+            host_copy(out, self._host[off : off + n])  # the common case: one memcpy, no tensor view
         else:
             copy_bytes(out, self._arena[off : off + n])
         return True
@@ -182,13 +182,26 @@ class MemoryTier:
         self._host = None
 
 
+#: where a host arena starts within a page. Block buffers elsewhere start at a page (shared
+#: memory, mmap), 16 bytes past one (numpy, glibc's mmap'd chunks) or 64 (torch); halfway
+#: keeps every copy between them and a slot out of the streaming-copy window of
+#: ``kernels.copy.host_copy`` in both directions (slot sizes are whole pages).
+HOST_ARENA_PAGE_OFFSET = 2048
+
+
 def _arena(capacity: int, device: torch.device, pinned: bool) -> torch.Tensor:
     """The flat uint8 arena. Neither allocation touches the pages: untouched capacity costs no
     RSS. NOTE: an unpinned host arena comes from numpy, which asks the kernel for transparent
     huge pages on large allocations (torch.empty does not): fewer TLB misses per memcpy."""
-    if device.type == "cpu" and not pinned:
-        return torch.from_numpy(np.empty(capacity, dtype=np.uint8))
-    return torch.empty(capacity, dtype=torch.uint8, device=device, pin_memory=pinned)
+    if device.type != "cpu":
+        return torch.empty(capacity, dtype=torch.uint8, device=device)
+    pad = PAGE_BYTES + HOST_ARENA_PAGE_OFFSET
+    if pinned:
+        raw = torch.empty(capacity + pad, dtype=torch.uint8, pin_memory=True)
+    else:
+        raw = torch.from_numpy(np.empty(capacity + pad, dtype=np.uint8))
+    start = (HOST_ARENA_PAGE_OFFSET - raw.data_ptr()) % PAGE_BYTES
+    return raw[start : start + capacity]
 
 
 def default_device() -> torch.device:
