@@ -3,7 +3,7 @@
     python -m bench.profile_target nvme-put --mib 2 --blocks 16 --rounds 20 [--level 1] [--no-encrypt]
 
 Targets: ``dram-put`` (put into a DRAM-only store), ``nvme-put`` (put into an NVMe-only store,
-durable), ``dram-nvme`` (flush of DRAM-resident blocks: the DRAM -> NVMe spill), ``nvme-get``
+durable), ``nvme-put-nosync`` (the same, ``durable=False``), ``dram-nvme`` (flush of DRAM-resident blocks: the DRAM -> NVMe spill), ``nvme-get``
 (get_into from an NVMe-only store), ``dram-get`` (get_into from a DRAM-only store). The data, shapes and stores are the benchmarks' own
 (``bench.store_bench``), the policy the LRU baseline as in the suites (``bench.suite_tiers``);
 keys are deleted after each put so every round writes anew.
@@ -22,7 +22,7 @@ from bench.store_bench import MASTER_KEY, TENANT, kv_like, make_spec, token_ids
 from kvstore.config import StoreConfig
 from kvstore.store import Store
 
-TARGETS = ("dram-put", "dram-get", "nvme-put", "dram-nvme", "nvme-get")
+TARGETS = ("dram-put", "dram-get", "nvme-put", "nvme-put-nosync", "dram-nvme", "nvme-get")
 
 
 def run(target: str, mib: int, blocks: int, rounds: int, level: int, encrypt: bool,
@@ -32,9 +32,10 @@ def run(target: str, mib: int, blocks: int, rounds: int, level: int, encrypt: bo
     kv = kv_like(spec, blocks, seed=mib)
     cap = 4 * blocks * spec.block_nbytes + (64 << 20)
     dram = cap if target in ("dram-put", "dram-get", "dram-nvme") else 0
-    nvme = cap if target in ("nvme-put", "dram-nvme", "nvme-get") else 0
+    nvme = cap if target in ("nvme-put", "nvme-put-nosync", "dram-nvme", "nvme-get") else 0
     store = Store.open(StoreConfig(path=workdir, hbm_bytes=0, dram_bytes=dram, nvme_bytes=nvme,
-                                   device="cpu", master_key=MASTER_KEY, durable=True,
+                                   device="cpu", master_key=MASTER_KEY,
+                                   durable=target != "nvme-put-nosync",
                                    encrypt=encrypt, compression_level=level,
                                    min_compress_ratio=1.0,  # --level N compresses every block
                                    persist_on_close=False, policy="lru"))  # as the suites

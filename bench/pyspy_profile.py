@@ -20,7 +20,7 @@ from typing import Any
 
 #: the public Store call each profile target times (its samples are the ones summarised)
 ROOTS = {"dram-put": "Store.put ", "dram-get": "Store.get_into ", "nvme-put": "Store.put ",
-         "dram-nvme": "Store.flush ", "nvme-get": "Store.get_into "}
+         "nvme-put-nosync": "Store.put ", "dram-nvme": "Store.flush ", "nvme-get": "Store.get_into "}
 #: the codec's per-chunk work, on whichever thread runs it (caller, encode-ahead, pool)
 CODEC_ROOT = "Codec._parallel.<locals>.drain "
 _LINE = re.compile(r":\d+\)$")
