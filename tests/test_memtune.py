@@ -1,5 +1,5 @@
-"""retain_freed_memory: applied through the C library's mallopt on glibc, at Store open when
-configured (and only then), and a refusal leaves it unapplied."""
+"""retain_freed_memory: applied through the C library's mallopt on glibc, at Store open and
+Client creation when configured (and only then), and a refusal leaves it unapplied."""
 
 from __future__ import annotations
 
@@ -24,6 +24,16 @@ def test_the_store_applies_it_only_when_configured(tmp_path, monkeypatch):
         cfg = StoreConfig(path=tmp_path / str(flag), hbm_bytes=1 << 20, dram_bytes=0, nvme_bytes=0,
                           master_key=MASTER, retain_freed_memory=flag)
         Store.open(cfg).close()
+        assert len(calls) == want
+
+
+def test_the_client_applies_it_unless_told_not_to(monkeypatch):
+    from kvstore.client import Client
+
+    calls = []
+    monkeypatch.setattr(memtune, "retain_freed_memory", lambda: calls.append(1) or True)
+    for flag, want in ((False, 0), (True, 1)):
+        Client("127.0.0.1:1", "token", local=False, retain_freed_memory=flag).close()
         assert len(calls) == want
 
 
