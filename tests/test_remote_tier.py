@@ -23,8 +23,9 @@ from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.keyring import Keyring
 from kvstore.spec import ModelSpec
 from tiers.base import BlockRef
-from tiers.remote import CircuitBreaker, RemoteTier, connect
+from tiers.remote import RemoteTier
 from tiers.remote_config import RemoteConfig
+from tiers.remote_redis import CircuitBreaker, connect
 
 MASTER = bytes(range(32))
 SPEC = ModelSpec(model="m", revision="r1", num_layers=2, num_kv_heads=2, head_dim=8,
@@ -414,7 +415,7 @@ def test_bench_quick_runs(url: str, tmp_path: Path) -> None:
 
 
 def test_keyring_creation_race_resolves_to_the_first_key(make, raw: redis.Redis) -> None:
-    from tiers.remote import KeyringRace, RedisKeyBackend
+    from tiers.remote_redis import KeyringRace, RedisKeyBackend
 
     a, b = make(), make()
     backend = RedisKeyBackend(raw, make.ns)

@@ -27,7 +27,8 @@ master key fails at open (the keyring's check entry does not unwrap).
 Faults are tracked per server (per cluster node) by a circuit breaker: after
 ``breaker_failures`` consecutive faults the node is skipped (a miss without network) for a
 backoff period from ``redis.backoff``; the first call after the period is a probe, which closes
-the breaker on success. Command retries are redis-py's ``Retry``. Thread-safe.
+the breaker on success. Command retries are redis-py's ``Retry``. Thread-safe. The client
+(``connect``), the keyring's Redis store and the breaker live in :mod:`tiers.remote_redis`.
 """
 
 from __future__ import annotations
@@ -35,20 +36,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 import numpy as np
 from redis import Redis
-from redis.backoff import (
-    AbstractBackoff,
-    EqualJitterBackoff,
-    ExponentialWithJitterBackoff,
-)
-from redis.cluster import ClusterNode, RedisCluster
+from redis.backoff import EqualJitterBackoff
+from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
-from redis.retry import Retry
 
 from kvstore.block import Tier
 from kvstore.codec import Codec, CodecConfig, tenant_hash
@@ -57,119 +52,18 @@ from kvstore.keyring import Keyring
 from kvstore.quantization import QuantArg
 from tiers.base import BlockRef, TierUsage, as_bytes_view
 from tiers.remote_config import RemoteConfig
+from tiers.remote_redis import (
+    CircuitBreaker,
+    Clock,
+    KeyringRace,
+    RedisKeyBackend,
+    connect,
+)
 
-Clock = Callable[[], float]
 #: Everything a Redis round trip can raise (RedisClusterException is not a RedisError).
 FAULTS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
 _SKIPPED = object()  # a call not sent because its node's breaker is open
 _STANDALONE = "server"
-
-
-def connect(config: RemoteConfig) -> Redis | RedisCluster:
-    """A redis-py client for ``config`` (``RedisCluster`` in cluster mode); connects lazily."""
-    retry = Retry(ExponentialWithJitterBackoff(cap=config.retry_cap_s, base=config.retry_base_s),
-                  config.retries)
-    kw: dict[str, Any] = {
-        "socket_timeout": config.op_timeout_s,
-        "socket_connect_timeout": config.connect_timeout_s,
-        "retry": retry, "max_connections": config.max_connections, "username": config.username,
-        "password": config.password.get_secret_value() if config.password else None}
-    if config.use_tls:
-        kw.update(ssl=True, ssl_ca_certs=str(config.tls_ca_file) if config.tls_ca_file else None,
-                  ssl_certfile=str(config.tls_cert_file) if config.tls_cert_file else None,
-                  ssl_keyfile=str(config.tls_key_file) if config.tls_key_file else None,
-                  ssl_cert_reqs="required" if config.tls_verify else "none",
-                  ssl_check_hostname=config.tls_verify)
-    if not config.cluster:
-        url = config.urls[0]
-        if kw.pop("ssl", False) and url.startswith("redis://"):
-            url = "rediss://" + url[len("redis://"):]  # from_url picks TLS from the scheme
-        return Redis.from_url(url, **kw)
-    nodes = []
-    for u in config.urls:
-        parts = urlsplit(u)
-        nodes.append(ClusterNode(parts.hostname or "127.0.0.1", parts.port or 6379))
-    # NOTE: require_full_coverage=False keeps serving the slots of live nodes while one is down.
-    return RedisCluster(startup_nodes=nodes, require_full_coverage=False, **kw)
-
-
-class KeyringRace(FailedPrecondition):
-    """Another node created the same tenant's data key first; reading it again resolves it."""
-
-
-class RedisKeyBackend(MutableMapping[str, bytes]):
-    """The keyring's store in Redis: ``<ns>:keyring:<hex(tenant)>`` -> wrapped data key.
-
-    Creation is ``SET NX``: when two nodes create a tenant's key at once, the loser raises
-    :class:`KeyringRace` (the Keyring then caches nothing) and its next read gets the winner's."""
-
-    def __init__(self, client: Redis | RedisCluster, namespace: str) -> None:
-        self._client = client
-        self._prefix = f"{namespace}:keyring:"
-
-    def _k(self, tenant: str) -> str:
-        return self._prefix + tenant.encode().hex()
-
-    def __getitem__(self, tenant: str) -> bytes:
-        v = self._client.get(self._k(tenant))
-        if v is None:
-            raise KeyError(tenant)
-        return bytes(v)
-
-    def __setitem__(self, tenant: str, wrapped: bytes) -> None:
-        if (not self._client.set(self._k(tenant), wrapped, nx=True)
-                and self._client.get(self._k(tenant)) != wrapped):
-            raise KeyringRace(f"tenant {tenant!r}'s data key was created by another node")
-
-    def __delitem__(self, tenant: str) -> None:
-        if not self._client.delete(self._k(tenant)):
-            raise KeyError(tenant)
-
-    def __iter__(self) -> Iterator[str]:
-        names = [bytes(k).decode()[len(self._prefix):] for k in
-                 self._client.scan_iter(match=self._prefix + "*", count=1000)]
-        return iter([bytes.fromhex(n).decode() for n in names])
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
-class CircuitBreaker:
-    """Consecutive-fault breaker for one server; open periods come from ``backoff``.
-
-    ``allow()`` is False while open. When the period ends calls go through again; the first
-    fault then reopens it at once, for a longer period (``backoff.compute(trips)``)."""
-
-    def __init__(self, failures: int, backoff: AbstractBackoff, clock: Clock) -> None:
-        self._threshold = failures
-        self._backoff = backoff
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._fails = 0
-        self._trips = 0
-        self._open_until = 0.0
-
-    def allow(self) -> bool:
-        return self._clock() >= self._open_until
-
-    @property
-    def is_open(self) -> bool:
-        return not self.allow()
-
-    def record(self, ok: bool) -> bool:
-        """Record one call's outcome; True when this fault opened the breaker."""
-        with self._lock:
-            if ok:
-                self._fails = self._trips = 0
-                self._open_until = 0.0
-                return False
-            self._fails += 1
-            if self._fails < self._threshold:
-                return False
-            self._trips += 1
-            self._fails = self._threshold - 1  # the probe after the open period decides
-            self._open_until = self._clock() + self._backoff.compute(self._trips)
-            return True
 
 
 class RemoteTier:
@@ -665,4 +559,4 @@ class RemoteTier:
         self._client.close()
 
 
-__all__ = ["FAULTS", "CircuitBreaker", "RedisKeyBackend", "RemoteTier", "connect"]
+__all__ = ["FAULTS", "RemoteTier"]
