@@ -14,9 +14,10 @@ Primitives and what each guarantees (see DESIGN.md §7 for the invariants):
   leaves (unpinned, not in flight) and the Store demotes or drops them down to the low
   watermark; moves are two-phase (in flight → published or aborted).
 * sessions    — ACTIVE/RESUMED pin their blocks in HBM; PAUSED demotes them to DRAM and keeps
-  them; CLOSED unpins them.
+  them; CLOSED unpins them (:mod:`kvstore.store_sessions`, with ``prefetch``).
 * TTL/quotas  — per tenant; expired blocks are invisible and deleted from every tier; a tenant
-  over quota evicts its own blocks first, never another tenant's.
+  over quota evicts its own blocks first, never another tenant's. The rules, ``expire`` and the
+  verbs that delete blocks, tenants and models are in :mod:`kvstore.store_admin`.
 * remote      — with ``StoreConfig.remote``, blocks leaving the last local tier (or every new
   block, ``remote_write="through"``) are queued to Redis/Valkey; lookups and gets continue into
   it where the local chain ends and promote what they find.
@@ -39,14 +40,14 @@ import time
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from kernels.copy import copy_bytes
-from kvstore.block import BlockMeta, SessionState, Tier
+from kvstore.block import BlockMeta, Tier
 from kvstore.config import StoreConfig
 from kvstore.errors import (
     DTypeMismatch,
@@ -60,11 +61,13 @@ from kvstore.index import Ident, PrefixIndex
 from kvstore.keys import ROOT_KEY, PackedKeys, block_keys, check_keys
 from kvstore.memtune import retain_freed_memory
 from kvstore.placement import Placement
-from kvstore.sessions import Session, SessionTable
+from kvstore.sessions import SessionTable
 from kvstore.spec import ModelSpec
 from kvstore.stats import Counters
+from kvstore.store_admin import TenantAdmin, TenantPolicy
 from kvstore.store_lease import LeasedGets
 from kvstore.store_reserve import ReservedPuts, _block_views, _parent
+from kvstore.store_sessions import SessionPins
 from tiers.base import BlockRef
 from tiers.memory import MemoryTier, default_device, dram_tier, hbm_tier
 from tiers.nvme import NVMeTier
@@ -81,12 +84,6 @@ class LookupResult:
     tiers: list[str]
 
 
-@dataclass(slots=True)
-class TenantPolicy:
-    ttl_s: float | None = None
-    quota_bytes: dict[Tier, int] = field(default_factory=dict)
-
-
 _LABELS = tuple(t.label for t in Tier)
 
 
@@ -95,7 +92,7 @@ def _later(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else max(a, b)
 
 
-class Store(ReservedPuts, LeasedGets):
+class Store(ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
     """Use :meth:`Store.open`; see the module docstring for the contracts."""
 
     def __init__(self, config: StoreConfig, *, clock: Clock = time.time) -> None:
@@ -497,7 +494,6 @@ class Store(ReservedPuts, LeasedGets):
             self.counters.add("misses", len(keys) - served)
             return served
 
-    # -- delete / tenants / models ------------------------------------------------------------
     def _get_remote(self, tenant: str, spec: ModelSpec, keys: list[bytes], start: int,
                     out: Callable[[int], Any], chain: list[BlockMeta], parent: bytes,
                     now: float, guard: list[Ident]) -> int:
@@ -535,209 +531,6 @@ class Store(ReservedPuts, LeasedGets):
             guard.append((tenant, key))
             self.counters.add("promotions_remote")
         return n
-
-    def delete(self, tenant: str, keys: Sequence[bytes]) -> int:
-        """Delete the blocks (and the descendants that depend on them); returns how many."""
-        self._check_tenant(tenant)
-        keys = check_keys(keys)
-        with self._lock, self._batch():
-            self._check_open()
-            n = 0
-            for key in keys:
-                m = self._index.get(tenant, key)
-                if m is not None:
-                    n += self._place.drop(m, reason="deleted")
-                if self._remote is not None:  # its remote copy, under every known model
-                    for spec in list(self._specs.values()):
-                        n += self._remote.delete(BlockRef(tenant, key, spec))
-            return n
-
-    def drop_tenant(self, tenant: str) -> int:
-        """Remove every block of ``tenant`` from every tier and destroy its data key."""
-        self._check_tenant(tenant)
-        with self._lock, self._batch():
-            self._check_open()
-            n = 0
-            for m in sorted(self._index.of_tenant(tenant), key=lambda m: -m.depth):
-                if self._index.get(m.tenant, m.key) is m:
-                    self._place.remove(m)
-                    n += 1
-            self._sessions.drop_tenant(tenant)
-            self._tenant_policy.pop(tenant, None)
-            self.quant_policy.forget_tenant(tenant)
-            if self.keyring is not None:
-                self.keyring.destroy(tenant)
-            if self._remote is not None:  # destroys its shared data key, then its values
-                n += self._remote.delete_tenant(tenant)
-            self.counters.add("deleted", n)
-            return n
-
-    def purge_model(self, fingerprint: bytes) -> int:
-        """Remove every block of a model fingerprint (e.g. after a rollout)."""
-        with self._lock, self._batch():
-            self._check_open()
-            victims = sorted((m for m in self._index if m.fingerprint == fingerprint),
-                             key=lambda m: -m.depth)
-            for m in victims:
-                self._place.remove(m)
-            self.counters.add("deleted", len(victims))
-            n = len(victims)
-            if self._remote is not None:
-                n += self._remote.delete_model(fingerprint)
-            return n
-
-    def set_tenant_policy(self, tenant: str, ttl_s: float | None = None,
-                          quota_bytes: dict[str, int] | None = None,
-                          quantization: str | None = None) -> None:
-        """Per-tenant TTL (applies to blocks put from now on), per-tier quotas in bytes, and the
-        format of the tenant's blocks written to NVMe from now on: ``"int8"``, ``"fp8_e4m3"``
-        (``"/head"`` for per-head key scales), ``"none"`` = lossless even where a model rule
-        quantizes; None = no tenant rule (the model's rule or StoreConfig.nvme_quantization)."""
-        from kvstore.quantization import Quantization
-
-        self._check_tenant(tenant)
-        if ttl_s is not None and not ttl_s > 0:
-            raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s}")
-        quotas: dict[Tier, int] = {}
-        for name, q in (quota_bytes or {}).items():
-            if not isinstance(q, int) or q < 0:
-                raise InvalidArgument(f"quota for {name!r} must be a non-negative int")
-            quotas[Tier.parse(name)] = q
-        quant = Quantization.parse(quantization) if quantization is not None else None
-        with self._lock:
-            self._tenant_policy[tenant] = TenantPolicy(ttl_s, quotas)
-            if quantization is None:  # NOTE: "none" (quant None) is an explicit lossless rule
-                self.quant_policy.clear(tenant=tenant)
-            else:
-                self.quant_policy.set(quant, tenant=tenant)
-
-    def set_model_quantization(self, fingerprint: bytes, quantization: str | None) -> None:
-        """Format of a model's blocks written to NVMe from now on (see set_tenant_policy; a
-        tenant's own rule wins); None removes the model rule."""
-        from kvstore.quantization import Quantization
-
-        quant = Quantization.parse(quantization) if quantization is not None else None
-        with self._lock:
-            if quantization is None:  # NOTE: "none" (quant None) is an explicit lossless rule
-                self.quant_policy.clear(model=fingerprint)
-            else:
-                self.quant_policy.set(quant, model=fingerprint)
-
-    def expire(self) -> int:
-        """Delete every expired block from every tier; returns how many."""
-        with self._lock, self._batch():
-            self._check_open()
-            return self._expire_due(self._clock())
-
-    def _expire_due(self, now: float) -> int:
-        """Drop every block past its deadline, with its subtree (pinned or not, as a walk over
-        it would); the number of blocks dropped. Caller holds the lock."""
-        n = 0
-        for m in self._index.expired(now):
-            if self._index.get(m.tenant, m.key) is m:  # not in the subtree of one dropped before
-                n += self._place.drop(m, reason="expired")
-        return n
-
-    # -- sessions -----------------------------------------------------------------------------
-    def _session(self, tenant: str, session: str) -> Session:
-        self._check_tenant(tenant)
-        return self._sessions.get(tenant, session)
-
-    def _session_blocks(self, tenant: str, sess: Session) -> list[BlockMeta]:
-        out = [self._index.get(tenant, k) for k in sess.keys]
-        return [m for m in out if m is not None]
-
-    def _session_add(self, sess: Session, meta: BlockMeta) -> None:
-        if meta.key in sess.keys:
-            return
-        sess.keys[meta.key] = None
-        meta.sessions.add(sess.sid)
-        if sess.state in (SessionState.ACTIVE, SessionState.RESUMED):
-            meta.pins += 1
-        elif sess.state == SessionState.PAUSED:
-            meta.paused += 1
-
-    def open_session(self, tenant: str, session: str) -> None:
-        """Start (or re-open) a session: blocks put with ``session=`` are pinned in HBM."""
-        self._check_tenant(tenant)
-        if not isinstance(session, str) or not session:
-            raise InvalidArgument("session id must be a non-empty string")
-        with self._lock:
-            self._check_open()
-            self._sessions.open(tenant, session)
-
-    def pause_session(self, tenant: str, session: str) -> int:
-        """Unpin the session's blocks and demote them to DRAM (kept); returns blocks moved."""
-        with self._lock, self._batch():
-            self._check_open()
-            sess = self._session(tenant, session)
-            if sess.state == SessionState.PAUSED:
-                return 0
-            blocks = self._session_blocks(tenant, sess)
-            for m in blocks:
-                m.pins -= 1
-                m.paused += 1
-            sess.state = SessionState.PAUSED
-            moved = 0
-            if Tier.HBM in self._mem and Tier.DRAM in self._mem:
-                # The session's blocks are protected while it moves them, so making room in
-                # DRAM for one never pushes an already-moved one further down.
-                idents = [(m.tenant, m.key) for m in blocks]
-                self._place.protected.update(idents)
-                try:
-                    for m in sorted(blocks, key=lambda m: -m.depth):  # leaves first
-                        if m.tier != Tier.HBM or m.pins:
-                            continue
-                        if any(c.tier == Tier.HBM for c in self._index.children(m)):
-                            continue  # a shared prefix another HBM branch still needs
-                        moved += self._place.move(m, Tier.DRAM)
-                finally:
-                    self._place.protected.difference_update(idents)
-            return moved
-
-    def resume_session(self, tenant: str, session: str) -> int:
-        """Pin the session's blocks again and prefetch them to HBM; returns blocks moved."""
-        with self._lock, self._batch():
-            self._check_open()
-            sess = self._session(tenant, session)
-            if sess.state != SessionState.PAUSED:
-                return 0
-            blocks = self._session_blocks(tenant, sess)
-            for m in blocks:
-                m.paused -= 1
-                m.pins += 1
-            sess.state = SessionState.RESUMED
-            return self._place.promote(sorted(blocks, key=lambda m: m.depth))
-
-    def close_session(self, tenant: str, session: str) -> None:
-        """Unpin the session's blocks; they stay as shareable prefix cache under policy."""
-        with self._lock:
-            self._check_open()
-            sess = self._session(tenant, session)
-            for m in self._session_blocks(tenant, sess):
-                if sess.state == SessionState.PAUSED:
-                    m.paused -= 1
-                else:
-                    m.pins -= 1
-                m.sessions.discard(session)
-            self._sessions.remove(tenant, session)
-
-    def session_state(self, tenant: str, session: str) -> SessionState:
-        with self._lock:
-            return self._session(tenant, session).state
-
-    def prefetch(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes],
-                 tier: str | Tier = "hbm", *, parent: bytes | None = None) -> int:
-        """Bring the longest usable prefix up to ``tier`` ahead of use; returns blocks moved."""
-        t = Tier.parse(tier)
-        if t not in self.tiers:
-            from kvstore.errors import UnknownTier
-
-            raise UnknownTier(f"tier {t.label!r} is not enabled in this store")
-        keys = check_keys(keys)
-        with self._lock, self._batch():
-            self._check_open()
-            return self._place.promote(self._chain(tenant, spec, keys, self._clock(), _parent(parent)), t)
 
     # -- stats / lifecycle --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -1,0 +1,136 @@
+"""Administration of the Store: delete blocks, drop tenants, purge models, set rules, expire.
+
+A mixin of :class:`kvstore.store.Store`, like :mod:`kvstore.store_reserve`: it uses the Store's
+lock, index, placement, session table, keyring, quantization policy and remote tier.
+
+* ``delete``, ``drop_tenant`` and ``purge_model`` remove blocks, with the descendants that depend
+  on them, from every local tier in one NVMe transaction, and their copies from the remote tier;
+  ``drop_tenant`` also forgets the tenant's sessions and rules and destroys its data key.
+* ``expire`` drops every local block past its TTL deadline with its subtree (``lookup`` does the
+  same first, through ``_expire_due``).
+* ``set_tenant_policy`` sets a tenant's TTL and per-tier quotas (a :class:`TenantPolicy`) and its
+  NVMe quantization, ``set_model_quantization`` a model's; a new TTL or quantization applies to
+  blocks put from then on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvstore.block import Tier
+from kvstore.errors import InvalidArgument
+from kvstore.keys import check_keys
+from tiers.base import BlockRef
+
+
+@dataclass(slots=True)
+class TenantPolicy:
+    ttl_s: float | None = None
+    quota_bytes: dict[Tier, int] = field(default_factory=dict)
+
+
+class TenantAdmin:
+    """Store methods of tenant and model administration and expiry (see the module docstring)."""
+
+    def delete(self, tenant: str, keys: Sequence[bytes]) -> int:
+        """Delete the blocks (and the descendants that depend on them); returns how many."""
+        self._check_tenant(tenant)
+        keys = check_keys(keys)
+        with self._lock, self._batch():
+            self._check_open()
+            n = 0
+            for key in keys:
+                m = self._index.get(tenant, key)
+                if m is not None:
+                    n += self._place.drop(m, reason="deleted")
+                if self._remote is not None:  # its remote copy, under every known model
+                    for spec in list(self._specs.values()):
+                        n += self._remote.delete(BlockRef(tenant, key, spec))
+            return n
+
+    def drop_tenant(self, tenant: str) -> int:
+        """Remove every block of ``tenant`` from every tier and destroy its data key."""
+        self._check_tenant(tenant)
+        with self._lock, self._batch():
+            self._check_open()
+            n = 0
+            for m in sorted(self._index.of_tenant(tenant), key=lambda m: -m.depth):
+                if self._index.get(m.tenant, m.key) is m:
+                    self._place.remove(m)
+                    n += 1
+            self._sessions.drop_tenant(tenant)
+            self._tenant_policy.pop(tenant, None)
+            self.quant_policy.forget_tenant(tenant)
+            if self.keyring is not None:
+                self.keyring.destroy(tenant)
+            if self._remote is not None:  # destroys its shared data key, then its values
+                n += self._remote.delete_tenant(tenant)
+            self.counters.add("deleted", n)
+            return n
+
+    def purge_model(self, fingerprint: bytes) -> int:
+        """Remove every block of a model fingerprint (e.g. after a rollout)."""
+        with self._lock, self._batch():
+            self._check_open()
+            victims = sorted((m for m in self._index if m.fingerprint == fingerprint),
+                             key=lambda m: -m.depth)
+            for m in victims:
+                self._place.remove(m)
+            self.counters.add("deleted", len(victims))
+            n = len(victims)
+            if self._remote is not None:
+                n += self._remote.delete_model(fingerprint)
+            return n
+
+    def set_tenant_policy(self, tenant: str, ttl_s: float | None = None,
+                          quota_bytes: dict[str, int] | None = None,
+                          quantization: str | None = None) -> None:
+        """Per-tenant TTL (applies to blocks put from now on), per-tier quotas in bytes, and the
+        format of the tenant's blocks written to NVMe from now on: ``"int8"``, ``"fp8_e4m3"``
+        (``"/head"`` for per-head key scales), ``"none"`` = lossless even where a model rule
+        quantizes; None = no tenant rule (the model's rule or StoreConfig.nvme_quantization)."""
+        from kvstore.quantization import Quantization
+
+        self._check_tenant(tenant)
+        if ttl_s is not None and not ttl_s > 0:
+            raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s}")
+        quotas: dict[Tier, int] = {}
+        for name, q in (quota_bytes or {}).items():
+            if not isinstance(q, int) or q < 0:
+                raise InvalidArgument(f"quota for {name!r} must be a non-negative int")
+            quotas[Tier.parse(name)] = q
+        quant = Quantization.parse(quantization) if quantization is not None else None
+        with self._lock:
+            self._tenant_policy[tenant] = TenantPolicy(ttl_s, quotas)
+            if quantization is None:  # NOTE: "none" (quant None) is an explicit lossless rule
+                self.quant_policy.clear(tenant=tenant)
+            else:
+                self.quant_policy.set(quant, tenant=tenant)
+
+    def set_model_quantization(self, fingerprint: bytes, quantization: str | None) -> None:
+        """Format of a model's blocks written to NVMe from now on (see set_tenant_policy; a
+        tenant's own rule wins); None removes the model rule."""
+        from kvstore.quantization import Quantization
+
+        quant = Quantization.parse(quantization) if quantization is not None else None
+        with self._lock:
+            if quantization is None:  # NOTE: "none" (quant None) is an explicit lossless rule
+                self.quant_policy.clear(model=fingerprint)
+            else:
+                self.quant_policy.set(quant, model=fingerprint)
+
+    def expire(self) -> int:
+        """Delete every expired block from every tier; returns how many."""
+        with self._lock, self._batch():
+            self._check_open()
+            return self._expire_due(self._clock())
+
+    def _expire_due(self, now: float) -> int:
+        """Drop every block past its deadline, with its subtree (pinned or not, as a walk over
+        it would); the number of blocks dropped. Caller holds the lock."""
+        n = 0
+        for m in self._index.expired(now):
+            if self._index.get(m.tenant, m.key) is m:  # not in the subtree of one dropped before
+                n += self._place.drop(m, reason="expired")
+        return n

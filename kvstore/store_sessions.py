@@ -1,0 +1,129 @@
+"""Sessions of the Store: pin a session's blocks in HBM, park them in DRAM, unpin them.
+
+A mixin of :class:`kvstore.store.Store`, like :mod:`kvstore.store_reserve`: it uses the Store's
+lock, index, session table, placement and chain walk. A session's state decides its blocks'
+pins (see DESIGN.md §7):
+
+* ACTIVE/RESUMED pin them in HBM (``Store.put(..., session=)`` lands them there;
+  :meth:`SessionPins.resume_session` pins a paused session's blocks again and brings them up);
+* PAUSED unpins them and demotes them to DRAM, where they are kept (the reuse policy counts
+  them as a paused session's blocks);
+* CLOSED unpins them: they stay as shareable prefix cache under the policy.
+
+:meth:`SessionPins.prefetch` brings the usable prefix of any chain up to a tier ahead of use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvstore.block import BlockMeta, SessionState, Tier
+from kvstore.errors import InvalidArgument
+from kvstore.keys import check_keys
+from kvstore.sessions import Session
+from kvstore.spec import ModelSpec
+from kvstore.store_reserve import _parent
+
+
+class SessionPins:
+    """Store methods of sessions and prefetch (see the module docstring)."""
+
+    def _session(self, tenant: str, session: str) -> Session:
+        self._check_tenant(tenant)
+        return self._sessions.get(tenant, session)
+
+    def _session_blocks(self, tenant: str, sess: Session) -> list[BlockMeta]:
+        out = [self._index.get(tenant, k) for k in sess.keys]
+        return [m for m in out if m is not None]
+
+    def _session_add(self, sess: Session, meta: BlockMeta) -> None:
+        if meta.key in sess.keys:
+            return
+        sess.keys[meta.key] = None
+        meta.sessions.add(sess.sid)
+        if sess.state in (SessionState.ACTIVE, SessionState.RESUMED):
+            meta.pins += 1
+        elif sess.state == SessionState.PAUSED:
+            meta.paused += 1
+
+    def open_session(self, tenant: str, session: str) -> None:
+        """Start (or re-open) a session: blocks put with ``session=`` are pinned in HBM."""
+        self._check_tenant(tenant)
+        if not isinstance(session, str) or not session:
+            raise InvalidArgument("session id must be a non-empty string")
+        with self._lock:
+            self._check_open()
+            self._sessions.open(tenant, session)
+
+    def pause_session(self, tenant: str, session: str) -> int:
+        """Unpin the session's blocks and demote them to DRAM (kept); returns blocks moved."""
+        with self._lock, self._batch():
+            self._check_open()
+            sess = self._session(tenant, session)
+            if sess.state == SessionState.PAUSED:
+                return 0
+            blocks = self._session_blocks(tenant, sess)
+            for m in blocks:
+                m.pins -= 1
+                m.paused += 1
+            sess.state = SessionState.PAUSED
+            moved = 0
+            if Tier.HBM in self._mem and Tier.DRAM in self._mem:
+                # The session's blocks are protected while it moves them, so making room in
+                # DRAM for one never pushes an already-moved one further down.
+                idents = [(m.tenant, m.key) for m in blocks]
+                self._place.protected.update(idents)
+                try:
+                    for m in sorted(blocks, key=lambda m: -m.depth):  # leaves first
+                        if m.tier != Tier.HBM or m.pins:
+                            continue
+                        if any(c.tier == Tier.HBM for c in self._index.children(m)):
+                            continue  # a shared prefix another HBM branch still needs
+                        moved += self._place.move(m, Tier.DRAM)
+                finally:
+                    self._place.protected.difference_update(idents)
+            return moved
+
+    def resume_session(self, tenant: str, session: str) -> int:
+        """Pin the session's blocks again and prefetch them to HBM; returns blocks moved."""
+        with self._lock, self._batch():
+            self._check_open()
+            sess = self._session(tenant, session)
+            if sess.state != SessionState.PAUSED:
+                return 0
+            blocks = self._session_blocks(tenant, sess)
+            for m in blocks:
+                m.paused -= 1
+                m.pins += 1
+            sess.state = SessionState.RESUMED
+            return self._place.promote(sorted(blocks, key=lambda m: m.depth))
+
+    def close_session(self, tenant: str, session: str) -> None:
+        """Unpin the session's blocks; they stay as shareable prefix cache under policy."""
+        with self._lock:
+            self._check_open()
+            sess = self._session(tenant, session)
+            for m in self._session_blocks(tenant, sess):
+                if sess.state == SessionState.PAUSED:
+                    m.paused -= 1
+                else:
+                    m.pins -= 1
+                m.sessions.discard(session)
+            self._sessions.remove(tenant, session)
+
+    def session_state(self, tenant: str, session: str) -> SessionState:
+        with self._lock:
+            return self._session(tenant, session).state
+
+    def prefetch(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes],
+                 tier: str | Tier = "hbm", *, parent: bytes | None = None) -> int:
+        """Bring the longest usable prefix up to ``tier`` ahead of use; returns blocks moved."""
+        t = Tier.parse(tier)
+        if t not in self.tiers:
+            from kvstore.errors import UnknownTier
+
+            raise UnknownTier(f"tier {t.label!r} is not enabled in this store")
+        keys = check_keys(keys)
+        with self._lock, self._batch():
+            self._check_open()
+            return self._place.promote(self._chain(tenant, spec, keys, self._clock(), _parent(parent)), t)
