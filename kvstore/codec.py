@@ -11,7 +11,11 @@ not shrink is stored uncompressed. Compression has to pay for itself: a block wh
 compresses worse than ``CodecConfig.min_compress_ratio`` is stored as with compression off, and
 its header says so (compression byte = none), so decoding needs no configuration.
 
-The value layout and :func:`parse_header` live in :mod:`kvstore.codec_format`.
+The value layout and the header's writer and reader (:func:`parse_header`) live in
+:mod:`kvstore.codec_format`; :class:`CodecConfig` and the chunking it implies in
+:mod:`kvstore.codec_config`; one chunk's shuffle/zstd/AES-GCM work in :mod:`kvstore.codec_chunks`;
+the caller's blocks and output buffers in :mod:`kvstore.codec_buffers`. This module runs them:
+validation, the choices per value, and the chunks on the thread pool.
 
 Quantization (opt-in, per call): ``encode(..., quant=QuantScheme.INT8)`` (or a
 :class:`~kvstore.quantization.Quantization`, which also picks the key-scale granularity) stores
@@ -45,25 +49,35 @@ from __future__ import annotations
 
 import itertools
 import os
-import struct
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Literal, Self
+from typing import Any, Self
 
 import numpy as np
-import torch
 import zstandard
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kernels.checksum import checksum
 from kernels.copy import host_copy
-from kernels.shuffle import shuffle_into, unshuffle_planes_into
+from kvstore.codec_buffers import ScratchPool, block_output, block_source, value_output
+from kvstore.codec_chunks import (
+    SAMPLE_SCRATCH_BYTES,
+    decrypt_chunk,
+    encrypt_chunk,
+    pack_chunk,
+    sample_ratio,
+    unpack_chunk,
+    zstd_compressor,
+)
+from kvstore.codec_config import (
+    DEFAULT_MIN_COMPRESS_RATIO,
+    INLINE_RAW_BYTES,
+    SAMPLE_BYTES,
+    SAMPLE_SLICES,
+    CodecConfig,
+    chunk_size,
+)
 from kvstore.codec_format import (
-    CHUNK_COMPRESSED,
-    CHUNK_INDEX,
     COMPRESSION_NONE,
     COMPRESSION_ZSTD_ALL,
     COMPRESSION_ZSTD_TOP,
@@ -71,155 +85,34 @@ from kvstore.codec_format import (
     ENTRY_ENC,
     ENTRY_SUM,
     FIXED,
-    FLAG_CHECKSUM,
-    FLAG_ENCRYPTED,
     FORMAT_VERSION,
-    MAGIC,
     NONCE_BYTES,
     TAG_BYTES,
     HeaderInfo,
+    check_header,
     chunk_ranges,
-    effective_chunk,
+    pack_header,
+    pack_prefix,
     parse_header,
-    spec_fingerprint,
     tenant_hash,
 )
 from kvstore.errors import (
     FailedPrecondition,
     IntegrityError,
     InvalidArgument,
-    ShapeMismatch,
 )
 from kvstore.keyring import Keyring
 from kvstore.keys import KEY_BYTES
 from kvstore.quantization import (
-    QUANT_NONE,
     QuantArg,
     Quantization,
     QuantScheme,
-    as_quantization,
-    pack_payload,
-    quantizable,
     unpack_payload_into,
     worth_it,
 )
 from kvstore.spec import DTYPES, ModelSpec
 
 RandomBytes = Callable[[int], bytes]
-
-#: zstd parameters used for the fast levels (1.._TUNED_MAX_LEVEL); see Codec._zstd_c.
-_TUNED_PARAMS = {"min_match": 7, "hash_log": 10, "window_log": 17}
-_TUNED_MAX_LEVEL = 3
-
-#: Bytes of a block compressed to estimate the whole block's ratio (CodecConfig.min_compress_ratio),
-#: taken as ``SAMPLE_SLICES`` evenly spaced slices so a block whose layers differ is seen whole.
-SAMPLE_BYTES = 8 << 10
-SAMPLE_SLICES = 4
-#: Default CodecConfig.min_compress_ratio (see the NOTE where the sample is taken).
-DEFAULT_MIN_COMPRESS_RATIO = 1.5
-#: A value stored uncompressed of at most this many bytes is one chunk (up to chunk_bytes) and
-#: is encoded and decoded on the calling thread. NOTE: AES-GCM and xxh3 run at 5-10 GB/s, so a
-#: 2 MiB block is 200-400 us of work; handing half of it to a pool thread saved little on an idle
-#: core and cost up to 40% when the other core was busy (2 MiB decode 7.0 GB/s inline vs
-#: 3.9-4.5 GB/s split, on the 2-core development VM under load).
-INLINE_RAW_BYTES = 4 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class CodecConfig:
-    """How values are encoded. Decoding reads the layout from each value's header."""
-
-    compression_level: int = 1
-    """zstd level (negative = faster levels, up to 22); 0 turns compression off."""
-    encrypt: bool = True
-    """AES-256-GCM with the tenant's data key; False stores an xxh3-128 checksum instead."""
-    chunk_bytes: int = 4 << 20
-    """Chunk size (bytes, multiple of 64): the unit of parallelism, nonce and compression."""
-    threads: int = 2
-    """Chunks processed concurrently per call, the calling thread included (1 = inline). A value
-    stored uncompressed of at most ``INLINE_RAW_BYTES`` is always done inline (one chunk)."""
-    compress_planes: Literal["top", "all"] = "top"
-    """Compress only the top byte plane (sign+exponent; faster, most of the ratio) or all."""
-    min_compress_ratio: float = DEFAULT_MIN_COMPRESS_RATIO
-    """Early abort: before compressing a block, zstd compresses a sample of it (a few evenly
-    spaced slices, ``SAMPLE_BYTES`` in all) and the block is stored as with compression off
-    (unshuffled, header compression byte = none) when the ratio estimated for the whole value
-    (raw bytes / stored bytes) falls below this. 1.0 = no sample: always compress (a chunk that
-    does not shrink is still stored uncompressed). Decoding reads the choice from the header."""
-
-    def __post_init__(self) -> None:
-        lvl = self.compression_level
-        if not isinstance(lvl, int) or isinstance(lvl, bool) or not -(1 << 17) <= lvl <= 22:
-            raise InvalidArgument(f"compression_level must be an int <= 22, got {lvl!r}")
-        cb = self.chunk_bytes
-        if not isinstance(cb, int) or isinstance(cb, bool) or not 4096 <= cb <= 1 << 30 or cb % 64:
-            raise InvalidArgument(f"chunk_bytes must be a multiple of 64 in [4096, 2**30], got {cb!r}")
-        if not isinstance(self.threads, int) or isinstance(self.threads, bool) or not 1 <= self.threads <= 64:
-            raise InvalidArgument(f"threads must be an int in [1, 64], got {self.threads!r}")
-        if self.compress_planes not in ("top", "all"):
-            raise InvalidArgument(f"compress_planes must be 'top' or 'all', got {self.compress_planes!r}")
-        if not isinstance(self.encrypt, bool):
-            raise InvalidArgument("encrypt must be a bool")
-        r = self.min_compress_ratio
-        if not isinstance(r, (int, float)) or isinstance(r, bool) or not 1.0 <= r <= 64.0:
-            raise InvalidArgument(f"min_compress_ratio must be a number in [1, 64], got {r!r}")
-
-
-
-class _ScratchPool:
-    """Reusable chunk-sized uint8 buffers (one owner: this lock). Keeps at most ``keep``."""
-
-    def __init__(self, nbytes: int, keep: int) -> None:
-        self.nbytes = nbytes
-        self._keep = keep
-        self._free: list[np.ndarray] = []
-        self._lock = threading.Lock()
-
-    def acquire(self, nbytes: int = 0) -> np.ndarray:
-        """A buffer of at least ``max(nbytes, self.nbytes)`` bytes (one larger than the pool's
-        size is allocated for this call and not kept)."""
-        if nbytes > self.nbytes:
-            return np.empty(nbytes, dtype=np.uint8)
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        return np.empty(self.nbytes, dtype=np.uint8)
-
-    def release(self, buf: np.ndarray) -> None:
-        if buf.shape[0] != self.nbytes:
-            return
-        with self._lock:
-            if len(self._free) < self._keep:
-                self._free.append(buf)
-
-
-def _as_bytes_array(data: Any, what: str) -> np.ndarray:
-    if isinstance(data, np.ndarray):
-        if not data.flags.c_contiguous:
-            raise InvalidArgument(f"{what} must be C-contiguous")
-        return data.reshape(-1).view(np.uint8)
-    try:
-        mv = memoryview(data)
-    except TypeError:
-        raise InvalidArgument(
-            f"{what} must be a numpy array or a buffer, got {type(data).__name__} "
-            "(torch: pass tensor.view(torch.uint8).numpy())"
-        ) from None
-    if not mv.contiguous:
-        raise InvalidArgument(f"{what} must be contiguous")
-    return np.frombuffer(mv.cast("B"), dtype=np.uint8)
-
-
-def _host(data: Any) -> Any:
-    """A torch tensor's bytes as a host numpy array (a view on CPU, a copy from a device)."""
-    if isinstance(data, torch.Tensor):
-        t = data.detach()
-        if not t.is_contiguous():
-            raise InvalidArgument("data must be contiguous")
-        t = t.reshape(-1)
-        t = t if t.dtype == torch.uint8 else t.view(torch.uint8)
-        return (t if t.device.type == "cpu" else t.cpu()).numpy()
-    return data
 
 
 class Codec:
@@ -238,7 +131,7 @@ class Codec:
         self._keyring = keyring
         self._random = random_bytes
         self._local = threading.local()  # per-thread zstd contexts (not thread-safe objects)
-        self._scratch = _ScratchPool(config.chunk_bytes + TAG_BYTES, keep=4 * config.threads + 8)
+        self._scratch = ScratchPool(config.chunk_bytes + TAG_BYTES, keep=4 * config.threads + 8)
         self._pool = (
             ThreadPoolExecutor(config.threads - 1, thread_name_prefix="kvstore-codec")
             if config.threads > 1 else None
@@ -289,16 +182,7 @@ class Codec:
     def _zstd_c(self) -> zstandard.ZstdCompressor:
         c = getattr(self._local, "cctx", None)
         if c is None:
-            level = self.config.compression_level
-            if 1 <= level <= _TUNED_MAX_LEVEL:
-                # NOTE: byte planes of KV are low-entropy literals with few long matches; with
-                # min_match=7 and a small hash table zstd measured 2.5x faster on the bf16 top
-                # plane at a slightly better ratio (1.45 vs 1.44) than stock level 1.
-                params = zstandard.ZstdCompressionParameters.from_level(level, **_TUNED_PARAMS)
-                c = zstandard.ZstdCompressor(compression_params=params)
-            else:
-                c = zstandard.ZstdCompressor(level=level)
-            self._local.cctx = c
+            c = self._local.cctx = zstd_compressor(self.config.compression_level)
         return c
 
     def _zstd_d(self) -> zstandard.ZstdDecompressor:
@@ -306,6 +190,12 @@ class Codec:
         if d is None:
             d = self._local.dctx = zstandard.ZstdDecompressor()
         return d
+
+    def _sample_buf(self) -> np.ndarray:
+        buf = getattr(self._local, "sample", None)
+        if buf is None:
+            buf = self._local.sample = np.empty(SAMPLE_SCRATCH_BYTES, dtype=np.uint8)
+        return buf
 
     def _data_key(self, tenant: str, create: bool) -> bytes:
         """The tenant's data key. NOTE: each chunk builds its own AESGCM (under 1 us): one
@@ -326,18 +216,7 @@ class Codec:
                 + n * entry + spec.block_nbytes)
 
     def _n_chunks(self, nbytes: int, unit: int) -> int:
-        return len(chunk_ranges(nbytes, self._chunk_for(nbytes, unit)))
-
-    def _chunk_for(self, nbytes: int, itemsize: int, raw: bool = False) -> int:
-        """Chunk size for a value of ``nbytes``: at most ``chunk_bytes``, and small enough that
-        every codec thread gets a chunk (not below 256 KiB), except for a value stored ``raw``
-        of at most ``INLINE_RAW_BYTES`` (one thread does it all). Stored in the header, so
-        decode never depends on this choice."""
-        cb = self.config.chunk_bytes
-        if self.config.threads > 1 and not (raw and nbytes <= INLINE_RAW_BYTES):
-            per = -(-nbytes // self.config.threads)
-            cb = min(cb, max(256 << 10, -(-per // 64) * 64))
-        return effective_chunk(cb, itemsize)
+        return len(chunk_ranges(nbytes, chunk_size(self.config, nbytes, unit)))
 
     # -- encode -----------------------------------------------------------------------------
     def encode(self, tenant: str, key: bytes, spec: ModelSpec, data: Any, *,
@@ -368,39 +247,23 @@ class Codec:
             raise InvalidArgument(f"block key must be {KEY_BYTES} bytes")
         if not isinstance(spec, ModelSpec):
             raise InvalidArgument("spec must be a ModelSpec")
-        q = as_quantization(quant)
-        if q is not None and not quantizable(spec):
-            raise InvalidArgument(f"blocks of dtype {spec.dtype!r} cannot be quantized "
-                                  "(only float16, bfloat16 and float32)")
-        payload = pack_payload(data, spec, q) if q is not None else None
-        nbytes, itemsize = spec.block_nbytes, spec.itemsize
-        if payload is None:  # lossless: the block's own bytes, shuffled by itemsize
-            q, src, unit = None, _as_bytes_array(_host(data), "data"), itemsize
-            if src.size != nbytes:
-                raise ShapeMismatch(f"data has {src.size} bytes but the spec's block holds {nbytes}")
-        else:  # the quantized payload: 1-byte units, nothing to shuffle
-            src, unit = payload, 1
+        src, unit, q = block_source(data, spec, quant)
         if cfg.compression_level == 0:
             comp = COMPRESSION_NONE
         else:
             comp = COMPRESSION_ZSTD_TOP if cfg.compress_planes == "top" else COMPRESSION_ZSTD_ALL
             if (cfg.min_compress_ratio > 1.0
-                    and self._sample_ratio(src, unit, comp) < cfg.min_compress_ratio):
-                comp = COMPRESSION_NONE  # early abort: not worth its CPU (see _sample_ratio)
-        chunk = self._chunk_for(src.size, unit, raw=comp == COMPRESSION_NONE)
+                    and sample_ratio(src, unit, comp, self._zstd_c(), self._sample_buf())
+                    < cfg.min_compress_ratio):
+                comp = COMPRESSION_NONE  # early abort: not worth its CPU (see sample_ratio)
+        chunk = chunk_size(cfg, src.size, unit, raw=comp == COMPRESSION_NONE)
         ranges = chunk_ranges(src.size, chunk)
         n = len(ranges)
         data_key = self._data_key(tenant, create=True) if cfg.encrypt else None
         nonces = self._random(NONCE_BYTES * n) if data_key else b""
         if data_key is not None and len(nonces) != NONCE_BYTES * n:
             raise FailedPrecondition("random source returned too few bytes")
-        dtype = DTYPES[spec.dtype][0].encode()
-        shape = spec.block_shape
-        prefix = FIXED.pack(MAGIC, FORMAT_VERSION, FLAG_ENCRYPTED if data_key else FLAG_CHECKSUM, comp,
-                             q.format_id if q else QUANT_NONE, itemsize, len(dtype), len(shape),
-                             chunk, n, src.size,
-                             spec_fingerprint(spec), bytes(key), tenant_hash(tenant))
-        prefix += dtype + struct.pack(f"<{len(shape)}I", *shape)
+        prefix = pack_prefix(tenant, key, spec, q, data_key is not None, comp, chunk, n, src.size)
         tag = TAG_BYTES if data_key else 0
         if comp == COMPRESSION_NONE:
             return self._encode_stored(prefix, src, ranges, data_key, nonces, out)
@@ -408,23 +271,9 @@ class Codec:
         # Phase 1: shuffle (+ compress) each chunk into a scratch buffer -> (buf, stored, flags, sum)
         def stage(i: int) -> tuple[np.ndarray, int, int, bytes]:
             lo, hi = ranges[i]
-            size = hi - lo
             buf = self._scratch.acquire()
             try:
-                view = buf[:size]
-                if unit == 1:  # nothing to shuffle: compress straight from the source
-                    plain = src[lo:hi]
-                else:
-                    shuffle_into(src[lo:hi], unit, view)
-                    plain = view
-                stored, flags = size, 0
-                start = size - size // unit if comp == COMPRESSION_ZSTD_TOP else 0
-                packed = self._zstd_c().compress(plain[start:])
-                if len(packed) < size - start:  # else the chunk is stored raw (still shuffled)
-                    stored, flags = start + len(packed), CHUNK_COMPRESSED
-                    buf[start:stored] = np.frombuffer(packed, dtype=np.uint8)
-                elif unit == 1:
-                    np.copyto(view, plain)
+                stored, flags = pack_chunk(src[lo:hi], unit, comp, buf, self._zstd_c())
                 digest = b"" if data_key else checksum(buf[:stored], seed=i)
             except BaseException:
                 self._scratch.release(buf)
@@ -433,20 +282,14 @@ class Codec:
 
         staged = self._parallel(stage, n)
         try:
-            table = []
-            for i, (_, stored, flags, digest) in enumerate(staged):
-                if data_key:
-                    table.append(ENTRY_ENC.pack(stored, flags, nonces[i * NONCE_BYTES : (i + 1) * NONCE_BYTES]))
-                else:
-                    table.append(ENTRY_SUM.pack(stored, flags, digest))
-            header = prefix + b"".join(table)
-            if not data_key:
-                header += checksum(header)
+            header = pack_header(prefix, [
+                (stored, flags, nonces[i * NONCE_BYTES : (i + 1) * NONCE_BYTES] if data_key else digest)
+                for i, (_, stored, flags, digest) in enumerate(staged)], data_key is not None)
             offsets = [len(header)]
             for _, stored, _, _ in staged:
                 offsets.append(offsets[-1] + stored + tag)
             total = offsets[-1]
-            result, dst = self._output(out, total)
+            result, dst = value_output(out, total)
             dst[: len(header)] = np.frombuffer(header, dtype=np.uint8)
 
             # Phase 2: encrypt (or copy) each staged chunk to its place in the value.
@@ -455,7 +298,7 @@ class Codec:
                 target = dst[offsets[i] : offsets[i + 1]]
                 if data_key is not None:
                     nonce = nonces[i * NONCE_BYTES : (i + 1) * NONCE_BYTES]
-                    AESGCM(data_key).encrypt_into(nonce, buf[:stored], header + CHUNK_INDEX.pack(i), target)
+                    encrypt_chunk(data_key, nonce, buf[:stored], header, i, target)
                 else:
                     target[:] = buf[:stored]
 
@@ -464,50 +307,6 @@ class Codec:
             for buf, _, _, _ in staged:
                 self._scratch.release(buf)
         return result, total
-
-    def _sample_ratio(self, src: np.ndarray, unit: int, comp: int) -> float:
-        """Estimated ratio (raw / stored bytes) of ``src`` encoded with ``comp``, from zstd over
-        ``SAMPLE_BYTES`` of it (``SAMPLE_SLICES`` evenly spaced, item-aligned slices; all of it
-        when shorter): over the sample's top byte plane only when ``comp`` compresses only that
-        plane (no full shuffle needed), else over all its planes, shuffled as the chunks are.
-
-        NOTE: 8 KiB estimated the ratio of 2 MiB KV blocks 1% low (fp16 1.172 vs 1.182, bf16
-        1.476 vs 1.490; 32 KiB: 0.1% low) in 13-20 us, about 5% of encoding the block raw with
-        AES-GCM. Why the default threshold is 1.5: on the 2-core development VM, compressing
-        KV-like blocks made the NVMe paths slower than storing them raw, fp16 (1.18x) and bf16
-        (1.49x) alike -- bf16 2 MiB put 0.25 vs 0.52 GB/s, get 1.1 vs 5.7 GB/s; 32 MiB put
-        0.63 vs 0.58, get 2.0 vs 8.4 -- zstd 1 runs at 0.3-1.2 GB/s of top plane, AES-GCM at
-        ~10 GB/s, the disk at 0.3-0.9 GB/s. Real bf16 KV compresses 1.41-1.44x
-        (bench/results/shuffle_ratio.json); data that shrinks 1.5x or more (zero padding, sparse
-        or constant regions) is still compressed."""
-        size = src.size
-        buf = getattr(self._local, "sample", None)
-        if buf is None:
-            buf = self._local.sample = np.empty(2 * SAMPLE_BYTES, dtype=np.uint8)
-        if size <= SAMPLE_BYTES:
-            pieces = [(0, size)]
-        else:
-            piece = SAMPLE_BYTES // SAMPLE_SLICES // unit * unit
-            step = size // SAMPLE_SLICES // unit * unit
-            pieces = [(j * step, j * step + piece) for j in range(SAMPLE_SLICES)]
-        m = sum(hi - lo for lo, hi in pieces)
-        k = 0
-        if comp == COMPRESSION_ZSTD_TOP and unit > 1:  # the top plane = byte unit-1 of each item
-            for lo, hi in pieces:
-                n = (hi - lo) // unit
-                np.copyto(buf[k : k + n], src[lo + unit - 1 : hi : unit])
-                k += n
-            plain, start = buf[:k], m - k
-        else:
-            for lo, hi in pieces:
-                np.copyto(buf[SAMPLE_BYTES + k : SAMPLE_BYTES + k + hi - lo], src[lo:hi])
-                k += hi - lo
-            plain, start = buf[SAMPLE_BYTES : SAMPLE_BYTES + m], 0
-            if unit > 1:
-                shuffle_into(plain, unit, buf[:m])
-                plain = buf[:m]
-        packed = min(len(self._zstd_c().compress(plain)), plain.size)
-        return m / max(1, start + packed)
 
     def _encode_stored(self, prefix: bytes, src: np.ndarray, ranges: list[tuple[int, int]],
                        data_key: bytes | None, nonces: bytes, out: Any) -> tuple[Any, int]:
@@ -520,46 +319,29 @@ class Codec:
         for lo, hi in ranges:
             offsets.append(offsets[-1] + hi - lo + tag)
         total = offsets[-1]
-        result, dst = self._output(out, total)
+        result, dst = value_output(out, total)
         header = b""
         if data_key is not None:
-            header = prefix + b"".join(
-                ENTRY_ENC.pack(hi - lo, 0, nonces[i * NONCE_BYTES : (i + 1) * NONCE_BYTES])
-                for i, (lo, hi) in enumerate(ranges))
+            header = pack_header(prefix, [(hi - lo, 0, nonces[i * NONCE_BYTES : (i + 1) * NONCE_BYTES])
+                                          for i, (lo, hi) in enumerate(ranges)], True)
 
         def place(i: int) -> bytes:
             lo, hi = ranges[i]
             target = dst[offsets[i] : offsets[i + 1]]
             if data_key is not None:
                 nonce = nonces[i * NONCE_BYTES : (i + 1) * NONCE_BYTES]
-                AESGCM(data_key).encrypt_into(nonce, src[lo:hi], header + CHUNK_INDEX.pack(i), target)
+                encrypt_chunk(data_key, nonce, src[lo:hi], header, i, target)
                 return b""
             host_copy(target, src[lo:hi])
             return checksum(target, seed=i)
 
         digests = self._parallel(place, n, inline=ranges[-1][1] <= INLINE_RAW_BYTES)
         if data_key is None:
-            header = prefix + b"".join(
-                ENTRY_SUM.pack(hi - lo, 0, digests[i]) for i, (lo, hi) in enumerate(ranges))
-            header += checksum(header)
+            header = pack_header(prefix, [(hi - lo, 0, digests[i]) for i, (lo, hi) in enumerate(ranges)],
+                                 False)
         assert len(header) == hlen
         dst[:hlen] = np.frombuffer(header, dtype=np.uint8)
         return result, total
-
-    @staticmethod
-    def _output(out: Any, total: int) -> tuple[Any, np.ndarray]:
-        """(object to return, uint8 view to write): a new bytearray, or the caller's buffer."""
-        if out is None:
-            # NOTE: np.empty, not bytearray(total): bytearray zero-fills, and for 32 MiB that
-            # measured 7x slower than numpy's allocation (which also asks for huge pages).
-            arr = np.empty(total, dtype=np.uint8)
-            return memoryview(arr), arr
-        dst = _as_bytes_array(out, "out")
-        if not dst.flags.writeable:
-            raise InvalidArgument("out must be writable")
-        if dst.size < total:
-            raise InvalidArgument(f"out holds {dst.size} bytes; this value needs {total}")
-        return out, dst
 
     # -- decode -----------------------------------------------------------------------------
     def decode(self, tenant: str, key: bytes, spec: ModelSpec, value: Any,
@@ -573,21 +355,16 @@ class Codec:
             raise InvalidArgument("tenant must be a non-empty string")
         if not isinstance(spec, ModelSpec):
             raise InvalidArgument("spec must be a ModelSpec")
-        nbytes, itemsize = spec.block_nbytes, spec.itemsize
-        if out is None:
-            out = np.empty(nbytes, dtype=np.uint8)
-        elif (not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.ndim != 1
-              or out.size != nbytes or not out.flags.c_contiguous or not out.flags.writeable):
-            raise ShapeMismatch(f"out must be a writable contiguous 1-D uint8 array of {nbytes} bytes")
+        out = block_output(out, spec.block_nbytes)
         info = parse_header(value)
-        self._check_expected(info, tenant, key, spec)
+        check_header(info, tenant, key, spec)
         if info.encrypted != cfg.encrypt:
             raise IntegrityError("value is " + ("encrypted" if info.encrypted else "unencrypted")
                                  + " but this codec " + ("encrypts" if cfg.encrypt else "does not encrypt"))
         data_key = self._data_key(tenant, create=False) if info.encrypted else None
         q = info.quant
         # A quantized payload is restored into a scratch array, then dequantized into out.
-        dst, unit = (out, itemsize) if q is None else (np.empty(info.raw_nbytes, np.uint8), 1)
+        dst, unit = (out, spec.itemsize) if q is None else (np.empty(info.raw_nbytes, np.uint8), 1)
         mv = memoryview(value).cast("B")
         src = np.frombuffer(mv, dtype=np.uint8)
         header = bytes(mv[: info.header_nbytes])
@@ -605,7 +382,7 @@ class Codec:
             buf = None
             if info.compression == COMPRESSION_NONE:  # stored unshuffled: one pass into out
                 if data_key is not None:
-                    self._decrypt(data_key, extra, body, header, i, dst[lo:hi])
+                    decrypt_chunk(data_key, extra, body, header, i, dst[lo:hi])
                 elif checksum(body, seed=i) != extra:
                     raise IntegrityError(f"chunk {i}: checksum mismatch")
                 else:
@@ -614,18 +391,18 @@ class Codec:
             try:
                 if data_key is not None:
                     if unit == 1 and not cflags:  # plaintext is the stored bytes themselves
-                        self._decrypt(data_key, extra, body, header, i, dst[lo:hi])
+                        decrypt_chunk(data_key, extra, body, header, i, dst[lo:hi])
                         return
                     # NOTE: sized by the value's chunks, not this codec's: a value written
                     # under a larger chunk_bytes (another config, another server) must decode.
                     buf = self._scratch.acquire(stored)
                     plain = buf[:stored]
-                    self._decrypt(data_key, extra, body, header, i, plain)
+                    decrypt_chunk(data_key, extra, body, header, i, plain)
                 else:
                     if checksum(body, seed=i) != extra:
                         raise IntegrityError(f"chunk {i}: checksum mismatch")
                     plain = body
-                self._unpack(info.compression, cflags, plain, size, unit, dst[lo:hi], i)
+                unpack_chunk(info.compression, cflags, plain, size, unit, dst[lo:hi], i, self._zstd_d())
             finally:
                 if buf is not None:
                     self._scratch.release(buf)
@@ -636,65 +413,13 @@ class Codec:
             unpack_payload_into(dst, spec, q, out)
         return out
 
-    @staticmethod
-    def _check_expected(info: HeaderInfo, tenant: str, key: bytes, spec: ModelSpec) -> None:
-        if info.key != bytes(key):
-            raise IntegrityError("value belongs to another block key")
-        if info.tenant_hash != tenant_hash(tenant):
-            raise IntegrityError("value belongs to another tenant")
-        if info.fingerprint != spec_fingerprint(spec):
-            raise IntegrityError("value belongs to another model spec (fingerprint mismatch)")
-        if info.dtype != DTYPES[spec.dtype][0] or info.itemsize != spec.itemsize:
-            raise IntegrityError(f"value dtype {info.dtype!r} does not match the spec's {spec.dtype!r}")
-        if info.shape != spec.block_shape:
-            raise IntegrityError(f"value shape {info.shape} does not match the spec's {spec.block_shape}")
-        q = info.quant
-        if q is not None and not worth_it(spec, q):
-            raise IntegrityError(f"a {q} value is impossible for a {spec.dtype} block of this shape")
-        want = spec.block_nbytes if q is None else q.payload_nbytes(spec)
-        if info.raw_nbytes != want:
-            raise IntegrityError(f"value holds {info.raw_nbytes} bytes; a "
-                                 f"{q or 'lossless'} block of this spec holds {want}")
-
-    @staticmethod
-    def _decrypt(data_key: bytes, nonce: bytes, body: np.ndarray, header: bytes, i: int,
-                 dst: np.ndarray) -> None:
-        try:
-            AESGCM(data_key).decrypt_into(nonce, body, header + CHUNK_INDEX.pack(i), dst)
-        except InvalidTag:
-            raise IntegrityError(f"chunk {i}: authentication failed") from None
-        except ValueError as exc:  # buffer length mismatch: the header lied about sizes
-            raise IntegrityError(f"chunk {i}: {exc}") from None
-
-    def _unpack(self, comp: int, cflags: int, plain: np.ndarray, size: int, itemsize: int,
-                dst: np.ndarray, i: int) -> None:
-        """Decompress (if flagged) and unshuffle one chunk's stored bytes into ``dst``."""
-        assert comp != COMPRESSION_NONE  # stored chunks are never shuffled
-        plane = size // itemsize
-        start = size - plane if comp == COMPRESSION_ZSTD_TOP else 0
-        if cflags & CHUNK_COMPRESSED:
-            packed = plain[start:]
-            want = size - start
-            try:
-                if zstandard.frame_content_size(packed) != want:
-                    raise IntegrityError(f"chunk {i}: compressed frame announces a wrong size")
-                unpacked = self._zstd_d().decompress(packed, max_output_size=want)
-            except zstandard.ZstdError as exc:
-                raise IntegrityError(f"chunk {i}: decompression failed: {exc}") from None
-            if len(unpacked) != want:
-                raise IntegrityError(f"chunk {i}: decompressed to {len(unpacked)} bytes, expected {want}")
-            tail = np.frombuffer(unpacked, dtype=np.uint8)
-            stored_part = plain[:start]
-        else:
-            tail = plain[start:size]
-            stored_part = plain[:start]
-        full_planes = [stored_part[j * plane : (j + 1) * plane] for j in range(start // plane)]
-        tail_planes = [tail[j * plane : (j + 1) * plane] for j in range(tail.size // plane)]
-        unshuffle_planes_into(full_planes + tail_planes, dst)
-
 
 __all__ = [
+    "DEFAULT_MIN_COMPRESS_RATIO",
     "FORMAT_VERSION",
+    "INLINE_RAW_BYTES",
+    "SAMPLE_BYTES",
+    "SAMPLE_SLICES",
     "Codec",
     "CodecConfig",
     "HeaderInfo",

@@ -1,5 +1,6 @@
-"""The stored format of NVMe and remote values: constants, the header's byte layout, and
-:func:`parse_header` (the codec itself is :mod:`kvstore.codec`).
+"""The stored format of NVMe and remote values: constants, the header's byte layout, its writers
+(:func:`pack_prefix`, :func:`pack_header`) and its readers (:func:`parse_header`,
+:func:`check_header`). The codec itself is :mod:`kvstore.codec`.
 
 Value layout (little-endian)::
 
@@ -14,7 +15,8 @@ Value layout (little-endian)::
 
 :func:`parse_header` parses and sanity-checks a header (every length, flag and the announced total
 size) and raises :class:`~kvstore.errors.IntegrityError` for anything malformed or truncated; it
-authenticates nothing (the codec does, when it decodes).
+authenticates nothing (the codec does, when it decodes). :func:`check_header` raises
+IntegrityError unless a parsed header names the block the caller expects.
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from kernels.checksum import checksum
 from kvstore.errors import IntegrityError, InvalidArgument
 from kvstore.keys import KEY_BYTES
-from kvstore.quantization import Quantization
-from kvstore.spec import FINGERPRINT_BYTES, ModelSpec
+from kvstore.quantization import QUANT_NONE, Quantization, worth_it
+from kvstore.spec import DTYPES, FINGERPRINT_BYTES, ModelSpec
 
 MAGIC = b"KVSV"
 FORMAT_VERSION = 1
@@ -105,6 +108,27 @@ def effective_chunk(chunk_bytes: int, itemsize: int) -> int:
     return max(itemsize, chunk_bytes - chunk_bytes % itemsize)
 
 
+def pack_prefix(tenant: str, key: bytes, spec: ModelSpec, q: Quantization | None, encrypted: bool,
+                comp: int, chunk_bytes: int, n_chunks: int, raw_nbytes: int) -> bytes:
+    """The fixed header, dtype name and shape of a value (its chunk table follows)."""
+    dtype = DTYPES[spec.dtype][0].encode()
+    shape = spec.block_shape
+    prefix = FIXED.pack(MAGIC, FORMAT_VERSION, FLAG_ENCRYPTED if encrypted else FLAG_CHECKSUM, comp,
+                        q.format_id if q else QUANT_NONE, spec.itemsize, len(dtype), len(shape),
+                        chunk_bytes, n_chunks, raw_nbytes,
+                        spec_fingerprint(spec), bytes(key), tenant_hash(tenant))
+    return prefix + dtype + struct.pack(f"<{len(shape)}I", *shape)
+
+
+def pack_header(prefix: bytes, entries: Iterable[tuple[int, int, bytes]], encrypted: bool) -> bytes:
+    """The whole header: ``prefix`` (:func:`pack_prefix`), the chunk table from ``entries``
+    ((stored length, chunk flags, nonce or checksum) per chunk) and, unencrypted, its digest."""
+    if encrypted:
+        return prefix + b"".join(ENTRY_ENC.pack(*e) for e in entries)
+    header = prefix + b"".join(ENTRY_SUM.pack(*e) for e in entries)
+    return header + checksum(header)
+
+
 def parse_header(value: Any) -> HeaderInfo:
     """Parse and sanity-check a value's header; IntegrityError if it is malformed or truncated."""
     try:
@@ -163,3 +187,25 @@ def parse_header(value: Any) -> HeaderInfo:
     if len(mv) != info.total_nbytes:
         raise IntegrityError(f"value length {len(mv)} != {info.total_nbytes} announced by its header")
     return info
+
+
+def check_header(info: HeaderInfo, tenant: str, key: bytes, spec: ModelSpec) -> None:
+    """IntegrityError unless ``info`` names block ``key`` of ``tenant`` under ``spec`` (dtype,
+    shape and a raw length the spec allows, lossless or quantized)."""
+    if info.key != bytes(key):
+        raise IntegrityError("value belongs to another block key")
+    if info.tenant_hash != tenant_hash(tenant):
+        raise IntegrityError("value belongs to another tenant")
+    if info.fingerprint != spec_fingerprint(spec):
+        raise IntegrityError("value belongs to another model spec (fingerprint mismatch)")
+    if info.dtype != DTYPES[spec.dtype][0] or info.itemsize != spec.itemsize:
+        raise IntegrityError(f"value dtype {info.dtype!r} does not match the spec's {spec.dtype!r}")
+    if info.shape != spec.block_shape:
+        raise IntegrityError(f"value shape {info.shape} does not match the spec's {spec.block_shape}")
+    q = info.quant
+    if q is not None and not worth_it(spec, q):
+        raise IntegrityError(f"a {q} value is impossible for a {spec.dtype} block of this shape")
+    want = spec.block_nbytes if q is None else q.payload_nbytes(spec)
+    if info.raw_nbytes != want:
+        raise IntegrityError(f"value holds {info.raw_nbytes} bytes; a "
+                             f"{q or 'lossless'} block of this spec holds {want}")

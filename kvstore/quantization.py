@@ -137,6 +137,16 @@ def worth_it(spec: ModelSpec, q: Quantization) -> bool:
     return quantizable(spec) and q.payload_nbytes(spec) < spec.block_nbytes
 
 
+def tensor_bytes(data: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 tensor on its device (a view, no copy);
+    InvalidArgument when it is not contiguous."""
+    t = data.detach()
+    if not t.is_contiguous():
+        raise InvalidArgument("data must be contiguous")
+    t = t.reshape(-1)
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
 def block_tensor(data: Any, spec: ModelSpec) -> torch.Tensor:
     """``data`` as a ``spec.block_shape`` tensor of the spec's dtype, without a copy where it can.
 
@@ -144,11 +154,7 @@ def block_tensor(data: Any, spec: ModelSpec) -> torch.Tensor:
     a numpy array or any buffer of ``spec.block_nbytes`` bytes.
     """
     if isinstance(data, torch.Tensor):
-        t = data.detach()
-        if not t.is_contiguous():
-            raise InvalidArgument("data must be contiguous")
-        flat = t.reshape(-1)
-        flat = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+        flat = tensor_bytes(data)
     else:
         arr = np.asarray(data) if isinstance(data, np.ndarray) else None
         if arr is None:
