@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 #: the public Store call each profile target times (its samples are the ones summarised)
-ROOTS = {"dram-put": "Store.put ", "dram-get": "Store.get_into ", "nvme-put": "Store.put ",
-         "nvme-put-nosync": "Store.put ", "dram-nvme": "Store.flush ", "nvme-get": "Store.get_into "}
+ROOTS = {"dram-put": "Store.put ", "dram-get": "ReadPath.get_into ", "nvme-put": "Store.put ",
+         "nvme-put-nosync": "Store.put ", "dram-nvme": "Store.flush ", "nvme-get": "ReadPath.get_into "}
 #: the codec's per-chunk work, on whichever thread runs it (caller, encode-ahead, pool)
 CODEC_ROOT = "Codec._parallel.<locals>.drain "
 _LINE = re.compile(r":\d+\)$")

@@ -9,7 +9,8 @@ Primitives and what each guarantees (see DESIGN.md §7 for the invariants):
   fingerprint, not expired) and the tier of each block. Never another tenant's blocks.
 * ``get``     — the bytes of the longest usable prefix, bit-exact; blocks found below HBM are
   promoted (copied up; an NVMe copy is kept so a crash cannot lose a committed block). A block
-  that fails its integrity check is a miss, is deleted, and is counted.
+  that fails its integrity check is a miss, is deleted, and is counted. Both are in
+  :mod:`kvstore.store_reads`.
 * eviction    — when a tier would pass its high watermark, the policy ranks the evictable
   leaves (unpinned, not in flight) and the Store demotes or drops them down to the low
   watermark; moves are two-phase (in flight → published or aborted).
@@ -37,16 +38,12 @@ from __future__ import annotations
 
 import threading
 import time
-from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from kernels.copy import copy_bytes
 from kvstore.block import BlockMeta, Tier
 from kvstore.config import StoreConfig
 from kvstore.errors import (
@@ -58,7 +55,7 @@ from kvstore.errors import (
     ShapeMismatch,
 )
 from kvstore.index import Ident, PrefixIndex
-from kvstore.keys import ROOT_KEY, PackedKeys, block_keys, check_keys
+from kvstore.keys import ROOT_KEY, block_keys, check_keys
 from kvstore.memtune import retain_freed_memory
 from kvstore.placement import Placement
 from kvstore.sessions import SessionTable
@@ -66,6 +63,7 @@ from kvstore.spec import ModelSpec
 from kvstore.stats import Counters
 from kvstore.store_admin import TenantAdmin, TenantPolicy
 from kvstore.store_lease import LeasedGets
+from kvstore.store_reads import LookupResult, ReadPath
 from kvstore.store_reserve import ReservedPuts, _block_views, _parent
 from kvstore.store_sessions import SessionPins
 from tiers.base import BlockRef
@@ -75,16 +73,7 @@ from tiers.remote import RemoteTier
 
 Clock = Callable[[], float]
 
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    """Longest usable prefix: ``num_blocks`` blocks, ``tiers[i]`` the tier name of block i."""
-
-    num_blocks: int
-    tiers: list[str]
-
-
-_LABELS = tuple(t.label for t in Tier)
+__all__ = ["LookupResult", "Store"]  # LookupResult lives in kvstore.store_reads
 
 
 def _later(a: float | None, b: float | None) -> float | None:
@@ -92,7 +81,7 @@ def _later(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else max(a, b)
 
 
-class Store(ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
+class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
     """Use :meth:`Store.open`; see the module docstring for the contracts."""
 
     def __init__(self, config: StoreConfig, *, clock: Clock = time.time) -> None:
@@ -349,189 +338,6 @@ class Store(ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
 
     # -- room: quotas, watermarks, eviction ---------------------------------------------------
     # -- moves (two-phase) --------------------------------------------------------------------
-    # -- lookup / get -------------------------------------------------------------------------
-    def _chain(self, tenant: str, spec: ModelSpec, keys: list[bytes], now: float,
-               parent: bytes = ROOT_KEY) -> list[BlockMeta]:
-        """The usable prefix of ``keys`` (a chain continuing from ``parent``)."""
-        out: list[BlockMeta] = []
-        found = out.append
-        get = self._index.tenant_blocks(tenant).get
-        fp = spec.fingerprint
-        prev = parent
-        # NOTE: one tight loop that creates nothing per key: a 128K-token prompt is 8,192 keys
-        for key in keys:
-            m = get(key)
-            if m is None or m.in_flight or m.fingerprint != fp or m.parent != prev:
-                break
-            if m.ttl_deadline is not None and now >= m.ttl_deadline:
-                self._place.drop(m, reason="expired")
-                break
-            found(m)
-            prev = key
-        return out
-
-    def lookup(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes], *,
-               parent: bytes | None = None) -> LookupResult:
-        """Longest usable prefix of ``keys`` for ``tenant`` and the tier of each block.
-        ``parent``: the key ``keys[0]`` continues from (a chain split across calls).
-
-        The answer costs O(log n) index probes, not a walk: every key is the hash of its parent
-        key and its tokens (:func:`kvstore.keys.block_keys`), a block is indexed only under its
-        parent, and expired blocks are dropped before the probes, so whether block i is usable
-        decides it for every block before it. Each probed block's parent link, depth and
-        fingerprint are checked; blocks between probes are taken on the chain's word, so a
-        list that is not a key chain (keys spliced from different prompts) may be answered
-        longer than it is usable. :meth:`get` checks every link and serves only what is.
-        """
-        self._check_tenant(tenant)
-        parent0 = _parent(parent)
-        if not isinstance(keys, PackedKeys):
-            keys = check_keys(keys)
-        with self._lock:
-            self._check_open()
-            self._expire_due(self._clock())
-            blocks = self._index.tenant_blocks(tenant)
-            n = self._usable_len(blocks, spec, keys, parent0)
-            self.counters.add("lookups")
-            # a block is never in a faster tier than its parent: the tiers come in sorted runs
-            tier_of = lambda i: blocks[keys[i]].tier
-            tiers: list[str] = []
-            start = 0
-            while start < n:
-                tier = tier_of(start)
-                end = bisect_right(range(n), tier, lo=start, key=tier_of)
-                tiers += [_LABELS[tier]] * (end - start)
-                start = end
-            if self._remote is not None and n < len(keys):
-                rest = keys[n:]
-                tiers += ["remote"] * self._remote.prefix_len([BlockRef(tenant, k, spec) for k in rest])
-            return LookupResult(len(tiers), tiers)
-
-    @staticmethod
-    def _usable_len(blocks: dict[bytes, BlockMeta], spec: ModelSpec, keys: Sequence[bytes],
-                    parent0: bytes) -> int:
-        """How many leading ``keys`` are usable, by bisection over "block i is usable" (see
-        :meth:`lookup`); expired blocks must have been dropped already."""
-        n = len(keys)
-        if not n:
-            return 0
-        if parent0 == ROOT_KEY:
-            base = 0
-        else:
-            pm = blocks.get(parent0)
-            if pm is None or pm.in_flight or pm.fingerprint != spec.fingerprint:
-                return 0
-            base = pm.depth + 1
-        fp = spec.fingerprint
-
-        def usable(i: int) -> bool:
-            m = blocks.get(keys[i])
-            return (m is not None and not m.in_flight and m.fingerprint == fp and m.depth == base + i
-                    and m.parent == (keys[i - 1] if i else parent0))
-
-        if usable(n - 1):  # the common answer when the whole prompt is cached: one probe
-            return n
-        lo, hi = 0, n - 1  # usable(lo - 1) holds (or lo == 0); usable(hi) does not
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if usable(mid):
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
-
-    def get(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes], *,
-            device: str | torch.device | None = None, out: torch.Tensor | None = None,
-            parent: bytes | None = None) -> torch.Tensor:
-        """The blocks of the longest usable prefix of ``keys``: a tensor
-        ``[n, 2, L, H, T, D]`` (n ≤ len(keys); n < len(keys) means the rest missed).
-
-        ``out`` (shape ``[len(keys), 2, L, H, T, D]``, the spec's dtype) is filled and a view of
-        it returned: reusing it avoids first-touch page faults of a fresh tensor per call."""
-        keys = check_keys(keys)
-        want = (len(keys), *spec.block_shape)
-        if out is None:
-            dev = torch.device(device) if device is not None else self.device
-            out = torch.empty(want, dtype=spec.torch_dtype, device=dev)
-        elif tuple(out.shape) != want or out.dtype != spec.torch_dtype or not out.is_contiguous():
-            raise ShapeMismatch(f"out must be a contiguous {spec.torch_dtype} tensor of shape "
-                                f"{want}, got {out.dtype} {tuple(out.shape)}")
-        if not keys:
-            return out
-        flat = out.view(torch.uint8).reshape(len(keys), -1)
-        n = self._get(tenant, spec, keys, lambda i: flat[i], _parent(parent))
-        return out[:n]
-
-    def get_into(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes],
-                 outs: Sequence[Any], *, parent: bytes | None = None) -> int:
-        """Copy the longest usable prefix into ``outs`` (one buffer of ``block_nbytes`` per key,
-        numpy/memoryview/tensor); returns the number of leading blocks written."""
-        keys = check_keys(keys)
-        views = _block_views(spec, outs, len(keys), "output buffer")
-        return self._get(tenant, spec, keys, views.__getitem__, _parent(parent))
-
-    def _get(self, tenant: str, spec: ModelSpec, keys: list[bytes],
-             out: Callable[[int], Any], parent: bytes) -> int:
-        self._check_tenant(tenant)
-        with self._lock, self._batch():
-            self._check_open()
-            now = self._clock()
-            chain = self._chain(tenant, spec, keys, now, parent)
-            served = 0
-            idents = [(m.tenant, m.key) for m in chain if (m.tenant, m.key) not in self._place.protected]
-            self._place.protected.update(idents)
-            try:
-                for m in chain:
-                    if not self._place.serve(m, out(served), now):
-                        break
-                    served += 1
-                if self._remote is not None and served == len(chain) < len(keys):
-                    served += self._get_remote(tenant, spec, keys, served, out, chain, parent,
-                                               now, idents)
-            finally:
-                self._place.protected.difference_update(idents)
-            self.counters.add("hits", served)
-            self.counters.add("misses", len(keys) - served)
-            return served
-
-    def _get_remote(self, tenant: str, spec: ModelSpec, keys: list[bytes], start: int,
-                    out: Callable[[int], Any], chain: list[BlockMeta], parent: bytes,
-                    now: float, guard: list[Ident]) -> int:
-        """Serve ``keys[start:]`` from the remote tier (pipelined) and promote what came back
-        into the local tiers (best effort: a block that finds no room is still served)."""
-        assert self._remote is not None
-        self._register_spec(spec)
-        rest = keys[start:]
-        outs = [out(start + i) for i in range(len(rest))]
-        hosts = [o if isinstance(o, np.ndarray) else
-                 (o.numpy() if o.device.type == "cpu" else np.empty(spec.block_nbytes, np.uint8))
-                 for o in outs]
-        n = self._remote.get_prefix_into([BlockRef(tenant, k, spec) for k in rest], hosts[:])
-        for o, h in zip(outs[:n], hosts[:n]):
-            if not isinstance(o, np.ndarray) and o.device.type != "cpu":
-                copy_bytes(o, h)
-        self.counters.add("hits_remote", n)
-        # promotion: only under a parent that is resident here, so the tree stays whole
-        prev = chain[-1] if chain else self._index.get(tenant, parent)
-        if prev is None and parent != ROOT_KEY:
-            return n
-        deadline = self._ttl_deadline(tenant, None, now)
-        for i in range(n):
-            key, p = rest[i], (rest[i - 1] if i else (prev.key if prev else ROOT_KEY))
-            if self._index.get(tenant, key) is not None:
-                break
-            depth = (prev.depth + 1) if prev is not None else 0
-            try:
-                prev = self._place.insert_new(
-                    tenant, spec, key, p, depth, hosts[i], now, deadline,
-                    prev.tier if prev is not None else self.tiers[0], pinned=False)
-            except ResourceExhausted:
-                break
-            self._place.protected.add((tenant, key))
-            guard.append((tenant, key))
-            self.counters.add("promotions_remote")
-        return n
-
     # -- stats / lifecycle --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Per tier used/capacity bytes and block counts, plus the counters."""
