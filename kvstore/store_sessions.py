@@ -46,6 +46,21 @@ class SessionPins:
         elif sess.state == SessionState.PAUSED:
             meta.paused += 1
 
+    def _turn(self, tenant: str, session: str, *, pause: bool) -> list[BlockMeta] | None:
+        """Move a session's pins to PAUSED (``pause``) or back to RESUMED and return its blocks;
+        None when it already is in that state (paused) or not paused (resume). Under the lock."""
+        self._check_open()
+        sess = self._session(tenant, session)
+        if (sess.state == SessionState.PAUSED) == pause:
+            return None
+        blocks = self._session_blocks(tenant, sess)
+        step = 1 if pause else -1
+        for m in blocks:
+            m.pins -= step
+            m.paused += step
+        sess.state = SessionState.PAUSED if pause else SessionState.RESUMED
+        return blocks
+
     def open_session(self, tenant: str, session: str) -> None:
         """Start (or re-open) a session: blocks put with ``session=`` are pinned in HBM."""
         self._check_tenant(tenant)
@@ -58,15 +73,9 @@ class SessionPins:
     def pause_session(self, tenant: str, session: str) -> int:
         """Unpin the session's blocks and demote them to DRAM (kept); returns blocks moved."""
         with self._lock, self._batch():
-            self._check_open()
-            sess = self._session(tenant, session)
-            if sess.state == SessionState.PAUSED:
+            blocks = self._turn(tenant, session, pause=True)
+            if blocks is None:
                 return 0
-            blocks = self._session_blocks(tenant, sess)
-            for m in blocks:
-                m.pins -= 1
-                m.paused += 1
-            sess.state = SessionState.PAUSED
             moved = 0
             if Tier.HBM in self._mem and Tier.DRAM in self._mem:
                 # The session's blocks are protected while it moves them, so making room in
@@ -87,15 +96,9 @@ class SessionPins:
     def resume_session(self, tenant: str, session: str) -> int:
         """Pin the session's blocks again and prefetch them to HBM; returns blocks moved."""
         with self._lock, self._batch():
-            self._check_open()
-            sess = self._session(tenant, session)
-            if sess.state != SessionState.PAUSED:
+            blocks = self._turn(tenant, session, pause=False)
+            if blocks is None:
                 return 0
-            blocks = self._session_blocks(tenant, sess)
-            for m in blocks:
-                m.paused -= 1
-                m.pins += 1
-            sess.state = SessionState.RESUMED
             return self._place.promote(sorted(blocks, key=lambda m: m.depth))
 
     def close_session(self, tenant: str, session: str) -> None:
