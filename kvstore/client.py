@@ -117,6 +117,20 @@ def _flat_bytes(kv: Any, n: int, nbytes: int) -> np.ndarray:
     return arr.reshape(n, nbytes)
 
 
+def _host_staging(out: Any) -> Any:
+    """None when ``out`` can be written in place as host bytes (a contiguous CPU tensor or
+    array); else a contiguous host copy of it to receive into, copied back afterwards."""
+    if isinstance(out, torch.Tensor):
+        if out.device.type == "cpu" and out.is_contiguous():
+            return None
+        return out.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
+    if isinstance(out, np.ndarray) and not out.flags.c_contiguous:
+        if not out.flags.writeable:
+            raise InvalidArgument("out is read-only")
+        return np.ascontiguousarray(out)
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class _Put:
     """What one put call asked for (shared by its pieces)."""
@@ -365,15 +379,25 @@ class Client:
 
     def get_into(self, spec: ModelSpec, keys: Sequence[bytes], out: Any, *, namespace: str = "",
                  parent: bytes | None = None) -> int:
-        """Copy the longest available prefix into ``out`` (a CPU tensor/array of len(keys) blocks);
-        returns how many leading blocks were written."""
+        """Copy the longest available prefix into ``out`` (a tensor on any device, or an array,
+        of len(keys) blocks); returns how many leading blocks were written. A device tensor or a
+        non-contiguous ``out`` is filled through a host copy (the blocks past the prefix keep
+        their values)."""
         keys = list(keys)
-        rows = _flat_bytes(out, len(keys), spec.block_nbytes)
+        host = _host_staging(out)
+        rows = _flat_bytes(out if host is None else host, len(keys), spec.block_nbytes)
         if not keys:
             return 0
         if self._local is not None:
-            return self._get_local(spec, keys, rows, namespace, parent)
-        return self._get_stream(spec, keys, rows, namespace, parent)
+            n = self._get_local(spec, keys, rows, namespace, parent)
+        else:
+            n = self._get_stream(spec, keys, rows, namespace, parent)
+        if host is not None and n:
+            if isinstance(out, torch.Tensor):
+                out.copy_(host)
+            else:
+                np.copyto(out, host)
+        return n
 
     def _get_stream(self, spec: ModelSpec, keys: list[bytes], rows: np.ndarray, namespace: str,
                     parent: bytes | None) -> int:

@@ -76,6 +76,27 @@ def test_local_blocks_move_with_one_copy_and_round_trip(sidecar):
         assert torch.equal(dst.tensor.view(torch.int16), kv.view(torch.int16))
 
 
+@pytest.mark.parametrize("local", [True, False], ids=["shm", "stream"])
+def test_get_into_a_non_contiguous_output_fills_it_and_keeps_the_rest(sidecar, local):
+    """An output get_into cannot write in place (here a transposed view; a device tensor goes
+    the same way) is filled through a host copy; blocks past the prefix keep their values."""
+    import numpy as np
+
+    c = sidecar.tenant(f"strided-{int(local)}", local=local)
+    keys = c.block_keys(SPEC, fresh_tokens(4))
+    kv = random_kv(4, seed=11)
+    c.put(SPEC, keys[:3], kv[:3])
+    base = torch.full((*reversed(kv.shape[1:]), 4), 7.0, dtype=kv.dtype)
+    out = base.permute(*range(base.dim() - 1, -1, -1))  # [4, ...] over memory laid out backwards
+    assert out.shape == kv.shape and not out.is_contiguous()
+    assert c.get_into(SPEC, keys, out) == 3
+    assert torch.equal(out[:3].view(torch.int16), kv[:3].view(torch.int16))
+    assert bool((out[3] == 7.0).all())
+    arr = np.full((kv.shape[0] * 2, *kv.shape[1:]), 5, np.int16)[::2]  # a strided numpy view
+    assert c.get_into(SPEC, keys, arr) == 3
+    assert np.array_equal(arr[:3], kv[:3].view(torch.int16).numpy()) and (arr[3] == 5).all()
+
+
 def test_lookup_by_token_ids_returns_keys_and_longest_prefix(sidecar):
     c = sidecar.tenant("prefix")
     tokens = fresh_tokens(4)
