@@ -59,8 +59,14 @@ def _block_views(spec: ModelSpec, bufs: Sequence[Any], n_keys: int, what: str) -
         raise ShapeMismatch(f"{len(bufs)} {what}s for {n_keys} keys")
     views = []
     for i, b in enumerate(bufs):
-        v = b.reshape(-1).view(torch.uint8) if isinstance(b, torch.Tensor) else \
-            np.frombuffer(b, dtype=np.uint8)
+        # NOTE: a non-contiguous tensor reshapes into a copy: written to, the caller's buffer
+        # would stay as it was (and numpy refuses one outright), so neither is taken
+        if (b.is_contiguous() if isinstance(b, torch.Tensor) else
+                not isinstance(b, np.ndarray) or b.flags.c_contiguous):
+            v = b.reshape(-1).view(torch.uint8) if isinstance(b, torch.Tensor) else \
+                np.frombuffer(b, dtype=np.uint8)
+        else:
+            raise InvalidArgument(f"{what} {i} is not contiguous")
         if v.shape[0] != spec.block_nbytes:
             raise ShapeMismatch(f"{what} {i} has {v.shape[0]} bytes, a block of this spec has "
                                 f"{spec.block_nbytes}")

@@ -36,6 +36,26 @@ def test_every_dtype_round_trips_bit_exact_through_nvme(open_store, spec, dtype)
     assert torch.equal(out.view(torch.uint8), kv.view(torch.uint8))
 
 
+def test_get_into_refuses_an_output_it_could_only_fill_a_copy_of(open_store, spec):
+    """A non-contiguous output buffer is refused up front (written through a reshape it would
+    have stayed untouched), and a contiguous one of the same blocks works."""
+    import numpy as np
+
+    s = open_store(spec)
+    keys = s.block_keys("a", spec, tokens(2, spec))
+    kv = make_kv(spec, 2)
+    s.put("a", spec, keys, kv)
+    strided = [torch.zeros(tuple(reversed(spec.block_shape)), dtype=kv.dtype).permute(
+        *range(len(spec.block_shape) - 1, -1, -1)) for _ in keys]
+    with pytest.raises(InvalidArgument, match="output buffer 0 is not contiguous"):
+        s.get_into("a", spec, keys, strided)
+    with pytest.raises(InvalidArgument, match="not contiguous"):
+        s.get_into("a", spec, keys, list(np.zeros((2, 2 * spec.block_nbytes), np.uint8)[:, ::2]))
+    outs = [torch.empty_like(kv[0]) for _ in keys]
+    assert s.get_into("a", spec, keys, outs) == 2
+    assert all(torch.equal(o, k) for o, k in zip(outs, kv))
+
+
 def test_lookup_returns_longest_usable_prefix(open_store, spec):
     s = open_store(spec)
     keys = s.block_keys("a", spec, tokens(5, spec))
