@@ -124,10 +124,10 @@ def _host_staging(out: Any) -> Any:
         if out.device.type == "cpu" and out.is_contiguous():
             return None
         return out.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
-    if isinstance(out, np.ndarray) and not out.flags.c_contiguous:
+    if isinstance(out, np.ndarray):
         if not out.flags.writeable:
             raise InvalidArgument("out is read-only")
-        return np.ascontiguousarray(out)
+        return None if out.flags.c_contiguous else np.ascontiguousarray(out)
     return None
 
 

@@ -61,12 +61,14 @@ def _block_views(spec: ModelSpec, bufs: Sequence[Any], n_keys: int, what: str) -
     for i, b in enumerate(bufs):
         # NOTE: a non-contiguous tensor reshapes into a copy: written to, the caller's buffer
         # would stay as it was (and numpy refuses one outright), so neither is taken
-        if (b.is_contiguous() if isinstance(b, torch.Tensor) else
-                not isinstance(b, np.ndarray) or b.flags.c_contiguous):
-            v = b.reshape(-1).view(torch.uint8) if isinstance(b, torch.Tensor) else \
-                np.frombuffer(b, dtype=np.uint8)
+        if isinstance(b, torch.Tensor):
+            if not b.is_contiguous():
+                raise InvalidArgument(f"{what} {i} is not contiguous")
+            v = b.reshape(-1).view(torch.uint8)
         else:
-            raise InvalidArgument(f"{what} {i} is not contiguous")
+            if isinstance(b, np.ndarray) and not b.flags.c_contiguous:
+                raise InvalidArgument(f"{what} {i} is not contiguous")
+            v = np.frombuffer(b, dtype=np.uint8)
         if v.shape[0] != spec.block_nbytes:
             raise ShapeMismatch(f"{what} {i} has {v.shape[0]} bytes, a block of this spec has "
                                 f"{spec.block_nbytes}")

@@ -82,6 +82,8 @@ def test_get_into_a_non_contiguous_output_fills_it_and_keeps_the_rest(sidecar, l
     the same way) is filled through a host copy; blocks past the prefix keep their values."""
     import numpy as np
 
+    from kvstore.errors import InvalidArgument
+
     c = sidecar.tenant(f"strided-{int(local)}", local=local)
     keys = c.block_keys(SPEC, fresh_tokens(4))
     kv = random_kv(4, seed=11)
@@ -95,6 +97,10 @@ def test_get_into_a_non_contiguous_output_fills_it_and_keeps_the_rest(sidecar, l
     arr = np.full((kv.shape[0] * 2, *kv.shape[1:]), 5, np.int16)[::2]  # a strided numpy view
     assert c.get_into(SPEC, keys, arr) == 3
     assert np.array_equal(arr[:3], kv[:3].view(torch.int16).numpy()) and (arr[3] == 5).all()
+    frozen = np.zeros(kv.shape, np.int16)
+    frozen.setflags(write=False)
+    with pytest.raises(InvalidArgument, match="read-only"):
+        c.get_into(SPEC, keys, frozen)
 
 
 def test_lookup_by_token_ids_returns_keys_and_longest_prefix(sidecar):
