@@ -17,6 +17,8 @@ threshold 1 MiB; ``python -m bench.copy_bench --alias``): see that module's docs
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
@@ -53,6 +55,27 @@ def host_copy(dst: np.ndarray, src: np.ndarray) -> None:
                 np.copyto(dst[lo : lo + ALIAS_PIECE], src[lo : lo + ALIAS_PIECE])
             return
     np.copyto(dst, src)
+
+
+def copy_blocks(pairs: Sequence[tuple[Any, Any]], pool: Executor | None = None,
+                threads: int = 1) -> None:
+    """:func:`copy_bytes` of every ``(dst, src)`` pair. With a ``pool`` and ``threads`` > 1, the
+    pairs are dealt round-robin to ``threads`` parts: ``threads - 1`` on the pool, one on the
+    caller's thread (numpy lets go of the GIL while it copies, so they run in parallel). Returns
+    when every part is done; the first error is raised then."""
+    parts = min(threads, len(pairs)) if pool is not None else 1
+    if parts <= 1:
+        for dst, src in pairs:
+            copy_bytes(dst, src)
+        return
+    futures = [pool.submit(copy_blocks, pairs[k::parts]) for k in range(1, parts)]
+    try:
+        copy_blocks(pairs[0::parts])
+    finally:
+        errors = [f.exception() for f in futures]  # waits for every part
+    for err in errors:
+        if err is not None:
+            raise err
 
 
 def copy_bytes(dst: Any, src: Any) -> None:

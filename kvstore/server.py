@@ -105,7 +105,7 @@ class SidecarServer:
             self._sweeper.join()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
-        self.data.regions.close()
+        self.data.close()
         self.audit.close()
         self.store.close()
 
@@ -142,7 +142,7 @@ def create_server(config: ServerConfig, *, store: Any = None,
     metrics = ServiceMetrics(metrics_registry)
     metrics_registry.register(StoreCollector(store.stats))
     limits = config.limits
-    data = DataPlane(store, audit, limits, metrics)
+    data = DataPlane(store, audit, limits, metrics, copy_threads=config.copy_threads)
     admin = AdminPlane(store, registry, audit)
     admin.apply_policies()
     rpc = RpcRunner(registry, metrics)

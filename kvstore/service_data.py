@@ -7,14 +7,26 @@ never reachable: the Store scopes every lookup by namespace, so a foreign key is
 
 A target may continue a chain from a stored ``parent`` block (a long chain split across calls);
 every Store call below passes it on.
+
+Shared-memory Put and Get copy outside the Store's lock: a Get takes a read lease on the prefix
+(its memory-tier blocks stay in place, pinned, while they are copied into the client's slots;
+NVMe blocks are decoded straight into the slots under the lock), a Put reserves tier slots,
+copies into them and commits, all or nothing (:mod:`kvstore.store_lease`,
+:mod:`kvstore.store_reserve`). The copies of one call are spread over ``copy_threads``
+(:func:`kernels.copy.copy_blocks`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from kernels.copy import copy_blocks
 from kvstore.audit import AuditLog
 from kvstore.auth import Principal, resolve_namespace
 from kvstore.block import Tier
@@ -34,8 +46,6 @@ from kvstore.spec import ModelSpec
 from proto.kvstore.v1 import kvstore_pb2 as pb
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from kvstore.store_lease import ReadLease
     from kvstore.store_reserve import PutReservation
 
@@ -54,7 +64,8 @@ class Blocks:
 class DataPlane:
     """Data and session operations; each method raises typed errors from kvstore.errors."""
 
-    def __init__(self, store: Any, audit: AuditLog, limits: LimitsConfig, metrics: ServiceMetrics | None = None) -> None:
+    def __init__(self, store: Any, audit: AuditLog, limits: LimitsConfig, metrics: ServiceMetrics | None = None,
+                 copy_threads: int = 1) -> None:
         self.store = store
         self.audit = audit
         self.limits = limits
@@ -62,6 +73,18 @@ class DataPlane:
         self.inflight = InflightBudget(limits.max_inflight_bytes_per_tenant)
         self.regions = RegionTable(limits.max_regions_per_principal, limits.max_region_bytes)
         self.staging = StagingPool(limits.staging_cache_bytes)
+        self.copy_threads = copy_threads
+        self._copy_pool = (ThreadPoolExecutor(copy_threads - 1, thread_name_prefix="kvstore-copy")
+                           if copy_threads > 1 else None)
+
+    def close(self) -> None:
+        """Stop the copy threads (after the server stopped serving) and close the regions."""
+        if self._copy_pool is not None:
+            self._copy_pool.shutdown(wait=True)
+        self.regions.close()
+
+    def _copy(self, pairs: Sequence[tuple[Any, Any]]) -> None:
+        copy_blocks(pairs, self._copy_pool, self.copy_threads)
 
     # -- targets ------------------------------------------------------------------------------
     def keys_for(self, principal: Principal, spec: ModelSpec, namespace: str, token_ids: Sequence[int],
@@ -103,19 +126,6 @@ class DataPlane:
             self.metrics.lookup(b.namespace, len(b.keys), result.num_blocks, b.spec.block_tokens)
         return result.num_blocks, result.tiers[: result.num_blocks]
 
-    def put(self, b: Blocks, buffers: Sequence[Any], session: str, ttl_s: float | None, plane: str = "store") -> int:
-        """Store one buffer of ``spec.block_nbytes`` per key, all or nothing (the Store checks
-        ``ttl_s``)."""
-        nbytes = b.spec.block_nbytes
-        for i, buf in enumerate(buffers):
-            if len(buf) != nbytes:
-                raise InvalidArgument(f"block {i} has {len(buf)} bytes; the spec's blocks are {nbytes}")
-        self.store.put_bytes(b.namespace, b.spec, b.keys, buffers, session=session or None, ttl_s=ttl_s,
-                             parent=b.parent)
-        if self.metrics is not None:
-            self.metrics.bytes_in.labels(plane=plane).inc(nbytes * len(buffers))
-        return len(buffers)
-
     def reserve_put(self, b: Blocks) -> PutReservation:
         """Reserve tier slots for a put whose bytes arrive later (``Store.reserve_put``)."""
         return self.store.reserve_put(b.namespace, b.spec, b.keys, parent=b.parent)
@@ -132,13 +142,6 @@ class DataPlane:
     def abort_put(self, reservation: PutReservation) -> None:
         self.store.abort_put(reservation)
 
-    def get_into(self, b: Blocks, outs: Sequence[Any], plane: str = "store") -> int:
-        """Copy the longest usable prefix into ``outs``; the number of blocks written."""
-        n = self.store.get_into(b.namespace, b.spec, b.keys, outs, parent=b.parent)
-        if self.metrics is not None:
-            self.metrics.bytes_out.labels(plane=plane).inc(n * b.spec.block_nbytes)
-        return n
-
     def lease(self, b: Blocks, stage: Callable[[int], np.ndarray], plane: str = "stream") -> ReadLease:
         """The longest usable prefix under a read lease (``Store.lease_prefix``): each block's
         bytes in place in its memory tier, or copied into ``stage(i)``. Release it in a finally."""
@@ -151,28 +154,47 @@ class DataPlane:
                 raise
         return lease
 
+    @contextmanager
+    def _slots(self, principal: Principal, region_id: int, offsets: Sequence[int],
+               nbytes: int) -> Iterator[list[np.ndarray]]:
+        """The caller's region slots as flat uint8 arrays, for the duration of the block."""
+        region = self.regions.get(principal.name, region_id)
+        views = [region.view(off, nbytes) for off in offsets]
+        slots = [np.frombuffer(v, dtype=np.uint8) for v in views]
+        try:
+            yield slots
+        finally:
+            slots.clear()
+            for v in views:
+                try:
+                    v.release()
+                except BufferError:  # an array of it still lives (an error's traceback): it
+                    pass  # goes with that array; the region keeps its mapping until then
+
     def put_local(self, principal: Principal, b: Blocks, region_id: int, offsets: Sequence[int],
                   session: str, ttl_s: float | None) -> int:
-        region = self.regions.get(principal.name, region_id)
         nbytes = b.spec.block_nbytes
         check_slots(offsets, nbytes, len(b.keys))
-        views = [region.view(off, nbytes) for off in offsets]
-        try:
-            return self.put(b, views, session, ttl_s, plane="shm")
-        finally:
-            for v in views:
-                v.release()
+        with self._slots(principal, region_id, offsets, nbytes) as slots:
+            reservation = self.reserve_put(b)
+            try:
+                self._copy([(dst, slots[i]) for i, dst in enumerate(reservation.views) if dst is not None])
+                return self.commit_put(b, reservation, slots.__getitem__, session, ttl_s, plane="shm")
+            except BaseException:
+                self.abort_put(reservation)
+                raise
 
     def get_local(self, principal: Principal, b: Blocks, region_id: int, offsets: Sequence[int]) -> int:
-        region = self.regions.get(principal.name, region_id)
         nbytes = b.spec.block_nbytes
         check_slots(offsets, nbytes, len(b.keys))
-        views = [region.view(off, nbytes) for off in offsets]
-        try:
-            return self.get_into(b, views, plane="shm")
-        finally:
-            for v in views:
-                v.release()
+        with self._slots(principal, region_id, offsets, nbytes) as slots:
+            lease = self.lease(b, slots.__getitem__, plane="shm")
+            try:
+                # blocks leased in place are copied here; the others were decoded into their slot
+                self._copy([(slots[i], src) for i, src in enumerate(lease.views) if src is not slots[i]])
+                return len(lease.views)
+            finally:
+                lease.release()
 
     def session(self, principal: Principal, verb: str, session_id: str) -> None:
         """``verb`` is one of open, pause, resume, close."""

@@ -1,4 +1,4 @@
-"""kernels.copy.host_copy: bit-exact at every source/destination page offset, in pieces or not;
+"""kernels.copy: host_copy is bit-exact at every source/destination page offset, in pieces or not;
 host arenas start where copies to and from common buffers stay out of the slow window."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import copy as kcopy
-from kernels.copy import ALIAS_PIECE, ALIAS_WINDOW, PAGE_BYTES, copy_bytes, host_copy
+from kernels.copy import ALIAS_PIECE, ALIAS_WINDOW, PAGE_BYTES, copy_blocks, copy_bytes, host_copy
 from kvstore.block import Tier
 from kvstore.spec import ModelSpec
 from tiers.base import BlockRef
@@ -66,3 +66,27 @@ def test_host_arena_slots_keep_common_buffers_out_of_the_window(buffer_page_offs
         for delta in ((buffer_page_offset - slot_off) % PAGE_BYTES,  # get: slot -> buffer
                       (slot_off - buffer_page_offset) % PAGE_BYTES):  # put: buffer -> slot
             assert not 0 < delta < ALIAS_WINDOW
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_copy_blocks_copies_every_pair_whatever_the_threads(threads: int) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(threads)
+    srcs = [rng.integers(0, 256, 4096 + 17 * i, dtype=np.uint8) for i in range(7)]
+    dsts = [np.zeros_like(s) for s in srcs]
+    with ThreadPoolExecutor(2) as pool:
+        copy_blocks(list(zip(dsts, srcs)), pool, threads)
+    assert all(np.array_equal(d, s) for d, s in zip(dsts, srcs))
+    copy_blocks([], pool=None, threads=threads)  # nothing to do is fine
+
+
+def test_copy_blocks_raises_a_parts_error_after_every_part_finished() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    good = [(np.zeros(64, np.uint8), np.ones(64, np.uint8)) for _ in range(4)]
+    bad = (np.zeros(64, np.uint8), np.ones(65, np.uint8))  # lengths differ
+    pairs = [good[0], bad, good[1], good[2], good[3]]  # parts: 0, 2, 4 here and 1, 3 on the pool
+    with ThreadPoolExecutor(1) as pool, pytest.raises(ValueError, match="length mismatch"):
+        copy_blocks(pairs, pool, 2)
+    assert all(d.all() for d, _ in (good[0], good[1], good[3]))  # the caller's part ran to the end

@@ -267,3 +267,48 @@ def test_client_errors_are_typed(sidecar):
     with pytest.raises(KVStoreError) as err:
         c.resume_session("missing")
     assert err.value.code == "NOT_FOUND"
+
+
+@pytest.mark.parametrize("copy_threads", [1, 3])
+def test_shared_memory_copies_run_outside_the_store_lock(tmp_path, copy_threads):
+    """Shared-memory Put and Get copy between the region and the tiers with the Store's lock
+    free (another thread takes it meanwhile), over ``copy_threads``, bit-exact across tiers
+    (a small HBM sends part of the chain to DRAM and NVMe, decoded straight into the slots)."""
+    from service_harness import start
+
+    sc = start(tmp_path, copy_threads=copy_threads,
+               store={"hbm_bytes": 3 * SPEC.block_nbytes, "dram_bytes": 3 * SPEC.block_nbytes})
+    try:
+        data, store = sc.server.data, sc.server.store
+        copied: list[int] = []
+        real = data._copy
+
+        def take_and_give() -> bool:
+            if not store._lock.acquire(timeout=5):
+                return False
+            store._lock.release()
+            return True
+
+        def checked(pairs):
+            taken: list[bool] = []
+            t = threading.Thread(target=lambda: taken.append(take_and_give()))
+            t.start()
+            t.join()
+            assert taken == [True], "the Store's lock is held while the blocks are copied"
+            copied.append(len(pairs))
+            real(pairs)
+
+        data._copy = checked
+        c = sc.tenant("shm-lockfree", local=True)
+        keys = c.block_keys(SPEC, fresh_tokens(8))
+        kv = random_kv(8, seed=21)
+        with c.local_blocks(SPEC, 8) as src, c.local_blocks(SPEC, 8) as dst:
+            src.tensor.copy_(kv)
+            c.put(SPEC, keys, src.tensor)
+            tiers = c.lookup(SPEC, keys).tiers
+            assert len(tiers) == 8 and "hbm" in tiers and tiers != ["hbm"] * 8
+            assert c.get_into(SPEC, keys, dst.tensor) == 8
+            assert torch.equal(dst.tensor.view(torch.int16), kv.view(torch.int16))
+        assert len(copied) == 2 and copied[0] > 0 and copied[1] > 0
+    finally:
+        sc.stop()
