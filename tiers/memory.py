@@ -195,7 +195,7 @@ def _arena(capacity: int, device: torch.device, pinned: bool) -> torch.Tensor:
     huge pages on large allocations (torch.empty does not): fewer TLB misses per memcpy."""
     if device.type != "cpu":
         return torch.empty(capacity, dtype=torch.uint8, device=device)
-    pad = PAGE_BYTES + HOST_ARENA_PAGE_OFFSET
+    pad = PAGE_BYTES  # the start below moves at most PAGE_BYTES - 1 into it
     if pinned:
         raw = torch.empty(capacity + pad, dtype=torch.uint8, pin_memory=True)
     else:
