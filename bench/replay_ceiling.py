@@ -1,11 +1,13 @@
 """How much of the LRU→Belady gap is open to an online policy at all (issue 3's analysis).
 
-Replays the trace with two references next to ``lru`` and ``belady``:
+Replays the trace with ``lru``, ``cost`` (the online default) and ``belady``, and between them
+the references of :mod:`bench.replay_bounds`:
 
-* ``oracle-reuse`` — LRU order, but with *perfect* knowledge of whether each block will ever be
-  read again: never-read blocks are evicted first and dropped, the others demoted. This is the
-  best any policy can do that knows "will it come back" but not "when".
-* ``cost`` — the online policy, for comparison.
+* ``fitted-features`` — ``cost``'s decisions with ``p`` fitted in-sample on online-knowable
+  features (uses before, request length, position from the request's end, time since the
+  last use): how far a calibrated estimate from these features can go;
+* ``oracle-p`` — ``cost``'s decisions with the true "read again?" as ``p``;
+* ``oracle-reuse`` — LRU order with the true "read again?" (never-read blocks dropped first).
 
 JSON on stdout (gap closed = (x − lru) / (belady − lru)), a table on stderr.
 
@@ -20,24 +22,28 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvstore.block import BlockMeta, Tier
+from bench.replay_bounds import (
+    FittedFeaturesCost,
+    OracleProbabilityCost,
+    OracleReuseLRU,
+    spec_lookup,
+)
 from kvstore.replay import ReplayConfig, make_replay_policy, run_replay
-from kvstore.workloads import load_trace
-from policy.belady import INF, BeladyPolicy
+from kvstore.workloads import TraceRequest, load_trace
+from policy.base import EvictionPolicy
 
 SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+REFERENCES = ("lru", "cost", "fitted-features", "oracle-p", "oracle-reuse", "belady")
 
 
-class OracleReuseLRU(BeladyPolicy):
-    """Leaf-first LRU that knows (only) whether a block is ever read again."""
-
-    name = "oracle-reuse"
-
-    def evict_key(self, meta: BlockMeta, tier: Tier, now: float) -> tuple[int, float, int]:
-        return (0 if self._nu(meta) == INF else 1, meta.last_access, -meta.depth)
-
-    def rank(self, tier: Tier, candidates: Sequence[BlockMeta], now: float) -> list[BlockMeta]:
-        return sorted(candidates, key=lambda m: self.evict_key(m, tier, now))
+def _policy(name: str, cfg: ReplayConfig, trace: Sequence[TraceRequest]) -> EvictionPolicy:
+    if name == "oracle-reuse":
+        return OracleReuseLRU()
+    if name == "oracle-p":
+        return OracleProbabilityCost(spec_lookup(cfg))
+    if name == "fitted-features":
+        return FittedFeaturesCost(trace, spec_lookup(cfg))
+    return make_replay_policy(name, cfg)
 
 
 def run(trace_path: Path, capacities: list[int]) -> list[dict]:
@@ -46,13 +52,15 @@ def run(trace_path: Path, capacities: list[int]) -> list[dict]:
     for hbm in capacities:
         cfg = ReplayConfig.with_defaults(hbm)
         got: dict[str, float] = {}
-        for name in ("lru", "cost", "oracle-reuse", "belady"):
-            pol = OracleReuseLRU() if name == "oracle-reuse" else make_replay_policy(name, cfg)
-            got[name] = run_replay(trace, cfg, pol).net_saved_time_fraction
+        nvme: dict[str, int] = {}
+        for name in REFERENCES:
+            r = run_replay(trace, cfg, _policy(name, cfg, trace))
+            got[name] = r.net_saved_time_fraction
+            nvme[name] = r.bytes_written_by_tier["nvme"]
         gap = got["belady"] - got["lru"]
-        rows.append({"hbm_blocks": hbm, "net_saved_time_fraction": got,
+        rows.append({"hbm_blocks": hbm, "net_saved_time_fraction": got, "nvme_bytes_written": nvme,
                      "gap_closed": {k: (got[k] - got["lru"]) / gap if gap > 0 else None
-                                    for k in ("cost", "oracle-reuse")}})
+                                    for k in REFERENCES if k not in ("lru", "belady")}})
     return rows
 
 
@@ -64,9 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(args.trace, [int(c) for c in args.capacities.split(",")])
     for r in rows:
         f, g = r["net_saved_time_fraction"], r["gap_closed"]
-        print(f"HBM {r['hbm_blocks']:5d}: lru {f['lru']:.4f} cost {f['cost']:.4f} "
-              f"[{g['cost']:.2f}] oracle-reuse {f['oracle-reuse']:.4f} [{g['oracle-reuse']:.2f}] "
-              f"belady {f['belady']:.4f}", file=sys.stderr)
+        cells = " ".join(f"{k} {f[k]:.4f} [{'-' if g[k] is None else format(g[k], '.2f')}]"
+                         for k in g)
+        print(f"HBM {r['hbm_blocks']:5d}: lru {f['lru']:.4f} {cells} belady {f['belady']:.4f}",
+              file=sys.stderr)
     print(json.dumps({"bench": "replay_ceiling", "trace": str(args.trace), "rows": rows}, indent=1))
     return 0
 

@@ -175,10 +175,50 @@ def test_oracle_reuse_reference_by_hand():
       LRU:          {1,2}; 9 evicts 1 {2,9}; 1 evicts 2 {9,1}; 2 evicts 9 {1,2}  -> 0 hits
       oracle-reuse: 9 evicts 1 (LRU: both come back) {2,9}; 1 evicts 9 (never read
                     again) {2,1}; 2 HIT                                          -> 1 hit"""
-    from bench.replay_ceiling import OracleReuseLRU
+    from bench.replay_bounds import OracleReuseLRU
 
     trace = [req(0, 1), req(1, 2), req(2, 9), req(3, 1), req(4, 2)]
     cfg = ReplayConfig(hbm_blocks=2, dram_blocks=0, nvme_blocks=0, spec=SPEC, costs=COSTS)
     assert run_replay(trace, cfg, make_replay_policy("lru", cfg)).block_hits_by_tier["hbm"] == 0
     r = run_replay(trace, cfg, OracleReuseLRU(), check_invariants=True)
     assert r.block_hits_by_tier["hbm"] == 1 and r.net_saved_s == pytest.approx(REC)
+
+
+def test_oracle_probability_reference_uses_the_cost_decisions():
+    """``oracle-p`` is the ``cost`` policy fed the truth as p. HBM 2 blocks, requests 1, 9, 2, 1:
+      LRU:      {1,9}; 2 evicts 1 (older) {9,2}; 1 misses                      -> 0 hits
+      oracle-p: {1,9}; 2 evicts 9 (p = 0.02 against 0.95: lower value) {1,2}; 1 HIT -> 1 hit"""
+    from bench.replay_bounds import OracleProbabilityCost, spec_lookup
+
+    trace = [req(0, 1), req(1, 9), req(2, 2), req(3, 1)]
+    cfg = ReplayConfig(hbm_blocks=2, dram_blocks=0, nvme_blocks=0, spec=SPEC, costs=COSTS)
+    assert run_replay(trace, cfg, make_replay_policy("lru", cfg)).block_hits_by_tier["hbm"] == 0
+    pol = OracleProbabilityCost(spec_lookup(cfg))
+    r = run_replay(trace, cfg, pol, check_invariants=True)
+    assert r.block_hits_by_tier["hbm"] == 1 and r.net_saved_s == pytest.approx(REC)
+    assert pol.name == "oracle-p"
+
+
+def test_fitted_feature_rates_by_hand():
+    """Uses: block 1 at t=0 (new, request of 1 block, last of it), block 1 again at t=1 s
+    (used once before, 1 s since), block 2 at t=2 (new, like the first use of 1).
+    Class (new, 1 block, last, no gap): 2 uses, 1 followed by another -> (1+1)/(2+2) = 0.5.
+    Class (used once, 1 block, last, gap 1 s): 1 use, none followed -> (0+1)/(1+2) = 1/3."""
+    from bench.replay_bounds import fitted_rates
+    from kvstore.replay import block_key
+
+    rates = fitted_rates([req(0, 1), req(1, 1), req(2, 2)])
+    assert rates == {(block_key(1), 0): pytest.approx(0.5), (block_key(1), 1): pytest.approx(1 / 3),
+                     (block_key(2), 0): pytest.approx(0.5)}
+
+
+def test_fitted_features_reference_replays_within_the_invariants():
+    from bench.replay_bounds import FittedFeaturesCost, spec_lookup
+
+    trace = generate("chat", seed=3)[:300]
+    cfg = ReplayConfig.with_defaults(20)
+    pol = FittedFeaturesCost(trace, spec_lookup(cfg))
+    r = run_replay(trace, cfg, pol, check_invariants=True)
+    lru = run_replay(trace, cfg, make_replay_policy("lru", cfg))
+    assert r.requests == 300 and r.total_recompute_s == pytest.approx(lru.total_recompute_s)
+    assert 0.0 < r.net_saved_time_fraction < 1.0
