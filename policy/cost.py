@@ -40,15 +40,16 @@ one is read again; from :mod:`policy.cost_model` the time a hit saves in each ti
   resident children is always demoted when possible (dropping it would strand them), and so
   is a block whose committed NVMe copy exists (demoting it there writes nothing).
 
-Keys are stamped when the policy hears about a block (insert, read, demotion), so they are
-stable between notifications as :class:`policy.registry.KeyedPolicy` requires. One exception
-(``deferred_stamp``, off by default): an inserted block keeps the level ``L_t`` of its insert but
-is valued when it is first ranked, once its put run is complete, so the run features of
-:mod:`policy.reuse` (position from the run's end) see the whole run; from then on the key is
-stable (a block ranked before its run ends — the Store making room mid-put — is valued as
-it stands then, as without deferral). With the position feature this closes 19/17/17 % of
-the Mooncake LRU→Belady gap at HBM 400/1000/1500 (18/15/13 % without), but it falls below LRU
-on the tenants workload at HBM 100, so neither is the default.
+Keys are stable between notifications, as :class:`policy.registry.KeyedPolicy` requires. A
+block read or stored keeps the level ``L_t`` of that notification but is valued when it is
+first ranked (``deferred_stamp``, on by default), once the request it belongs to is complete,
+so the request features of :mod:`policy.reuse` (:mod:`policy.request_lift`) see the whole
+request; from then on the key is stable. (A block ranked before its request ends — the Store
+making room mid-put — is valued as it stands then.) With the request lift this closes
+20 / 17 / 17 % of the Mooncake LRU→Belady gap at HBM 400 / 1000 / 1500 (18 / 15 / 13 % with
+neither), writes less to NVMe, and stays at or above the previous default on the generated
+workloads but for chat at HBM 1000 and shared prompts at HBM 100 (−0.01 of their gaps);
+tenants at HBM 100 gains 0.06 (bench/RESULTS.md, issue-3 note).
 """
 
 from __future__ import annotations
@@ -87,13 +88,12 @@ class CostPolicyConfig:
     characteristic time), ``reads`` (all expected future reads) or ``rate`` (saving per
     byte-second); see the module docstring for where each wins."""
 
-    deferred_stamp: bool = False
-    """(Off by default, as the run features it serves: see
-    :attr:`policy.reuse.ReuseConfig.run_position_feature`; alone it put the tenants workload
-    at HBM 200 just below LRU.) Value an inserted block when it is first ranked (its put run then complete, so the run
-    features of :class:`policy.reuse.ReuseConfig` see the whole run) rather than on insert;
-    the level ``L_t`` is still the one at insert. The first ``rank``/``evict_key`` of such a
-    block stores its key (a cache: the order it returns is the same on every later call)."""
+    deferred_stamp: bool = True
+    """Value a block read or inserted when it is first ranked (its request then complete, so
+    the request features of :class:`policy.reuse.ReuseConfig` see the whole request) rather
+    than at the notification; the level ``L_t`` is still the one at the notification. The
+    first ``rank``/``evict_key`` of such a block stores its key (a cache: the order it returns
+    is the same on every later call)."""
 
     def __post_init__(self) -> None:
         if self.valuation not in ("rate", "reads", "horizon"):
@@ -174,8 +174,10 @@ class CostPolicy:
 
     def on_access(self, meta: BlockMeta, now: float) -> None:
         self.reuse.on_access(meta, now)
-        self._pending.pop(meta.key, None)
-        self._stamp(meta, Tier.HBM)  # a read brings the block to HBM
+        if self.config.deferred_stamp:  # a read brings the block to HBM
+            self._pending[meta.key] = self._level[Tier.HBM]
+        else:
+            self._stamp(meta, Tier.HBM)
 
     def on_remove(self, meta: BlockMeta) -> None:
         self.reuse.on_remove(meta)
@@ -183,7 +185,7 @@ class CostPolicy:
         self._pending.pop(meta.key, None)
 
     def _stamped(self, meta: BlockMeta, tier: Tier) -> float | None:
-        """The block's key, valued now (once) if its insert deferred it."""
+        """The block's key, valued now (once) if its notification deferred it."""
         level = self._pending.pop(meta.key, None) if self._pending else None
         if level is not None:
             h = self._h[meta.key] = level + self.value(meta, tier)

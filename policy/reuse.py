@@ -14,17 +14,15 @@ trace. Blocks are grouped in classes by what is known online:
   on the Mooncake trace and on shared prompts such blocks return far less often (12 % and
   0 % against 43 % and 78 %); on chats and agents the two differ little.
 
-A put run (the blocks one request inserts, each the child of the previous) also refines ``p``
-(``run_position_feature``, off by default: see its field): the block's position from the run's end, in
-buckets 0, 1, 2–3, 4+. The tail of a request is what the next request is least likely to
-share (on the Mooncake trace a run's last blocks come back 5 %, 17 %, 29 % of the time
-against ~40 % further in). The refined class starts at its coarse class's ``p`` with
-``run_prior`` pseudo-trials (hierarchical shrinkage, so the 4× more classes do not slow the
-learning), and a run's blocks are counted under their final position when the run ends (the
-next run or read): at insert every block is the last one so far. ``run_length_feature``
-(log2 bucket of the run's length) is kept off: on Mooncake it separates runs that come back
-72 % of the time from ones that do 25 %, yet it cost 0.03–0.10 of the LRU→Belady gap there
-(more drops to NVMe that were read again).
+The request each block was last read or stored in refines ``p`` (``request_features``, on by
+default): :mod:`policy.request_lift` groups the notifications into requests, and multiplies a
+block's class ``p`` by the lift of its request cell (log2 of the request's length × position
+from its end) over its class, both learned with a censoring correction. This replaces the put-run
+features of earlier versions, which learned per-cell counts the way the coarse classes do: on
+the Mooncake trace they cost up to 0.10 of the LRU→Belady gap (a burst of one long run's
+episodes, counted as trials at once, made its cell look cold) and put the tenants workload at
+HBM 100 below LRU; the censoring-corrected lift gains 0.02–0.04 on Mooncake and up to 0.06 on
+the generated workloads (policy/cost.py, issue-3 note).
 
 The access count includes the reads a block had before it was last removed, when it comes
 back while its key is still remembered (ghost history, as in TinyLFU and ARC): a block
@@ -57,6 +55,7 @@ from dataclasses import dataclass
 
 from kvstore.block import BlockMeta
 from kvstore.errors import InvalidArgument
+from policy.request_lift import RequestLift
 
 #: access-count buckets: 1, 2, 3, 4-7, 8-15, 16+
 _FREQ_BUCKETS = 6
@@ -78,15 +77,13 @@ class ReuseConfig:
     """A block that comes back after removal keeps counting its earlier reads (ghost history)."""
     paused_boost: float = 0.9
     """A PAUSED session's block gets p' = 1 − (1 − p)(1 − paused_boost), in [0, 1]."""
-    run_length_feature: bool = False
-    """Refine ``p`` by the length of the block's put run (log2 buckets: 1, 2–3, …, 128+)."""
-    run_position_feature: bool = False
-    """Refine ``p`` by the block's position from the end of its put run (0, 1, 2–3, 4+). Off by
-    default: with it (and ``CostPolicyConfig.deferred_stamp``) the Mooncake gap closed rose
-    from 18/15/13 to 19/17/17 % at HBM 400/1000/1500, but the tenants workload at HBM 100 fell
-    below LRU (0.4103 against 0.4184; 0.4241 without it), so it does not hold everywhere."""
-    run_prior: float = 2.0
-    """Pseudo-trials with which a run-refined class starts at its coarse class's ``p``, > 0."""
+    request_features: bool = True
+    """Refine ``p`` by the block's request (length, position from its end): see
+    :mod:`policy.request_lift`."""
+    request_prior: float = 8.0
+    """Bin-widths of exposure at the class's rate with which a request cell starts, > 0."""
+    lift_cap: float = 0.95
+    """Upper bound of ``p`` after the request lift, in (0, 1)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.half_life_events, int) or self.half_life_events <= 0:
@@ -95,29 +92,16 @@ class ReuseConfig:
             raise InvalidArgument("ReuseConfig.ghost_entries must be a non-negative int")
         if not 0.0 <= self.paused_boost <= 1.0:
             raise InvalidArgument("ReuseConfig.paused_boost must be in [0, 1]")
-        if not 0.0 < self.run_prior <= 1e6:
-            raise InvalidArgument("ReuseConfig.run_prior must be in (0, 1e6]")
+        if not 0.0 < self.request_prior <= 1e6:
+            raise InvalidArgument("ReuseConfig.request_prior must be in (0, 1e6]")
+        if not 0.0 < self.lift_cap < 1.0:
+            raise InvalidArgument("ReuseConfig.lift_cap must be in (0, 1)")
 
-    @property
-    def run_features(self) -> bool:
-        return self.run_length_feature or self.run_position_feature
 
 
 #: gap histogram: log2 bins of 1 ms, the last one open-ended (2^39 ms ~ 17 years)
 _GAP_UNIT_S = 1e-3
 _GAP_BINS = 40
-
-
-#: run refinements: log2 bucket of the run length (1, 2-3, ..., 128+), position from its end
-_RUN_LEN_BUCKETS = 8
-_RUN_POS_BUCKETS = 4
-N_FINE = N_CLASSES * _RUN_LEN_BUCKETS * _RUN_POS_BUCKETS
-
-
-def run_buckets(length: int, from_end: int) -> tuple[int, int]:
-    """(log2 bucket of the run length, bucket of the position from the run's end: 0, 1, 2-3, 4+)."""
-    return (min(max(length, 1).bit_length() - 1, _RUN_LEN_BUCKETS - 1),
-            min(max(from_end, 0).bit_length(), _RUN_POS_BUCKETS - 1))
 
 
 def _gap_bin(gap: float) -> int:
@@ -139,8 +123,6 @@ class ReuseEstimator:
         "_branch",
         "_events",
         "_extends",
-        "_fhits",
-        "_ftrials",
         "_full",
         "_gaps",
         "_ghost",
@@ -148,10 +130,9 @@ class ReuseEstimator:
         "_hist",
         "_hits",
         "_last_insert",
+        "_lift",
         "_open",
         "_past",
-        "_run",
-        "_run_keys",
         "_trials",
         "config",
     )
@@ -174,12 +155,8 @@ class ReuseEstimator:
         self._extends: dict[bytes, bool] = {}  # resident key -> its put run extended a cached prefix
         self._last_insert = b""
         self._past: dict[bytes, int] = {}  # resident key -> reads before its last removal
-        # run refinements: per fine class trials/hits; resident key -> (its run's length cell,
-        # its index in the run); the keys of the run still being inserted
-        self._ftrials = [0.0] * (N_FINE if self.config.run_features else 0)
-        self._fhits = [0.0] * (N_FINE if self.config.run_features else 0)
-        self._run: dict[bytes, tuple[list[int], int]] = {}
-        self._run_keys: list[bytes] = []
+        self._lift = RequestLift(N_CLASSES, self.config.request_prior,
+                                 self.config.half_life_events) if self.config.request_features else None
 
     # -- hints ------------------------------------------------------------------------------
     def set_tenant_hint(self, tenant: str, probability: float | None) -> None:
@@ -194,28 +171,23 @@ class ReuseEstimator:
     # -- observation ------------------------------------------------------------------------
     def _start(self, meta: BlockMeta, now: float) -> None:
         c = self.klass(meta)
-        f = self.fine_class(meta, c)
-        self._open[meta.key] = (c, now, f)
+        self._open[meta.key] = (c, now)
         self._trials[c] += 1.0
-        if f >= 0:
-            self._ftrials[f] += 1.0
+        if self._lift is not None:
+            self._lift.observe(meta, c, now)
         self._events += 1
         if self._events % self.config.half_life_events == 0:
             self._trials = [x * 0.5 for x in self._trials]
             self._hits = [x * 0.5 for x in self._hits]
-            self._ftrials = [x * 0.5 for x in self._ftrials]
-            self._fhits = [x * 0.5 for x in self._fhits]
             self._gaps = [x * 0.5 for x in self._gaps]
             for h in self._hist:
                 h[:] = [x * 0.5 for x in h]
 
-    def _success(self, episode: tuple[int, float, int] | tuple[int, float, int, int] | None,
+    def _success(self, episode: tuple[int, float] | tuple[int, float, int] | None,
                  now: float) -> None:
         if episode is not None:
-            c, start, f = episode[0], episode[1], episode[-1]
+            c, start = episode[0], episode[1]
             self._hits[c] += 1.0
-            if f >= 0:
-                self._fhits[f] += 1.0
             gap = max(0.0, now - start)
             self._gaps[c] += gap
             self._hist[c][_gap_bin(gap)] += 1.0
@@ -234,15 +206,6 @@ class ReuseEstimator:
             else:
                 self._extends[meta.key] = bool(meta.parent)
             self._last_insert = meta.key
-        if self.config.run_features:
-            run = self._run.get(meta.parent) if meta.parent else None
-            if run is not None and self._run_keys and self._run_keys[-1] == meta.parent:
-                run[0][0] += 1
-                self._run[meta.key] = (run[0], run[1] + 1)
-            else:
-                self._close_run()
-                self._run[meta.key] = ([1], 0)
-            self._run_keys.append(meta.key)
         if self.config.ghost_frequency and ghost is not None:
             self._past[meta.key] = ghost[2]
         if meta.parent:
@@ -252,40 +215,20 @@ class ReuseEstimator:
         self._start(meta, now)
         return ghost[0] if ghost is not None else None
 
-    def _close_run(self) -> None:
-        """The run being inserted has ended: move its blocks' open first episodes to the fine
-        class of the run's final length and their final positions (they were counted under
-        the run so far, each block then its last)."""
-        for key in self._run_keys:
-            ep = self._open.get(key)
-            run = self._run.get(key)
-            if ep is None or run is None or ep[2] < 0:
-                continue
-            lb, pb = run_buckets(run[0][0], run[0][0] - 1 - run[1])
-            f = (ep[2] // (_RUN_LEN_BUCKETS * _RUN_POS_BUCKETS) * _RUN_LEN_BUCKETS
-                 + (lb if self.config.run_length_feature else 0)) * _RUN_POS_BUCKETS + (
-                pb if self.config.run_position_feature else 0)
-            if f != ep[2]:
-                self._ftrials[ep[2]] = max(0.0, self._ftrials[ep[2]] - 1.0)
-                self._ftrials[f] += 1.0
-                self._open[key] = (ep[0], ep[1], f)
-        self._run_keys = []
-
     def on_access(self, meta: BlockMeta, now: float) -> None:
-        if self._run_keys:
-            self._close_run()
         self._success(self._open.get(meta.key), now)
         self._start(meta, now)
 
     def on_remove(self, meta: BlockMeta) -> int | None:
         """Forget a resident block (remember it as a ghost); returns its open class."""
-        c = self._open.pop(meta.key, None)  # (class, start, fine class) of the open episode
+        c = self._open.pop(meta.key, None)  # (class, start) of the open episode
         self._extends.pop(meta.key, None)
-        self._run.pop(meta.key, None)
+        if self._lift is not None:
+            self._lift.forget(meta.key)
         past = self._past.pop(meta.key, 0)
         if c is None or self.config.ghost_entries == 0:
             return None if c is None else c[0]
-        self._ghost[meta.key] = (c[0], c[1], past + max(meta.access_count, 1), c[2])
+        self._ghost[meta.key] = (c[0], c[1], past + max(meta.access_count, 1))
         if len(self._ghost) > self.config.ghost_entries:
             self._ghost.popitem(last=False)
             # NOTE: the branch memory is bounded the same way, by forgetting the oldest keys.
@@ -299,19 +242,6 @@ class ReuseEstimator:
         shared = self._branch.get(meta.key, 0) >= 2
         return reuse_class(meta, max(self._full, meta.tokens), shared,
                            self._extends.get(meta.key, False), self._past.get(meta.key, 0))
-
-    def fine_class(self, meta: BlockMeta, c: int) -> int:
-        """Class ``c`` refined by the block's put run (-1 when the run features are off or the
-        block is not resident: no run known)."""
-        run = self._run.get(meta.key) if self.config.run_features else None
-        if run is None:
-            return -1
-        lb, pb = run_buckets(run[0][0], run[0][0] - 1 - run[1])
-        if not self.config.run_length_feature:
-            lb = 0
-        if not self.config.run_position_feature:
-            pb = 0
-        return (c * _RUN_LEN_BUCKETS + lb) * _RUN_POS_BUCKETS + pb
 
     def class_probability(self, c: int) -> float:
         # NOTE: decay can halve an episode's trial before its success is counted: clamp.
@@ -366,11 +296,10 @@ class ReuseEstimator:
         if c is None:
             c = self.klass(meta)
         p = self.class_probability(c)
-        f = self.fine_class(meta, c)
-        if f >= 0:
-            # the coarse class's p as a prior worth run_prior trials (hierarchical shrinkage)
-            m = self.config.run_prior
-            p = (min(self._fhits[f], self._ftrials[f]) + m * p) / (self._ftrials[f] + m)
+        if self._lift is not None:
+            lift = self._lift.lift(meta.key, c)
+            if lift is not None:
+                p = min(self.config.lift_cap, p * lift)
         if meta.paused > 0:
             p = 1.0 - (1.0 - p) * (1.0 - self.config.paused_boost)
         hint = self._hints.get(meta.tenant)
