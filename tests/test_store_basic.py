@@ -453,3 +453,21 @@ def test_get_into_a_reused_out_tensor(open_store, spec):
     assert got.data_ptr() == out.data_ptr() and torch.equal(out, kv)
     with pytest.raises(ShapeMismatch):
         s.get("a", spec, keys, out=torch.empty(3, dtype=torch.float16))
+
+
+def test_the_cost_policy_sees_a_get_and_the_put_after_it_as_one_request(open_store, spec, clock):
+    """What an engine does for one prompt: read the cached prefix, store the new blocks after
+    it. The reuse estimate's request lift (policy/request_lift.py) groups both into one request
+    of 3 blocks, whose cells it learns from."""
+    from policy.request_lift import RequestCell
+
+    s = open_store(spec)
+    keys = s.block_keys("a", spec, tokens(3, spec))
+    s.put("a", spec, keys[:2], make_kv(spec, 2))
+    clock.advance(1)
+    assert s.get("a", spec, keys[:2]).shape[0] == 2
+    s.put("a", spec, keys[2:], make_kv(spec, 1, seed=1), parent=keys[1])
+    lift = s._place.policy.reuse._lift
+    done = lift.tracker.close()
+    assert {k: done[k] for k in keys} == {keys[0]: RequestCell(3, 2), keys[1]: RequestCell(3, 1),
+                                          keys[2]: RequestCell(3, 0)}
