@@ -126,9 +126,11 @@ class HazardTable:
     another) counts as happening at the latest time."""
 
     def __init__(self, n_coarse: int, cells: int, edges: tuple[float, ...] = HAZARD_EDGES_S,
-                 half_life_episodes: int = 50_000) -> None:
+                 half_life_episodes: int = 50_000, max_watched: int = 250_000) -> None:
         if not edges or any(b <= a for a, b in zip((0.0, *edges), edges)):
             raise InvalidArgument("hazard edges must be positive and increasing")
+        if max_watched <= 0:
+            raise InvalidArgument("max_watched must be positive")
         self.edges = edges
         self.lows = (0.0, *edges[:-1])
         self.widths = tuple(e - lo for e, lo in zip(edges, self.lows))
@@ -142,6 +144,8 @@ class HazardTable:
         self._queues: list[deque[_Episode]] = [deque() for _ in range(nb)]
         self._episodes: dict[bytes, _Episode] = {}
         self._half_life = half_life_episodes
+        self._max_watched = max_watched
+        self._queued = 0  # entries in the queues: open episodes and finished ones not yet dropped
         self._started = 0
         self._now = 0.0
         self._coarse_cache: dict[int, list[float]] = {}
@@ -178,6 +182,7 @@ class HazardTable:
             edge = self.edges[s]
             while q and q[0].start + edge <= now:
                 ep = q.popleft()
+                self._queued -= 1
                 if ep.bin != s:
                     continue  # over already
                 at = ep.start + edge
@@ -190,6 +195,7 @@ class HazardTable:
                 ep.bin = s + 1
                 self._enter(ep, s + 1, at, self._levels(ep))
                 self._queues[s + 1].append(ep)
+                self._queued += 1
         return now
 
     def read(self, key: bytes) -> None:
@@ -210,6 +216,27 @@ class HazardTable:
         self._episodes[key] = ep
         self._enter(ep, 0, self._now, self._levels(ep))
         self._queues[0].append(ep)
+        self._queued += 1
+        if self._queued > self._max_watched:
+            self._stop_watching_oldest()
+
+    def _stop_watching_oldest(self) -> None:
+        """Bound memory: stop watching the oldest episodes (the fronts of the highest bins) until
+        at most ``max_watched`` are queued. Their time so far counts, their outcome does not
+        (censored, like an episode still open)."""
+        for s in range(len(self._queues) - 1, -1, -1):
+            q = self._queues[s]
+            while q and self._queued > self._max_watched:
+                ep = q.popleft()
+                self._queued -= 1
+                if ep.bin != s:
+                    continue  # over already
+                self._leave(ep, self._now, read=False)
+                ep.bin = -1
+                if self._episodes.get(ep.key) is ep:
+                    del self._episodes[ep.key]
+            if self._queued <= self._max_watched:
+                return
 
     def set_cell(self, key: bytes, cell: int) -> None:
         """Put ``key``'s open episode in request cell ``cell`` of its coarse class, from its
@@ -254,9 +281,10 @@ class RequestLift:
     """Feeds a :class:`HazardTable` from the notifications and answers the lift of a block's
     fine class over its coarse class."""
 
-    def __init__(self, n_coarse: int, prior: float = 8.0, half_life_episodes: int = 50_000) -> None:
+    def __init__(self, n_coarse: int, prior: float = 8.0, half_life_episodes: int = 50_000,
+                 max_watched: int = 250_000) -> None:
         self.table = HazardTable(n_coarse, LENGTH_BUCKETS * POSITION_BUCKETS,
-                                 half_life_episodes=half_life_episodes)
+                                 half_life_episodes=half_life_episodes, max_watched=max_watched)
         self.tracker = RequestTracker()
         self.prior = prior
         self._fine: dict[bytes, int] = {}  # key -> fine cell of its last completed request

@@ -84,6 +84,9 @@ class ReuseConfig:
     """Bin-widths of exposure at the class's rate with which a request cell starts, > 0."""
     lift_cap: float = 0.95
     """Upper bound of ``p`` after the request lift, in (0, 1)."""
+    lift_episodes: int = 250_000
+    """Reads and stores the request lift watches at once, > 0 (memory: about 150 bytes each;
+    past it the oldest stop being watched, their outcome unknown)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.half_life_events, int) or self.half_life_events <= 0:
@@ -96,6 +99,8 @@ class ReuseConfig:
             raise InvalidArgument("ReuseConfig.request_prior must be in (0, 1e6]")
         if not 0.0 < self.lift_cap < 1.0:
             raise InvalidArgument("ReuseConfig.lift_cap must be in (0, 1)")
+        if not isinstance(self.lift_episodes, int) or self.lift_episodes <= 0:
+            raise InvalidArgument("ReuseConfig.lift_episodes must be a positive int")
 
 
 
@@ -155,8 +160,8 @@ class ReuseEstimator:
         self._extends: dict[bytes, bool] = {}  # resident key -> its put run extended a cached prefix
         self._last_insert = b""
         self._past: dict[bytes, int] = {}  # resident key -> reads before its last removal
-        self._lift = RequestLift(N_CLASSES, self.config.request_prior,
-                                 self.config.half_life_events) if self.config.request_features else None
+        self._lift = RequestLift(N_CLASSES, self.config.request_prior, self.config.half_life_events,
+                                 self.config.lift_episodes) if self.config.request_features else None
 
     # -- hints ------------------------------------------------------------------------------
     def set_tenant_hint(self, tenant: str, probability: float | None) -> None:

@@ -133,13 +133,32 @@ def test_a_request_cell_joins_the_fine_level_from_the_bin_it_is_in():
     assert p_not < p_coarse < p_read
 
 
+def test_the_table_watches_at_most_max_watched_episodes_oldest_dropped_first():
+    """Cap 3, five episodes started 1 s apart: the two oldest stop being watched when the 4th
+    and 5th start. Their time so far counts (censored), their later reads do not."""
+    t = HazardTable(1, 1, edges=(100.0,), max_watched=3)
+    for i, k in enumerate((b"a", b"b", b"c", b"d", b"e")):
+        t.advance(float(i))
+        t.start(k, 0)
+    assert t._queued == 3 and set(t._episodes) == {b"c", b"d", b"e"}
+    t.read(b"a")  # no longer watched: not a read
+    t.read(b"c")
+    assert t._reads[1] == [1.0]
+    # exposure: a stopped at 3 s (3 s), b at 4 s (3 s); c read at 4 s (2 s) -> 8 s completed
+    assert t._exposure[1] == [pytest.approx(8.0)]
+    with pytest.raises(InvalidArgument):
+        HazardTable(1, 1, max_watched=0)
+    with pytest.raises(InvalidArgument):
+        ReuseConfig(lift_episodes=0)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["start", "read", "cell", "advance"]),
                           st.integers(0, 5), st.floats(-5.0, 50.0)), max_size=60))
 def test_hazard_table_invariants(ops):
     """Whatever the order of notifications, the clock included (it may step back): nothing
     negative, rates positive, P in (0, 1)."""
-    t = HazardTable(2, 3, edges=(2.0, 8.0, 32.0))
+    t = HazardTable(2, 3, edges=(2.0, 8.0, 32.0), max_watched=4)
     now = 0.0
     for op, k, dt in ops:
         key = bytes([k])
@@ -154,6 +173,8 @@ def test_hazard_table_invariants(ops):
         else:
             t.set_cell(key, k % 3)
     t.advance(now)
+    assert t._queued == sum(len(q) for q in t._queues) <= 4
+    assert sum(t._inside[0]) == len(t._episodes)
     for table in (t._inside, t._exposure, t._reads):
         assert all(x >= -1e-9 for row in table for x in row)
     for c in range(2):
