@@ -79,7 +79,8 @@ class ReuseConfig:
     """A PAUSED session's block gets p' = 1 − (1 − p)(1 − paused_boost), in [0, 1]."""
     request_features: bool = True
     """Refine ``p`` by the block's request (length, position from its end): see
-    :mod:`policy.request_lift`."""
+    :mod:`policy.request_lift`. Costs about 7 µs more per read or store notification (2.5 →
+    9.9 µs per insert in a scratch loop of 60,000 inserts on the development machine)."""
     request_prior: float = 8.0
     """Bin-widths of exposure at the class's rate with which a request cell starts, > 0."""
     lift_cap: float = 0.95
