@@ -71,13 +71,20 @@ class RequestCell:
 
 
 class RequestTracker:
-    """Groups notifications into requests (see the module docstring)."""
+    """Groups notifications into requests (see the module docstring).
 
-    __slots__ = ("_open", "_prev")
+    One more order is recognised: a Store put of a whole chain whose first blocks were already
+    stored notifies the new blocks first and then touches the stored prefix. The new blocks form
+    a request that starts under a parent outside it; when the very next request ends at that
+    parent, it is the same prompt's prefix and takes that request's length."""
+
+    __slots__ = ("_first_parent", "_open", "_prev", "_tail")
 
     def __init__(self) -> None:
         self._open: dict[bytes, int] = {}  # key -> depth, of the request being notified
         self._prev = b""
+        self._first_parent = b""  # parent of the current request's first block
+        self._tail: tuple[bytes, int] | None = None  # (parent, length) of the last request
 
     def track(self, meta: BlockMeta) -> dict[bytes, RequestCell]:
         """Record ``meta``'s notification; returns the cells of the request it completed
@@ -85,16 +92,24 @@ class RequestTracker:
         done: dict[bytes, RequestCell] = {}
         if not (meta.parent and meta.parent == self._prev):
             done = self.close()
+            self._first_parent = meta.parent
         self._open[meta.key] = meta.depth
         self._prev = meta.key
         return done
+
+    def _length(self) -> int:
+        tail = self._tail
+        if tail is not None and tail[0] == self._prev:
+            return tail[1]
+        return self._open[self._prev] + 1
 
     def close(self) -> dict[bytes, RequestCell]:
         """Complete the current request; returns its blocks' cells."""
         if not self._open:
             return {}
-        length = self._open[self._prev] + 1
+        length = self._length()
         cells = {k: RequestCell(length, length - 1 - d) for k, d in self._open.items()}
+        self._tail = (self._first_parent, length) if self._first_parent else None
         self._open = {}
         return cells
 
@@ -103,7 +118,7 @@ class RequestTracker:
         d = self._open.get(key)
         if d is None:
             return None
-        length = self._open[self._prev] + 1
+        length = self._length()
         return RequestCell(length, length - 1 - d)
 
 

@@ -71,6 +71,23 @@ def test_a_read_prefix_and_the_blocks_stored_after_it_are_one_request():
     assert tr.close() == {b"y": RequestCell(2, 0)}  # its length is its depth + 1
 
 
+def test_a_stored_prefix_touched_after_its_new_blocks_takes_their_length():
+    """Notifications x, y (under b, outside the request) then a, b: the prefix a, b ending at
+    x's parent is the same prompt, 4 blocks long. Only the very next request is matched."""
+    tr = RequestTracker()
+    x, y = _meta(b"x", b"b", 2), _meta(b"y", b"x", 3)
+    a, b = _chain([b"a", b"b"])
+    for m in (x, y, a, b):
+        tr.track(m)
+    assert tr.cell(b"a") == RequestCell(4, 3)
+    assert tr.track(_meta(b"z")) == {b"a": RequestCell(4, 3), b"b": RequestCell(4, 2)}
+    tr.track(_meta(b"b2", b"z", 1))  # a request ending elsewhere, then the prefix again
+    assert tr.track(_meta(b"q")) == {b"z": RequestCell(2, 1), b"b2": RequestCell(2, 0)}
+    for m in (a, b):
+        tr.track(m)
+    assert tr.close() == {b"a": RequestCell(2, 1), b"b": RequestCell(2, 0)}
+
+
 @pytest.mark.parametrize("cell,index", [
     (RequestCell(1, 0), 0), (RequestCell(3, 2), 7), (RequestCell(8, 10), 19),
     (RequestCell(2000, 0), 45), (RequestCell(4, 3), 2 * 5 + 3),

@@ -471,3 +471,18 @@ def test_the_cost_policy_sees_a_get_and_the_put_after_it_as_one_request(open_sto
     done = lift.tracker.close()
     assert {k: done[k] for k in keys} == {keys[0]: RequestCell(3, 2), keys[1]: RequestCell(3, 1),
                                           keys[2]: RequestCell(3, 0)}
+
+
+def test_a_put_that_restores_its_prefix_is_one_request_to_the_request_lift(open_store, spec):
+    """A put of a whole chain whose first two blocks are stored notifies the policy of the two
+    new blocks first, then touches the stored prefix; the lift still sees one request of 4."""
+    from policy.request_lift import RequestCell
+
+    s = open_store(spec, hbm_blocks=8)
+    keys = s.block_keys("a", spec, tokens(4, spec))
+    s.put("a", spec, keys[:2], make_kv(spec, 2))
+    s.put("a", spec, s.block_keys("a", spec, tokens(1, spec, start=500)), make_kv(spec, 1))
+    s.put("a", spec, keys, make_kv(spec, 4))
+    tracker = s._place.policy.reuse._lift.tracker
+    done = tracker.close()
+    assert [done[k] for k in keys[:2]] == [RequestCell(4, 3), RequestCell(4, 2)]
