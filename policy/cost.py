@@ -46,10 +46,10 @@ first ranked (``deferred_stamp``, on by default), once the request it belongs to
 so the request features of :mod:`policy.reuse` (:mod:`policy.request_lift`) see the whole
 request; from then on the key is stable. (A block ranked before its request ends — the Store
 making room mid-put — is valued as it stands then.) With the request lift this closes
-20 / 17 / 17 % of the Mooncake LRU→Belady gap at HBM 400 / 1000 / 1500 (18 / 15 / 13 % with
-neither), writes less to NVMe, and stays at or above the previous default on the generated
-workloads but for chat at HBM 1000 and shared prompts at HBM 100 (−0.01 of their gaps);
-tenants at HBM 100 gains 0.06 (bench/RESULTS.md, issue-3 note).
+19 / 19 / 17 % of the Mooncake LRU→Belady gap at HBM 400 / 1000 / 1500 (18 / 15 / 13 % with
+neither) and writes less to NVMe; on the generated workloads, two seeds, it stays within 0.014
+of the gap of the previous default (shared prompts at HBM 100) and gains up to 0.07 (tenants
+at HBM 100) (bench/RESULTS.md, issue-3 note).
 """
 
 from __future__ import annotations

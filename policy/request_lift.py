@@ -84,7 +84,8 @@ class RequestTracker:
         self._open: dict[bytes, int] = {}  # key -> depth, of the request being notified
         self._prev = b""
         self._first_parent = b""  # parent of the current request's first block
-        self._tail: tuple[bytes, int] | None = None  # (parent, length) of the last request
+        # (parent of its first block, length) of the last request, when that parent was outside it
+        self._tail: tuple[bytes, int] | None = None
 
     def track(self, meta: BlockMeta) -> dict[bytes, RequestCell]:
         """Record ``meta``'s notification; returns the cells of the request it completed
@@ -127,7 +128,7 @@ class _Episode:
 
     def __init__(self, key: bytes, start: float, coarse: int) -> None:
         self.key, self.start, self.coarse = key, start, coarse
-        self.fine = -1  # until its request completes
+        self.fine = -1  # its fine class (coarse x cells + cell), once its request completes
         self.bin = 0  # -1 once over (read again, or older than the last edge)
 
 
@@ -170,7 +171,7 @@ class HazardTable:
             return (0, 1 + ep.coarse)
         return (0, 1 + ep.coarse, 1 + self.n_coarse + ep.fine)
 
-    def _enter(self, ep: _Episode, s: int, at: float, levels: tuple[int, ...]) -> None:
+    def _enter(self, s: int, at: float, levels: tuple[int, ...]) -> None:
         for lv in levels:
             self._inside[lv][s] += 1
             self._entered[lv][s] += at
@@ -208,7 +209,7 @@ class HazardTable:
                         del self._episodes[ep.key]
                     continue
                 ep.bin = s + 1
-                self._enter(ep, s + 1, at, self._levels(ep))
+                self._enter(s + 1, at, self._levels(ep))
                 self._queues[s + 1].append(ep)
                 self._queued += 1
         return now
@@ -229,7 +230,7 @@ class HazardTable:
                     row[:] = [x * 0.5 for x in row]
         ep = _Episode(key, self._now, coarse)
         self._episodes[key] = ep
-        self._enter(ep, 0, self._now, self._levels(ep))
+        self._enter(0, self._now, self._levels(ep))
         self._queues[0].append(ep)
         self._queued += 1
         if self._queued > self._max_watched:
@@ -302,7 +303,7 @@ class RequestLift:
                                  half_life_episodes=half_life_episodes, max_watched=max_watched)
         self.tracker = RequestTracker()
         self.prior = prior
-        self._fine: dict[bytes, int] = {}  # key -> fine cell of its last completed request
+        self._fine: dict[bytes, int] = {}  # key -> request cell of its last completed request
 
     def observe(self, meta: BlockMeta, coarse: int, now: float) -> None:
         """``meta`` was read or stored at ``now`` (its coarse class ``coarse``, as it stands

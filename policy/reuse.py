@@ -21,8 +21,9 @@ from its end) over its class, both learned with a censoring correction. This rep
 features of earlier versions, which learned per-cell counts the way the coarse classes do: on
 the Mooncake trace they cost up to 0.10 of the LRU→Belady gap (a burst of one long run's
 episodes, counted as trials at once, made its cell look cold) and put the tenants workload at
-HBM 100 below LRU; the censoring-corrected lift gains 0.02–0.04 on Mooncake and up to 0.06 on
-the generated workloads (policy/cost.py, issue-3 note).
+HBM 100 below LRU; the censoring-corrected lift, with deferred valuation, gains 0.01–0.04 of
+the gap on Mooncake at HBM 400/1000/1500 and up to 0.07 on the generated workloads
+(policy/cost.py, issue-3 note).
 
 The access count includes the reads a block had before it was last removed, when it comes
 back while its key is still remembered (ghost history, as in TinyLFU and ARC): a block
