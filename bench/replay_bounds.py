@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvstore.block import BlockMeta, Tier
+from kvstore.errors import FailedPrecondition
 from kvstore.replay import ReplayConfig, block_key
 from kvstore.workloads import TraceRequest
 from policy.base import SpecLookup
@@ -84,13 +85,15 @@ class OracleProbabilityCost(_ProbabilityFrom):
     def __init__(self, lookup: SpecLookup | None = None, hi: float = 0.95, lo: float = 0.02) -> None:
         super().__init__(lookup)
         self.hi, self.lo = hi, lo
-        self._oracle = BeladyPolicy()
+        self._next_use: Callable[[bytes], float] | None = None
 
     def bind_oracle(self, next_use: Callable[[bytes], float]) -> None:
-        self._oracle.bind_oracle(next_use)
+        self._next_use = next_use
 
     def given_probability(self, meta: BlockMeta) -> float:
-        return self.lo if self._oracle._nu(meta) == INF else self.hi
+        if self._next_use is None:
+            raise FailedPrecondition("oracle-p needs a next-use oracle; only the replay has one")
+        return self.lo if self._next_use(meta.key) == INF else self.hi
 
 
 def _gap_bucket(seconds: float | None) -> int:
