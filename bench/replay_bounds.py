@@ -27,7 +27,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvstore.block import BlockMeta, Tier
-from kvstore.errors import FailedPrecondition
 from kvstore.replay import ReplayConfig, block_key
 from kvstore.workloads import TraceRequest
 from policy.base import SpecLookup
@@ -48,7 +47,7 @@ class OracleReuseLRU(BeladyPolicy):
     name = "oracle-reuse"
 
     def evict_key(self, meta: BlockMeta, tier: Tier, now: float) -> tuple[int, float, int]:
-        return (0 if self._nu(meta) == INF else 1, meta.last_access, -meta.depth)
+        return (0 if self.next_use(meta) == INF else 1, meta.last_access, -meta.depth)
 
     def rank(self, tier: Tier, candidates: Sequence[BlockMeta], now: float) -> list[BlockMeta]:
         return sorted(candidates, key=lambda m: self.evict_key(m, tier, now))
@@ -85,15 +84,13 @@ class OracleProbabilityCost(_ProbabilityFrom):
     def __init__(self, lookup: SpecLookup | None = None, hi: float = 0.95, lo: float = 0.02) -> None:
         super().__init__(lookup)
         self.hi, self.lo = hi, lo
-        self._next_use: Callable[[bytes], float] | None = None
+        self._oracle = BeladyPolicy()
 
     def bind_oracle(self, next_use: Callable[[bytes], float]) -> None:
-        self._next_use = next_use
+        self._oracle.bind_oracle(next_use)
 
     def given_probability(self, meta: BlockMeta) -> float:
-        if self._next_use is None:
-            raise FailedPrecondition("oracle-p needs a next-use oracle; only the replay has one")
-        return self.lo if self._next_use(meta.key) == INF else self.hi
+        return self.lo if self._oracle.next_use(meta) == INF else self.hi
 
 
 def _gap_bucket(seconds: float | None) -> int:

@@ -27,7 +27,8 @@ class BeladyPolicy:
     def bind_oracle(self, next_use: Callable[[bytes], float]) -> None:
         self._next_use = next_use
 
-    def _nu(self, meta: BlockMeta) -> float:
+    def next_use(self, meta: BlockMeta) -> float:
+        """When the block is next requested (the oracle's answer; inf for never)."""
         if self._next_use is None:
             raise FailedPrecondition("belady needs a next-use oracle; only the trace replay has one")
         return self._next_use(meta.key)
@@ -42,7 +43,7 @@ class BeladyPolicy:
         pass
 
     def evict_key(self, meta: BlockMeta, tier: Tier, now: float) -> tuple[float, int]:
-        return (-self._nu(meta), -meta.depth)
+        return (-self.next_use(meta), -meta.depth)
 
     def rank(self, tier: Tier, candidates: Sequence[BlockMeta], now: float) -> list[BlockMeta]:
         return sorted(candidates, key=lambda m: self.evict_key(m, tier, now))
@@ -50,12 +51,12 @@ class BeladyPolicy:
     def demote_to(
         self, meta: BlockMeta, src: Tier, available: Sequence[Tier], now: float
     ) -> Tier | None:
-        if not available or self._nu(meta) == INF:
+        if not available or self.next_use(meta) == INF:
             return None
         return available[0]
 
     def admit(self, meta: BlockMeta, tier: Tier, now: float) -> bool:
-        return self._nu(meta) != INF
+        return self.next_use(meta) != INF
 
 
 register("belady", BeladyPolicy)
