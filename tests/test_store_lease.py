@@ -306,10 +306,14 @@ BIG = ModelSpec(model="lease-big", revision="r", num_layers=32, num_kv_heads=8, 
 
 
 def _raw_get(sc, token: str, keys: list[bytes], chunk_bytes: int = 64 * 1024):
-    """A Get stream read frame by frame (the client's own get reads it to the end)."""
+    """A Get stream read frame by frame (the client's own get reads it to the end).
+
+    The channel keeps HTTP/2's initial 64 KiB receive window (no BDP probing): otherwise, on a
+    fast machine, the window grows until the server has handed the whole rest of the stream to
+    the transport and finished (releasing its lease) before the test reads on."""
     from kvstore.service_convert import spec_to_pb
 
-    ch = grpc.insecure_channel(sc.target)
+    ch = grpc.insecure_channel(sc.target, options=[("grpc.http2.bdp_probe", 0)])
     get = ch.unary_stream("/kvstore.v1.KVStore/Get", request_serializer=pb.GetRequest.SerializeToString,
                           response_deserializer=decoder(pb.GetFrame))
     req = pb.GetRequest(target=pb.Target(spec=spec_to_pb(BIG), keys=b"".join(keys)), chunk_bytes=chunk_bytes)
