@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -27,6 +28,24 @@ from kvstore.workloads import WORKLOADS, WorkloadConfig, generate, load_trace
 
 SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 POLICIES = ("lru", "gdsf", "cost", "belady")
+
+
+def gap_closed(fractions: Mapping[str, float], names: Iterable[str]) -> dict[str, float | None]:
+    """Share of the LRU→Belady gap each of ``names`` closes, ``(x − lru) / (belady − lru)``, from
+    net saved time fractions (None for all when Belady does not beat LRU)."""
+    lru = fractions["lru"]
+    gap = fractions["belady"] - lru
+    return {p: (fractions[p] - lru) / gap if gap > 0 else None for p in names}
+
+
+def trace_and_capacities(description: str, argv: list[str] | None) -> tuple[Path, list[int]]:
+    """``--trace`` (the shared Mooncake trace by default) and ``--capacities`` (HBM blocks) of
+    the analysis benches."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--trace", type=Path, default=SHARED_TRACE)
+    ap.add_argument("--capacities", default="400,1000,1500", help="HBM blocks, comma-separated")
+    args = ap.parse_args(argv)
+    return args.trace, [int(c) for c in args.capacities.split(",")]
 
 
 def _trace(name: str, path: str, seed: int, requests: int):
@@ -70,13 +89,12 @@ def summarize(rows: list[dict]) -> list[dict]:
                         "nvme_written_tb": round(row["nvme_bytes_written"] / 1e12, 3),
                         "token_hit_rate": round(row["token_hit_rate"], 4)}
         if "lru" in by and "belady" in by:
-            lru = by["lru"]["net_saved_time_fraction"]
-            gap = by["belady"]["net_saved_time_fraction"] - lru
-            for p in by:
-                if p not in ("lru", "belady"):
-                    entry[p]["gap_closed"] = round(
-                        (by[p]["net_saved_time_fraction"] - lru) / gap, 3) if gap > 0 else None
-                    entry[p]["nvme_below_lru"] = by[p]["nvme_bytes_written"] < by["lru"]["nvme_bytes_written"]
+            online = [p for p in by if p not in ("lru", "belady")]
+            closed = gap_closed({p: r["net_saved_time_fraction"] for p, r in by.items()}, online)
+            for p in online:
+                g = closed[p]
+                entry[p]["gap_closed"] = None if g is None else round(g, 3)
+                entry[p]["nvme_below_lru"] = by[p]["nvme_bytes_written"] < by["lru"]["nvme_bytes_written"]
         out.append(entry)
     return out
 

@@ -16,12 +16,12 @@ JSON on stdout (gap closed = (x − lru) / (belady − lru)), a table on stderr.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.replay_bench import gap_closed, trace_and_capacities
 from bench.replay_bounds import (
     FittedFeaturesCost,
     OracleProbabilityCost,
@@ -32,7 +32,6 @@ from kvstore.replay import ReplayConfig, make_replay_policy, run_replay
 from kvstore.workloads import TraceRequest, load_trace
 from policy.base import EvictionPolicy
 
-SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 REFERENCES = ("lru", "cost", "fitted-features", "oracle-p", "oracle-reuse", "belady")
 
 
@@ -57,26 +56,21 @@ def run(trace_path: Path, capacities: list[int]) -> list[dict]:
             r = run_replay(trace, cfg, _policy(name, cfg, trace))
             got[name] = r.net_saved_time_fraction
             nvme[name] = r.bytes_written_by_tier["nvme"]
-        gap = got["belady"] - got["lru"]
         rows.append({"hbm_blocks": hbm, "net_saved_time_fraction": got, "nvme_bytes_written": nvme,
-                     "gap_closed": {k: (got[k] - got["lru"]) / gap if gap > 0 else None
-                                    for k in REFERENCES if k not in ("lru", "belady")}})
+                     "gap_closed": gap_closed(got, [k for k in REFERENCES if k not in ("lru", "belady")])})
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", type=Path, default=SHARED_TRACE)
-    ap.add_argument("--capacities", default="400,1000,1500", help="HBM blocks, comma-separated")
-    args = ap.parse_args(argv)
-    rows = run(args.trace, [int(c) for c in args.capacities.split(",")])
+    trace, capacities = trace_and_capacities(__doc__.splitlines()[0], argv)
+    rows = run(trace, capacities)
     for r in rows:
         f, g = r["net_saved_time_fraction"], r["gap_closed"]
         cells = " ".join(f"{k} {f[k]:.4f} [{'-' if g[k] is None else format(g[k], '.2f')}]"
                          for k in g)
         print(f"HBM {r['hbm_blocks']:5d}: lru {f['lru']:.4f} {cells} belady {f['belady']:.4f}",
               file=sys.stderr)
-    print(json.dumps({"bench": "replay_ceiling", "trace": str(args.trace), "rows": rows}, indent=1))
+    print(json.dumps({"bench": "replay_ceiling", "trace": str(trace), "rows": rows}, indent=1))
     return 0
 
 

@@ -15,7 +15,6 @@ JSON on stdout, a table on stderr (gap closed = (x − lru) / (belady − lru)).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Sequence
@@ -23,11 +22,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+from bench.replay_bench import POLICIES, gap_closed, trace_and_capacities
 from kvstore.replay import ReplayConfig, make_replay_policy, run_replay
 from kvstore.workloads import TraceRequest, load_trace
 
-SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
-POLICIES = ("lru", "gdsf", "cost", "belady")
 GAP_MS = 60_000.0
 
 
@@ -65,26 +63,20 @@ def run(trace_path: Path, capacities: list[int], workers: int = 2) -> list[dict]
         row: dict = {"hbm_blocks": hbm}
         for i, name in enumerate(("first_pass", "second_pass")):
             f = {p: got[(hbm, p)][i] for p in POLICIES}
-            gap = f["belady"] - f["lru"]
-            row[name] = {"net_saved_time_fraction": f,
-                         "gap_closed": {p: (f[p] - f["lru"]) / gap if gap > 0 else None
-                                        for p in ("gdsf", "cost")}}
+            row[name] = {"net_saved_time_fraction": f, "gap_closed": gap_closed(f, ("gdsf", "cost"))}
         rows.append(row)
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", type=Path, default=SHARED_TRACE)
-    ap.add_argument("--capacities", default="400,1000,1500", help="HBM blocks, comma-separated")
-    args = ap.parse_args(argv)
-    rows = run(args.trace, [int(c) for c in args.capacities.split(",")])
+    trace, capacities = trace_and_capacities(__doc__.splitlines()[0], argv)
+    rows = run(trace, capacities)
     for r in rows:
         for name in ("first_pass", "second_pass"):
             g = r[name]["gap_closed"]
             cells = " ".join(f"{p} {'-' if g[p] is None else format(g[p], '+.2f')}" for p in g)
             print(f"HBM {r['hbm_blocks']:5d} {name:11s}: gap closed {cells}", file=sys.stderr)
-    print(json.dumps({"bench": "replay_repeat", "trace": str(args.trace), "rows": rows}, indent=1))
+    print(json.dumps({"bench": "replay_repeat", "trace": str(trace), "rows": rows}, indent=1))
     return 0
 
 
