@@ -1,13 +1,17 @@
 """Service benchmark: Put/Get throughput through the sidecar against raw baselines, same run.
 
-For 2 MiB and 32 MiB blocks, GB/s (median of repeats) of:
+For 2 MiB and 32 MiB blocks (``--sizes``; sub-MiB blocks of small models too, e.g.
+``--sizes 0.25,0.5,2``), GB/s (median of repeats) of:
 
   (a) shm     — kvstore client, shared-memory data plane, buffers already in the region (one copy)
   (a') shm-staged — same plane, an ordinary tensor staged through the region (two copies)
   (b) stream  — kvstore client, in-band gRPC stream (chunked, checksummed)
   (c) memcpy  — numpy copy of the same bytes into a preallocated buffer
-  (d) grpc    — a bare grpcio client/server stream of the same raw bytes, same chunking (the
-                client's ``chunk_bytes``, ``--chunk-kib``) both ways, no kvstore logic
+  (d) grpc    — a bare grpcio client/server stream of the same raw bytes, one message per
+                block chunk (the client's ``chunk_bytes``, ``--chunk-kib``) both ways, no
+                kvstore logic. NOTE: the in-band stream packs several blocks smaller than a
+                chunk into one frame; this baseline does not, so at sub-MiB blocks it pays
+                grpc's per-message cost that the stream avoids (stream/grpc_raw can pass 1)
   (e) redis   — redis-py SET/GET of the same bytes on 127.0.0.1:6379 (skipped when unreachable)
 
 (memcpy's "get" copies the bytes back). Every method runs once per repeat, interleaved with
@@ -17,6 +21,7 @@ same lookup on an in-process Store, and the per-chunk costs of the stream (xxh3,
 Servers run in child processes (one core each side on a 2-core machine).
 
     python bench/service_bench.py [--repeats 5] [--sizes 2,32] [--chunk-kib N] [--out bench/results/service.json]
+    python bench/service_bench.py --sizes 0.25,0.5,2    # small blocks: several per stream frame
 
 Prints one JSON document.
 """
@@ -46,12 +51,21 @@ sys.path.insert(0, str(REPO))
 MiB = 1 << 20
 
 
-def _spec(block_mib: int):
+def _spec(block_mib: float):
     from kvstore.spec import ModelSpec
 
-    # 2 * layers * heads * tokens * head_dim * 2 bytes: 2 MiB at 16 tokens, 32 MiB at 256
+    # 2 * layers * heads * tokens * head_dim * 2 bytes = 128 KiB per token: 2 MiB at 16 tokens,
+    # 32 MiB at 256, 256 KiB at 2
+    tokens = block_mib * 8
+    if tokens < 1 or tokens != int(tokens):
+        raise SystemExit(f"--sizes: {block_mib} MiB is not a multiple of 0.125 MiB (one token)")
     return ModelSpec(model="bench", revision="r", num_layers=32, num_kv_heads=8, head_dim=128,
-                     dtype="float16", block_tokens=16 * block_mib // 2)
+                     dtype="float16", block_tokens=int(tokens))
+
+
+def _size_label(block_mib: float) -> str:
+    """The row's key in the JSON: "2MiB" as before for whole MiB, "0.25MiB" below."""
+    return f"{int(block_mib)}MiB" if block_mib == int(block_mib) else f"{block_mib:g}MiB"
 
 
 def _gbps(nbytes: int, seconds: list[float]) -> float:
@@ -126,7 +140,7 @@ def _raw_server_main(port_file: str) -> None:
 
     retain_freed_memory()
 
-    ident = lambda b: b  # noqa: E731
+    ident = lambda b: b
     payload: dict[tuple[int, int, int], list[bytes]] = {}
 
     def chunks_of(nbytes: int, count: int, chunk: int) -> list[bytes]:
@@ -181,7 +195,7 @@ def raw_grpc_round(stack: ExitStack, port: int, nbytes: int, count: int, chunk: 
     stream of ``count`` blocks of ``nbytes`` in ``chunk``-byte messages, and the same back."""
     import grpc
 
-    ident = lambda b: b  # noqa: E731
+    ident = lambda b: b
     opts = [("grpc.max_receive_message_length", 64 * MiB), ("grpc.max_send_message_length", 64 * MiB)]
     ch = stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{port}", options=opts))
     sink = ch.stream_unary("/raw.Raw/Sink", request_serializer=ident, response_deserializer=ident)
@@ -239,7 +253,7 @@ def memcpy_round(nbytes: int, count: int) -> Round:
     return one
 
 
-def kvstore_rounds(stack: ExitStack, target: str, token: str, block_mib: int, count: int,
+def kvstore_rounds(stack: ExitStack, target: str, token: str, block_mib: float, count: int,
                    chunk: int) -> dict[str, Round]:
     """shm (buffers in the region), shm_staged (ordinary tensors), stream (in-band)."""
     from kvstore.client import Client
@@ -251,7 +265,7 @@ def kvstore_rounds(stack: ExitStack, target: str, token: str, block_mib: int, co
 
     def make(c: Client, data: torch.Tensor, sink: torch.Tensor) -> Round:
         def one() -> tuple[float, float]:
-            base = next(seq) * 10**7 + block_mib * 10**6
+            base = next(seq) * 10**7 + round(block_mib * 10**6)
             keys = c.block_keys(spec, list(range(base, base + count * spec.block_tokens)))
             t0 = time.perf_counter()
             c.put(spec, keys, data)
@@ -286,9 +300,9 @@ def _interleaved(rounds: dict[str, Round], repeats: int) -> dict[str, list[tuple
     return times
 
 
-def bench_size(target: str, token: str, raw_port: int, mib: int, count: int, repeats: int,
+def bench_size(target: str, token: str, raw_port: int, mib: float, count: int, repeats: int,
                chunk: int) -> dict[str, object]:
-    nbytes = mib * MiB
+    nbytes = round(mib * MiB)
     with ExitStack() as stack:
         rounds = kvstore_rounds(stack, target, token, mib, count, chunk)
         rounds["memcpy"] = memcpy_round(nbytes, count)
@@ -352,7 +366,7 @@ def bench_lookup(target: str, token: str, repeats: int) -> dict[str, float]:
             skeys = store.block_keys("bench", spec, list(range(n * 16)))
             store.put("bench", spec, skeys, kv)
             inproc = _timed(lambda: store.lookup("bench", spec, skeys), reps)
-    ms = lambda ts: round(statistics.median(ts) * 1e3, 3)  # noqa: E731
+    ms = lambda ts: round(statistics.median(ts) * 1e3, 3)
     return {"lookup_8192_blocks_p50_ms": ms(times),
             "lookup_8192_blocks_p90_ms": round(sorted(times)[int(len(times) * 0.9)] * 1e3, 3),
             "store_lookup_in_process_p50_ms": ms(inproc),
@@ -362,7 +376,8 @@ def bench_lookup(target: str, token: str, repeats: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--sizes", default="2,32", help="block sizes in MiB")
+    ap.add_argument("--sizes", default="2,32",
+                    help="block sizes in MiB; multiples of 0.125 below 1 MiB (e.g. 0.25,0.5,2)")
     ap.add_argument("--bytes-per-call", type=int, default=64, help="MiB moved per Put/Get call")
     ap.add_argument("--chunk-kib", type=int, default=None,
                     help="payload per streamed message, both for kvstore and bare grpcio "
@@ -377,15 +392,17 @@ def main(argv: list[str] | None = None) -> int:
 
     reexec_with_streaming_copies()  # as the sidecar does; the children (both servers) inherit it
     torch.set_num_threads(1)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = [float(s) for s in args.sizes.split(",")]
+    for mib in sizes:
+        _spec(mib)  # a size that is no whole number of tokens fails before the servers start
     from kvstore.client import DEFAULT_CHUNK_BYTES
 
     chunk = args.chunk_kib * 1024 if args.chunk_kib else DEFAULT_CHUNK_BYTES
     with sidecar_and_raw(hbm=1024 * MiB, dram=256 * MiB, nvme=512 * MiB) as (target, token, raw_port):
         results: dict[str, object] = {"repeats": args.repeats, "unit": "GB/s (median)", "sizes": {}}
         for mib in sizes:
-            count = max(1, args.bytes_per_call // mib)
-            results["sizes"][f"{mib}MiB"] = bench_size(target, token, raw_port, mib, count, args.repeats,
+            count = max(1, int(args.bytes_per_call // mib))
+            results["sizes"][_size_label(mib)] = bench_size(target, token, raw_port, mib, count, args.repeats,
                                                        chunk)
         results["per_chunk"] = bench_checksum(chunk)
         results["lookup"] = bench_lookup(target, token, args.repeats)

@@ -18,7 +18,8 @@ Data planes, chosen automatically:
   once; other tensors are staged through the region (one more copy on the client).
 * **in-band streams** otherwise: blocks in frames of at most ``chunk_bytes`` of payload with an
   xxh3 checksum each (:mod:`kvstore.frames`: the payload is copied once per side, never parsed
-  out of a protobuf field).
+  out of a protobuf field). Blocks smaller than a frame share frames, both ways (grpc pays a
+  fixed cost per message).
 
 Long chains: every verb takes ``parent=`` (the stored block ``keys[0]`` continues from), as the
 Store does. The client uses it itself when a staged request does not fit the free part of the
@@ -44,7 +45,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import grpc
 import numpy as np
@@ -53,16 +54,15 @@ import torch
 from kernels.copy import host_copy
 from kvstore import memtune
 from kvstore.block import Tier
-from kvstore.errors import InvalidArgument, IntegrityError, KVStoreError
-from kvstore.frames import Frame, data_frame, decoder, encode, intact
+from kvstore.errors import IntegrityError, InvalidArgument, KVStoreError
+from kvstore.frames import Frame, block_frames, decoder, encode, scatter
 from kvstore.keys import KEY_BYTES
 from kvstore.service_convert import spec_to_pb, tier_names
 from kvstore.shm import ShmRegion, is_local_target
 from kvstore.spec import ModelSpec
 from kvstore.status import from_rpc_error
-from proto.kvstore.v1 import admin_pb2_grpc
+from proto.kvstore.v1 import admin_pb2_grpc, kvstore_pb2_grpc
 from proto.kvstore.v1 import kvstore_pb2 as pb
-from proto.kvstore.v1 import kvstore_pb2_grpc
 from tiers.arena import ExtentAllocator
 
 MiB = 1 << 20
@@ -129,6 +129,11 @@ def _host_staging(out: Any) -> Any:
             raise InvalidArgument("out is read-only")
         return None if out.flags.c_contiguous else np.ascontiguousarray(out)
     return None
+
+
+def _write_row(row: np.ndarray, lo: int, data: memoryview) -> None:
+    """Copy a received frame's piece into a block's row of the output, at byte ``lo``."""
+    row[lo : lo + len(data)] = np.frombuffer(data, dtype=np.uint8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +209,7 @@ class Client:
         opts = [("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes), *options]
         if tls is not None:
-            read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
+            read = lambda p: Path(p).read_bytes() if p else None
             creds = grpc.ssl_channel_credentials(read(tls.root_cert_file), read(tls.key_file), read(tls.cert_file))
             if tls.server_name:
                 opts.append(("grpc.ssl_target_name_override", tls.server_name))
@@ -324,14 +329,10 @@ class Client:
         self._target(header.target, put.spec, put.keys, None, put.namespace, parent)
         if put.ttl_s is not None:
             header.ttl_s = put.ttl_s
-        nbytes, step = put.spec.block_nbytes, self.chunk_bytes
 
         def frames() -> Iterator[bytes]:
             yield encode(pb.PutFrame(header=header))
-            for i, row in enumerate(rows):
-                view = memoryview(row)
-                for off in range(0, nbytes, step):
-                    yield data_frame(pb.PutFrame, i, off, view[off : off + step])
+            yield from block_frames(pb.PutFrame, rows, put.spec.block_nbytes, self.chunk_bytes)
 
         self._call(self._put_frames, frames())
 
@@ -401,7 +402,7 @@ class Client:
 
     def _get_stream(self, spec: ModelSpec, keys: list[bytes], rows: np.ndarray, namespace: str,
                     parent: bytes | None) -> int:
-        req = pb.GetRequest(chunk_bytes=self.chunk_bytes)
+        req = pb.GetRequest(chunk_bytes=self.chunk_bytes, pack_blocks=True)
         self._target(req.target, spec, keys, None, namespace, parent)
         nbytes = spec.block_nbytes
         stream = None
@@ -413,13 +414,9 @@ class Client:
             n = first.meta.header.num_blocks
             if n > len(keys) or first.meta.header.block_nbytes != nbytes:
                 raise IntegrityError("the server announced blocks this request did not ask for")
-            for frame in stream:
-                m, data = frame.meta, frame.data
-                if frame.error or not intact(frame):
-                    raise IntegrityError(frame.error or f"checksum mismatch in block {m.block} at offset {m.offset}")
-                if m.block >= n or m.offset + len(data) > nbytes:
-                    raise IntegrityError("the server sent a chunk outside the blocks it announced")
-                rows[m.block, m.offset : m.offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            # frames packed across blocks, or one block each from a server that predates
+            # pack_blocks; either way straight into the rows (one copy)
+            scatter(stream, n, nbytes, rows.__getitem__, _write_row, IntegrityError)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         finally:
@@ -503,7 +500,7 @@ class Client:
             self._local = None
         self._channel.close()
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -530,7 +527,7 @@ class LocalBlocks:
             self._plane.release(self.offset)
             self.offset = -1
 
-    def __enter__(self) -> LocalBlocks:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -11,12 +11,26 @@ message, then serialize it; parse it, then read the field). Here the writer copi
 once into the frame it hands to grpc, and the reader takes the payload as a ``memoryview`` of
 the received message. Both the client and the server use these functions.
 
+A stream's payload is its blocks' bytes, concatenated in order. A frame's ``(block, offset)``
+says where its data starts; the data may run on past the end of that block into the following
+ones. Why: grpc python pays a fixed cost per message, so blocks much smaller than a frame
+(256 KiB blocks of small models against ~4 MiB frames) move several to a frame
+(``bench/service_bench.py --sizes 0.25,0.5,2 --repeats 10``, medians of 5 runs, one per block
+before -> packed, GB/s: 256 KiB put 1.17 -> 1.68, get 1.32 -> 1.99; 2 MiB unchanged). The
+one-block-per-frame layout (what older writers send) is the special case of frames that stop
+at block boundaries; readers accept both.
+
 * :func:`encode` / :func:`data_frame` build a frame (``bytes``, ready for grpc with no
-  serializer). :func:`data_frame` fills ``xxh3`` with the payload's xxh3_64 (≈ 20 GB/s).
+  serializer). :func:`data_frame` fills ``xxh3`` with the payload's xxh3_64 (≈ 20 GB/s); its
+  payload may be given in pieces (the parts of consecutive blocks), joined by the one copy.
+* :func:`block_frames` cuts ``n`` blocks into frames of at most ``chunk`` payload bytes:
+  packed across blocks, or (``pack=False``) one block per frame.
 * :func:`decoder(cls)` returns a grpc deserializer producing :class:`Frame`. It never raises:
   a malformed frame comes back with ``error`` set, so the consumer can answer INVALID_ARGUMENT
   (an exception inside a grpc deserializer would become an opaque INTERNAL error).
 * :func:`intact(frame)` checks a frame's checksum.
+* :func:`scatter` writes the payloads of in-order, intact frames straight into each block's
+  destination (one copy), checking continuity, checksums, overrun and a short stream.
 
 Frames in any other valid protobuf layout (a generic client) are parsed as plain messages.
 """
@@ -24,7 +38,7 @@ Frames in any other valid protobuf layout (a generic client) are parsed as plain
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,19 +79,54 @@ def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
             raise IndexError("varint too long")
 
 
-def encode(meta: Message, data: Any = None) -> bytes:
-    """The frame of ``meta`` (without its ``data`` field) followed by the payload ``data``."""
+def encode(meta: Message, *data: Any) -> bytes:
+    """The frame of ``meta`` (without its ``data`` field) followed by the payload: the
+    concatenation of the bytes-like ``data`` pieces (none, or all empty: no payload)."""
     body = meta.SerializeToString()
     prefix = _PREFIX.pack(_META_TAG, _PREFIX.size + len(body))
-    if data is None or not len(data):
+    n = sum(memoryview(d).nbytes for d in data if d is not None)
+    if not n:
         return prefix + body
-    n = memoryview(data).nbytes
-    return b"".join((prefix, body, bytes((_DATA_TAG,)), _varint(n), data))
+    return b"".join((prefix, body, bytes((_DATA_TAG,)), _varint(n), *data))
 
 
-def data_frame(cls: type[Message], block: int, offset: int, data: Any) -> bytes:
-    """A checksummed frame carrying ``data`` at ``offset`` of block ``block``."""
-    return encode(cls(block=block, offset=offset, xxh3=checksum(data)), data)
+def data_frame(cls: type[Message], block: int, offset: int, *data: Any) -> bytes:
+    """A checksummed frame whose payload, the concatenation of the ``data`` pieces, starts at
+    ``offset`` of block ``block`` (and may run on into the following blocks)."""
+    if len(data) == 1:
+        digest = checksum(data[0])
+    else:  # NOTE: hashing the pieces in turn, never joining them first (a second copy)
+        h = xxhash.xxh3_64()
+        for piece in data:
+            h.update(piece)
+        digest = h.intdigest()
+    return encode(cls(block=block, offset=offset, xxh3=digest), *data)
+
+
+def block_frames(cls: type[Message], blocks: Sequence[Any], nbytes: int, chunk: int, *,
+                 pack: bool = True) -> Iterator[bytes]:
+    """Checksummed frames carrying ``blocks`` (each a bytes-like of ``nbytes``), in order, at
+    most ``chunk`` payload bytes each: every frame full but the last when ``pack``, else a
+    block's last frame stops at its end (the one-block-per-frame layout)."""
+    views = [memoryview(b) for b in blocks]
+    if not pack:
+        for i, view in enumerate(views):
+            for off in range(0, nbytes, chunk):
+                yield data_frame(cls, i, off, view[off : off + chunk])
+        return
+    total = nbytes * len(views)
+    for start in range(0, total, chunk):
+        block, offset = divmod(start, nbytes)
+        yield data_frame(cls, block, offset, *_pieces(views, nbytes, start, min(start + chunk, total)))
+
+
+def _pieces(views: list[memoryview], nbytes: int, start: int, end: int) -> Iterator[memoryview]:
+    """The views of the stream's bytes [start, end), one per block they touch."""
+    while start < end:
+        block, lo = divmod(start, nbytes)
+        hi = min(nbytes, lo + end - start)
+        yield views[block][lo:hi]
+        start += hi - lo
 
 
 @dataclass(slots=True)
@@ -133,3 +182,51 @@ def decoder(cls: type[Message]) -> Callable[[bytes], Frame]:
 def intact(frame: Frame) -> bool:
     """Whether the payload matches the frame's xxh3 (a frame without payload is intact)."""
     return not len(frame.data) or checksum(frame.data) == frame.meta.xxh3
+
+
+def scatter(frames: Iterable[Frame], n: int, nbytes: int, destination: Callable[[int], Any],
+            write: Callable[[Any, int, memoryview], None], error: Callable[[str], Exception]) -> None:
+    """Write ``n`` blocks of ``nbytes`` from in-order, checksummed data frames (packed across
+    blocks or not): ``write(dst, lo, piece)`` copies each frame's bytes straight into
+    ``dst = destination(i)``, a buffer of block i asked for once per block, at byte ``lo``.
+    A malformed, out-of-order or corrupt frame, a frame past the last block or a stream that
+    ends early raises ``error(message)``; nothing is written from a frame that fails a check."""
+    block = filled = 0
+    current: Any = None
+    for frame in frames:
+        fault = _fault(frame, block, filled, n, nbytes)
+        if fault:
+            raise error(fault)
+        data, done = frame.data, 0
+        while done < len(data):
+            if current is None:
+                current = destination(block)
+            step = min(nbytes - filled, len(data) - done)
+            write(current, filled, data[done : done + step])
+            done += step
+            filled += step
+            if filled == nbytes:
+                block, filled, current = block + 1, 0, None
+    if block != n or filled:
+        raise error(f"the stream ended after {block} of {n} blocks")
+
+
+def _fault(frame: Frame, block: int, filled: int, n: int, nbytes: int) -> str:
+    """What is wrong with ``frame`` as the next one of a stream of ``n`` blocks of ``nbytes``
+    when ``filled`` bytes of block ``block`` arrived so far; "" when nothing."""
+    if frame.error:
+        return frame.error
+    m, size = frame.meta, len(frame.data)
+    if m.HasField("header"):
+        return "only the first frame of a stream may carry a header"
+    if m.block != block or m.offset != filled:
+        return f"out-of-order frame: got block {m.block} offset {m.offset}, expected block {block} offset {filled}"
+    if block >= n:
+        return f"more data than the {n} blocks the header names"
+    if not size:
+        return f"a data frame without data at block {block} offset {filled}"
+    if block * nbytes + filled + size > n * nbytes:
+        return f"a frame of {size} bytes at block {block} offset {filled} overruns the {n} blocks of {nbytes} bytes"
+    if not intact(frame):
+        return f"checksum mismatch in the frame at block {block} offset {filled}"
+    return ""

@@ -1,18 +1,22 @@
 """The in-band Put and Get streams on the server, as plain functions over frames.
 
 * :func:`put_stream` — validates the header frame, reserves a tier slot per new block
-  (``Store.reserve_put``), writes every chunk straight into its block's slot as it arrives
-  (after checking its xxh3), and commits once the whole stream arrived intact; blocks with no
-  slot (already stored, or no room above NVMe) go through a reused staging buffer. A
-  cancelled, failed or past-deadline Put is aborted: its slots are freed, nothing was visible.
+  (``Store.reserve_put``), writes every frame's bytes straight into the slots of the blocks it
+  spans as it arrives (after checking its xxh3; :func:`receive`: a frame may carry the end of
+  one block and the start of the next ones, or, as older clients send, one block's chunk), and
+  commits once the whole stream arrived intact; blocks with no slot (already stored, or no
+  room above NVMe) go through a reused staging buffer. A cancelled, failed or past-deadline
+  Put is aborted: its slots are freed, nothing was visible.
   NOTE: keeping the received frames until the commit looks cheaper but is not: grpc allocates
   each message afresh, and holding tens of MiB of them makes every call fault in new pages
   (~2 GB/s) where a copy into warm memory runs at ~10 GB/s and lets grpc reuse the freed
   message memory. Writing into the slot is that one copy; staging it first would be a second.
 * :func:`get_stream` — takes a read lease on the served prefix (``Store.lease_prefix``: errors
-  surface here, before any frame is sent) and returns the header frame plus a generator of chunk
+  surface here, before any frame is sent) and returns the header frame plus a generator of data
   frames built straight from the blocks' bytes in their memory tier: one copy, into the frame
-  grpc sends. Blocks that must be decoded (NVMe, remote) or live on an accelerator go through
+  grpc sends. Frames are packed across blocks (each up to the chunk size) only when the request
+  sets ``pack_blocks``; otherwise each frame holds part of one block, the layout older clients
+  expect. Blocks that must be decoded (NVMe, remote) or live on an accelerator go through
   reused staging buffers. The lease pins the blocks and keeps their memory from being reused
   until the generator ends, is closed (grpc closes it on cancel) or is dropped, so a slow or
   vanished client never reads bytes that changed under it; the Store's lock is not held while
@@ -31,7 +35,7 @@ import numpy as np
 from kernels.copy import copy_bytes
 from kvstore.auth import Principal
 from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvstore.frames import Frame, data_frame, encode, intact
+from kvstore.frames import Frame, block_frames, encode, scatter
 from kvstore.service_data import Blocks, DataPlane
 from kvstore.service_resources import StagingPool
 from kvstore.store_lease import ReadLease
@@ -93,43 +97,26 @@ def put_stream(plane: DataPlane, p: Principal, frames: Iterator[Frame], is_activ
 
 
 def receive(frames: Iterator[Frame], n: int, nbytes: int, destination: Callable[[int], Any]) -> None:
-    """Write ``n`` blocks of ``nbytes`` from in-order, checksummed chunk frames, each chunk
-    straight into ``destination(i)`` (a writable buffer of block i, asked for once per block)."""
-    block = filled = 0
-    current: Any = None
-    for frame in frames:
-        if frame.error:
-            raise InvalidArgument(frame.error)
-        m, data = frame.meta, frame.data
-        if m.HasField("header"):
-            raise InvalidArgument("only the first Put frame may carry a header")
-        if m.block != block or m.offset != filled:
-            raise InvalidArgument(f"out-of-order chunk: got block {m.block} offset {m.offset}, "
-                                  f"expected block {block} offset {filled}")
-        if block >= n:
-            raise InvalidArgument(f"more data than the {n} blocks the header names")
-        size = len(data)
-        if not size or filled + size > nbytes:
-            raise InvalidArgument(f"chunk of {size} bytes at offset {filled} overruns the {nbytes}-byte block")
-        if not intact(frame):
-            raise InvalidArgument(f"checksum mismatch in block {m.block} at offset {m.offset}")
-        if current is None:
-            current = destination(block)
-        if isinstance(current, np.ndarray):
-            current[filled : filled + size] = np.frombuffer(data, dtype=np.uint8)
-        else:  # a device tensor
-            copy_bytes(current[filled : filled + size], data)
-        filled += size
-        if filled == nbytes:
-            block, filled, current = block + 1, 0, None
-    if block != n or filled:
-        raise InvalidArgument(f"the stream ended after {block} of {n} blocks")
+    """Write ``n`` blocks of ``nbytes`` from in-order, checksummed data frames, packed across
+    blocks or one block per frame, each frame's bytes straight into ``destination(i)`` of every
+    block i it spans (a writable buffer, asked for once per block); a bad stream raises
+    InvalidArgument (see :func:`kvstore.frames.scatter`)."""
+    scatter(frames, n, nbytes, destination, _write, InvalidArgument)
+
+
+def _write(dst: Any, lo: int, data: memoryview) -> None:
+    """Copy ``data`` into ``dst[lo:]``: a host array, or a device tensor."""
+    if isinstance(dst, np.ndarray):
+        dst[lo : lo + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    else:
+        copy_bytes(dst[lo : lo + len(data)], data)
 
 
 def get_stream(plane: DataPlane, p: Principal, request: pb.GetRequest) -> tuple[bytes, Iterator[bytes]]:
-    """Serve the prefix under a read lease; returns the header frame and a generator of chunk
-    frames, each built straight from the block's bytes in its tier (one copy). Errors surface
-    here, before any frame is sent. The generator holds the lease (and the staging buffers of
+    """Serve the prefix under a read lease; returns the header frame and a generator of data
+    frames (packed across blocks when ``request.pack_blocks``), each built straight from the
+    blocks' bytes in their tier (one copy). Errors surface here, before any frame is sent.
+    The generator holds the lease (and the staging buffers of
     the blocks that had to be decoded or copied off an accelerator) until it ends, is closed
     (grpc closes it on cancel) or is dropped, started or not."""
     b = plane.resolve(p, request.target)
@@ -154,20 +141,17 @@ def get_stream(plane: DataPlane, p: Principal, request: pb.GetRequest) -> tuple[
     _give_all(plane.staging, unused)
     n = len(lease.views)
     header = encode(pb.GetFrame(header=pb.GetHeader(num_blocks=n, block_nbytes=nbytes)))
-    frames = _chunks(lease, nbytes, chunk, plane.staging, staged)
+    frames = _chunks(lease, nbytes, chunk, request.pack_blocks, plane.staging, staged)
     next(frames)  # NOTE: started, so closing or dropping it runs its finally (an unstarted
     return header, frames  # generator's never runs: a Get cancelled after its header would leak)
 
 
-def _chunks(lease: ReadLease, nbytes: int, chunk: int, staging: StagingPool,
+def _chunks(lease: ReadLease, nbytes: int, chunk: int, pack: bool, staging: StagingPool,
             staged: list[np.ndarray]) -> Iterator[bytes]:
-    """Chunk frames of the leased blocks; the first value (b"") only primes the generator."""
+    """Data frames of the leased blocks; the first value (b"") only primes the generator."""
     try:
         yield b""
-        for i, buf in enumerate(lease.views):
-            view = memoryview(buf)
-            for off in range(0, nbytes, chunk):
-                yield data_frame(pb.GetFrame, i, off, view[off : off + chunk])
+        yield from block_frames(pb.GetFrame, lease.views, nbytes, chunk, pack=pack)
     finally:
         lease.release()
         _give_all(staging, staged)

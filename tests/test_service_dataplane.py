@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -9,12 +10,12 @@ import grpc
 import pytest
 import torch
 import xxhash
+from service_harness import SPEC, fresh_tokens, random_kv, restart, start
 
 from kvstore.errors import KVStoreError, NotFound
 from kvstore.spec import ModelSpec
 from proto.kvstore.v1 import kvstore_pb2 as pb
 from proto.kvstore.v1 import kvstore_pb2_grpc
-from service_harness import SPEC, fresh_tokens, random_kv, restart, start
 
 torch.set_num_threads(1)
 
@@ -310,3 +311,142 @@ def test_shared_memory_copies_run_outside_the_store_lock(tmp_path, copy_threads)
         assert len(copied) == 2 and copied[0] > 0 and copied[1] > 0
     finally:
         sc.stop()
+
+
+# -- in-band frames packed across blocks -----------------------------------------------------------
+_KV = "/kvstore.v1.KVStore/"
+
+
+def _frames_stub(sidecar, name: str):
+    """(client, raw Put of encoded frames, raw Get decoding frames, call metadata) of a new tenant."""
+    from kvstore.frames import decoder
+
+    token = sidecar.admin().create_tenant(name)
+    c = sidecar.client(token, local=False)
+    ch = grpc.insecure_channel(sidecar.target)
+    sidecar.clients.append(ch)  # closed with the sidecar
+    put = ch.stream_unary(_KV + "Put", request_serializer=None, response_deserializer=pb.PutResponse.FromString)
+    get = ch.unary_stream(_KV + "Get", request_serializer=pb.GetRequest.SerializeToString,
+                          response_deserializer=decoder(pb.GetFrame))
+    return c, put, get, (("authorization", f"Bearer {token}"),)
+
+
+def _put_header(keys: list[bytes]) -> bytes:
+    from kvstore.frames import encode
+
+    return encode(pb.PutFrame(header=pb.PutHeader(target=pb.Target(spec=_spec_pb(), keys=b"".join(keys)))))
+
+
+def _spans(flat: bytes, nbytes: int, cuts: list[int]) -> list[bytes]:
+    """Put frames of ``flat`` (the blocks' bytes) cut at the stream positions ``cuts``."""
+    from kvstore.frames import data_frame
+
+    edges = [0, *cuts, len(flat)]
+    return [data_frame(pb.PutFrame, lo // nbytes, lo % nbytes, flat[lo:hi]) for lo, hi in itertools.pairwise(edges)]
+
+
+@pytest.mark.parametrize("chunk", [None, 3 * SPEC.block_nbytes + 123, 1000],
+                         ids=["all-in-one-frame", "crossing-at-odd-offsets", "block-not-a-multiple"])
+def test_small_blocks_stream_bit_exact_several_to_a_frame(sidecar, monkeypatch, chunk):
+    """The client packs blocks smaller than its chunk into shared frames both ways (the server's
+    receive sees frames that cross blocks; a Get asks for packing) and gets them back bit-exact."""
+    import kvstore.client as client_mod
+    import kvstore.service_streams as streams
+
+    seen: dict[str, list[tuple[int, int, int]]] = {"put": [], "get": []}
+
+    def spying(real, name):
+        def wrapper(frames, *args):
+            def log(fs):
+                for f in fs:
+                    seen[name].append((f.meta.block, f.meta.offset, len(f.data)))
+                    yield f
+            return real(log(frames), *args)
+        return wrapper
+
+    monkeypatch.setattr(streams, "scatter", spying(streams.scatter, "put"))
+    monkeypatch.setattr(client_mod, "scatter", spying(client_mod.scatter, "get"))
+    c = sidecar.tenant(f"packed-{chunk or 0}", local=False, **({"chunk_bytes": chunk} if chunk else {}))
+    nbytes, n = SPEC.block_nbytes, 7
+    keys = c.block_keys(SPEC, fresh_tokens(n))
+    kv = random_kv(n, seed=17)
+    c.put(SPEC, keys, kv)
+    assert torch.equal(c.get(SPEC, keys).view(torch.int16), kv.view(torch.int16))
+    step = chunk or c.chunk_bytes
+    for name in ("put", "get"):
+        frames = seen[name]
+        assert len(frames) == -(-n * nbytes // step), name  # every frame full but the last
+        assert sum(size for *_, size in frames) == n * nbytes
+        assert any(off + size > nbytes for _, off, size in frames), name  # some cross blocks
+
+
+def test_put_frames_crossing_blocks_keep_every_check(sidecar):
+    """Frames that cross blocks get the same checks as one-block frames: a bad checksum, an
+    out-of-order frame, an overrun past the last block and a short stream are INVALID_ARGUMENT
+    and store nothing; the same frames intact and in order store the blocks bit-exact."""
+    from kvstore.frames import encode
+
+    c, put, _, md = _frames_stub(sidecar, "crossing")
+    nbytes = SPEC.block_nbytes
+    keys = c.block_keys(SPEC, fresh_tokens(3))
+    kv = random_kv(3, seed=23)
+    flat = kv.view(torch.uint8).numpy().tobytes()
+    good = _spans(flat, nbytes, [nbytes * 3 // 2])  # two frames of 1.5 blocks
+    bad_sum = pb.PutFrame(block=1, offset=nbytes // 2, xxh3=xxhash.xxh3_64_intdigest(flat[nbytes * 3 // 2:]) ^ 1)
+    before = _hbm_used(sidecar)
+    cases = {
+        "checksum mismatch": [good[0], encode(bad_sum, flat[nbytes * 3 // 2:])],
+        "out-of-order frame": [good[0], *_spans(flat[nbytes:], nbytes, [nbytes])[1:]],  # a frame at block 1 offset 0
+        "overruns": [good[0], _spans(flat + b"x", nbytes, [nbytes * 3 // 2])[1]],
+        "ended after 1 of 3 blocks": good[:1],
+    }
+    for expected, frames in cases.items():
+        with pytest.raises(grpc.RpcError) as err:
+            put(iter([_put_header(keys), *frames]), metadata=md, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, expected
+        assert expected in err.value.details()
+        assert c.lookup(SPEC, keys).num_blocks == 0
+        assert _wait_for(lambda: _hbm_used(sidecar) == before)  # the reserved slots given back
+    assert put(iter([_put_header(keys), *good]), metadata=md, timeout=10).blocks_written == 3
+    assert torch.equal(c.get(SPEC, keys).view(torch.int16), kv.view(torch.int16))
+
+
+def test_put_still_accepts_one_block_frames(sidecar):
+    """The layout older clients send: frames that stop at their block's end (here 1000-byte
+    chunks, so each block ends with a short one), and whole blocks from a generic protobuf writer."""
+    c, put, _, md = _frames_stub(sidecar, "old-layout")
+    nbytes = SPEC.block_nbytes
+    keys = c.block_keys(SPEC, fresh_tokens(3))
+    kv = random_kv(3, seed=29)
+    flat = kv.view(torch.uint8).numpy().tobytes()
+    chunked = _spans(flat[: 2 * nbytes], nbytes, [lo for b in (0, nbytes) for lo in range(b, b + nbytes, 1000)][1:])
+    last = flat[2 * nbytes :]
+    generic = pb.PutFrame(block=2, offset=0, data=last, xxh3=xxhash.xxh3_64_intdigest(last)).SerializeToString()
+    assert put(iter([_put_header(keys), *chunked, generic]), metadata=md, timeout=10).blocks_written == 3
+    assert torch.equal(c.get(SPEC, keys).view(torch.int16), kv.view(torch.int16))
+
+
+def test_get_packs_blocks_into_frames_only_when_asked(sidecar):
+    """An older client (no pack_blocks) still gets frames that each hold part of one block;
+    with pack_blocks every frame is filled up to chunk_bytes across blocks."""
+    c, _, get, md = _frames_stub(sidecar, "get-pack")
+    nbytes, n = SPEC.block_nbytes, 5
+    keys = c.block_keys(SPEC, fresh_tokens(n))
+    kv = random_kv(n, seed=31)
+    c.put(SPEC, keys, kv)
+    flat = kv.view(torch.uint8).numpy().tobytes()
+
+    def frames(chunk: int, pack: bool) -> list[tuple[int, int, int]]:
+        req = pb.GetRequest(target=pb.Target(spec=_spec_pb(), keys=b"".join(keys)), chunk_bytes=chunk,
+                            pack_blocks=pack)
+        stream = list(get(req, metadata=md, timeout=10))
+        assert stream[0].meta.header.num_blocks == n
+        assert b"".join(bytes(f.data) for f in stream[1:]) == flat
+        return [(f.meta.block, f.meta.offset, len(f.data)) for f in stream[1:]]
+
+    assert frames(3 * nbytes, pack=False) == [(i, 0, nbytes) for i in range(n)]
+    assert frames(3 * nbytes, pack=True) == [(0, 0, 3 * nbytes), (3, 0, 2 * nbytes)]
+    old = frames(1000, pack=False)
+    assert all(off + size <= nbytes for _, off, size in old) and len(old) == n * 5
+    assert frames(1500, pack=True)[:3] == [(0, 0, 1500), (0, 1500, 1500), (0, 3000, 1500)]
+    assert frames(1500, pack=True)[3] == (1, 404, 1500)  # 4500 bytes in: past block 0's 4096

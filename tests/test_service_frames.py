@@ -1,12 +1,15 @@
-"""The in-band frame codec: kvstore's layout, the generic protobuf layout, and malformed frames."""
+"""The in-band frame codec: kvstore's layout, the generic protobuf layout, malformed frames, and
+frames packed across blocks (written by block_frames, read back by scatter)."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.frames import data_frame, decoder, encode, intact
+from kvstore.frames import block_frames, data_frame, decoder, encode, intact, scatter
 from proto.kvstore.v1 import kvstore_pb2 as pb
 
 decode_put = decoder(pb.PutFrame)
@@ -55,3 +58,134 @@ def test_a_flipped_payload_byte_fails_the_checksum():
     raw = bytearray(data_frame(pb.PutFrame, 0, 0, b"payload bytes"))
     raw[-1] ^= 1
     assert not intact(decode_put(bytes(raw)))
+
+
+def test_a_frame_of_several_pieces_carries_and_checksums_their_concatenation():
+    pieces = [b"abc", memoryview(b"defgh"), bytearray(b"ij")]
+    frame = decode_put(data_frame(pb.PutFrame, 2, 7, *pieces))
+    assert bytes(frame.data) == b"abcdefghij" and intact(frame)
+    assert frame.meta.xxh3 == xxhash.xxh3_64_intdigest(b"abcdefghij")
+    assert (frame.meta.block, frame.meta.offset) == (2, 7)
+
+
+# -- packed across blocks -----------------------------------------------------------------------
+class StreamBroken(Exception):
+    pass
+
+
+def _blocks(n: int, nbytes: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, nbytes), dtype=np.uint8)
+
+
+def _write(dst: np.ndarray, lo: int, data: memoryview) -> None:
+    dst[lo : lo + len(data)] = np.frombuffer(data, dtype=np.uint8)
+
+
+def _scatter(raws, n: int, nbytes: int) -> tuple[np.ndarray, list[int]]:
+    """The blocks rebuilt from raw frames, and the order their destinations were asked for."""
+    out = np.zeros((n, nbytes), np.uint8)
+    asked: list[int] = []
+
+    def destination(i: int) -> np.ndarray:
+        asked.append(i)
+        return out[i]
+
+    scatter((decode_put(r) for r in raws), n, nbytes, destination, _write, StreamBroken)
+    return out, asked
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 9), nbytes=st.integers(1, 700), chunk=st.integers(1, 2500), pack=st.booleans())
+def test_block_frames_round_trip_bit_exact_through_scatter(n, nbytes, chunk, pack):
+    blocks = _blocks(n, nbytes, seed=n * 1000 + nbytes)
+    raws = list(block_frames(pb.PutFrame, blocks, nbytes, chunk, pack=pack))
+    frames = [decode_put(r) for r in raws]
+    assert all(intact(f) and 0 < len(f.data) <= chunk for f in frames)
+    # the payloads, in order, are the blocks' bytes
+    assert b"".join(bytes(f.data) for f in frames) == blocks.tobytes()
+    if pack:  # every frame full but the last: ceil(total / chunk) frames
+        assert len(frames) == -(-n * nbytes // chunk)
+    else:  # the old layout: no frame crosses the end of its block
+        assert all(f.meta.offset + len(f.data) <= nbytes for f in frames)
+        assert len(frames) == n * -(-nbytes // chunk)
+    out, asked = _scatter(raws, n, nbytes)
+    assert np.array_equal(out, blocks)
+    assert asked == list(range(n))  # each block's destination asked for once, in order
+
+
+def test_small_blocks_share_frames_and_a_frame_starts_where_the_last_one_stopped():
+    nbytes, chunk = 1000, 2500  # 2.5 blocks a frame
+    frames = [decode_put(r) for r in block_frames(pb.PutFrame, _blocks(6, nbytes), nbytes, chunk)]
+    assert [(f.meta.block, f.meta.offset, len(f.data)) for f in frames] == [
+        (0, 0, 2500), (2, 500, 2500), (5, 0, 1000)]
+
+
+def _crossing_frames(blocks: np.ndarray, nbytes: int) -> list[tuple[int, int, bytes]]:
+    """(block, offset, payload) of frames of 1.5 blocks each over ``blocks``."""
+    flat = blocks.tobytes()
+    step = nbytes * 3 // 2
+    return [(start // nbytes, start % nbytes, flat[start : start + step]) for start in range(0, len(flat), step)]
+
+
+def test_a_crossing_frame_with_a_bad_checksum_is_rejected_before_any_of_it_is_written():
+    nbytes = 64
+    blocks = _blocks(3, nbytes)
+    parts = _crossing_frames(blocks, nbytes)
+    raws = [data_frame(pb.PutFrame, *p) for p in parts]
+    b, o, payload = parts[1]
+    raws[1] = encode(pb.PutFrame(block=b, offset=o, xxh3=xxhash.xxh3_64_intdigest(payload) ^ 1), payload)
+    out = np.zeros((3, nbytes), np.uint8)
+    with pytest.raises(StreamBroken, match="checksum mismatch"):
+        scatter((decode_put(r) for r in raws), 3, nbytes, out.__getitem__, _write, StreamBroken)
+    # the first frame (1.5 blocks) landed; nothing of the bad one (the rest of block 1 on)
+    assert np.array_equal(out[0], blocks[0]) and np.array_equal(out[1, : nbytes // 2], blocks[1, : nbytes // 2])
+    assert not out[1, nbytes // 2 :].any() and not out[2].any()
+
+
+@pytest.mark.parametrize("where", [(1, 0), (0, 96), (2, 32)], ids=["block-start", "past-the-end", "skipped"])
+def test_out_of_order_crossing_frames_are_rejected(where):
+    nbytes = 64
+    parts = _crossing_frames(_blocks(4, nbytes), nbytes)  # frames at (0, 0), (1, 32), (3, 0)
+    parts[1] = (*where, parts[1][2])
+    raws = [data_frame(pb.PutFrame, *p) for p in parts]
+    with pytest.raises(StreamBroken, match="out-of-order frame: got block"):
+        _scatter(raws, 4, nbytes)
+
+
+def test_a_frame_running_past_the_last_block_is_rejected():
+    nbytes = 64
+    flat = _blocks(3, nbytes).tobytes() + b"x"
+    with pytest.raises(StreamBroken, match="overruns"):
+        _scatter([data_frame(pb.PutFrame, 0, 0, flat[:100]), data_frame(pb.PutFrame, 1, 36, flat[100:])], 3, nbytes)
+    with pytest.raises(StreamBroken, match="more data than the 3 blocks"):
+        _scatter([data_frame(pb.PutFrame, 0, 0, flat[:-1]), data_frame(pb.PutFrame, 3, 0, b"x")], 3, nbytes)
+
+
+def test_a_stream_that_ends_inside_a_block_or_early_is_rejected():
+    nbytes = 64
+    flat = _blocks(3, nbytes).tobytes()
+    for cut in (100, 128):
+        with pytest.raises(StreamBroken, match="the stream ended after 1 of 3 blocks|ended after 2 of 3"):
+            _scatter([data_frame(pb.PutFrame, 0, 0, flat[:cut])], 3, nbytes)
+
+
+def test_old_and_generic_one_block_frames_mixed_with_packed_ones_are_accepted():
+    nbytes = 64
+    blocks = _blocks(4, nbytes)
+    flat = blocks.tobytes()
+    raws = [
+        data_frame(pb.PutFrame, 0, 0, flat[:40]),  # old layout: a chunk of block 0 ...
+        pb.PutFrame(block=0, offset=40, data=flat[40:64],  # ... its end, from a generic writer
+                    xxh3=xxhash.xxh3_64_intdigest(flat[40:64])).SerializeToString(),
+        data_frame(pb.PutFrame, 1, 0, flat[64:200]),  # packed: blocks 1, 2 and part of 3
+        data_frame(pb.PutFrame, 3, 8, flat[200:]),
+    ]
+    out, asked = _scatter(raws, 4, nbytes)
+    assert np.array_equal(out, blocks) and asked == [0, 1, 2, 3]
+
+
+def test_a_header_or_an_empty_frame_after_the_first_is_rejected():
+    with pytest.raises(StreamBroken, match="header"):
+        _scatter([encode(pb.PutFrame(header=pb.PutHeader()))], 1, 8)
+    with pytest.raises(StreamBroken, match="without data"):
+        _scatter([encode(pb.PutFrame(block=0, offset=0))], 1, 8)

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eproto/kvstore/v1/kvstore.proto\x12\nkvstore.v1\"\xa7\x02\n\tModelSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x07 \x01(\r\x12\x16\n\x0etokenizer_hash\x18\x08 \x01(\t\x12\x0e\n\x06layout\x18\t \x01(\t\x12\x14\n\x0crope_scaling\x18\n \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x0b \x01(\t\x12\x0f\n\x07tp_rank\x18\x0c \x01(\r\x12\x0f\n\x07tp_size\x18\r \x01(\r\x12\x12\n\nnum_params\x18\x0e \x01(\x04\x12\x13\n\x0bhidden_size\x18\x0f \x01(\x04\"\x1a\n\tExtraKeys\x12\r\n\x05items\x18\x01 \x03(\x0c\"=\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\x12$\n\x05\x65xtra\x18\x02 \x03(\x0b\x32\x15.kvstore.v1.ExtraKeys\"\x92\x01\n\x06Target\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.ModelSpec\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0e\n\x04keys\x18\x03 \x01(\x0cH\x00\x12&\n\x06tokens\x18\x04 \x01(\x0b\x32\x14.kvstore.v1.TokenIdsH\x00\x12\x0e\n\x06parent\x18\x05 \x01(\x0c\x42\x08\n\x06\x62locks\"p\n\x10\x42lockKeysRequest\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.ModelSpec\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12$\n\x06tokens\x18\x03 \x01(\x0b\x32\x14.kvstore.v1.TokenIds\"!\n\x11\x42lockKeysResponse\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\"3\n\rLookupRequest\x12\"\n\x06target\x18\x01 \x01(\x0b\x32\x12.kvstore.v1.Target\"L\n\x0eLookupResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\x12\x12\n\ntier_codes\x18\x04 \x01(\x0cJ\x04\x08\x02\x10\x03\"^\n\tPutHeader\x12\"\n\x06target\x18\x01 \x01(\x0b\x32\x12.kvstore.v1.Target\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x12\n\x05ttl_s\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_ttl_s\"\x80\x01\n\x08PutFrame\x12\x12\n\nmeta_bytes\x18\x01 \x01(\x07\x12%\n\x06header\x18\x02 \x01(\x0b\x32\x15.kvstore.v1.PutHeader\x12\r\n\x05\x62lock\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04xxh3\x18\x05 \x01(\x06\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"%\n\x0bPutResponse\x12\x16\n\x0e\x62locks_written\x18\x01 \x01(\r\"E\n\nGetRequest\x12\"\n\x06target\x18\x01 \x01(\x0b\x32\x12.kvstore.v1.Target\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\";\n\tGetHeader\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_nbytes\x18\x02 \x01(\x04J\x04\x08\x03\x10\x04\"\x80\x01\n\x08GetFrame\x12\x12\n\nmeta_bytes\x18\x01 \x01(\x07\x12%\n\x06header\x18\x02 \x01(\x0b\x32\x15.kvstore.v1.GetHeader\x12\r\n\x05\x62lock\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04xxh3\x18\x05 \x01(\x06\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"\x91\x01\n\x15RegisterRegionRequest\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.kvstore.v1.RegionKind\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\r\n\x05nonce\x18\x04 \x01(\x0c\x12\x17\n\x0f\x63uda_ipc_handle\x18\x05 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\r\":\n\x16RegisterRegionResponse\x12\x11\n\tregion_id\x18\x01 \x01(\x04\x12\r\n\x05nonce\x18\x02 \x01(\x0c\",\n\x17UnregisterRegionRequest\x12\x11\n\tregion_id\x18\x01 \x01(\x04\"\x1a\n\x18UnregisterRegionResponse\"\x88\x01\n\x0fPutLocalRequest\x12\"\n\x06target\x18\x01 \x01(\x0b\x32\x12.kvstore.v1.Target\x12\x11\n\tregion_id\x18\x02 \x01(\x04\x12\x0f\n\x07offsets\x18\x03 \x03(\x04\x12\x0f\n\x07session\x18\x04 \x01(\t\x12\x12\n\x05ttl_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_ttl_s\"Y\n\x0fGetLocalRequest\x12\"\n\x06target\x18\x01 \x01(\x0b\x32\x12.kvstore.v1.Target\x12\x11\n\tregion_id\x18\x02 \x01(\x04\x12\x0f\n\x07offsets\x18\x03 \x03(\x04\",\n\x10GetLocalResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\rJ\x04\x08\x02\x10\x03\"$\n\x0eSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"N\n\x0fSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.kvstore.v1.SessionState\"U\n\x0fPrefetchRequest\x12\"\n\x06target\x18\x01 \x01(\x0b\x32\x12.kvstore.v1.Target\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.kvstore.v1.Tier\"\"\n\x10PrefetchResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\"0\n\rDeleteRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\x1d\n\rStatsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\"\x0f\n\rWhoAmIRequest\"U\n\x0eWhoAmIResponse\x12\x11\n\tprincipal\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08readable\x18\x03 \x03(\t\x12\x10\n\x08writable\x18\x04 \x03(\t*Y\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_HBM\x10\x01\x12\r\n\tTIER_DRAM\x10\x02\x12\r\n\tTIER_NVME\x10\x03\x12\x0f\n\x0bTIER_REMOTE\x10\x04*^\n\nRegionKind\x12\x1b\n\x17REGION_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15REGION_KIND_POSIX_SHM\x10\x01\x12\x18\n\x14REGION_KIND_CUDA_IPC\x10\x02*\x96\x01\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14SESSION_STATE_ACTIVE\x10\x01\x12\x18\n\x14SESSION_STATE_PAUSED\x10\x02\x12\x19\n\x15SESSION_STATE_RESUMED\x10\x03\x12\x18\n\x14SESSION_STATE_CLOSED\x10\x04\x32\xef\x08\n\x07KVStore\x12?\n\x06WhoAmI\x12\x19.kvstore.v1.WhoAmIRequest\x1a\x1a.kvstore.v1.WhoAmIResponse\x12H\n\tBlockKeys\x12\x1c.kvstore.v1.BlockKeysRequest\x1a\x1d.kvstore.v1.BlockKeysResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12\x36\n\x03Put\x12\x14.kvstore.v1.PutFrame\x1a\x17.kvstore.v1.PutResponse(\x01\x12\x35\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x14.kvstore.v1.GetFrame0\x01\x12W\n\x0eRegisterRegion\x12!.kvstore.v1.RegisterRegionRequest\x1a\".kvstore.v1.RegisterRegionResponse\x12]\n\x10UnregisterRegion\x12#.kvstore.v1.UnregisterRegionRequest\x1a$.kvstore.v1.UnregisterRegionResponse\x12@\n\x08PutLocal\x12\x1b.kvstore.v1.PutLocalRequest\x1a\x17.kvstore.v1.PutResponse\x12\x45\n\x08GetLocal\x12\x1b.kvstore.v1.GetLocalRequest\x1a\x1c.kvstore.v1.GetLocalResponse\x12\x46\n\x0bOpenSession\x12\x1a.kvstore.v1.SessionRequest\x1a\x1b.kvstore.v1.SessionResponse\x12G\n\x0cPauseSession\x12\x1a.kvstore.v1.SessionRequest\x1a\x1b.kvstore.v1.SessionResponse\x12H\n\rResumeSession\x12\x1a.kvstore.v1.SessionRequest\x1a\x1b.kvstore.v1.SessionResponse\x12G\n\x0c\x43loseSession\x12\x1a.kvstore.v1.SessionRequest\x1a\x1b.kvstore.v1.SessionResponse\x12\x45\n\x08Prefetch\x12\x1b.kvstore.v1.PrefetchRequest\x1a\x1c.kvstore.v1.PrefetchResponse\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eproto/kvstore/v1/kvstore.proto\x12\nkvstore.v1\"\xa7\x02\n\tModelSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x07 \x01(\r\x12\x16\n\x0etokenizer_hash\x18\x08 \x01(\t\x12\x0e\n\x06layout\x18\t \x01(\t\x12\x14\n\x0crope_scaling\x18\n \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x0b \x01(\t\x12\x0f\n\x07tp_rank\x18\x0c \x01(\r\x12\x0f\n\x07tp_size\x18\r \x01(\r\x12\x12\n\nnum_params\x18\x0e \x01(\x04\x12\x13\n\x0bhidden_size\x18\x0f \x01(\x04\"\x1a\n\tExtraKeys\x12\r\n\x05items\x18\x01 \x03(\x0c\"=\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\x12$\n\x05\x65xtra\x18\x02 \x03(\x0b\x32\x15.kvstore.v1.ExtraKeys\"\x92\x01\n\x06Target\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.ModelSpec\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0e\n\x04keys\x18\x03 \x01(\x0cH\x00\x12&\n\x06tokens\x18\x04 \x01(\x0b\x32\x14.kvstore.v1.TokenIdsH\x00\x12\x0e\n\x06parent\x18\x05 \x01(\x0c\x42\x08\n\x06\x62locks\"p\n\x10\x42lockKeysRequest\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.ModelSpec\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12$\n\x06tokens\x18\x03 \x01(\x0b\x32\x14.kvstore.v1.TokenIds\"!\n\x11\x42lockKeysResponse\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\"3\n\rLookupRequest\x12\"\n\x06target\x18\x01 \x01(\x0b\x32\x12.kvstore.v1.Target\"L\n\x0eLookupResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\x12\x12\n\ntier_codes\x18\x04 \x01(\x0cJ\x04\x08\x02\x10\x03\"^\n\tPutHeader\x12\"\n\x06target\x18\x01 \x01(\x0b\x32\x12.kvstore.v1.Target\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x12\n\x05ttl_s\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_ttl_s\"\x80\x01\n\x08PutFrame\x12\x12\n\nmeta_bytes\x18\x01 \x01(\x07\x12%\n\x06header\x18\x02 \x01(\x0b\x32\x15.kvstore.v1.PutHeader\x12\r\n\x05\x62lock\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04xxh3\x18\x05 \x01(\x06\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"%\n\x0bPutResponse\x12\x16\n\x0e\x62locks_written\x18\x01 \x01(\r\"Z\n\nGetRequest\x12\"\n\x06target\x18\x01 \x01(\x0b\x32\x12.kvstore.v1.Target\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bpack_blocks\x18\x03 \x01(\x08\";\n\tGetHeader\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_nbytes\x18\x02 \x01(\x04J\x04\x08\x03\x10\x04\"\x80\x01\n\x08GetFrame\x12\x12\n\nmeta_bytes\x18\x01 \x01(\x07\x12%\n\x06header\x18\x02 \x01(\x0b\x32\x15.kvstore.v1.GetHeader\x12\r\n\x05\x62lock\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04xxh3\x18\x05 \x01(\x06\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"\x91\x01\n\x15RegisterRegionRequest\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.kvstore.v1.RegionKind\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\r\n\x05nonce\x18\x04 \x01(\x0c\x12\x17\n\x0f\x63uda_ipc_handle\x18\x05 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\r\":\n\x16RegisterRegionResponse\x12\x11\n\tregion_id\x18\x01 \x01(\x04\x12\r\n\x05nonce\x18\x02 \x01(\x0c\",\n\x17UnregisterRegionRequest\x12\x11\n\tregion_id\x18\x01 \x01(\x04\"\x1a\n\x18UnregisterRegionResponse\"\x88\x01\n\x0fPutLocalRequest\x12\"\n\x06target\x18\x01 \x01(\x0b\x32\x12.kvstore.v1.Target\x12\x11\n\tregion_id\x18\x02 \x01(\x04\x12\x0f\n\x07offsets\x18\x03 \x03(\x04\x12\x0f\n\x07session\x18\x04 \x01(\t\x12\x12\n\x05ttl_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_ttl_s\"Y\n\x0fGetLocalRequest\x12\"\n\x06target\x18\x01 \x01(\x0b\x32\x12.kvstore.v1.Target\x12\x11\n\tregion_id\x18\x02 \x01(\x04\x12\x0f\n\x07offsets\x18\x03 \x03(\x04\",\n\x10GetLocalResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\rJ\x04\x08\x02\x10\x03\"$\n\x0eSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"N\n\x0fSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.kvstore.v1.SessionState\"U\n\x0fPrefetchRequest\x12\"\n\x06target\x18\x01 \x01(\x0b\x32\x12.kvstore.v1.Target\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.kvstore.v1.Tier\"\"\n\x10PrefetchResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\"0\n\rDeleteRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\x1d\n\rStatsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\"\x0f\n\rWhoAmIRequest\"U\n\x0eWhoAmIResponse\x12\x11\n\tprincipal\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08readable\x18\x03 \x03(\t\x12\x10\n\x08writable\x18\x04 \x03(\t*Y\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_HBM\x10\x01\x12\r\n\tTIER_DRAM\x10\x02\x12\r\n\tTIER_NVME\x10\x03\x12\x0f\n\x0bTIER_REMOTE\x10\x04*^\n\nRegionKind\x12\x1b\n\x17REGION_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15REGION_KIND_POSIX_SHM\x10\x01\x12\x18\n\x14REGION_KIND_CUDA_IPC\x10\x02*\x96\x01\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14SESSION_STATE_ACTIVE\x10\x01\x12\x18\n\x14SESSION_STATE_PAUSED\x10\x02\x12\x19\n\x15SESSION_STATE_RESUMED\x10\x03\x12\x18\n\x14SESSION_STATE_CLOSED\x10\x04\x32\xef\x08\n\x07KVStore\x12?\n\x06WhoAmI\x12\x19.kvstore.v1.WhoAmIRequest\x1a\x1a.kvstore.v1.WhoAmIResponse\x12H\n\tBlockKeys\x12\x1c.kvstore.v1.BlockKeysRequest\x1a\x1d.kvstore.v1.BlockKeysResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12\x36\n\x03Put\x12\x14.kvstore.v1.PutFrame\x1a\x17.kvstore.v1.PutResponse(\x01\x12\x35\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x14.kvstore.v1.GetFrame0\x01\x12W\n\x0eRegisterRegion\x12!.kvstore.v1.RegisterRegionRequest\x1a\".kvstore.v1.RegisterRegionResponse\x12]\n\x10UnregisterRegion\x12#.kvstore.v1.UnregisterRegionRequest\x1a$.kvstore.v1.UnregisterRegionResponse\x12@\n\x08PutLocal\x12\x1b.kvstore.v1.PutLocalRequest\x1a\x17.kvstore.v1.PutResponse\x12\x45\n\x08GetLocal\x12\x1b.kvstore.v1.GetLocalRequest\x1a\x1c.kvstore.v1.GetLocalResponse\x12\x46\n\x0bOpenSession\x12\x1a.kvstore.v1.SessionRequest\x1a\x1b.kvstore.v1.SessionResponse\x12G\n\x0cPauseSession\x12\x1a.kvstore.v1.SessionRequest\x1a\x1b.kvstore.v1.SessionResponse\x12H\n\rResumeSession\x12\x1a.kvstore.v1.SessionRequest\x1a\x1b.kvstore.v1.SessionResponse\x12G\n\x0c\x43loseSession\x12\x1a.kvstore.v1.SessionRequest\x1a\x1b.kvstore.v1.SessionResponse\x12\x45\n\x08Prefetch\x12\x1b.kvstore.v1.PrefetchRequest\x1a\x1c.kvstore.v1.PrefetchResponse\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.kvstore.v1.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=2428
-  _globals['_TIER']._serialized_end=2517
-  _globals['_REGIONKIND']._serialized_start=2519
-  _globals['_REGIONKIND']._serialized_end=2613
-  _globals['_SESSIONSTATE']._serialized_start=2616
-  _globals['_SESSIONSTATE']._serialized_end=2766
+  _globals['_TIER']._serialized_start=2449
+  _globals['_TIER']._serialized_end=2538
+  _globals['_REGIONKIND']._serialized_start=2540
+  _globals['_REGIONKIND']._serialized_end=2634
+  _globals['_SESSIONSTATE']._serialized_start=2637
+  _globals['_SESSIONSTATE']._serialized_end=2787
   _globals['_MODELSPEC']._serialized_start=47
   _globals['_MODELSPEC']._serialized_end=342
   _globals['_EXTRAKEYS']._serialized_start=344
@@ -60,45 +60,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTRESPONSE']._serialized_start=1091
   _globals['_PUTRESPONSE']._serialized_end=1128
   _globals['_GETREQUEST']._serialized_start=1130
-  _globals['_GETREQUEST']._serialized_end=1199
-  _globals['_GETHEADER']._serialized_start=1201
-  _globals['_GETHEADER']._serialized_end=1260
-  _globals['_GETFRAME']._serialized_start=1263
-  _globals['_GETFRAME']._serialized_end=1391
-  _globals['_REGISTERREGIONREQUEST']._serialized_start=1394
-  _globals['_REGISTERREGIONREQUEST']._serialized_end=1539
-  _globals['_REGISTERREGIONRESPONSE']._serialized_start=1541
-  _globals['_REGISTERREGIONRESPONSE']._serialized_end=1599
-  _globals['_UNREGISTERREGIONREQUEST']._serialized_start=1601
-  _globals['_UNREGISTERREGIONREQUEST']._serialized_end=1645
-  _globals['_UNREGISTERREGIONRESPONSE']._serialized_start=1647
-  _globals['_UNREGISTERREGIONRESPONSE']._serialized_end=1673
-  _globals['_PUTLOCALREQUEST']._serialized_start=1676
-  _globals['_PUTLOCALREQUEST']._serialized_end=1812
-  _globals['_GETLOCALREQUEST']._serialized_start=1814
-  _globals['_GETLOCALREQUEST']._serialized_end=1903
-  _globals['_GETLOCALRESPONSE']._serialized_start=1905
-  _globals['_GETLOCALRESPONSE']._serialized_end=1949
-  _globals['_SESSIONREQUEST']._serialized_start=1951
-  _globals['_SESSIONREQUEST']._serialized_end=1987
-  _globals['_SESSIONRESPONSE']._serialized_start=1989
-  _globals['_SESSIONRESPONSE']._serialized_end=2067
-  _globals['_PREFETCHREQUEST']._serialized_start=2069
-  _globals['_PREFETCHREQUEST']._serialized_end=2154
-  _globals['_PREFETCHRESPONSE']._serialized_start=2156
-  _globals['_PREFETCHRESPONSE']._serialized_end=2190
-  _globals['_DELETEREQUEST']._serialized_start=2192
-  _globals['_DELETEREQUEST']._serialized_end=2240
-  _globals['_DELETERESPONSE']._serialized_start=2242
-  _globals['_DELETERESPONSE']._serialized_end=2275
-  _globals['_STATSREQUEST']._serialized_start=2277
-  _globals['_STATSREQUEST']._serialized_end=2291
-  _globals['_STATSRESPONSE']._serialized_start=2293
-  _globals['_STATSRESPONSE']._serialized_end=2322
-  _globals['_WHOAMIREQUEST']._serialized_start=2324
-  _globals['_WHOAMIREQUEST']._serialized_end=2339
-  _globals['_WHOAMIRESPONSE']._serialized_start=2341
-  _globals['_WHOAMIRESPONSE']._serialized_end=2426
-  _globals['_KVSTORE']._serialized_start=2769
-  _globals['_KVSTORE']._serialized_end=3904
+  _globals['_GETREQUEST']._serialized_end=1220
+  _globals['_GETHEADER']._serialized_start=1222
+  _globals['_GETHEADER']._serialized_end=1281
+  _globals['_GETFRAME']._serialized_start=1284
+  _globals['_GETFRAME']._serialized_end=1412
+  _globals['_REGISTERREGIONREQUEST']._serialized_start=1415
+  _globals['_REGISTERREGIONREQUEST']._serialized_end=1560
+  _globals['_REGISTERREGIONRESPONSE']._serialized_start=1562
+  _globals['_REGISTERREGIONRESPONSE']._serialized_end=1620
+  _globals['_UNREGISTERREGIONREQUEST']._serialized_start=1622
+  _globals['_UNREGISTERREGIONREQUEST']._serialized_end=1666
+  _globals['_UNREGISTERREGIONRESPONSE']._serialized_start=1668
+  _globals['_UNREGISTERREGIONRESPONSE']._serialized_end=1694
+  _globals['_PUTLOCALREQUEST']._serialized_start=1697
+  _globals['_PUTLOCALREQUEST']._serialized_end=1833
+  _globals['_GETLOCALREQUEST']._serialized_start=1835
+  _globals['_GETLOCALREQUEST']._serialized_end=1924
+  _globals['_GETLOCALRESPONSE']._serialized_start=1926
+  _globals['_GETLOCALRESPONSE']._serialized_end=1970
+  _globals['_SESSIONREQUEST']._serialized_start=1972
+  _globals['_SESSIONREQUEST']._serialized_end=2008
+  _globals['_SESSIONRESPONSE']._serialized_start=2010
+  _globals['_SESSIONRESPONSE']._serialized_end=2088
+  _globals['_PREFETCHREQUEST']._serialized_start=2090
+  _globals['_PREFETCHREQUEST']._serialized_end=2175
+  _globals['_PREFETCHRESPONSE']._serialized_start=2177
+  _globals['_PREFETCHRESPONSE']._serialized_end=2211
+  _globals['_DELETEREQUEST']._serialized_start=2213
+  _globals['_DELETEREQUEST']._serialized_end=2261
+  _globals['_DELETERESPONSE']._serialized_start=2263
+  _globals['_DELETERESPONSE']._serialized_end=2296
+  _globals['_STATSREQUEST']._serialized_start=2298
+  _globals['_STATSREQUEST']._serialized_end=2312
+  _globals['_STATSRESPONSE']._serialized_start=2314
+  _globals['_STATSRESPONSE']._serialized_end=2343
+  _globals['_WHOAMIREQUEST']._serialized_start=2345
+  _globals['_WHOAMIREQUEST']._serialized_end=2360
+  _globals['_WHOAMIRESPONSE']._serialized_start=2362
+  _globals['_WHOAMIRESPONSE']._serialized_end=2447
+  _globals['_KVSTORE']._serialized_start=2790
+  _globals['_KVSTORE']._serialized_end=3925
 # @@protoc_insertion_point(module_scope)

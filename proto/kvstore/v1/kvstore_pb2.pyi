@@ -169,12 +169,14 @@ class PutResponse(_message.Message):
     def __init__(self, blocks_written: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("target", "chunk_bytes")
+    __slots__ = ("target", "chunk_bytes", "pack_blocks")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PACK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     target: Target
     chunk_bytes: int
-    def __init__(self, target: _Optional[_Union[Target, _Mapping]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    pack_blocks: bool
+    def __init__(self, target: _Optional[_Union[Target, _Mapping]] = ..., chunk_bytes: _Optional[int] = ..., pack_blocks: _Optional[bool] = ...) -> None: ...
 
 class GetHeader(_message.Message):
     __slots__ = ("num_blocks", "block_nbytes")
