@@ -39,17 +39,35 @@ one is read again; from :mod:`policy.cost_model` the time a hit saves in each ti
   ``write_cost_weight × bytes / bandwidth(dest)``; otherwise it is dropped. A block with
   resident children is always demoted when possible (dropping it would strand them), and so
   is a block whose committed NVMe copy exists (demoting it there writes nothing).
+* **Idle time in the last tier** (``demotion_aging`` = β, 0.5 by default): a block demoted
+  into the last tier is keyed there with ``L_t + v · (v_idle / v)^β``, where ``v`` is its
+  value as if just read and ``v_idle`` its value given that it has not been read for its age
+  (:meth:`policy.reuse.ReuseEstimator.after_idle`: Bayes on the class's gap histogram).
+  Why: a greedy-dual key only ages through the tier's level, and in the last tier nothing
+  re-stamps it, so a block valued highly while it was read kept its key long after its reads
+  stopped; evicted leaf-first, one such leaf keeps its whole chain. Replaying the Mooncake
+  trace and then a copy with new hash ids (``bench/replay_repeat.py``) at HBM 1500, 57
+  first-pass leaves still held 4,191 of the 15,000 NVMe blocks at the end, and ``cost`` closed
+  −5 % of the gap in the second pass (17 % in the first). Scratch trials (2026-11-30), gap
+  closed first / second pass, mean over Mooncake at HBM 300, 400, 500, 700, 1000, 1200, 1500,
+  2000: β = 0 0.162 / 0.052, β = 0.25 0.161 / 0.119, β = 0.5 0.155 / 0.140; on the generated
+  workloads at HBM 100/400/1000 β = 0.5 is within −0.018 of β = 0 in the first pass (shared
+  prompts at 100) and gains up to 0.09 in the second. Tried and not kept: the full discount
+  (β = 1) in every tier (first pass −0.047 at HBM 1000); a key that decays with time instead
+  of greedy-dual (``log v`` plus idle time over the tier's horizon): first pass −0.04 at 1000,
+  second pass −0.18 of the gap on the agent workload at 1000.
 
 Keys are stable between notifications, as :class:`policy.registry.KeyedPolicy` requires. A
 block read or stored keeps the level ``L_t`` of that notification but is valued when it is
 first ranked (``deferred_stamp``, on by default), once the request it belongs to is complete,
 so the request features of :mod:`policy.reuse` (:mod:`policy.request_lift`) see the whole
 request; from then on the key is stable. (A block ranked before its request ends — the Store
-making room mid-put — is valued as it stands then.) With the request lift this closes
+making room mid-put — is valued as it stands then.) With the request lift this closed
 19 / 19 / 17 % of the Mooncake LRU→Belady gap at HBM 400 / 1000 / 1500 (18 / 15 / 13 % with
-neither) and writes less to NVMe; on the generated workloads, two seeds, it stays within 0.014
-of the gap of the previous default (shared prompts at HBM 100) and gains up to 0.07 (tenants
-at HBM 100) (bench/RESULTS.md, issue-3 note).
+neither) and wrote less to NVMe; on the generated workloads, two seeds, it stayed within 0.014
+of the gap of the previous default (shared prompts at HBM 100) and gained up to 0.07 (tenants
+at HBM 100). With the idle discount in the last tier (above) as well: 18 / 16 / 17 % in one
+pass and 21 / 15 / 12 % in a second pass over new blocks (bench/RESULTS.md, README).
 """
 
 from __future__ import annotations
@@ -88,6 +106,14 @@ class CostPolicyConfig:
     characteristic time), ``reads`` (all expected future reads) or ``rate`` (saving per
     byte-second); see the module docstring for where each wins."""
 
+    demotion_aging: float = 0.5
+    """Exponent ``β`` in [0, 1] of the discount for idle time of a block demoted into the last
+    tier (``valuation="horizon"`` only): it is valued there at ``v · (v_idle / v)^β``, where
+    ``v`` is its value as if just read and ``v_idle`` the value given that it has been idle
+    for its age (:meth:`policy.reuse.ReuseEstimator.after_idle`). 0: no discount (the
+    previous behaviour); 1: the full Bayesian update; 0.5, the default, their geometric mean
+    (see the module docstring for why)."""
+
     deferred_stamp: bool = True
     """Value a block read or inserted when it is first ranked (its request then complete, so
     the request features of :class:`policy.reuse.ReuseConfig` see the whole request) rather
@@ -102,6 +128,8 @@ class CostPolicyConfig:
             raise InvalidArgument("CostPolicyConfig.write_cost_weight must be in [0, 10]")
         if not 0.0 <= self.frequency_weight <= 4.0:
             raise InvalidArgument("CostPolicyConfig.frequency_weight must be in [0, 4]")
+        if not 0.0 <= self.demotion_aging <= 1.0:
+            raise InvalidArgument("CostPolicyConfig.demotion_aging must be in [0, 1]")
 
 
 class CostPolicy:
@@ -131,10 +159,12 @@ class CostPolicy:
             return here
         return here - model.saving(meta.tokens, meta.depth, meta.nbytes, Tier(tier + 1))
 
-    def expected_reads(self, meta: BlockMeta, c: int | None = None) -> float:
+    def expected_reads(self, meta: BlockMeta, c: int | None = None, p: float | None = None) -> float:
         """p / (1 − p), times ``access_count ** frequency_weight`` (``c``: the block's reuse
-        class, when known)."""
-        p = min(self.reuse.probability(meta, c), _P_MAX)
+        class, when known; ``p``: the probability to use instead of the estimator's)."""
+        if p is None:
+            p = self.reuse.probability(meta, c)
+        p = min(p, _P_MAX)
         reads = p / (1.0 - p)
         if self.config.frequency_weight:
             reads *= max(meta.access_count, 1) ** self.config.frequency_weight
@@ -151,6 +181,19 @@ class CostPolicy:
             return self.expected_reads(meta, c) * per_byte * self.reuse.within(meta, horizon, c)
         p = min(self.reuse.probability(meta), _P_MAX)
         return p * per_byte / max(self.reuse.mean_gap(meta), _MIN_GAP_S)
+
+    def idle_value(self, meta: BlockMeta, tier: Tier, age: float) -> float:
+        """:meth:`value` for a block idle for ``age`` seconds, discounted by
+        ``demotion_aging`` (the value itself where that is 0 or the valuation is not
+        ``horizon``)."""
+        fresh = self.value(meta, tier)
+        beta = self.config.demotion_aging
+        if not beta or self.config.valuation != "horizon" or fresh <= 0.0:
+            return fresh
+        c = self.reuse.klass(meta)
+        alive, soon = self.reuse.after_idle(meta, age, self._horizon[tier], c)
+        idle = self.expected_reads(meta, c, alive) * soon * self.gain(meta, tier) / max(meta.nbytes, 1)
+        return fresh * (idle / fresh) ** beta if idle > 0.0 else 0.0
 
     def horizon(self, tier: Tier) -> float:
         """The tier's characteristic time: mean idle age of its victims (inf before any)."""
@@ -217,10 +260,14 @@ class CostPolicy:
         h = self._stamped(meta, src)
         if h is not None and h > self._level[src]:
             self._level[src] = h
-        self._learn_horizon(src, max(0.0, now - meta.last_access))
+        age = max(0.0, now - meta.last_access)
+        self._learn_horizon(src, age)
         for dest in available:
             if self.worth_writing(meta, dest):
-                self._stamp(meta, dest)
+                if dest >= _LAST:
+                    self._h[meta.key] = self._level[dest] + self.idle_value(meta, dest, age)
+                else:
+                    self._stamp(meta, dest)
                 return dest
         return None
 

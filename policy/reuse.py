@@ -45,6 +45,10 @@ Derived quantities, modelling the gap as exponential with mean ``mean_gap`` (mem
 * ``p_alive(meta, age)`` — the posterior that a block idle for ``age`` seconds is read again;
 * ``p_within(meta, age, horizon)`` — the probability it is read again within ``horizon``.
 
+``after_idle(meta, age, horizon)`` gives the same two posteriors from the class's gap
+histogram instead (no assumed distribution); the cost policy uses it to value a block demoted
+into the last tier for the time it has already been idle.
+
 Time enters only through ``now`` arguments and the blocks' ``last_access``.
 """
 
@@ -282,6 +286,24 @@ class ReuseEstimator:
         b = _gap_bin(max(horizon, 0.0))
         below = sum(hist[:b]) + 0.5 * hist[b]
         return (below + prior) / (self._hits[c] + 1.0)  # NOTE: _hits[c] is sum(hist), kept alike
+
+    def after_idle(self, meta: BlockMeta, age: float, horizon: float,
+                   c: int | None = None) -> tuple[float, float]:
+        """For a block idle for ``age`` seconds: (P(read again), P(that read comes within the
+        next ``horizon`` seconds)), from the class's gap histogram (:meth:`within`), not an
+        assumed distribution. Bayes: only the ``p`` of episodes whose gap exceeds ``age`` are
+        still possible, so ``P = p·S / (p·S + 1 − p)`` with ``S = P(gap > age | read again)``,
+        and the read falls in ``(age, age + horizon]`` with ``(F(age + horizon) − F(age)) / S``."""
+        if c is None:
+            c = self.klass(meta)
+        p = self.probability(meta, c)
+        f_age = self.within(meta, age, c)
+        s = max(1.0 - f_age, 1e-9)
+        alive = p * s / (p * s + 1.0 - p)
+        if math.isinf(horizon):
+            return alive, 1.0
+        soon = (self.within(meta, age + max(horizon, 0.0), c) - f_age) / s
+        return alive, min(1.0, max(0.0, soon))
 
     def p_alive(self, meta: BlockMeta, age: float) -> float:
         """P(read again | idle for ``age`` seconds), exponential gaps."""

@@ -228,3 +228,78 @@ def test_a_persisted_block_keeps_its_nvme_copy_when_evicted():
     m.persisted = True
     assert pol.demote_to(m, Tier.DRAM, [Tier.NVME], 1.0) == Tier.NVME
     assert pol.admit(m, Tier.NVME, 1.0)
+
+
+def _read_back_after(pol: CostPolicy, *gaps: float, rounds: int = 30) -> None:
+    """``rounds`` full blocks per gap in ``gaps``, each read back once that many seconds after
+    it was stored (one class: stored, not yet read)."""
+    for gap in gaps:
+        for i in range(rounds):
+            m = _meta(b"r%d-%g" % (i, gap), 0)
+            pol.on_insert(m, 1000.0 * i)
+            m.access_count = 2
+            pol.on_access(m, 1000.0 * i + gap)
+
+
+def test_after_idle_by_hand():
+    """Bayes on the class's gap histogram. Gaps of 1 s and 300 s: a block idle for 100 s can
+    only be one of the slow half, so its chance of a read drops from p to p·S / (p·S + 1 − p)
+    with S = P(gap > 100 | read again) ≈ 1/2; idle for no time, nothing changes."""
+    import math
+
+    pol = CostPolicy(_lookup, CostPolicyConfig(demotion_aging=0.0))
+    _read_back_after(pol, 1.0, 300.0)
+    m = _meta(b"x", 0)  # stored, not yet read: the class that was read back
+    est = pol.reuse
+    p = est.probability(m)
+    alive, soon = est.after_idle(m, 0.0, math.inf)
+    assert (alive, soon) == (pytest.approx(p), 1.0)
+    s = 1.0 - est.within(m, 100.0)
+    assert s == pytest.approx(0.5, abs=0.02)
+    alive, soon = est.after_idle(m, 100.0, 1000.0)
+    assert alive == pytest.approx(p * s / (p * s + 1.0 - p))
+    assert alive < p
+    assert soon == pytest.approx((est.within(m, 1100.0) - est.within(m, 100.0)) / s)
+    assert soon > 0.9  # the slow reads come at 300 s, inside (100, 1100]
+
+
+def test_a_block_demoted_into_the_last_tier_after_a_long_idle_time_is_worth_less():
+    """``demotion_aging``: v · (v_idle / v)^β in the last tier. β = 0 keeps the old key; β = 1
+    is the full discount; the default 0.5 lies between (their geometric mean)."""
+    keys = {}
+    for beta in (0.0, 0.5, 1.0):
+        pol = CostPolicy(_lookup, CostPolicyConfig(demotion_aging=beta))
+        _read_back_after(pol, 1.0)
+        keys[beta] = []
+        for name, idle in ((b"fresh", 0.0), (b"stale", 100.0)):
+            m = _meta(name, 0)
+            m.tier = Tier.DRAM
+            pol.on_insert(m, 50_000.0)
+            m.last_access = 50_000.0 - idle
+            assert pol.demote_to(m, Tier.DRAM, [Tier.NVME], 50_000.0) == Tier.NVME
+            m.tier = Tier.NVME
+            keys[beta].append(pol.evict_key(m, Tier.NVME, 50_000.0)[0])
+            if beta == 0.0:
+                assert keys[beta][-1] == pytest.approx(pol.value(m, Tier.NVME))  # level 0 so far
+    for beta in (0.5, 1.0):
+        assert keys[beta][0] == pytest.approx(keys[0.0][0])  # idle for no time: no discount
+    assert keys[1.0][1] < keys[0.5][1] < keys[0.0][1]
+    assert keys[0.5][1] == pytest.approx((keys[0.0][1] * keys[1.0][1]) ** 0.5)
+
+
+def test_the_idle_discount_applies_to_the_last_tier_only():
+    pol = CostPolicy(_lookup)
+    _read_back_after(pol, 1.0)
+    m = _meta(b"stale", 0)
+    m.tier = Tier.HBM
+    pol.on_insert(m, 50_000.0)
+    m.last_access = 50_000.0 - 100.0
+    assert pol.demote_to(m, Tier.HBM, [Tier.DRAM], 50_000.0) == Tier.DRAM
+    m.tier = Tier.DRAM
+    assert pol.evict_key(m, Tier.DRAM, 50_000.0)[0] == pytest.approx(pol.value(m, Tier.DRAM))
+
+
+@pytest.mark.parametrize("beta", [-0.1, 1.5])
+def test_demotion_aging_bounds_are_checked(beta):
+    with pytest.raises(InvalidArgument, match="demotion_aging"):
+        CostPolicyConfig(demotion_aging=beta)
