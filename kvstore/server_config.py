@@ -66,8 +66,10 @@ class LimitsConfig(BaseModel):
     max_message_bytes: Annotated[int, Field(ge=64 * 1024, le=1 * GiB)] = 4 * MiB
     """Largest gRPC message accepted or sent; in-band blocks are streamed in chunks below it."""
 
-    chunk_bytes: Annotated[int, Field(ge=4096, le=1 * GiB)] = 4 * MiB - 4096
-    """Default payload per streamed chunk (must leave room for framing under max_message_bytes)."""
+    chunk_bytes: Annotated[int, Field(ge=4096, le=1 * GiB)] = 2 * MiB
+    """Default payload per streamed chunk, and the most a Get may ask for (must leave room for
+    framing under max_message_bytes). 2 MiB: frames of 4 MiB moved 15–25 % less than 2 MiB
+    ones through the sidecar (see ``kvstore.client.DEFAULT_CHUNK_BYTES``)."""
 
     max_keys_per_call: Annotated[int, Field(ge=1)] = 65536
     """Most blocks one Lookup/Get/Prefetch/Delete/PutLocal/GetLocal may name."""
