@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     import grpc
 
     from kvstore.client import Client, _flat_bytes
-    from kvstore.frames import data_frame, encode
+    from kvstore.frames import block_frames, encode
     from proto.kvstore.v1 import kvstore_pb2 as pb
 
     spec = _spec(args.mib)
@@ -54,12 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = _flat_bytes(kv, count, spec.block_nbytes)
     with sidecar_and_raw(hbm=1024 * MiB, dram=0, nvme=0) as (target, token, raw_port):
         opts = [("grpc.max_receive_message_length", 64 * MiB), ("grpc.max_send_message_length", 64 * MiB)]
-        ident = lambda b: b  # noqa: E731
+        ident = lambda b: b
         with grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=opts) as ch, \
                 Client(target, token, local=False) as c:
             sink = ch.stream_unary("/raw.Raw/Sink", request_serializer=ident, response_deserializer=ident)
-            plain = [bytes(rows[i]) for i in range(count)]
             step = c.chunk_bytes
+            # the bare baseline: each block's chunks as plain bytes (service_bench's (d))
+            plain = [bytes(rows[i][o : o + step]) for i in range(count) for o in range(0, spec.block_nbytes, step)]
             times: dict[str, list[float]] = {k: [] for k in ("put", "prebuilt", "bare_frames", "bare")}
             for r in range(args.rounds + 1):  # round 0 warms up, untimed
                 base = (r + 1) * 10**7
@@ -71,9 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                 keys = c.block_keys(spec, list(range(base + 5 * 10**6, base + 5 * 10**6 + count * spec.block_tokens)))
                 header = pb.PutHeader()
                 c._target(header.target, spec, keys, None, "", None)
-                frames = [encode(pb.PutFrame(header=header))] + [
-                    data_frame(pb.PutFrame, i, off, memoryview(rows[i])[off : off + step])
-                    for i in range(count) for off in range(0, spec.block_nbytes, step)]
+                frames = [encode(pb.PutFrame(header=header)),
+                          *block_frames(pb.PutFrame, rows, spec.block_nbytes, step)]
                 t0 = time.perf_counter()
                 c._call(c._put_frames, iter(frames))
                 t_pre = time.perf_counter() - t0

@@ -14,9 +14,10 @@ the received message. Both the client and the server use these functions.
 A stream's payload is its blocks' bytes, concatenated in order. A frame's ``(block, offset)``
 says where its data starts; the data may run on past the end of that block into the following
 ones. Why: grpc python pays a fixed cost per message, so blocks much smaller than a frame
-(256 KiB blocks of small models against ~4 MiB frames) move several to a frame
-(``bench/service_bench.py --sizes 0.25,0.5,2 --repeats 10``, medians of 5 runs, one per block
-before -> packed, GB/s: 256 KiB put 1.17 -> 1.68, get 1.32 -> 1.99; 2 MiB unchanged). The
+(256 KiB blocks of small models against 2 MiB frames) move several to a frame
+(``bench/service_bench.py --sizes 0.25 --repeats 7``, two runs each, one frame per block ->
+packed, GB/s: put 1.33, 1.41 -> 2.17, 1.84; get 1.68, 1.66 -> 2.09, 2.17; a bare grpcio stream
+of one message per block: 1.8–2.0 put, 2.0–2.2 get). The
 one-block-per-frame layout (what older writers send) is the special case of frames that stop
 at block boundaries; readers accept both.
 
