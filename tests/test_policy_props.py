@@ -308,3 +308,32 @@ def test_paused_sessions_and_tenant_hints_raise_the_estimate():
     assert est.probability(_block(b"a")) == pytest.approx(0.95)
     est.set_tenant_hint("t", None)
     assert est.probability(_block(b"a")) == pytest.approx(base)
+
+
+@SETTINGS
+@given(st.lists(st.floats(0.0, 1e4), min_size=0, max_size=40), st.lists(st.floats(0.0, 1e5), min_size=2, max_size=6),
+       st.floats(0.0, 1e4))
+def test_after_idle_is_a_probability_that_never_rises_with_idle_time(gaps, ages, horizon):
+    """Whatever gaps a class has seen: P(read again | idle) lies in [0, p] and does not rise
+    as the block stays idle longer; P(within the horizon | read again) lies in [0, 1]."""
+    from policy.reuse import ReuseEstimator
+
+    est = ReuseEstimator()
+    for i, gap in enumerate(gaps):
+        m = BlockMeta(key=i.to_bytes(4, "big"), tenant="t", fingerprint=SPEC.fingerprint, parent=b"",
+                      depth=0, nbytes=SPEC.block_nbytes, tokens=4, tier=Tier.HBM, created=0.0,
+                      last_access=0.0, access_count=1)
+        est.on_insert(m, 1e6 * i)
+        m.access_count = 2
+        est.on_access(m, 1e6 * i + gap)
+    probe = BlockMeta(key=b"probe", tenant="t", fingerprint=SPEC.fingerprint, parent=b"", depth=0,
+                      nbytes=SPEC.block_nbytes, tokens=4, tier=Tier.HBM, created=0.0,
+                      last_access=0.0, access_count=1)
+    p = est.probability(probe)
+    last = p
+    for age in sorted(ages):
+        alive, soon = est.after_idle(probe, age, horizon)
+        assert 0.0 <= alive <= p * (1 + 1e-9)
+        assert alive <= last * (1 + 1e-9)
+        assert 0.0 <= soon <= 1.0
+        last = alive
