@@ -124,16 +124,20 @@ class PrefixIndex:
 
     def candidates(self, tier: Tier, protected: set[Ident], tenant: str | None = None) -> list[BlockMeta]:
         """Evictable leaves of ``tier`` (optionally of one tenant only)."""
-        out = []
-        for ident, m in self._by_tier[tier].items():
-            if m.pins or m.in_flight or ident in protected:
-                continue
-            if tenant is not None and m.tenant != tenant:
-                continue
-            if m.children and any(c.tier <= tier for c in self.children(m)):
-                continue
-            out.append(m)
-        return out
+        return [m for m in self._by_tier[tier].values() if self._evictable(m, tier, protected, tenant)]
+
+    def is_candidate(self, meta: BlockMeta, tier: Tier, protected: set[Ident],
+                     tenant: str | None = None) -> bool:
+        """Whether ``meta`` is indexed, in ``tier`` and one of its :meth:`candidates` now."""
+        return (meta.tier == tier and self._indexed(meta)
+                and self._evictable(meta, tier, protected, tenant))
+
+    def _evictable(self, m: BlockMeta, tier: Tier, protected: set[Ident], tenant: str | None) -> bool:
+        if m.pins or m.in_flight or (m.tenant, m.key) in protected:
+            return False
+        if tenant is not None and m.tenant != tenant:
+            return False
+        return not (m.children and any(c.tier <= tier for c in self.children(m)))
 
     def subtree(self, meta: BlockMeta) -> list[BlockMeta]:
         """``meta`` and all its descendants, deepest first."""

@@ -35,6 +35,7 @@ from kvstore.index import Ident, PrefixIndex
 from kvstore.sessions import SessionTable
 from kvstore.spec import ModelSpec
 from kvstore.stats import Counters
+from kvstore.victims import VictimQueue
 from policy.base import EvictionPolicy
 from policy.quantization import QuantizationPolicy
 from tiers.base import BlockRef
@@ -148,8 +149,9 @@ class Placement:
         if quota is not None:
             if meta.nbytes > quota:
                 return False
+            own = self.victims(tier, meta.tenant)
             while self.tenant_usage.get((meta.tenant, tier), 0) + meta.nbytes > quota:
-                if not self.evict_some(tier, tenant=meta.tenant):
+                if not self.evict_some(tier, own):
                     self.counters.add("quota_rejections")
                     return False
         cap = backend.capacity
@@ -159,26 +161,46 @@ class Placement:
         if backend.used_bytes + need <= high and backend.can_fit(meta.nbytes):
             return True
         target = min(low, cap - need)
+        queue = self.victims(tier)
         while backend.used_bytes + need > target or not backend.can_fit(meta.nbytes):
-            if not self.evict_some(tier):
+            if not self.evict_some(tier, queue):
                 break
         return backend.used_bytes + need <= cap and backend.can_fit(meta.nbytes)
 
-    def evict_some(self, tier: Tier, tenant: str | None = None) -> bool:
-        """Evict the policy's first choice among the evictable leaves; False if none."""
-        now = self._clock()
-        cands = self._index.candidates(tier, self.protected, tenant)
-        if tier == Tier.NVME:  # NVMe copies of blocks living above are evictable too
-            cands += [m for m in self._index.persisted_copies()
-                      if not m.in_flight and (m.tenant, m.key) not in self.protected
-                      and (tenant is None or m.tenant == tenant)]
-        if not cands:
-            return False
-        for victim in self.policy.rank(tier, cands, now):
+    def victims(self, tier: Tier, tenant: str | None = None) -> VictimQueue:
+        """The eviction order of ``tier``'s evictable leaves (of one tenant only, if given) for
+        one make-room loop; NVMe's includes the NVMe copies of blocks living above."""
+
+        def candidates() -> list[BlockMeta]:
+            cands = self._index.candidates(tier, self.protected, tenant)
+            if tier == Tier.NVME:
+                cands += [m for m in self._index.persisted_copies() if self._nvme_copy_evictable(m, tenant)]
+            return cands
+
+        def valid(m: BlockMeta) -> bool:
+            if tier == Tier.NVME and m.tier < Tier.NVME:
+                return self._nvme_copy_evictable(m, tenant)
+            return self._index.is_candidate(m, tier, self.protected, tenant)
+
+        return VictimQueue(self.policy, tier, candidates, valid, self._clock())
+
+    def _nvme_copy_evictable(self, m: BlockMeta, tenant: str | None) -> bool:
+        return (m.persisted and m.tier < Tier.NVME and self._index.get(m.tenant, m.key) is m
+                and not m.in_flight and (m.tenant, m.key) not in self.protected
+                and (tenant is None or m.tenant == tenant))
+
+    def evict_some(self, tier: Tier, queue: VictimQueue | None = None) -> bool:
+        """Evict the next victim of ``queue`` (by default a fresh :meth:`victims` of the whole
+        tier) that can go; False if none can."""
+        if queue is None:
+            queue = self.victims(tier)
+        while (victim := queue.pop()) is not None:
             if tier == Tier.NVME and victim.tier < Tier.NVME:
                 self.drop_copy(victim)
+                queue.evicted(None)
                 return True
-            if self.evict(victim, tier, now):
+            if self.evict(victim, tier, self._clock()):
+                queue.evicted(self._index.get(victim.tenant, victim.parent) if victim.parent else None)
                 return True
         return False
 
