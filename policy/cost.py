@@ -170,14 +170,16 @@ class CostPolicy:
             reads *= max(meta.access_count, 1) ** self.config.frequency_weight
         return reads
 
-    def value(self, meta: BlockMeta, tier: Tier) -> float:
-        """What keeping the block in ``tier`` is worth, per byte (see the module docstring)."""
+    def value(self, meta: BlockMeta, tier: Tier, c: int | None = None) -> float:
+        """What keeping the block in ``tier`` is worth, per byte (see the module docstring).
+        ``c``: the block's reuse class, when the caller has it already."""
         per_byte = self.gain(meta, tier) / max(meta.nbytes, 1)
         if self.config.valuation == "reads":
-            return self.expected_reads(meta) * per_byte
+            return self.expected_reads(meta, c) * per_byte
         if self.config.valuation == "horizon":
             horizon = self._horizon[tier]
-            c = self.reuse.klass(meta)  # NOTE: once, for both estimates
+            if c is None:
+                c = self.reuse.klass(meta)  # NOTE: once, for both estimates
             return self.expected_reads(meta, c) * per_byte * self.reuse.within(meta, horizon, c)
         p = min(self.reuse.probability(meta), _P_MAX)
         return p * per_byte / max(self.reuse.mean_gap(meta), _MIN_GAP_S)
@@ -186,11 +188,13 @@ class CostPolicy:
         """:meth:`value` for a block idle for ``age`` seconds, discounted by
         ``demotion_aging`` (the value itself where that is 0 or the valuation is not
         ``horizon``)."""
-        fresh = self.value(meta, tier)
         beta = self.config.demotion_aging
-        if not beta or self.config.valuation != "horizon" or fresh <= 0.0:
-            return fresh
+        if not beta or self.config.valuation != "horizon":
+            return self.value(meta, tier)
         c = self.reuse.klass(meta)
+        fresh = self.value(meta, tier, c)
+        if fresh <= 0.0:
+            return fresh
         alive, soon = self.reuse.after_idle(meta, age, self._horizon[tier], c)
         idle = self.expected_reads(meta, c, alive) * soon * self.gain(meta, tier) / max(meta.nbytes, 1)
         return fresh * (idle / fresh) ** beta if idle > 0.0 else 0.0
