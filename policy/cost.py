@@ -39,23 +39,27 @@ one is read again; from :mod:`policy.cost_model` the time a hit saves in each ti
   ``write_cost_weight × bytes / bandwidth(dest)``; otherwise it is dropped. A block with
   resident children is always demoted when possible (dropping it would strand them), and so
   is a block whose committed NVMe copy exists (demoting it there writes nothing).
-* **Idle time in the last tier** (``demotion_aging`` = β, 0.5 by default): a block demoted
-  into the last tier is keyed there with ``L_t + v · (v_idle / v)^β``, where ``v`` is its
-  value as if just read and ``v_idle`` its value given that it has not been read for its age
+* **Idle time at demotion** (``demotion_aging`` = β, 0.5 by default): a demoted block is
+  keyed in the tier it goes to with ``L_t + v · (v_idle / v)^β``, where ``v`` is its value
+  as if just read and ``v_idle`` its value given that it has not been read for its age
   (:meth:`policy.reuse.ReuseEstimator.after_idle`: Bayes on the class's gap histogram).
-  Why: a greedy-dual key only ages through the tier's level, and in the last tier nothing
-  re-stamps it, so a block valued highly while it was read kept its key long after its reads
-  stopped; evicted leaf-first, one such leaf keeps its whole chain. Replaying the Mooncake
-  trace and then a copy with new hash ids (``bench/replay_repeat.py``) at HBM 1500, 57
-  first-pass leaves still held 4,191 of the 15,000 NVMe blocks at the end, and ``cost`` closed
-  −5 % of the gap in the second pass (17 % in the first). Scratch trials (2026-11-30), gap
-  closed first / second pass, mean over Mooncake at HBM 300, 400, 500, 700, 1000, 1200, 1500,
-  2000: β = 0 0.162 / 0.052, β = 0.25 0.161 / 0.119, β = 0.5 0.155 / 0.140; on the generated
-  workloads at HBM 100/400/1000 β = 0.5 is within −0.018 of β = 0 in the first pass (shared
-  prompts at 100) and gains up to 0.09 in the second. Tried and not kept: the full discount
-  (β = 1) in every tier (first pass −0.047 at HBM 1000); a key that decays with time instead
-  of greedy-dual (``log v`` plus idle time over the tier's horizon): first pass −0.04 at 1000,
-  second pass −0.18 of the gap on the agent workload at 1000.
+  Why: a greedy-dual key only ages through the tier's level, and a demotion re-stamped it at
+  the new tier's level as if the block had just been read; in NVMe, the last tier, such a key
+  then stayed until the level caught up, so blocks valued highly while they were read kept
+  their keys long after their reads stopped and, evicted leaf-first, each such leaf kept its
+  whole chain. Replaying the Mooncake trace and then a copy with new hash ids
+  (``bench/replay_repeat.py``) at HBM 1500, 57 first-pass leaves still held 4,191 of the
+  15,000 NVMe blocks at the end, and ``cost`` closed −5 % of the gap in the second pass (17 %
+  in the first). Scratch trials (2026-11-30), gap closed first / second pass, mean over
+  Mooncake at HBM 300, 400, 500, 700, 1000, 1200, 1500, 2000: β = 0 0.162 / 0.052; β = 0.5 in
+  NVMe only 0.155 / 0.140; β = 0.5 at every demotion (the default) 0.160 / 0.157. On the
+  generated workloads at HBM 100/400/1000, two seeds, the default is within −0.032 of β = 0
+  in the first pass (shared prompts at 400) and gains up to 0.19 in the second (shared
+  prompts at 1000); tenants at 1000 stays below LRU in the second pass with seed 1 (−0.055 →
+  −0.024 of the gap) and is above it with seed 2 (−0.007 → +0.019). Tried and not kept: β = 0.25 in NVMe only (0.161 / 0.119); the
+  full update (β = 1) at every demotion (first pass −0.047 at HBM 1000); a key that decays
+  with time instead of greedy-dual (``log v`` plus idle time over the tier's horizon): first
+  pass −0.04 at 1000, second pass −0.18 of the gap on the agent workload at 1000.
 
 Keys are stable between notifications, as :class:`policy.registry.KeyedPolicy` requires. A
 block read or stored keeps the level ``L_t`` of that notification but is valued when it is
@@ -66,8 +70,8 @@ making room mid-put — is valued as it stands then.) With the request lift this
 19 / 19 / 17 % of the Mooncake LRU→Belady gap at HBM 400 / 1000 / 1500 (18 / 15 / 13 % with
 neither) and wrote less to NVMe; on the generated workloads, two seeds, it stayed within 0.014
 of the gap of the previous default (shared prompts at HBM 100) and gained up to 0.07 (tenants
-at HBM 100). With the idle discount in the last tier (above) as well: 18 / 16 / 17 % in one
-pass and 21 / 15 / 12 % in a second pass over new blocks (bench/RESULTS.md, README).
+at HBM 100). With the idle discount at demotion (above) as well: see bench/RESULTS.md and
+the README ("Long runs") for one pass and a second pass over new blocks.
 """
 
 from __future__ import annotations
@@ -107,8 +111,8 @@ class CostPolicyConfig:
     byte-second); see the module docstring for where each wins."""
 
     demotion_aging: float = 0.5
-    """Exponent ``β`` in [0, 1] of the discount for idle time of a block demoted into the last
-    tier (``valuation="horizon"`` only): it is valued there at ``v · (v_idle / v)^β``, where
+    """Exponent ``β`` in [0, 1] of the discount for idle time of a demoted block
+    (``valuation="horizon"`` only): it is valued in its new tier at ``v · (v_idle / v)^β``, where
     ``v`` is its value as if just read and ``v_idle`` the value given that it has been idle
     for its age (:meth:`policy.reuse.ReuseEstimator.after_idle`). 0: no discount (the
     previous behaviour); 1: the full Bayesian update; 0.5, the default, their geometric mean
@@ -268,10 +272,7 @@ class CostPolicy:
         self._learn_horizon(src, age)
         for dest in available:
             if self.worth_writing(meta, dest):
-                if dest >= _LAST:
-                    self._h[meta.key] = self._level[dest] + self.idle_value(meta, dest, age)
-                else:
-                    self._stamp(meta, dest)
+                self._h[meta.key] = self._level[dest] + self.idle_value(meta, dest, age)
                 return dest
         return None
 

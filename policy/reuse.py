@@ -46,8 +46,8 @@ Derived quantities, modelling the gap as exponential with mean ``mean_gap`` (mem
 * ``p_within(meta, age, horizon)`` — the probability it is read again within ``horizon``.
 
 ``after_idle(meta, age, horizon)`` gives the same two posteriors from the class's gap
-histogram instead (no assumed distribution); the cost policy uses it to value a block demoted
-into the last tier for the time it has already been idle.
+histogram instead (no assumed distribution); the cost policy uses it to value a demoted block
+for the time it has already been idle.
 
 Time enters only through ``now`` arguments and the blocks' ``last_access``.
 """

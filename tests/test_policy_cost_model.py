@@ -263,8 +263,8 @@ def test_after_idle_by_hand():
     assert soon > 0.9  # the slow reads come at 300 s, inside (100, 1100]
 
 
-def test_a_block_demoted_into_the_last_tier_after_a_long_idle_time_is_worth_less():
-    """``demotion_aging``: v · (v_idle / v)^β in the last tier. β = 0 keeps the old key; β = 1
+def test_a_block_demoted_after_a_long_idle_time_is_worth_less():
+    """``demotion_aging``: v · (v_idle / v)^β in the tier it is demoted to. β = 0 keeps the old key; β = 1
     is the full discount; the default 0.5 lies between (their geometric mean)."""
     keys = {}
     for beta in (0.0, 0.5, 1.0):
@@ -287,7 +287,9 @@ def test_a_block_demoted_into_the_last_tier_after_a_long_idle_time_is_worth_less
     assert keys[0.5][1] == pytest.approx((keys[0.0][1] * keys[1.0][1]) ** 0.5)
 
 
-def test_the_idle_discount_applies_to_the_last_tier_only():
+def test_the_idle_discount_applies_to_every_demotion():
+    """Into DRAM as into NVMe: a block idle for 100 s (every read of its class came after 1 s)
+    is keyed below the value of a block just read, and at exactly ``idle_value``."""
     pol = CostPolicy(_lookup)
     _read_back_after(pol, 1.0)
     m = _meta(b"stale", 0)
@@ -296,7 +298,9 @@ def test_the_idle_discount_applies_to_the_last_tier_only():
     m.last_access = 50_000.0 - 100.0
     assert pol.demote_to(m, Tier.HBM, [Tier.DRAM], 50_000.0) == Tier.DRAM
     m.tier = Tier.DRAM
-    assert pol.evict_key(m, Tier.DRAM, 50_000.0)[0] == pytest.approx(pol.value(m, Tier.DRAM))
+    key = pol.evict_key(m, Tier.DRAM, 50_000.0)[0]
+    assert key == pytest.approx(pol.idle_value(m, Tier.DRAM, 100.0))
+    assert key < 0.5 * pol.value(m, Tier.DRAM)
 
 
 @pytest.mark.parametrize("beta", [-0.1, 1.5])
