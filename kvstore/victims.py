@@ -8,9 +8,9 @@ the watermark averaged 30–60 ms per 8 blocks (scratch loop of 8-block puts int
 
 For a policy with stable keys (:class:`policy.registry.KeyedPolicy`: a block's key changes only
 when the policy is notified about that block) one ranking per loop yields the same victims as
-re-ranking before each: within a loop the policy is notified only about the victims
-themselves, and the only new candidates a loop creates are parents its victims leave with no
-child in the tier, which :meth:`evicted` adds as they appear. Entries are checked again when
+re-ranking before each, up to the order among equal keys: within a loop the policy is notified
+only about the victims themselves, and the only new candidates a loop creates are parents its
+victims leave with no child in the tier, which :meth:`evicted` adds as they appear. Entries are checked again when
 they come out (the block may have gone, been pinned or moved meanwhile) and re-queued if their
 key moved. Other policies are re-ranked before each victim, as before.
 """
@@ -57,7 +57,8 @@ class VictimQueue:
                 self._order = iter(self._policy.rank(self._tier, self._candidates(), self._now))
             return next(self._order, None)
         if self._heap is None:
-            # NOTE: the sequence number breaks ties in candidate order, as a stable sort would
+            # NOTE: the sequence number breaks ties in candidate order, as a stable sort would;
+            # a parent added later by evicted() goes after the blocks with its key
             self._heap = [(self._key(m), next(self._seq), m) for m in self._candidates()]
             heapq.heapify(self._heap)
         while self._heap:
