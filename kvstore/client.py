@@ -55,7 +55,7 @@ from kernels.copy import host_copy
 from kvstore import memtune
 from kvstore.block import Tier
 from kvstore.errors import IntegrityError, InvalidArgument, KVStoreError
-from kvstore.frames import Frame, block_frames, decoder, encode, scatter
+from kvstore.frames import Frame, block_frames, decoder, encode, scatter, write_into
 from kvstore.keys import KEY_BYTES
 from kvstore.service_convert import spec_to_pb, tier_names
 from kvstore.shm import ShmRegion, is_local_target
@@ -133,11 +133,6 @@ def _host_staging(out: Any) -> Any:
             raise InvalidArgument("out is read-only")
         return None if out.flags.c_contiguous else np.ascontiguousarray(out)
     return None
-
-
-def _write_row(row: np.ndarray, lo: int, data: memoryview) -> None:
-    """Copy a received frame's piece into a block's row of the output, at byte ``lo``."""
-    row[lo : lo + len(data)] = np.frombuffer(data, dtype=np.uint8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,7 +415,7 @@ class Client:
                 raise IntegrityError("the server announced blocks this request did not ask for")
             # frames packed across blocks, or one block each from a server that predates
             # pack_blocks; either way straight into the rows (one copy)
-            scatter(stream, n, nbytes, rows.__getitem__, _write_row, IntegrityError)
+            scatter(stream, n, nbytes, rows.__getitem__, write_into, IntegrityError)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         finally:

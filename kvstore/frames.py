@@ -31,7 +31,8 @@ at block boundaries; readers accept both.
   (an exception inside a grpc deserializer would become an opaque INTERNAL error).
 * :func:`intact(frame)` checks a frame's checksum.
 * :func:`scatter` writes the payloads of in-order, intact frames straight into each block's
-  destination (one copy), checking continuity, checksums, overrun and a short stream.
+  destination (one copy), checking continuity, checksums, overrun and a short stream;
+  :func:`write_into` is the writer both sides give it.
 
 Frames in any other valid protobuf layout (a generic client) are parsed as plain messages.
 """
@@ -43,8 +44,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import xxhash
 from google.protobuf.message import DecodeError, Message
+
+from kernels.copy import copy_bytes
 
 _META_TAG = 0x0D  # field 1, wire type 5 (fixed32)
 _DATA_TAG = 0x7A  # field 15, wire type 2 (length-delimited)
@@ -183,6 +187,14 @@ def decoder(cls: type[Message]) -> Callable[[bytes], Frame]:
 def intact(frame: Frame) -> bool:
     """Whether the payload matches the frame's xxh3 (a frame without payload is intact)."""
     return not len(frame.data) or checksum(frame.data) == frame.meta.xxh3
+
+
+def write_into(dst: Any, lo: int, data: memoryview) -> None:
+    """Copy ``data`` into ``dst[lo:]``: a host array, or a device tensor."""
+    if isinstance(dst, np.ndarray):
+        dst[lo : lo + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    else:
+        copy_bytes(dst[lo : lo + len(data)], data)
 
 
 def scatter(frames: Iterable[Frame], n: int, nbytes: int, destination: Callable[[int], Any],

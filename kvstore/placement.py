@@ -189,11 +189,9 @@ class Placement:
                 and not m.in_flight and (m.tenant, m.key) not in self.protected
                 and (tenant is None or m.tenant == tenant))
 
-    def evict_some(self, tier: Tier, queue: VictimQueue | None = None) -> bool:
-        """Evict the next victim of ``queue`` (by default a fresh :meth:`victims` of the whole
-        tier) that can go; False if none can."""
-        if queue is None:
-            queue = self.victims(tier)
+    def evict_some(self, tier: Tier, queue: VictimQueue) -> bool:
+        """Evict the next victim of ``queue`` (a :meth:`victims` of ``tier``) that can go;
+        False if none can."""
         while (victim := queue.pop()) is not None:
             if tier == Tier.NVME and victim.tier < Tier.NVME:
                 self.drop_copy(victim)

@@ -32,10 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from kernels.copy import copy_bytes
 from kvstore.auth import Principal
 from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvstore.frames import Frame, block_frames, encode, scatter
+from kvstore.frames import Frame, block_frames, encode, scatter, write_into
 from kvstore.service_data import Blocks, DataPlane
 from kvstore.service_resources import StagingPool
 from kvstore.store_lease import ReadLease
@@ -101,15 +100,7 @@ def receive(frames: Iterator[Frame], n: int, nbytes: int, destination: Callable[
     blocks or one block per frame, each frame's bytes straight into ``destination(i)`` of every
     block i it spans (a writable buffer, asked for once per block); a bad stream raises
     InvalidArgument (see :func:`kvstore.frames.scatter`)."""
-    scatter(frames, n, nbytes, destination, _write, InvalidArgument)
-
-
-def _write(dst: Any, lo: int, data: memoryview) -> None:
-    """Copy ``data`` into ``dst[lo:]``: a host array, or a device tensor."""
-    if isinstance(dst, np.ndarray):
-        dst[lo : lo + len(data)] = np.frombuffer(data, dtype=np.uint8)
-    else:
-        copy_bytes(dst[lo : lo + len(data)], data)
+    scatter(frames, n, nbytes, destination, write_into, InvalidArgument)
 
 
 def get_stream(plane: DataPlane, p: Principal, request: pb.GetRequest) -> tuple[bytes, Iterator[bytes]]:

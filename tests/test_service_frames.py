@@ -9,7 +9,15 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.frames import block_frames, data_frame, decoder, encode, intact, scatter
+from kvstore.frames import (
+    block_frames,
+    data_frame,
+    decoder,
+    encode,
+    intact,
+    scatter,
+    write_into,
+)
 from proto.kvstore.v1 import kvstore_pb2 as pb
 
 decode_put = decoder(pb.PutFrame)
@@ -77,10 +85,6 @@ def _blocks(n: int, nbytes: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, nbytes), dtype=np.uint8)
 
 
-def _write(dst: np.ndarray, lo: int, data: memoryview) -> None:
-    dst[lo : lo + len(data)] = np.frombuffer(data, dtype=np.uint8)
-
-
 def _scatter(raws, n: int, nbytes: int) -> tuple[np.ndarray, list[int]]:
     """The blocks rebuilt from raw frames, and the order their destinations were asked for."""
     out = np.zeros((n, nbytes), np.uint8)
@@ -90,7 +94,7 @@ def _scatter(raws, n: int, nbytes: int) -> tuple[np.ndarray, list[int]]:
         asked.append(i)
         return out[i]
 
-    scatter((decode_put(r) for r in raws), n, nbytes, destination, _write, StreamBroken)
+    scatter((decode_put(r) for r in raws), n, nbytes, destination, write_into, StreamBroken)
     return out, asked
 
 
@@ -136,7 +140,7 @@ def test_a_crossing_frame_with_a_bad_checksum_is_rejected_before_any_of_it_is_wr
     raws[1] = encode(pb.PutFrame(block=b, offset=o, xxh3=xxhash.xxh3_64_intdigest(payload) ^ 1), payload)
     out = np.zeros((3, nbytes), np.uint8)
     with pytest.raises(StreamBroken, match="checksum mismatch"):
-        scatter((decode_put(r) for r in raws), 3, nbytes, out.__getitem__, _write, StreamBroken)
+        scatter((decode_put(r) for r in raws), 3, nbytes, out.__getitem__, write_into, StreamBroken)
     # the first frame (1.5 blocks) landed; nothing of the bad one (the rest of block 1 on)
     assert np.array_equal(out[0], blocks[0]) and np.array_equal(out[1, : nbytes // 2], blocks[1, : nbytes // 2])
     assert not out[1, nbytes // 2 :].any() and not out[2].any()
