@@ -15,7 +15,9 @@ For 2 MiB and 32 MiB blocks (``--sizes``; sub-MiB blocks of small models too, e.
   (e) redis   — redis-py SET/GET of the same bytes on 127.0.0.1:6379 (skipped when unreachable)
 
 (memcpy's "get" copies the bytes back). Every method runs once per repeat, interleaved with
-the others, so the drift of a shared machine hits all of them alike. Also: the end-to-end Lookup
+the others, so the drift of a shared machine hits all of them alike. ``ratios`` divides the
+medians; ``paired_ratios`` is the median over repeats of the ratio within each repeat (the
+two methods ran back to back there), which drift moves less. Also: the end-to-end Lookup
 latency of a 128K-token prompt (8,192 blocks of 16 tokens, keys sent by the client) next to the
 same lookup on an in-process Store, and the per-chunk costs of the stream (xxh3, framing).
 Servers run in child processes (one core each side on a 2-core machine).
@@ -318,12 +320,15 @@ def bench_size(target: str, token: str, raw_port: int, mib: float, count: int, r
         row[name] = {"put": _gbps(total, [t[0] for t in ts]), "get": _gbps(total, [t[1] for t in ts])}
     if not callable(redis):
         row["redis"] = {"skipped": redis}
-    ratios = {}
+    ratios, paired = {}, {}
     for num, den in (("shm", "memcpy"), ("stream", "grpc_raw"), ("stream", "redis")):
         if "put" in row.get(den, {}):
-            for op in ("put", "get"):
+            for k, op in enumerate(("put", "get")):
                 ratios[f"{num}_{op}/{den}"] = round(row[num][op] / row[den][op], 2)
+                paired[f"{num}_{op}/{den}"] = round(statistics.median(
+                    d[k] / n[k] for n, d in zip(times[num], times[den])), 2)
     row["ratios"] = ratios
+    row["paired_ratios"] = paired
     return row
 
 

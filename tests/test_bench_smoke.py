@@ -62,6 +62,24 @@ def test_stream_breakdown_runs_and_reports_its_four_ways(tmp_path: Path) -> None
     assert printed["ratios"]["put/bare"] == round(g["put"] / g["bare"], 3)
 
 
+def test_service_bench_reports_both_ratios_of_every_pair(tmp_path: Path) -> None:
+    """One repeat of 128 KiB blocks: every method has a rate, and with one repeat the median
+    of the per-repeat ratios is the ratio of the medians (up to the rates' rounding)."""
+    out = tmp_path / "service.json"
+    proc = subprocess.run(
+        [sys.executable, "bench/service_bench.py", "--sizes", "0.125", "--repeats", "1",
+         "--bytes-per-call", "1", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=180, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    row = json.loads(proc.stdout)["sizes"]["0.125MiB"]
+    for name in ("shm", "shm_staged", "stream", "memcpy", "grpc_raw"):
+        assert row[name]["put"] > 0 and row[name]["get"] > 0, name
+    assert row["ratios"].keys() == row["paired_ratios"].keys()
+    assert {"shm_put/memcpy", "stream_get/grpc_raw"} <= row["ratios"].keys()
+    for key, ratio in row["ratios"].items():
+        assert abs(row["paired_ratios"][key] - ratio) <= 0.02 * max(1.0, ratio), key
+
+
 def test_copy_bench_compares_both_thresholds(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "bench.copy_bench", "--mib", "4", "--block-kib", "1024", "--rounds", "1"],
