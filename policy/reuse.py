@@ -39,15 +39,10 @@ class's gaps no longer than ``horizon`` (no assumed distribution). Counts halve 
 ``half_life_events`` episodes, so the estimates follow a changing workload. PAUSED sessions
 raise ``p`` (they come back), and so does a tenant hint.
 
-Derived quantities, modelling the gap as exponential with mean ``mean_gap`` (memoryless):
-
-* ``interval(meta)`` = mean_gap / p — the mean time between reads of blocks like this one;
-* ``p_alive(meta, age)`` — the posterior that a block idle for ``age`` seconds is read again;
-* ``p_within(meta, age, horizon)`` — the probability it is read again within ``horizon``.
-
-``after_idle(meta, age, horizon)`` gives the same two posteriors from the class's gap
-histogram instead (no assumed distribution); the cost policy uses it to value a demoted block
-for the time it has already been idle.
+``after_idle(meta, age, horizon)`` gives, from the class's gap histogram (no assumed
+distribution), the posterior that a block idle for ``age`` seconds is read again and the
+probability that the read comes within ``horizon``; the cost policy uses it to value a demoted
+block for the time it has already been idle.
 
 Time enters only through ``now`` arguments and the blocks' ``last_access``.
 """
@@ -269,10 +264,6 @@ class ReuseEstimator:
         A class with no observed gap borrows the mean over all classes (1 s if none yet)."""
         return self._class_gap(self.klass(meta))
 
-    def interval(self, meta: BlockMeta) -> float:
-        """Mean seconds between reads of blocks like this one: mean_gap / p."""
-        return self.mean_gap(meta) / self.probability(meta)
-
     def within(self, meta: BlockMeta, horizon: float, c: int | None = None) -> float:
         """P(gap ≤ horizon | the block is read again): the class's empirical gap distribution,
         with the exponential of the mean gap as a one-observation prior. ``c``: the block's
@@ -304,20 +295,6 @@ class ReuseEstimator:
             return alive, 1.0
         soon = (self.within(meta, age + max(horizon, 0.0), c) - f_age) / s
         return alive, min(1.0, max(0.0, soon))
-
-    def p_alive(self, meta: BlockMeta, age: float) -> float:
-        """P(read again | idle for ``age`` seconds), exponential gaps."""
-        p = self.probability(meta)
-        stay = p * math.exp(-max(0.0, age) / max(self.mean_gap(meta), 1e-9))
-        return stay / (1.0 - p + stay)
-
-    def p_within(self, meta: BlockMeta, age: float, horizon: float) -> float:
-        """P(read again within the next ``horizon`` seconds | idle for ``age`` seconds)."""
-        if horizon <= 0.0:
-            return 0.0
-        if math.isinf(horizon):
-            return self.p_alive(meta, age)
-        return self.p_alive(meta, age) * -math.expm1(-horizon / max(self.mean_gap(meta), 1e-9))
 
     def probability(self, meta: BlockMeta, c: int | None = None) -> float:
         """P(the block is read again), in (0, 1). ``c``: the block's :meth:`klass`, when the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -186,8 +187,8 @@ def test_reuse_estimate_learns_that_blocks_read_twice_come_back():
     assert p_twice > 0.99
     assert est.mean_gap(_block(b"x", count=2)) == pytest.approx(10.0, rel=0.1)
     # the later it gets without a read, the less likely one comes
-    assert est.p_within(_block(b"x", count=2), 0.0, 20.0) > est.p_within(
-        _block(b"x", count=2), 60.0, 20.0)
+    soon = lambda age: math.prod(est.after_idle(_block(b"x", count=2), age, 20.0))
+    assert soon(0.0) > soon(60.0)
 
 
 def test_reuse_estimate_notices_removed_blocks_that_come_back():
