@@ -109,6 +109,20 @@ def encode(meta: Message, *data: Any) -> bytes:
     return b"".join((_head(meta, n), *data))
 
 
+class _Memory:
+    """``n`` bytes at ``address`` as a numpy array (the ``__array_interface__`` protocol).
+    NOTE: not ``(ctypes.c_uint8 * n).from_address``: ctypes keeps every array type it makes,
+    one per length, for the life of the process."""
+
+    def __init__(self, address: int, n: int) -> None:
+        self.__array_interface__ = {"data": (address, False), "shape": (n,), "typestr": "|u1", "version": 3}
+
+
+def _writable(fresh: bytes) -> np.ndarray:
+    """A writable view of a bytes object just made by ``_new_bytes`` and not yet shared."""
+    return np.asarray(_Memory(_bytes_data(fresh), len(fresh)))
+
+
 def data_frame(cls: type[Message], block: int, offset: int, *data: Any) -> bytes:
     """A checksummed frame whose payload, the concatenation of the ``data`` pieces, starts at
     ``offset`` of block ``block`` (and may run on into the following blocks)."""
@@ -121,7 +135,7 @@ def data_frame(cls: type[Message], block: int, offset: int, *data: Any) -> bytes
     meta = cls(block=block, offset=offset, xxh3=1)
     head = len(_head(meta, n))
     out = _new_bytes(None, head + n)
-    frame = np.ctypeslib.as_array((ctypes.c_uint8 * (head + n)).from_address(_bytes_data(out)))
+    frame = _writable(out)
     h = xxhash.xxh3_64()
     pos = head
     for piece in pieces:
