@@ -33,7 +33,7 @@ def _service_bench(quick: bool, workdir: Path) -> dict[str, Any]:
     args = ["--repeats", "2", "--sizes", "2", "--bytes-per-call", "8"] if quick else \
         ["--repeats", "21", "--sizes", "2,32"]
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "service_bench.py"), *args,
-                           "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, check=False,
                           timeout=1800)
     if proc.returncode != 0:
         return {"error": f"service_bench exited {proc.returncode}: {proc.stderr[-2000:]}"}
