@@ -92,6 +92,24 @@ def test_a_payload_of_several_passes_is_hashed_and_copied_whole():
     assert intact(frame) and bytes(frame.data) == whole
 
 
+@settings(max_examples=60, deadline=None)
+@given(pieces=st.lists(st.binary(max_size=300), min_size=1, max_size=5), step=st.integers(1, 64),
+       block=st.integers(0, 2**32 - 1), offset=st.integers(0, 2**40))
+def test_frames_built_a_pass_at_a_time_equal_the_joined_layout(pieces, step, block, offset):
+    """Whatever the pass size and wherever the pieces end, the frame is the header and the
+    joined pieces, with the digest of the whole payload."""
+    from kvstore import frames
+
+    whole = b"".join(pieces)
+    saved = frames._PASS  # NOTE: not monkeypatch: hypothesis runs many examples per fixture
+    frames._PASS = step
+    try:
+        raw = data_frame(pb.PutFrame, block, offset, *pieces)
+    finally:
+        frames._PASS = saved
+    assert raw == encode(pb.PutFrame(block=block, offset=offset, xxh3=xxhash.xxh3_64_intdigest(whole)), whole)
+
+
 def test_a_zero_digest_leaves_the_field_out_as_protobuf_does(monkeypatch):
     """xxh3 is the one header field whose size depends on its value (0 is not written): the
     frame of a payload whose digest is 0 is laid out again, and still decodes and checks."""
