@@ -17,6 +17,7 @@ threshold 1 MiB; ``python -m bench.copy_bench --alias``): see that module's docs
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import Any
@@ -90,9 +91,21 @@ def copy_bytes(dst: Any, src: Any) -> None:
     if s is None:
         st = src.reshape(-1).view(torch.uint8)
     else:
-        st = torch.from_numpy(s if s.flags.writeable else s.copy())
+        st = _source_tensor(s)
     if dt.numel() != st.numel():
         raise ValueError(f"copy_bytes: length mismatch {dt.numel()} != {st.numel()}")
     # NOTE: synchronous on purpose: a source slot may be freed and reused, or a destination read
     # by numpy, right after this returns (an async D2H copy would race with both).
     dt.copy_(st)
+
+
+def _source_tensor(a: np.ndarray) -> torch.Tensor:
+    """A CPU tensor over ``a``'s memory, writable or not, never a copy of it: it is only read,
+    as the source of a copy to a device (e.g. an in-band Put frame, a read-only ``bytes``,
+    going into an HBM slot). NOTE: torch warns that it does not support read-only arrays,
+    meaning writes; copying the array to quiet it would be one more pass over every block."""
+    if a.flags.writeable:
+        return torch.from_numpy(a)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+        return torch.from_numpy(a)

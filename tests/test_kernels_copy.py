@@ -10,7 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import copy as kcopy
-from kernels.copy import ALIAS_PIECE, ALIAS_WINDOW, PAGE_BYTES, copy_blocks, copy_bytes, host_copy
+from kernels.copy import (
+    ALIAS_PIECE,
+    ALIAS_WINDOW,
+    PAGE_BYTES,
+    copy_blocks,
+    copy_bytes,
+    host_copy,
+)
 from kvstore.block import Tier
 from kvstore.spec import ModelSpec
 from tiers.base import BlockRef
@@ -90,3 +97,27 @@ def test_copy_blocks_raises_a_parts_error_after_every_part_finished() -> None:
     with ThreadPoolExecutor(1) as pool, pytest.raises(ValueError, match="length mismatch"):
         copy_blocks(pairs, pool, 2)
     assert all(d.all() for d, _ in (good[0], good[1], good[3]))  # the caller's part ran to the end
+
+
+def test_a_read_only_source_goes_to_a_device_without_a_host_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frame's payload (a view of read-only ``bytes``) copied into a device slot is handed to
+    torch as it is: no copy of it first, and no warning. ``meta`` stands in for the device."""
+    import warnings
+
+    payload = bytes(range(256)) * 16
+    src = memoryview(payload)
+    seen: list[np.ndarray] = []
+    real = torch.from_numpy
+
+    def spy(a: np.ndarray) -> torch.Tensor:
+        seen.append(a)
+        return real(a)
+
+    monkeypatch.setattr(torch, "from_numpy", spy)
+    dst = torch.empty(len(payload), dtype=torch.uint8, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        copy_bytes(dst, src)
+    assert len(seen) == 1 and np.shares_memory(seen[0], np.frombuffer(payload, dtype=np.uint8))
+    with pytest.raises(ValueError, match="length mismatch"):
+        copy_bytes(dst[:-1], src)
