@@ -91,7 +91,7 @@ def copy_bytes(dst: Any, src: Any) -> None:
     if s is None:
         st = src.reshape(-1).view(torch.uint8)
     else:
-        st = _source_tensor(s)
+        st = read_only_tensor(s)
     if dt.numel() != st.numel():
         raise ValueError(f"copy_bytes: length mismatch {dt.numel()} != {st.numel()}")
     # NOTE: synchronous on purpose: a source slot may be freed and reused, or a destination read
@@ -99,11 +99,11 @@ def copy_bytes(dst: Any, src: Any) -> None:
     dt.copy_(st)
 
 
-def _source_tensor(a: np.ndarray) -> torch.Tensor:
-    """A CPU tensor over ``a``'s memory, writable or not, never a copy of it: it is only read,
-    as the source of a copy to a device (e.g. an in-band Put frame, a read-only ``bytes``,
-    going into an HBM slot). NOTE: torch warns that it does not support read-only arrays,
-    meaning writes; copying the array to quiet it would be one more pass over every block."""
+def read_only_tensor(a: np.ndarray) -> torch.Tensor:
+    """A CPU tensor over ``a``'s memory, writable or not, never a copy of it, for a caller that
+    only reads it (e.g. an in-band Put frame, a read-only ``bytes``, copied into an HBM slot).
+    NOTE: torch warns that it does not support read-only arrays, meaning writes; copying the
+    array to quiet it would be one more pass over every block."""
     if a.flags.writeable:
         return torch.from_numpy(a)
     with warnings.catch_warnings():

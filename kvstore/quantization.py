@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernels.copy import read_only_tensor
 from kernels.quant import KeyGranularity, QuantizedKV, QuantScheme, dequantize, quantize
 from kvstore.errors import InvalidArgument, ShapeMismatch
 from kvstore.spec import DTYPES, ModelSpec
@@ -167,9 +168,7 @@ def block_tensor(data: Any, spec: ModelSpec) -> torch.Tensor:
         if not arr.flags.c_contiguous:
             raise InvalidArgument("data must be C-contiguous")
         arr = arr.reshape(-1).view(np.uint8)
-        if not arr.flags.writeable:  # torch.from_numpy warns on read-only memory; we only read
-            arr = arr.copy()
-        flat = torch.from_numpy(arr)
+        flat = read_only_tensor(arr)  # only read: no copy of read-only memory
     if flat.numel() != spec.block_nbytes:
         raise ShapeMismatch(f"data has {flat.numel()} bytes but the spec's block holds "
                             f"{spec.block_nbytes}")

@@ -268,3 +268,21 @@ def test_codec_quant_cuda_tensor_is_quantized_on_device(fmt: Quantization) -> No
         _assert_within_bound(x, codec.decode("t", KEY_A, spec, value), spec, fmt)
         lossless = codec.encode("t", KEY_A, spec, x.cuda())
         assert np.array_equal(codec.decode("t", KEY_A, spec, lossless), _bytes(x))
+
+
+def test_a_block_in_read_only_memory_is_quantized_in_place_without_a_warning() -> None:
+    """``bytes`` (a received frame, a read-only view) are read where they are: no copy to
+    quiet torch's warning about read-only arrays, and the same payload as a writable copy."""
+    import warnings
+
+    from kvstore.quantization import block_tensor, pack_payload
+
+    spec = _spec()
+    raw = _bytes(_kv(spec, seed=3)).tobytes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t = block_tensor(raw, spec)
+        packed = pack_payload(raw, spec, FORMATS[0])
+    assert np.shares_memory(t.view(torch.uint8).reshape(-1).numpy(), np.frombuffer(raw, dtype=np.uint8))
+    assert packed is not None
+    assert np.array_equal(packed, pack_payload(bytearray(raw), spec, FORMATS[0]))
