@@ -135,6 +135,21 @@ def _host_staging(out: Any) -> Any:
     return None
 
 
+def _bearer_token(token: str) -> str:
+    """``token`` without surrounding whitespace (a token read from a file keeps its newline).
+    An empty token, or one holding anything but visible ASCII -> InvalidArgument here: grpc
+    would refuse it only at the first call, as an opaque INTERNAL error."""
+    t = token.strip() if isinstance(token, str) else ""
+    if not t:
+        raise InvalidArgument("the token is empty: pass the one `kvstore serve` (admin) or "
+                              "`kvstore tenant add` printed")
+    bad = next((i for i, ch in enumerate(t) if not "!" <= ch <= "~"), None)
+    if bad is not None:
+        raise InvalidArgument(f"the token holds {t[bad]!r} at position {bad}: tokens are visible "
+                              "ASCII without spaces")
+    return t
+
+
 @dataclass(frozen=True, slots=True)
 class _Put:
     """What one put call asked for (shared by its pieces)."""
@@ -196,6 +211,7 @@ class Client:
                  max_message_bytes: int = 4 * MiB, timeout: float | None = 60.0,
                  tls: ClientTLS | None = None, options: Sequence[tuple[str, Any]] = (),
                  retain_freed_memory: bool = True) -> None:
+        bearer = _bearer_token(token)
         if retain_freed_memory:
             memtune.retain_freed_memory()
         self.target = target
@@ -204,7 +220,7 @@ class Client:
             raise InvalidArgument(f"chunk_bytes={chunk_bytes} must be positive and leave 1 KiB of "
                                   f"max_message_bytes={max_message_bytes} for framing")
         self.chunk_bytes = chunk_bytes
-        self._metadata = (("authorization", f"Bearer {token}"),)
+        self._metadata = (("authorization", f"Bearer {bearer}"),)
         opts = [("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes), *options]
         if tls is not None:

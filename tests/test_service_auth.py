@@ -5,14 +5,20 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
+from service_harness import SPEC, fresh_tokens, random_kv
 
-from kvstore.audit import AuditLog
 from kvstore.admin_client import AdminClient
+from kvstore.audit import AuditLog
 from kvstore.client import Client
-from kvstore.errors import IntegrityError, PermissionDenied, Unauthenticated
+from kvstore.errors import (
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+)
 from proto.kvstore.v1 import kvstore_pb2 as pb
 from proto.kvstore.v1 import kvstore_pb2_grpc
-from service_harness import SPEC, fresh_tokens, random_kv
 
 torch.set_num_threads(1)
 
@@ -33,6 +39,23 @@ def test_bad_tokens_are_unauthenticated(sidecar, metadata):
     with pytest.raises(grpc.RpcError) as err:
         _raw_lookup(sidecar.target, metadata)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize("token", ["", "   ", "kvs_a b", "kvs_\u00e9t\u00e9", "kvs_a\nb"],
+                         ids=["empty", "blank", "space", "non-ascii", "inner-newline"])
+def test_a_token_grpc_cannot_carry_is_refused_by_the_client_with_a_clear_error(sidecar, token):
+    """Not an opaque INTERNAL error at the first call: InvalidArgument when the client is made."""
+    with pytest.raises(InvalidArgument, match="token"):
+        Client(sidecar.target, token, local=False)
+    with pytest.raises(InvalidArgument, match="token"):
+        AdminClient(sidecar.target, token)
+
+
+def test_a_token_read_from_a_file_with_its_newline_still_works(sidecar, tmp_path):
+    path = tmp_path / "token"
+    path.write_text(sidecar.admin().create_tenant("filed") + "\n")
+    with Client(sidecar.target, path.read_text(), local=False) as c:
+        assert c.whoami()["principal"] == "filed"
 
 
 def test_tenant_calling_admin_is_permission_denied_and_audited(sidecar):
@@ -125,7 +148,7 @@ def test_every_admin_action_is_audited_with_its_result(sidecar):
     admin.list_tenants()
     admin.purge_model(SPEC)
     admin.delete_tenant("aud")
-    with pytest.raises(Exception):
+    with pytest.raises(NotFound):
         admin.delete_tenant("aud")  # NOT_FOUND, audited too
     actions = [(e["action"], e["result"]) for e in admin.audit()]
     assert actions == [
