@@ -56,7 +56,7 @@ from kvstore import memtune
 from kvstore.block import Tier
 from kvstore.errors import IntegrityError, InvalidArgument, KVStoreError
 from kvstore.frames import Frame, block_frames, decoder, encode, scatter, write_into
-from kvstore.keys import KEY_BYTES
+from kvstore.keys import KEY_BYTES, as_token_array
 from kvstore.service_convert import spec_to_pb, tier_names
 from kvstore.shm import ShmRegion, is_local_target
 from kvstore.spec import ModelSpec
@@ -282,7 +282,7 @@ class Client:
         t.namespace = namespace
         t.parent = parent or b""
         if token_ids is not None:
-            ids = np.asarray(token_ids.cpu() if isinstance(token_ids, torch.Tensor) else token_ids, dtype=np.int64)
+            ids = as_token_array(token_ids)
             t.tokens.ids.extend(ids.tolist())
         else:
             t.keys = _pack(keys or ())
@@ -296,7 +296,7 @@ class Client:
                    *, namespace: str = "") -> list[bytes]:
         """Chained keys of every full block, computed by the server in the caller's namespace."""
         req = pb.BlockKeysRequest(spec=spec_to_pb(spec), namespace=namespace)
-        req.tokens.ids.extend(np.asarray(token_ids, dtype=np.int64).tolist())
+        req.tokens.ids.extend(as_token_array(token_ids).tolist())
         for extra in extra_keys or ():
             req.tokens.extra.add(items=[e.encode() if isinstance(e, str) else bytes(e) for e in extra or ()])
         packed = self._call(self._kv.BlockKeys, req).keys

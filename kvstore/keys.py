@@ -27,16 +27,25 @@ _PERSON = b"kvstore-key-v1"
 ExtraKeys = Sequence[bytes | str]
 
 
-def _as_token_array(token_ids: Any) -> np.ndarray:
+def as_token_array(token_ids: Any) -> np.ndarray:
+    """``token_ids`` (a sequence, numpy array or tensor of integers) as a flat int64 array;
+    InvalidArgument when they are not one-dimensional non-negative integers below 2**63
+    (floats are not rounded, big ints are not wrapped)."""
     if hasattr(token_ids, "detach"):  # a torch tensor, without importing torch here
         token_ids = token_ids.detach().cpu().numpy()
     arr = np.asarray(token_ids)
     if arr.ndim != 1:
         raise InvalidArgument(f"token_ids must be one-dimensional, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    if not arr.size:
+        return arr.astype("<i8")
+    if arr.dtype == object and all(isinstance(x, int) for x in arr.tolist()):
+        raise InvalidArgument("token_ids must be below 2**63")
+    if not np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_:
         raise InvalidArgument(f"token_ids must be integers, got dtype {arr.dtype}")
-    if arr.size and int(arr.min()) < 0:
+    if int(arr.min()) < 0:
         raise InvalidArgument("token_ids must be non-negative")
+    if int(arr.max()) >= 1 << 63:
+        raise InvalidArgument("token_ids must be below 2**63")
     return arr.astype("<i8", copy=False)
 
 
@@ -93,7 +102,7 @@ def block_keys(
         raise InvalidArgument("namespace (tenant) must be a non-empty string")
     if len(parent) != KEY_BYTES:
         raise InvalidArgument(f"parent key must be {KEY_BYTES} bytes")
-    arr = _as_token_array(token_ids)
+    arr = as_token_array(token_ids)
     n_blocks = arr.size // block_tokens
     if extra_keys is not None and len(extra_keys) > n_blocks:
         raise InvalidArgument(

@@ -176,6 +176,17 @@ def test_admin_calls_reject_malformed_input(raw):
         grpc.StatusCode.FAILED_PRECONDITION  # the last admin stays
 
 
+def test_client_token_ids_that_are_not_int64_are_refused_before_they_are_sent(sidecar):
+    """Floats are not rounded, big ints are not wrapped or left to an OverflowError: the
+    client says what is wrong, for every verb that takes token ids."""
+    c = sidecar.tenant("ids", local=False)
+    for bad, reason in (([0.5] * 16, "integers"), ([1 << 70] * 16, "below 2"), ([-1] * 16, "non-negative")):
+        with pytest.raises(InvalidArgument, match=reason):
+            c.block_keys(SPEC, bad)
+        with pytest.raises(InvalidArgument, match=reason):
+            c.lookup(SPEC, token_ids=bad)
+
+
 # -- limits and quotas ---------------------------------------------------------------------------
 def test_keys_per_call_limit_is_invalid_argument_naming_the_limit(sidecar):
     c = sidecar.tenant("many", local=False)

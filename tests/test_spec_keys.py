@@ -96,10 +96,27 @@ def test_token_encoding_does_not_depend_on_input_type():
     assert block_keys("t", b"f" * 16, 4, torch.arange(8)) == a
 
 
-@pytest.mark.parametrize("bad", [[[1, 2], [3, 4]], [-1, 2, 3, 4], [0.5] * 4])
+@pytest.mark.parametrize("bad", [[[1, 2], [3, 4]], [-1, 2, 3, 4], [0.5] * 4], ids=["2d", "negative", "float"])
 def test_bad_tokens_rejected(bad):
     with pytest.raises(InvalidArgument):
         block_keys("t", b"f" * 16, 2, bad)
+
+
+def test_token_ids_past_int64_or_not_integers_are_refused_not_wrapped():
+    """A uint64 id past 2**63 would wrap to a negative int64, a Python int past 2**64 is an
+    object array, a bool array is not ids: each is InvalidArgument with the reason."""
+    import numpy as np
+
+    with pytest.raises(InvalidArgument, match="below 2\\*\\*63"):
+        block_keys("t", b"f" * 16, 2, np.array([1 << 63, 1], dtype=np.uint64))
+    with pytest.raises(InvalidArgument, match="below 2\\*\\*63"):
+        block_keys("t", b"f" * 16, 2, [1 << 70, 1])
+    with pytest.raises(InvalidArgument, match="integers"):
+        block_keys("t", b"f" * 16, 2, [True, False])
+    with pytest.raises(InvalidArgument, match="integers"):
+        block_keys("t", b"f" * 16, 2, ["1", "2"])
+    top = (1 << 63) - 1
+    assert block_keys("t", b"f" * 16, 2, np.array([top, 0], dtype=np.uint64)) == block_keys("t", b"f" * 16, 2, [top, 0])
 
 
 def test_partial_block_gets_no_key_and_root_is_not_a_key():
