@@ -19,7 +19,6 @@ which adds them to the main ``kvstore`` app; the command functions are plain and
 from __future__ import annotations
 
 import json
-import re
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Optional
@@ -28,23 +27,21 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvstore.errors import KVStoreError
+from kvstore import sizes
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.server_config import DEFAULT_LISTEN
 
 TargetOpt = Annotated[str, typer.Option("--target", envvar="KVSTORE_TARGET", help="Server address.")]
 TokenOpt = Annotated[str, typer.Option("--token", envvar="KVSTORE_ADMIN_TOKEN", help="Admin bearer token.")]
 CaOpt = Annotated[Optional[Path], typer.Option("--ca-file", envvar="KVSTORE_CA_FILE", help="CA bundle for TLS.")]
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
-
 
 def parse_size(text: str) -> int:
-    """``"512MiB"`` / ``"2g"`` / ``"1048576"`` -> bytes (binary units)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise typer.BadParameter(f"bad size {text!r}: use e.g. 512MiB, 2GiB or a byte count")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """``"512MiB"`` / ``"2g"`` / ``"1048576"`` -> bytes (:func:`kvstore.sizes.parse_size`)."""
+    try:
+        return sizes.parse_size(text)
+    except InvalidArgument as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def _admin(target: str, token: str, ca_file: Path | None):

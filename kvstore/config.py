@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvstore.errors import InvalidArgument
+from kvstore.sizes import ByteCount
 from tiers.remote_config import RemoteConfig
 
 GiB = 1 << 30
@@ -19,13 +20,13 @@ class StoreConfig(BaseModel):
     path: Path
     """Store directory: holds the NVMe tier (LMDB), the master key file and the audit log."""
 
-    hbm_bytes: Annotated[int, Field(ge=0)] = 1 * GiB
+    hbm_bytes: Annotated[ByteCount, Field(ge=0)] = 1 * GiB
     """Capacity of the HBM tier (device block pool; a CPU arena where there is no GPU). 0 disables it."""
 
-    dram_bytes: Annotated[int, Field(ge=0)] = 4 * GiB
+    dram_bytes: Annotated[ByteCount, Field(ge=0)] = 4 * GiB
     """Capacity of the DRAM tier (host slab pool, page-locked when CUDA is present). 0 disables it."""
 
-    nvme_bytes: Annotated[int, Field(ge=0)] = 64 * GiB
+    nvme_bytes: Annotated[ByteCount, Field(ge=0)] = 64 * GiB
     """Capacity of the NVMe tier (raw block bytes; LMDB's map is sized with headroom). 0 disables it."""
 
     device: str | None = None

@@ -7,7 +7,7 @@ there is no file. Every field is documented below; a minimal file is::
 
     [store]                     # a kvstore.config.StoreConfig
     path = "/var/lib/kvstore"
-    hbm_bytes = 8589934592
+    hbm_bytes = "8GiB"          # every *_bytes field: a byte count or a size (kvstore.sizes)
 
     [tls]                       # optional; mutual TLS when client_ca_file is set
     cert_file = "server.pem"
@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidArgument
 from kvstore.memtune import NONTEMPORAL_MIN as STREAMING_COPY_MIN
+from kvstore.sizes import ByteCount
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -63,10 +64,10 @@ class LimitsConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_message_bytes: Annotated[int, Field(ge=64 * 1024, le=1 * GiB)] = 4 * MiB
+    max_message_bytes: Annotated[ByteCount, Field(ge=64 * 1024, le=1 * GiB)] = 4 * MiB
     """Largest gRPC message accepted or sent; in-band blocks are streamed in chunks below it."""
 
-    chunk_bytes: Annotated[int, Field(ge=4096, le=1 * GiB)] = 2 * MiB
+    chunk_bytes: Annotated[ByteCount, Field(ge=4096, le=1 * GiB)] = 2 * MiB
     """Default payload per streamed chunk, and the most a Get may ask for (must leave room for
     framing under max_message_bytes). 2 MiB: frames of 4 MiB moved 15–25 % less than 2 MiB
     ones through the sidecar (see ``kvstore.client.DEFAULT_CHUNK_BYTES``)."""
@@ -77,10 +78,10 @@ class LimitsConfig(BaseModel):
     max_blocks_per_stream: Annotated[int, Field(ge=1)] = 4096
     """Most blocks one Put stream may carry."""
 
-    max_stream_bytes: Annotated[int, Field(ge=1)] = 2 * GiB
+    max_stream_bytes: Annotated[ByteCount, Field(ge=1)] = 2 * GiB
     """Most payload bytes one Put stream may buffer before it commits (and one Get stream may stage)."""
 
-    max_inflight_bytes_per_tenant: Annotated[int, Field(ge=1)] = 4 * GiB
+    max_inflight_bytes_per_tenant: Annotated[ByteCount, Field(ge=1)] = 4 * GiB
     """Payload bytes one tenant may have buffered across its concurrent Put streams."""
 
     max_tokens_per_call: Annotated[int, Field(ge=1)] = 4 * MiB
@@ -89,10 +90,10 @@ class LimitsConfig(BaseModel):
     max_regions_per_principal: Annotated[int, Field(ge=0)] = 64
     """Shared-memory regions one principal may have registered at once (0 disables the local plane)."""
 
-    max_region_bytes: Annotated[int, Field(ge=1)] = 64 * GiB
+    max_region_bytes: Annotated[ByteCount, Field(ge=1)] = 64 * GiB
     """Largest shared-memory region the server will map."""
 
-    staging_cache_bytes: Annotated[int, Field(ge=0)] = 256 * MiB
+    staging_cache_bytes: Annotated[ByteCount, Field(ge=0)] = 256 * MiB
     """Block buffers of the in-band streams kept for reuse between calls (0 = allocate per call)."""
 
     @model_validator(mode="after")
@@ -145,7 +146,7 @@ class ServerConfig(BaseModel):
     memory-bound; extra intra-op threads slowed 2 MiB copies by an order of magnitude whenever
     another core was busy (see LIMITS.md)."""
 
-    streaming_copy_bytes: Annotated[int, Field(ge=0, lt=1 << 62)] = 1 << 20
+    streaming_copy_bytes: Annotated[ByteCount, Field(ge=0, lt=1 << 62)] = 1 << 20
     """glibc's non-temporal threshold for ``kvstore serve``: copies of at least this many bytes
     use streaming stores (2 MiB block copies ran at 8.8–9.2 instead of 5.6–5.8 GB/s on the
     development machine, ``python -m bench.copy_bench``; :mod:`kvstore.memtune`). Set at start through ``GLIBC_TUNABLES`` (the server

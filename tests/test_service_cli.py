@@ -11,11 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from prometheus_client import generate_latest
+from service_harness import SPEC, fresh_tokens, random_kv
 from typer.testing import CliRunner
 
 from kvstore.cli_serve import admin_app, parse_size
-from service_harness import SPEC, fresh_tokens, random_kv
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,6 +50,23 @@ def test_cli_reports_errors_with_their_code(sidecar):
 
 def test_parse_size():
     assert parse_size("2GiB") == 2 << 30 and parse_size("512k") == 512 << 10 and parse_size("17") == 17
+
+
+@pytest.mark.parametrize("text, n", [("1.5GiB", 3 << 29), ("2 gb", 2 << 30), ("0", 0), (" 7 KiB ", 7 << 10),
+                                     ("1T", 1 << 40), ("3b", 3)])
+def test_sizes_are_binary_whatever_the_spelling(text, n):
+    from kvstore.sizes import parse_size as sizes_parse
+
+    assert sizes_parse(text) == n
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "-1", "1e9", "2 gallons", "1.5.2g"])
+def test_a_bad_size_is_invalid_argument_saying_what_a_size_looks_like(text):
+    from kvstore.errors import InvalidArgument
+    from kvstore.sizes import parse_size as sizes_parse
+
+    with pytest.raises(InvalidArgument, match="512MiB, 2GiB or a byte count"):
+        sizes_parse(text)
 
 
 def test_metrics_count_requests_and_read_store_stats(sidecar):

@@ -252,6 +252,25 @@ def test_config_loads_from_toml_and_rejects_unknown_fields(tmp_path):
         server_config.load(path, data_dir=tmp_path)
 
 
+def test_config_byte_fields_take_sizes_written_for_people(tmp_path):
+    """``hbm_bytes = "8GiB"``: every *_bytes field takes a size string (binary units, as the
+    CLI's --quota); a bad one names the field and says what a size looks like."""
+    path = tmp_path / "kvstore.toml"
+    path.write_text('[store]\nhbm_bytes = "8GiB"\ndram_bytes = "1.5g"\nnvme_bytes = 4096\n'
+                    '[limits]\nchunk_bytes = "1MiB"\nmax_stream_bytes = "2 GB"\n'
+                    '[store.remote]\nurls = ["redis://127.0.0.1:6379/0"]\ncapacity_bytes = "1TiB"\n')
+    cfg = server_config.load(path, data_dir=tmp_path / "data")
+    assert (cfg.store.hbm_bytes, cfg.store.dram_bytes, cfg.store.nvme_bytes) == (8 << 30, 3 << 29, 4096)
+    assert (cfg.limits.chunk_bytes, cfg.limits.max_stream_bytes) == (1 << 20, 2 << 30)
+    assert cfg.store.remote.capacity_bytes == 1 << 40
+    path.write_text('[store]\nhbm_bytes = "8 gallons"\n')
+    with pytest.raises(InvalidArgument, match="hbm_bytes(.|\\n)*512MiB, 2GiB"):
+        server_config.load(path, data_dir=tmp_path)
+    path.write_text('[limits]\nchunk_bytes = "8MiB"\n')  # parsed, then still bounded
+    with pytest.raises(InvalidArgument, match="chunk_bytes"):
+        server_config.load(path, data_dir=tmp_path)
+
+
 def test_default_data_dir_rules(tmp_path):
     assert server_config.default_data_dir({"KVSTORE_HOME": str(tmp_path / "h")}) == tmp_path / "h"
     assert server_config.default_data_dir({}, cwd=tmp_path) == tmp_path / ".kvstore"

@@ -15,6 +15,7 @@ from pydantic import (
 )
 
 from kvstore.errors import InvalidArgument
+from kvstore.sizes import ByteCount
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -85,14 +86,14 @@ class RemoteConfig(BaseModel):
     max_connections: Annotated[int, Field(ge=1, le=4096)] = 32
     """Connections per server in redis-py's pool."""
 
-    max_inflight_bytes: Annotated[int, Field(ge=1 * MiB)] = 256 * MiB
+    max_inflight_bytes: Annotated[ByteCount, Field(ge=1 * MiB)] = 256 * MiB
     """Raw block bytes queued for asynchronous demotion at most, and the size of one pipelined
     batch of gets (a longer prefix is fetched in several round trips)."""
 
     queue_depth: Annotated[int, Field(ge=1, le=1 << 20)] = 1024
     """Blocks queued for asynchronous demotion at most; ``submit`` refuses beyond it."""
 
-    capacity_bytes: Annotated[int, Field(ge=0)] = 1024 * GiB
+    capacity_bytes: Annotated[ByteCount, Field(ge=0)] = 1024 * GiB
     """Raw block bytes this node may keep in the remote tier (its own writes, all tenants);
     the servers' ``maxmemory`` is the hard limit, enforced by Redis eviction (a miss here)."""
 
