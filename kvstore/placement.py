@@ -114,6 +114,21 @@ class Placement:
             f"{[t.label for t in choices]}: capacity is held by pinned or in-flight blocks, or "
             f"the tenant's quota is reached", resource=choices[0].label)
 
+    def most_blocks(self, tenant: str, nbytes: int, floor: Tier, pinned: bool = False) -> int:
+        """How many new blocks of ``nbytes`` one put could ever place from ``floor`` down
+        (session blocks: HBM alone) were nothing else stored: each tier's capacity, within the
+        tenant's quota there. A put of more can only fail, after evicting all it could."""
+        tiers = [Tier.HBM] if pinned and Tier.HBM in self._mem else [t for t in self.tiers if t >= floor]
+        total = 0
+        for t in tiers:
+            backend = self.backend(t)
+            fit = backend.capacity // max(backend.charge(nbytes), 1)
+            quota = self._quota_of(tenant, t)
+            if quota is not None:
+                fit = min(fit, quota // max(nbytes, 1))
+            total += fit
+        return total
+
     def write(self, tier: Tier, ref: BlockRef, meta: BlockMeta, data: Any) -> bool:
         if tier == Tier.NVME:
             assert self._nvme is not None

@@ -267,6 +267,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                 if (tenant, parent0) not in self._place.protected:
                     self._place.protected.add((tenant, parent0))
                     guarded.append((tenant, parent0))
+            self._refuse_what_cannot_fit(tenant, spec, keys, parent_tier, pinned=sess is not None)
             # New blocks bound for NVMe are encoded ahead while the previous ones are written.
             with self._put_ahead(tenant, spec, keys, data, parent_tier):
                 try:
@@ -311,6 +312,20 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                 finally:
                     self._place.protected.difference_update(guarded)
             self._published(inserted)
+
+    def _refuse_what_cannot_fit(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes], floor: Tier,
+                                *, pinned: bool = False) -> None:
+        """ResourceExhausted, before anything is evicted, for a put whose new blocks outnumber
+        what the tiers it may use could ever hold for this tenant (a put holds its own blocks
+        until it ends, so such a put would evict everything it could and still fail)."""
+        new = sum(1 for k in keys if self._index.get(tenant, k) is None)
+        most = self._place.most_blocks(tenant, spec.block_nbytes, floor, pinned)
+        if new > most:
+            where = "hbm (session blocks)" if pinned else "the tiers it may use"
+            raise ResourceExhausted(
+                f"a put of {new} new blocks of {spec.block_nbytes} bytes can never fit: {where} hold "
+                f"at most {most} of them for tenant {tenant!r} (capacity, and its quota where set); "
+                f"put fewer blocks at a time or give the store more room", resource=floor.label)
 
     def _unput(self, metas: list[BlockMeta]) -> None:
         """Roll back the blocks a failed put inserted (those still indexed as themselves)."""

@@ -104,6 +104,7 @@ class ReservedPuts:
             res = PutReservation(tenant, spec, keys, parent0, [None] * len(keys), [None] * len(keys), probe)
             pm = self._index.get(tenant, parent0) if parent0 != ROOT_KEY else None
             floor = pm.tier if pm is not None else self.tiers[0]
+            self._refuse_what_cannot_fit(tenant, spec, keys, floor)
             # the stored blocks of the chain stay put while room is made for the others
             guarded = [(tenant, k) for k in (parent0, *keys)
                        if (tenant, k) not in self._place.protected and self._index.get(tenant, k) is not None]

@@ -137,12 +137,19 @@ def test_session_blocks_committed_from_slots_are_pinned(open_store, spec):
 def test_reserved_bytes_count_against_the_tenant_quota(open_store, spec):
     store = open_store(spec, hbm_blocks=8, dram_blocks=0, nvme_blocks=0)
     store.set_tenant_policy(T, quota_bytes={"hbm": 2 * spec.block_nbytes})
-    keys = store.block_keys(T, spec, tokens(3, spec))
+    # more new blocks than the quota could ever hold: refused before any slot is reserved
+    with pytest.raises(ResourceExhausted, match="can never fit"):
+        store.reserve_put(T, spec, store.block_keys(T, spec, tokens(3, spec)))
+    assert _used(store)["hbm"] == 0
+    # one block in flight holds one of the two blocks of quota
+    first = store.reserve_put(T, spec, store.block_keys(T, spec, tokens(1, spec, start=900)))
+    keys = store.block_keys(T, spec, tokens(2, spec))
     res = store.reserve_put(T, spec, keys)
-    assert [v is not None for v in res.views] == [True, True, False]
-    with pytest.raises(ResourceExhausted):  # the third block has no room at commit either
-        store.commit_put(res, {2: _rows(make_kv(spec, 3))[2]}.__getitem__)
+    assert [v is not None for v in res.views] == [True, False]
+    with pytest.raises(ResourceExhausted):  # the second block has no room at commit either
+        store.commit_put(res, {1: _rows(make_kv(spec, 2))[1]}.__getitem__)
     assert store.lookup(T, spec, keys).num_blocks == 0
+    store.abort_put(first)
     assert _used(store)["hbm"] == 0
 
 
@@ -206,3 +213,24 @@ def test_a_failed_commit_leaves_the_stored_prefix_deadlines_as_they_were(open_st
     clock.advance(5.0)
     assert store.lookup(T, spec, keys).num_blocks == 0, "the failed put extended the prefix's TTL"
     assert _used(store)["hbm"] == 0
+
+
+def test_a_stream_put_that_can_never_fit_is_resource_exhausted_and_evicts_nothing(tmp_path):
+    """Reserving slots for a stream put larger than the store would evict every block and
+    then fail: it is refused before any slot is reserved, and the stored blocks stay."""
+    from kvstore.errors import ResourceExhausted
+    from service_harness import SPEC, fresh_tokens, random_kv, start
+
+    n = SPEC.block_nbytes
+    sc = start(tmp_path, store={"hbm_bytes": 2 * n, "dram_bytes": 2 * n, "nvme_bytes": 4 * n})
+    try:
+        c = sc.tenant("big", local=False)
+        keys = c.block_keys(SPEC, fresh_tokens(3))
+        kv = random_kv(3, seed=11)
+        c.put(SPEC, keys, kv)
+        with pytest.raises(ResourceExhausted, match="can never fit"):
+            c.put(SPEC, c.block_keys(SPEC, fresh_tokens(9)), random_kv(9, seed=12))
+        assert torch.equal(c.get(SPEC, keys).view(torch.int16), kv.view(torch.int16))
+        assert sc.server.store.stats()["evictions"] == 0
+    finally:
+        sc.stop()

@@ -265,6 +265,33 @@ def test_quota_evicts_own_blocks_first_never_another_tenants(open_store, spec, c
     assert s.lookup("b", spec, kb).num_blocks == 3
 
 
+def test_a_put_that_can_never_fit_is_refused_before_it_evicts_anything(open_store, spec):
+    """A put holds its own blocks until it ends, so one with more new blocks than the tiers
+    could ever hold (capacity; the tenant's quota; HBM alone for a session) used to evict
+    everything it could and fail anyway. It is refused up front, and nothing is lost."""
+    s = open_store(spec, hbm_blocks=2, dram_blocks=2, nvme_blocks=4)
+    keys = s.block_keys("a", spec, tokens(3, spec))
+    kv = make_kv(spec, 3)
+    s.put("a", spec, keys, kv)
+    before = s.stats()["evictions"]
+    with pytest.raises(ResourceExhausted, match="9 new blocks .* at most 8"):
+        s.put("a", spec, s.block_keys("a", spec, tokens(9, spec, start=500)), make_kv(spec, 9))
+    assert s.stats()["evictions"] == before
+    assert s.lookup("a", spec, keys).num_blocks == 3 and torch.equal(s.get("a", spec, keys), kv)
+    # blocks already stored do not count: the same 3 plus 5 new ones fit
+    more = s.block_keys("a", spec, tokens(8, spec))
+    s.put("a", spec, more, make_kv(spec, 8))
+    assert s.lookup("a", spec, more).num_blocks == 8
+    # the tenant's quota bounds it too
+    s.set_tenant_policy("q", quota_bytes={"hbm": spec.block_nbytes, "dram": spec.block_nbytes})
+    with pytest.raises(ResourceExhausted, match="at most 6"):
+        s.put("q", spec, s.block_keys("q", spec, tokens(7, spec)), make_kv(spec, 7))
+    # session blocks live in HBM alone
+    s.open_session("a", "chat")
+    with pytest.raises(ResourceExhausted, match="hbm \\(session blocks\\) hold at most 2"):
+        s.put("a", spec, s.block_keys("a", spec, tokens(3, spec, start=900)), make_kv(spec, 3), session="chat")
+
+
 def test_sessions_pin_pause_resume_close(open_store, spec):
     s = open_store(spec, hbm_blocks=4, dram_blocks=4, nvme_blocks=16)
     s.open_session("a", "chat")
