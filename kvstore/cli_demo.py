@@ -312,6 +312,7 @@ def demo(
     """Chat with a small model through an embedded kvstore sidecar and compare time to first
     token with and without it (shared system prompt, a paused tool call)."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import (
         BarColumn,
         Progress,
@@ -352,9 +353,9 @@ def demo(
                               repeats=repeats, tool_seconds=tool_seconds)
     if show_answers:
         for t in result.turns:
-            console.print(f"[dim]{t.session} #{t.label}:[/dim] {t.answer.strip()!r}")
+            console.print(f"[dim]{t.session} #{t.label}:[/dim] {escape(repr(t.answer.strip()))}")
     for event in result.events:
-        console.print(f"[cyan]{event}[/cyan]")
+        console.print(f"[cyan]{escape(event)}[/cyan]")
     console.print(_table(result))
     if not result.identical:
         console.print("[red]generated text differs with and without kvstore[/red]")

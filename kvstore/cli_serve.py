@@ -25,6 +25,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvstore import sizes
@@ -54,7 +55,7 @@ def _admin(target: str, token: str, ca_file: Path | None):
 
 
 def _fail(exc: KVStoreError) -> None:
-    Console(stderr=True).print(f"[red]error[/red] ({exc.code}): {exc}")
+    Console(stderr=True).print(f"[red]error[/red] ({exc.code}): {escape(str(exc))}")
     raise typer.Exit(1)
 
 

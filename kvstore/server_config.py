@@ -31,7 +31,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidArgument
@@ -103,10 +110,24 @@ class LimitsConfig(BaseModel):
         return self
 
 
+def _address(value: str | None) -> str | None:
+    """``host:port`` with a port in 0..65535 (grpc would take 99999 modulo 65536 without a
+    word), or ``unix:/path`` (the gRPC address only)."""
+    if value is None or value.startswith("unix:"):
+        return value
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{value!r} is not host:port with a port in 0..65535 (0 = pick one)")
+    return value
+
+
+Address = Annotated[str, AfterValidator(_address)]
+
+
 class MetricsConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    listen: str | None = "127.0.0.1:9464"
+    listen: Address | None = "127.0.0.1:9464"
     """host:port of the Prometheus HTTP endpoint; None (omit in TOML with enabled=false) = off."""
 
     enabled: bool = True
@@ -121,7 +142,7 @@ class ServerConfig(BaseModel):
     store: StoreConfig
     """The embedded Store's configuration (``[store]`` table)."""
 
-    listen: str = DEFAULT_LISTEN
+    listen: Address = DEFAULT_LISTEN
     """gRPC address: ``host:port`` (port 0 = pick one) or ``unix:/path/to.sock``."""
 
     allow_insecure_remote: bool = False

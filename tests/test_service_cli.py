@@ -48,6 +48,15 @@ def test_cli_reports_errors_with_their_code(sidecar):
     assert result.exit_code == 1
 
 
+def test_errors_are_printed_as_text_not_console_markup(tmp_path):
+    """A message naming a config table, "[tls]", reaches the operator whole."""
+    cfg = tmp_path / "open.toml"
+    cfg.write_text(f'listen = "0.0.0.0:0"\n[store]\npath = "{tmp_path / "data"}"\n')
+    result = CliRunner().invoke(admin_app, ["serve", "--config", str(cfg)])
+    assert result.exit_code == 1
+    assert "configure [tls] or set allow_insecure_remote" in " ".join(result.output.split())
+
+
 def test_parse_size():
     assert parse_size("2GiB") == 2 << 30 and parse_size("512k") == 512 << 10 and parse_size("17") == 17
 

@@ -271,6 +271,20 @@ def test_config_byte_fields_take_sizes_written_for_people(tmp_path):
         server_config.load(path, data_dir=tmp_path)
 
 
+@pytest.mark.parametrize("listen", ["127.0.0.1:99999", "127.0.0.1", ":50051", "localhost:http", "127.0.0.1:-1"])
+def test_a_listen_address_grpc_would_misread_is_refused(tmp_path, listen):
+    """grpc binds 127.0.0.1:99999 as port 34463 without a word: the config refuses it."""
+    with pytest.raises(InvalidArgument, match="not host:port"):
+        server_config.build({"listen": listen}, data_dir=tmp_path)
+    with pytest.raises(InvalidArgument, match="not host:port"):
+        server_config.build({"metrics": {"listen": listen}}, data_dir=tmp_path)
+
+
+def test_listen_addresses_grpc_takes_are_kept(tmp_path):
+    for listen in ("127.0.0.1:0", "[::1]:65535", "localhost:50051", "unix:/tmp/kvstore.sock"):
+        assert server_config.build({"listen": listen}, data_dir=tmp_path).listen == listen
+
+
 def test_default_data_dir_rules(tmp_path):
     assert server_config.default_data_dir({"KVSTORE_HOME": str(tmp_path / "h")}) == tmp_path / "h"
     assert server_config.default_data_dir({}, cwd=tmp_path) == tmp_path / ".kvstore"
