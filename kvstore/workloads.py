@@ -76,8 +76,11 @@ def parse_request(obj: dict, line_no: int = 0) -> TraceRequest:
 
 
 def load_trace(path: Path | str) -> list[TraceRequest]:
-    """Read a JSONL trace; raises InvalidArgument on a malformed line."""
+    """Read a JSONL trace; raises InvalidArgument on a malformed line, or on a request that
+    arrives before the one above it (the replay's clock follows the trace, so an unsorted
+    trace would run time backwards)."""
     out: list[TraceRequest] = []
+    last = 0
     with open(path, encoding="utf-8") as fh:
         for i, line in enumerate(fh, 1):
             line = line.strip()
@@ -87,7 +90,12 @@ def load_trace(path: Path | str) -> list[TraceRequest]:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise InvalidArgument(f"trace line {i}: not JSON ({exc})") from None
-            out.append(parse_request(obj, i))
+            req = parse_request(obj, i)
+            if out and req.timestamp_ms < out[-1].timestamp_ms:
+                raise InvalidArgument(f"trace line {i}: timestamp {req.timestamp_ms} comes before line "
+                                      f"{last}'s {out[-1].timestamp_ms}: sort the trace by timestamp")
+            out.append(req)
+            last = i
     return out
 
 

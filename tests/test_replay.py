@@ -130,6 +130,25 @@ def test_trace_round_trip_and_bad_lines(tmp_path):
         load_trace(tmp_path / "bad.jsonl")
 
 
+def test_a_trace_out_of_arrival_order_is_refused_naming_the_line(tmp_path):
+    """The replay's clock follows the trace: an unsorted one would run time backwards."""
+    path = tmp_path / "unsorted.jsonl"
+    rows = [(5, [1, 2]), (5, [1, 2, 3]), (3, [4])]
+    path.write_text("".join(json.dumps({"timestamp": t, "input_length": 1024, "output_length": 1,
+                                        "hash_ids": ids}) + "\n" for t, ids in rows))
+    with pytest.raises(InvalidArgument, match="trace line 3: timestamp 3.0 comes before line 2's 5.0"):
+        load_trace(path)
+    path.write_text(path.read_text().replace('"timestamp": 3', '"timestamp": 7'))
+    assert [r.timestamp_ms for r in load_trace(path)] == [5.0, 5.0, 7.0]  # ties are in order
+
+
+@pytest.mark.parametrize("kind", ["chat", "agent", "shared_prompt", "tenants"])
+def test_generated_workloads_load_back_in_arrival_order(tmp_path, kind):
+    trace = generate(kind, seed=2)
+    write_trace(tmp_path / "w.jsonl", trace)
+    assert load_trace(tmp_path / "w.jsonl") == trace
+
+
 @pytest.mark.parametrize("kind", ["chat", "agent", "shared_prompt", "tenants"])
 def test_generators_are_seeded_and_well_formed(kind):
     a, b = generate(kind, seed=7), generate(kind, seed=7)
