@@ -54,7 +54,7 @@ import torch
 from kernels.copy import host_copy
 from kvstore import memtune
 from kvstore.block import Tier
-from kvstore.errors import IntegrityError, InvalidArgument, KVStoreError
+from kvstore.errors import IntegrityError, InvalidArgument, KVStoreError, UnknownRegion
 from kvstore.frames import Frame, block_frames, decoder, encode, scatter, write_into
 from kvstore.keys import KEY_BYTES, as_token_array
 from kvstore.service_convert import spec_to_pb, tier_names
@@ -258,16 +258,37 @@ class Client:
     def _register(self, size: int, required: bool) -> _LocalPlane | None:
         region = ShmRegion.create(size)
         try:
-            resp = self._call(self._kv.RegisterRegion, pb.RegisterRegionRequest(
-                kind=pb.REGION_KIND_POSIX_SHM, name=region.name, size=region.usable, nonce=region.nonce))
-            if resp.nonce != region.nonce:
-                raise KVStoreError("the server mapped a different region (not on this host)")
+            region_id = self._register_region(region)
         except KVStoreError:
             region.close()
             if required:
                 raise
             return None
-        return _LocalPlane(region, resp.region_id)
+        return _LocalPlane(region, region_id)
+
+    def _register_region(self, region: ShmRegion) -> int:
+        """Register ``region`` with the server; its id there."""
+        resp = self._call(self._kv.RegisterRegion, pb.RegisterRegionRequest(
+            kind=pb.REGION_KIND_POSIX_SHM, name=region.name, size=region.usable, nonce=region.nonce))
+        if resp.nonce != region.nonce:
+            raise KVStoreError("the server mapped a different region (not on this host)")
+        return resp.region_id
+
+    def _call_local(self, method: Any, request: Any) -> Any:
+        """A PutLocal/GetLocal ``request`` on this client's region. A server that restarted has
+        forgotten the region (UnknownRegion, answered before it touched anything): the region
+        is registered again and the call made once more."""
+        lp = self._local
+        assert lp is not None
+        request.region_id = lp.region_id
+        try:
+            return self._call(method, request)
+        except UnknownRegion:
+            with lp.lock:
+                if lp.region_id == request.region_id:  # NOTE: another thread may have done it
+                    lp.region_id = self._register_region(lp.region)
+                request.region_id = lp.region_id
+            return self._call(method, request)
 
     @property
     def uses_shared_memory(self) -> bool:
@@ -378,12 +399,11 @@ class Client:
             parent = put.keys[done - 1]
 
     def _put_slots(self, put: _Put, keys: list[bytes], offsets: list[int], parent: bytes | None) -> None:
-        assert self._local is not None
-        req = pb.PutLocalRequest(region_id=self._local.region_id, offsets=offsets, session=put.session)
+        req = pb.PutLocalRequest(offsets=offsets, session=put.session)
         self._target(req.target, put.spec, keys, None, put.namespace, parent)
         if put.ttl_s is not None:
             req.ttl_s = put.ttl_s
-        self._call(self._kv.PutLocal, req)
+        self._call_local(self._kv.PutLocal, req)
 
     # -- get ----------------------------------------------------------------------------------
     def get(self, spec: ModelSpec, keys: Sequence[bytes], *, namespace: str = "",
@@ -468,10 +488,9 @@ class Client:
 
     def _get_slots(self, spec: ModelSpec, keys: list[bytes], offsets: list[int], namespace: str,
                    parent: bytes | None) -> int:
-        assert self._local is not None
-        req = pb.GetLocalRequest(region_id=self._local.region_id, offsets=offsets)
+        req = pb.GetLocalRequest(offsets=offsets)
         self._target(req.target, spec, keys, None, namespace, parent)
-        return self._call(self._kv.GetLocal, req).num_blocks
+        return self._call_local(self._kv.GetLocal, req).num_blocks
 
     # -- sessions, prefetch, delete, stats -----------------------------------------------------
     def open_session(self, session_id: str) -> None:

@@ -42,6 +42,15 @@ class NotFound(KVStoreError, KeyError):
         return str(self.args[0]) if self.args else self.__class__.__name__
 
 
+class UnknownRegion(NotFound):
+    """A shared-memory region id the server does not know for this caller: never registered,
+    unregistered, or registered before the server restarted (a restart forgets every region).
+    Its message starts with :data:`PREFIX`, which is how a client tells it from other
+    NOT_FOUND answers (:func:`kvstore.status.from_rpc_error`)."""
+
+    PREFIX = "unknown region"
+
+
 class ResourceExhausted(KVStoreError):
     """A capacity or quota cannot hold the request, even after eviction.
 

@@ -15,7 +15,12 @@ import threading
 
 import numpy as np
 
-from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvstore.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    UnknownRegion,
+)
 from kvstore.shm import Region, attach_region
 
 
@@ -78,7 +83,8 @@ class RegionTable:
     def get(self, owner: str, region_id: int) -> Region:
         entry = self._regions.get(region_id)
         if entry is None or entry[0] != owner:
-            raise InvalidArgument(f"region {region_id} is not registered by this caller")
+            raise UnknownRegion(f"{UnknownRegion.PREFIX} {region_id}: not registered by this caller "
+                                "(a server restart forgets every region)")
         return entry[1]
 
     def unregister(self, owner: str, region_id: int) -> None:

@@ -11,7 +11,8 @@ Contract:
 * ``IntegrityError`` never reaches a caller as DATA_LOSS through the data plane (a failed block
   is a miss); if one escapes it maps to DATA_LOSS.
 * ``from_rpc_error(err)`` -> the ``KVStoreError`` subclass for the status (``KVStoreError`` with
-  ``code`` set for codes without a dedicated class).
+  ``code`` set for codes without a dedicated class); NOT_FOUND whose message starts with
+  ``UnknownRegion.PREFIX`` -> ``UnknownRegion`` (the client registers its region again).
 """
 
 from __future__ import annotations
@@ -60,4 +61,6 @@ def from_rpc_error(err: grpc.RpcError) -> errors.KVStoreError:
         return exc
     if cls is errors.ResourceExhausted:
         return errors.ResourceExhausted(message or name)
+    if cls is errors.NotFound and message.startswith(errors.UnknownRegion.PREFIX):
+        return errors.UnknownRegion(message)
     return cls(message or name)

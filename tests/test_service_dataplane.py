@@ -450,3 +450,32 @@ def test_get_packs_blocks_into_frames_only_when_asked(sidecar):
     assert all(off + size <= nbytes for _, off, size in old) and len(old) == n * 5
     assert frames(1500, pack=True)[:3] == [(0, 0, 1500), (0, 1500, 1500), (0, 3000, 1500)]
     assert frames(1500, pack=True)[3] == (1, 404, 1500)  # 4500 bytes in: past block 0's 4096
+
+
+def test_a_local_client_registers_its_region_again_after_the_server_restarts(tmp_path):
+    """A restart forgets every registered region: the client's next shared-memory call is
+    told UnknownRegion, registers the same region again and goes on, instead of failing on
+    every call until it is recreated."""
+    from kvstore.client import Client
+
+    sc = start(tmp_path)
+    port, admin_token = sc.port, sc.admin_token
+    c = Client(sc.target, sc.admin().create_tenant("again"), local=True)
+    registered = []
+    real = c._register_region
+    c._register_region = lambda region: registered.append(region.name) or real(region)
+    try:
+        keys = c.block_keys(SPEC, fresh_tokens(2))
+        c.put(SPEC, keys, random_kv(2, seed=5))
+        assert not registered
+        sc.stop()
+        sc = start(tmp_path, admin_token=admin_token, listen=f"127.0.0.1:{port}")
+        more = c.block_keys(SPEC, fresh_tokens(2))
+        kv = random_kv(2, seed=6)
+        c.put(SPEC, more, kv)
+        assert registered == [c._local.region.name]  # the same region, once
+        out = torch.empty_like(kv)
+        assert c.get_into(SPEC, more, out) == 2 and torch.equal(out.view(torch.int16), kv.view(torch.int16))
+    finally:
+        c.close()
+        sc.stop()

@@ -126,8 +126,14 @@ def test_put_and_get_local_reject_foreign_regions_and_bad_slots(raw):
                                 metadata=md, timeout=5).region_id
         keys = b"".join(bytes([i]) * 32 for i in range(2))
         n = SPEC.block_nbytes
+        # an unknown (or another caller's) region is NOT_FOUND, named so the client can
+        # register its region again after a server restart
+        unknown = pb.PutLocalRequest(target=_target(keys=keys), region_id=rid + 99, offsets=[0, n])
+        code, message = _code(kv.PutLocal, unknown, metadata=md)
+        assert code == grpc.StatusCode.NOT_FOUND and message.startswith("unknown region")
+        get = pb.GetLocalRequest(target=unknown.target, region_id=unknown.region_id, offsets=unknown.offsets)
+        assert _code(kv.GetLocal, get, metadata=md)[0] == grpc.StatusCode.NOT_FOUND
         bad = {
-            "unknown region": pb.PutLocalRequest(target=_target(keys=keys), region_id=rid + 99, offsets=[0, n]),
             "offset count": pb.PutLocalRequest(target=_target(keys=keys), region_id=rid, offsets=[0]),
             "overlap": pb.PutLocalRequest(target=_target(keys=keys), region_id=rid, offsets=[0, n // 2]),
             "out of range": pb.PutLocalRequest(target=_target(keys=keys), region_id=rid, offsets=[0, 8 * n]),
@@ -137,7 +143,8 @@ def test_put_and_get_local_reject_foreign_regions_and_bad_slots(raw):
             get = pb.GetLocalRequest(target=req.target, region_id=req.region_id, offsets=req.offsets)
             assert _code(kv.GetLocal, get, metadata=md)[0] == INVALID, name
         kv.UnregisterRegion(pb.UnregisterRegionRequest(region_id=rid), metadata=md, timeout=5)
-        assert _code(kv.UnregisterRegion, pb.UnregisterRegionRequest(region_id=rid), metadata=md)[0] == INVALID
+        assert _code(kv.UnregisterRegion, pb.UnregisterRegionRequest(region_id=rid), metadata=md)[0] == \
+            grpc.StatusCode.NOT_FOUND
     finally:
         region.close()
 
