@@ -74,10 +74,15 @@ class SidecarServer:
         self._sweeper: threading.Thread | None = None
 
     def start(self) -> None:
-        self.grpc_server.start()
         m = self.config.metrics
-        if m.enabled and m.listen:
-            self._metrics_http = serve_metrics(self.metrics_registry, m.listen)
+        if m.enabled and m.listen:  # NOTE: first: a port in use fails the start before gRPC serves
+            try:
+                self._metrics_http = serve_metrics(self.metrics_registry, m.listen)
+            except OSError as exc:
+                self.stop(0)
+                raise FailedPrecondition(f"cannot serve metrics on {m.listen!r}: {exc.strerror or exc} "
+                                         f"(set [metrics] listen, or enabled = false)") from None
+        self.grpc_server.start()
         for name in ("", *SERVICE_NAMES):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.expire_interval_s > 0:

@@ -46,6 +46,7 @@ import torch
 
 from kvstore.block import BlockMeta, Tier
 from kvstore.config import StoreConfig
+from kvstore.dirlock import DirLock
 from kvstore.errors import (
     DTypeMismatch,
     FailedPrecondition,
@@ -85,8 +86,6 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
     """Use :meth:`Store.open`; see the module docstring for the contracts."""
 
     def __init__(self, config: StoreConfig, *, clock: Clock = time.time) -> None:
-        from kvstore.codec import Codec, CodecConfig
-        from kvstore.keyring import Keyring, load_master_key
         from policy import make_policy
         from policy.quantization import QuantizationPolicy
 
@@ -106,6 +105,19 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
 
         path = config.path
         path.mkdir(parents=True, exist_ok=True)
+        self._dir_lock = DirLock(path)
+        try:
+            self._open_tiers(config, clock)
+        except BaseException:
+            self._dir_lock.release()
+            raise
+
+    def _open_tiers(self, config: StoreConfig, clock: Clock) -> None:
+        """The tiers, the codec and the placement; the index rebuilt from NVMe."""
+        from kvstore.codec import Codec, CodecConfig
+        from kvstore.keyring import Keyring, load_master_key
+
+        path = config.path
         self._mem: dict[Tier, MemoryTier] = {}
         device = torch.device(config.device) if config.device else default_device()
         self.device = device
@@ -440,6 +452,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                 self._nvme.close()
             if self._remote is not None:
                 self._remote.close()
+            self._dir_lock.release()
 
     def __enter__(self) -> Store:
         return self

@@ -57,6 +57,25 @@ def test_errors_are_printed_as_text_not_console_markup(tmp_path):
     assert "configure [tls] or set allow_insecure_remote" in " ".join(result.output.split())
 
 
+def test_a_metrics_port_in_use_is_a_clear_error_and_nothing_is_left_serving(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = tmp_path / "m.toml"
+        cfg.write_text(f'listen = "127.0.0.1:0"\n[store]\npath = "{tmp_path / "data"}"\n'
+                       f'[metrics]\nlisten = "127.0.0.1:{port}"\n')
+        result = CliRunner().invoke(admin_app, ["serve", "--config", str(cfg)])
+    assert result.exit_code == 1
+    assert f"cannot serve metrics on '127.0.0.1:{port}'" in " ".join(result.output.split())
+    # the Store it opened was closed again: its directory opens
+    from kvstore import Store, StoreConfig
+
+    Store.open(StoreConfig(path=tmp_path / "data", nvme_bytes=0)).close()
+
+
 def test_parse_size():
     assert parse_size("2GiB") == 2 << 30 and parse_size("512k") == 512 << 10 and parse_size("17") == 17
 

@@ -331,6 +331,46 @@ def test_restart_serves_committed_blocks(open_store, spec, tmp_path):
     assert torch.equal(s2.get("a", spec, keys), kv)
 
 
+def test_one_store_per_directory_while_it_is_open(open_store, spec, tmp_path):
+    """A second Store on an open Store's directory (here in the same process; another
+    process is refused alike) would index and write the same LMDB without seeing the first's
+    changes: it is refused, naming the holder; once the first closes, the path opens."""
+    import os
+
+    from kvstore.errors import FailedPrecondition
+
+    path = tmp_path / "owned"
+    s = open_store(spec, path=path)
+    with pytest.raises(FailedPrecondition, match=f"in use by another kvstore Store \\(pid {os.getpid()}\\)"):
+        open_store(spec, path=path)
+    s.close()
+    s2 = open_store(spec, path=path)
+    assert s2.stats()["blocks"] == 0
+
+
+def test_a_store_directory_held_by_a_killed_process_opens(tmp_path, spec):
+    """The lock is the kernel's: a crashed server holds nothing."""
+    import signal
+    import subprocess
+    import sys
+
+    from kvstore import Store, StoreConfig
+    from kvstore.errors import FailedPrecondition
+
+    path = tmp_path / "orphan"
+    code = ("import sys, time; from kvstore import Store, StoreConfig; "
+            f"Store.open(StoreConfig(path={str(path)!r}, nvme_bytes=0)); print('open', flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "open"
+        with pytest.raises(FailedPrecondition, match=f"pid {child.pid}"):
+            Store.open(StoreConfig(path=path, nvme_bytes=0))
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    Store.open(StoreConfig(path=path, nvme_bytes=0)).close()
+
+
 def test_restart_without_flush_keeps_only_nvme_committed_prefix(open_store, spec, tmp_path):
     path = tmp_path / "p2"
     s = open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=16, path=path,
