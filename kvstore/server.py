@@ -94,6 +94,7 @@ class SidecarServer:
         while not self._stopped.wait(self.config.expire_interval_s):
             try:
                 self.store.expire()
+                self.data.regions.prune()
             except FailedPrecondition:
                 return  # the store closed under us
             except Exception:

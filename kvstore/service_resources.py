@@ -67,6 +67,7 @@ class RegionTable:
             raise FailedPrecondition("the local data plane is disabled on this server")
         if size <= 0 or size > self._max_bytes:
             raise InvalidArgument(f"region size {size} must be in (0, limits.max_region_bytes={self._max_bytes}]")
+        self.prune(owner)  # regions of this principal's clients that are gone
         with self._lock:
             if sum(o == owner for o, _ in self._regions.values()) >= self._max_per:
                 raise ResourceExhausted(
@@ -92,6 +93,21 @@ class RegionTable:
             self.get(owner, region_id)
             _, region = self._regions.pop(region_id)
         region.close()
+
+    def prune(self, owner: str | None = None) -> int:
+        """Drop the regions (of ``owner``, or everyone's) whose client is gone: closed without
+        unregistering, or dead (``Region.alive``). Without this, a client that crashed kept
+        its region mapped here, and one that crashed ``max_regions_per_principal`` times locked
+        its principal out of the local data plane until the server restarted. The number dropped."""
+        with self._lock:
+            entries = [(rid, r) for rid, (o, r) in self._regions.items() if owner is None or o == owner]
+        gone = [(rid, r) for rid, r in entries if not r.alive()]
+        with self._lock:
+            for rid, _ in gone:
+                self._regions.pop(rid, None)
+        for _, region in gone:
+            region.close()
+        return len(gone)
 
     def close(self) -> None:
         with self._lock:

@@ -41,6 +41,8 @@ class Region(Protocol):
 
     def view(self, offset: int, length: int) -> memoryview: ...
 
+    def alive(self) -> bool: ...
+
     def close(self) -> None: ...
 
 
@@ -109,6 +111,19 @@ class ShmRegion:
             )
         start = HEADER_BYTES + offset
         return self._buf[start : start + length]
+
+    def alive(self) -> bool:
+        """Whether the region's name still exists. Its creator unlinks it on close, and Python's
+        resource tracker does when the creator dies without closing (even on SIGKILL), so a
+        region of a client that is gone is not alive; the server drops such regions."""
+        try:
+            fd = _posixshmem.shm_open("/" + self.name.lstrip("/"), os.O_RDONLY, mode=0o600)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True  # cannot tell (e.g. permissions): keep it
+        os.close(fd)
+        return True
 
     def close(self) -> None:
         """Unlink (owner only) and unmap. A view still exported keeps the mapping alive until it

@@ -479,3 +479,46 @@ def test_a_local_client_registers_its_region_again_after_the_server_restarts(tmp
     finally:
         c.close()
         sc.stop()
+
+
+def test_regions_of_clients_that_died_are_dropped_not_held_forever(tmp_path):
+    """A client killed with SIGKILL never unregisters its region; Python's resource tracker
+    unlinks its name, and the server drops the region at the principal's next registration
+    (and in its sweep). With one region allowed per principal, the next client still gets
+    the shared-memory plane instead of RESOURCE_EXHAUSTED until the server restarts."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvstore.client import Client
+
+    sc = start(tmp_path, limits={"max_regions_per_principal": 1})
+    token = sc.admin().create_tenant("crashy")
+    code = ("import sys, time; from kvstore.client import Client; "
+            f"c = Client({sc.target!r}, {token!r}, local=True, region_bytes=1 << 20); "
+            "print(c._local.region.name, flush=True); time.sleep(60)")
+    repo = Path(__file__).resolve().parents[1]
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=repo)
+    try:
+        name = child.stdout.readline().strip()
+        assert name, "the child did not register a region"
+        assert sc.server.data.regions.prune() == 0  # alive: kept
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while Path("/dev/shm", name).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the resource tracker unlinks it once it sees its parent gone
+        c = Client(sc.target, token, local=True, region_bytes=1 << 20)
+        try:
+            assert c.uses_shared_memory
+            keys = c.block_keys(SPEC, fresh_tokens(1))
+            kv = random_kv(1, seed=3)
+            c.put(SPEC, keys, kv)
+            assert torch.equal(c.get(SPEC, keys).view(torch.int16), kv.view(torch.int16))
+        finally:
+            c.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+        sc.stop()
