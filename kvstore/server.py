@@ -149,7 +149,7 @@ def create_server(config: ServerConfig, *, store: Any = None,
     metrics_registry.register(StoreCollector(store.stats))
     limits = config.limits
     data = DataPlane(store, audit, limits, metrics, copy_threads=config.copy_threads)
-    admin = AdminPlane(store, registry, audit)
+    admin = AdminPlane(store, registry, audit, data.regions)
     admin.apply_policies()
     rpc = RpcRunner(registry, metrics)
 

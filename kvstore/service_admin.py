@@ -12,14 +12,17 @@ from kvstore.audit import AuditLog
 from kvstore.auth import SHARED_PREFIX, AuthRegistry, Role, TenantPolicy, check_name
 from kvstore.block import Tier
 from kvstore.errors import InvalidArgument
+from kvstore.service_resources import RegionTable
 from kvstore.spec import FINGERPRINT_BYTES
 
 
 class AdminPlane:
     """Operator actions; each raises typed errors from kvstore.errors."""
 
-    def __init__(self, store: Any, registry: AuthRegistry, audit: AuditLog) -> None:
+    def __init__(self, store: Any, registry: AuthRegistry, audit: AuditLog,
+                 regions: RegionTable | None = None) -> None:
         self.store, self.registry, self.audit = store, registry, audit
+        self.regions = regions
 
     def create_tenant(self, name: str, role: Role, namespaces: list[str]) -> str:
         """Create a principal; returns its token (shown once)."""
@@ -36,6 +39,10 @@ class AdminPlane:
             return
         check_name(name)
         principal = self.registry.delete(name)
+        if self.regions is not None:
+            # NOTE: a principal created later under the same name must not reach the memory
+            # of the deleted one's clients through their region ids
+            self.regions.drop_owner(name)
         if principal.role is Role.TENANT:
             self.store.drop_tenant(name)
 

@@ -109,6 +109,15 @@ class RegionTable:
             region.close()
         return len(gone)
 
+    def drop_owner(self, owner: str) -> int:
+        """Forget every region of ``owner`` (a deleted principal); the number dropped."""
+        with self._lock:
+            mine = [rid for rid, (o, _) in self._regions.items() if o == owner]
+            regions = [self._regions.pop(rid)[1] for rid in mine]
+        for region in regions:
+            region.close()
+        return len(regions)
+
     def close(self) -> None:
         with self._lock:
             regions, self._regions = list(self._regions.values()), {}

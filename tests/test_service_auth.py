@@ -9,7 +9,7 @@ from service_harness import SPEC, fresh_tokens, random_kv
 
 from kvstore.admin_client import AdminClient
 from kvstore.audit import AuditLog
-from kvstore.client import Client
+from kvstore.client import Client, spec_to_pb
 from kvstore.errors import (
     IntegrityError,
     InvalidArgument,
@@ -180,3 +180,23 @@ def test_tokens_are_stored_hashed(sidecar):
     text = (sidecar.data_dir / "auth.json").read_text()
     assert token not in text and sidecar.admin_token not in text
     assert "token_sha256" in text
+
+
+def test_a_principal_recreated_under_a_deleted_ones_name_cannot_reach_its_regions(sidecar):
+    """Regions belong to a principal name: deleting the principal drops them, so a new tenant
+    given the same name cannot read or write the old one's client memory by region id."""
+    old = sidecar.tenant("reused", local=True)
+    assert old.uses_shared_memory
+    rid = old._local.region_id
+    admin = sidecar.admin()
+    admin.delete_tenant("reused")
+    token = admin.create_tenant("reused")
+    stub_md = (("authorization", f"Bearer {token}"),)
+    with grpc.insecure_channel(sidecar.target) as ch:
+        stub = kvstore_pb2_grpc.KVStoreStub(ch)
+        target = pb.Target(spec=spec_to_pb(SPEC), keys=bytes(32))
+        for call, req in ((stub.GetLocal, pb.GetLocalRequest(target=target, region_id=rid, offsets=[0])),
+                          (stub.PutLocal, pb.PutLocalRequest(target=target, region_id=rid, offsets=[0]))):
+            with pytest.raises(grpc.RpcError) as err:
+                call(req, metadata=stub_md, timeout=5)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND and "unknown region" in err.value.details()
