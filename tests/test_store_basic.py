@@ -286,6 +286,10 @@ def test_a_put_that_can_never_fit_is_refused_before_it_evicts_anything(open_stor
     s.set_tenant_policy("q", quota_bytes={"hbm": spec.block_nbytes, "dram": spec.block_nbytes})
     with pytest.raises(ResourceExhausted, match="at most 6"):
         s.put("q", spec, s.block_keys("q", spec, tokens(7, spec)), make_kv(spec, 7))
+    # a refused continuation leaves its parent as evictable as before
+    with pytest.raises(ResourceExhausted, match="can never fit"):
+        s.put("a", spec, s.block_keys("a", spec, tokens(9, spec, start=700)), make_kv(spec, 9), parent=more[-1])
+    assert not s._place.protected
     # session blocks live in HBM alone
     s.open_session("a", "chat")
     with pytest.raises(ResourceExhausted, match="hbm \\(session blocks\\) hold at most 2"):
