@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -99,24 +100,21 @@ class RegionTable:
         unregistering, or dead (``Region.alive``). Without this, a client that crashed kept
         its region mapped here, and one that crashed ``max_regions_per_principal`` times locked
         its principal out of the local data plane until the server restarted. The number dropped."""
-        with self._lock:
-            entries = [(rid, r) for rid, (o, r) in self._regions.items() if owner is None or o == owner]
-        gone = [(rid, r) for rid, r in entries if not r.alive()]
-        with self._lock:
-            for rid, _ in gone:
-                self._regions.pop(rid, None)
-        for _, region in gone:
-            region.close()
-        return len(gone)
+        return self._drop(lambda o, r: (owner is None or o == owner) and not r.alive())
 
     def drop_owner(self, owner: str) -> int:
         """Forget every region of ``owner`` (a deleted principal); the number dropped."""
+        return self._drop(lambda o, _: o == owner)
+
+    def _drop(self, doomed: Callable[[str, Region], bool]) -> int:
         with self._lock:
-            mine = [rid for rid, (o, _) in self._regions.items() if o == owner]
-            regions = [self._regions.pop(rid)[1] for rid in mine]
-        for region in regions:
+            entries = list(self._regions.items())
+        ids = [rid for rid, (o, r) in entries if doomed(o, r)]  # NOTE: alive() outside the lock
+        with self._lock:
+            dropped = [e[1] for rid in ids if (e := self._regions.pop(rid, None)) is not None]
+        for region in dropped:
             region.close()
-        return len(regions)
+        return len(dropped)
 
     def close(self) -> None:
         with self._lock:
