@@ -276,13 +276,14 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                     raise NotFound("the parent block is not stored (never put, evicted or "
                                    "expired): put the chain from its root")
                 parent_tier, base_depth = pm.tier, pm.depth + 1
-            # NOTE: before the parent is guarded: nothing below may raise until the finally
             self._refuse_what_cannot_fit(tenant, spec, keys, parent_tier, pinned=sess is not None)
-            if parent0 != ROOT_KEY and (tenant, parent0) not in self._place.protected:
-                self._place.protected.add((tenant, parent0))
-                guarded.append((tenant, parent0))
             # New blocks bound for NVMe are encoded ahead while the previous ones are written.
             with self._put_ahead(tenant, spec, keys, data, parent_tier):
+                # NOTE: guarded here, next to the try whose finally lets go: a put refused
+                # above, or whose encode-ahead failed to start, leaves its parent evictable
+                if parent0 != ROOT_KEY and (tenant, parent0) not in self._place.protected:
+                    self._place.protected.add((tenant, parent0))
+                    guarded.append((tenant, parent0))
                 try:
                     for i, key in enumerate(keys):
                         parent = keys[i - 1] if i else parent0

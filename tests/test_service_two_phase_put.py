@@ -218,7 +218,6 @@ def test_a_failed_commit_leaves_the_stored_prefix_deadlines_as_they_were(open_st
 def test_a_stream_put_that_can_never_fit_is_resource_exhausted_and_evicts_nothing(tmp_path):
     """Reserving slots for a stream put larger than the store would evict every block and
     then fail: it is refused before any slot is reserved, and the stored blocks stay."""
-    from kvstore.errors import ResourceExhausted
     from service_harness import SPEC, fresh_tokens, random_kv, start
 
     n = SPEC.block_nbytes
