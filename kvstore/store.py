@@ -336,6 +336,10 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         most = self._place.most_blocks(tenant, spec.block_nbytes, floor, pinned)
         if new > most:
             where = "hbm (session blocks)" if pinned else "the tiers it may use"
+            if not most:
+                raise ResourceExhausted(
+                    f"a block of {spec.block_nbytes} bytes fits in none of {where} for tenant {tenant!r} "
+                    f"(capacity, and its quota where set): give the store more room", resource=floor.label)
             raise ResourceExhausted(
                 f"a put of {new} new blocks of {spec.block_nbytes} bytes can never fit: {where} hold "
                 f"at most {most} of them for tenant {tenant!r} (capacity, and its quota where set); "

@@ -290,6 +290,10 @@ def test_a_put_that_can_never_fit_is_refused_before_it_evicts_anything(open_stor
     with pytest.raises(ResourceExhausted, match="can never fit"):
         s.put("a", spec, s.block_keys("a", spec, tokens(9, spec, start=700)), make_kv(spec, 9), parent=more[-1])
     assert not s._place.protected
+    # a block no tier can hold at all is told so
+    s.set_tenant_policy("z", quota_bytes={"hbm": 0, "dram": 0, "nvme": spec.block_nbytes - 1})
+    with pytest.raises(ResourceExhausted, match="fits in none of"):
+        s.put("z", spec, s.block_keys("z", spec, tokens(1, spec)), make_kv(spec, 1))
     # session blocks live in HBM alone
     s.open_session("a", "chat")
     with pytest.raises(ResourceExhausted, match="hbm \\(session blocks\\) hold at most 2"):
