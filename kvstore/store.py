@@ -68,7 +68,7 @@ from kvstore.store_reads import LookupResult, ReadPath
 from kvstore.store_reserve import ReservedPuts, _block_views, _parent
 from kvstore.store_sessions import SessionPins
 from tiers.base import BlockRef
-from tiers.memory import MemoryTier, default_device, dram_tier, hbm_tier
+from tiers.memory import MemoryTier, default_device, dram_tier, hbm_tier, usable_device
 from tiers.nvme import NVMeTier
 from tiers.remote import RemoteTier
 
@@ -119,7 +119,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
 
         path = config.path
         self._mem: dict[Tier, MemoryTier] = {}
-        device = torch.device(config.device) if config.device else default_device()
+        device = usable_device(config.device) if config.device else default_device()
         self.device = device
         if config.hbm_bytes:
             self._mem[Tier.HBM] = hbm_tier(config.hbm_bytes, device)

@@ -30,6 +30,7 @@ from kvstore.keys import ROOT_KEY, PackedKeys, check_keys
 from kvstore.spec import ModelSpec
 from kvstore.store_reserve import _block_views, _parent
 from tiers.base import BlockRef
+from tiers.memory import usable_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +148,7 @@ class ReadPath:
         keys = check_keys(keys)
         want = (len(keys), *spec.block_shape)
         if out is None:
-            dev = torch.device(device) if device is not None else self.device
+            dev = usable_device(device) if device is not None else self.device
             out = torch.empty(want, dtype=spec.torch_dtype, device=dev)
         elif tuple(out.shape) != want or out.dtype != spec.torch_dtype or not out.is_contiguous():
             raise ShapeMismatch(f"out must be a contiguous {spec.torch_dtype} tensor of shape "

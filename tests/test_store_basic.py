@@ -561,3 +561,24 @@ def test_a_put_that_restores_its_prefix_is_one_request_to_the_request_lift(open_
     tracker = s._place.policy.reuse._lift.tracker
     done = tracker.close()
     assert [done[k] for k in keys[:2]] == [RequestCell(4, 3), RequestCell(4, 2)]
+
+
+def test_a_device_that_is_not_there_is_a_typed_error_and_the_directory_stays_free(tmp_path, spec):
+    """torch's own errors (a bare AssertionError without CUDA, a RuntimeError for an unknown
+    name) become FailedPrecondition / InvalidArgument, at open and at get(device=)."""
+    from kvstore import Store, StoreConfig
+    from kvstore.errors import FailedPrecondition
+
+    missing = "cuda:99" if torch.cuda.is_available() else "cuda"
+    path = tmp_path / "dev"
+    with pytest.raises(FailedPrecondition, match="CUDA device"):
+        Store.open(StoreConfig(path=path, device=missing, nvme_bytes=0))
+    with pytest.raises(InvalidArgument, match="unknown device 'tpu9'"):
+        Store.open(StoreConfig(path=path, device="tpu9", nvme_bytes=0))
+    with Store.open(StoreConfig(path=path, device="cpu", nvme_bytes=0)) as s:  # not left locked
+        keys = s.block_keys("a", spec, tokens(1, spec))
+        s.put("a", spec, keys, make_kv(spec, 1))
+        with pytest.raises(FailedPrecondition, match="CUDA device"):
+            s.get("a", spec, keys, device=missing)
+        with pytest.raises(InvalidArgument, match="unknown device"):
+            s.get("a", spec, keys, device="tpu9")

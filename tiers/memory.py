@@ -25,6 +25,7 @@ import torch
 
 from kernels.copy import PAGE_BYTES, copy_bytes, host_copy
 from kvstore.block import Tier
+from kvstore.errors import FailedPrecondition, InvalidArgument
 from tiers.arena import ExtentAllocator
 from tiers.base import BlockRef, TierUsage
 
@@ -206,6 +207,24 @@ def _arena(capacity: int, device: torch.device, pinned: bool) -> torch.Tensor:
 
 def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def usable_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch.device: InvalidArgument for a name torch does not know,
+    FailedPrecondition for a CUDA device this build or machine does not have (torch itself
+    raises a bare AssertionError or RuntimeError at the first allocation)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidArgument(f"unknown device {device!r}: {exc}") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not n:
+            raise FailedPrecondition(f"device {str(dev)!r} asked for, but this torch "
+                                     f"({torch.__version__}) sees no CUDA device")
+        if dev.index is not None and dev.index >= n:
+            raise FailedPrecondition(f"device {str(dev)!r} asked for, but there are {n} CUDA devices")
+    return dev
 
 
 def hbm_tier(capacity: int, device: str | torch.device | None = None) -> MemoryTier:
