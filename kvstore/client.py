@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,7 @@ from kvstore import memtune
 from kvstore.block import Tier
 from kvstore.errors import IntegrityError, InvalidArgument, KVStoreError, UnknownRegion
 from kvstore.frames import Frame, block_frames, decoder, encode, scatter, write_into
-from kvstore.keys import KEY_BYTES, as_token_array
+from kvstore.keys import KEY_BYTES, as_token_array, check_keys
 from kvstore.service_convert import spec_to_pb, tier_names
 from kvstore.shm import ShmRegion, is_local_target
 from kvstore.spec import ModelSpec
@@ -64,6 +65,7 @@ from kvstore.status import from_rpc_error
 from proto.kvstore.v1 import admin_pb2_grpc, kvstore_pb2_grpc
 from proto.kvstore.v1 import kvstore_pb2 as pb
 from tiers.arena import ExtentAllocator
+from tiers.memory import holding_data
 
 MiB = 1 << 20
 #: payload bytes per in-band stream message (see :class:`Client`). 2 MiB, not the largest
@@ -100,13 +102,10 @@ _METHOD = f"/{pb.DESCRIPTOR.services_by_name['KVStore'].full_name}/"
 
 
 def _pack(keys: Sequence[bytes]) -> bytes:
-    packed = b"".join(keys)
-    if len(packed) != KEY_BYTES * len(keys):
-        raise InvalidArgument(f"keys must be {KEY_BYTES} bytes each")
-    return packed
+    return b"".join(check_keys(keys))
 
 
-def _flat_bytes(kv: Any, n: int, nbytes: int) -> np.ndarray:
+def _flat_bytes(kv: Any, n: int, nbytes: int, what: str = "kv") -> np.ndarray:
     """A [n, nbytes] uint8 numpy view of a CPU tensor/array/buffer (copies only if non-contiguous)."""
     if isinstance(kv, torch.Tensor):
         t = kv.detach()
@@ -114,10 +113,15 @@ def _flat_bytes(kv: Any, n: int, nbytes: int) -> np.ndarray:
             t = t.cpu()
         arr = t.contiguous().view(torch.uint8).numpy()
     else:
-        arr = np.ascontiguousarray(np.asarray(kv)).view(np.uint8)
+        given = np.asarray(kv)
+        if given.nbytes != n * nbytes:
+            raise InvalidArgument(f"{what} holds {given.nbytes} bytes ({given.dtype}, shape {given.shape}); "
+                                  f"{n} blocks of this spec are {n * nbytes} ({nbytes} each)")
+        arr = np.ascontiguousarray(given).view(np.uint8)
     arr = arr.reshape(-1)
     if arr.size != n * nbytes:
-        raise InvalidArgument(f"{arr.size} bytes for {n} blocks of {nbytes}")
+        raise InvalidArgument(f"{what} holds {arr.size} bytes; {n} blocks of this spec are {n * nbytes} "
+                              f"({nbytes} each)")
     return arr.reshape(n, nbytes)
 
 
@@ -247,6 +251,9 @@ class Client:
         if local:
             # an explicit local=True must succeed; automatic detection falls back to streams
             self._local = self._register(region_bytes, required=not auto)
+        # a client never closed still unlinks its region when collected or at exit (else the
+        # resource tracker does, warning of a leak); the server drops regions whose name is gone
+        self._unlink = weakref.finalize(self, self._local.close) if self._local is not None else None
 
     # -- plumbing -----------------------------------------------------------------------------
     def _call(self, method: Any, request: Any) -> Any:
@@ -338,6 +345,7 @@ class Client:
         """Store ``kv`` ([len(keys), 2, L, H, T, D] of the spec's dtype) under the key chain;
         ``parent``: the stored block ``keys[0]`` continues from."""
         if isinstance(kv, torch.Tensor):
+            holding_data(kv, "kv")
             want = (len(keys), *spec.block_shape)
             if tuple(kv.shape) != want:
                 raise InvalidArgument(f"kv has shape {tuple(kv.shape)}, expected {want}")
@@ -354,7 +362,7 @@ class Client:
             [np.frombuffer(b, dtype=np.uint8) for b in blocks]
         if len(rows) != len(keys):
             raise InvalidArgument(f"{len(rows)} blocks for {len(keys)} keys")
-        put = _Put(spec, list(keys), session or "", ttl_s, namespace)
+        put = _Put(spec, check_keys(keys), session or "", ttl_s, namespace)
         if self._local is not None:
             self._put_local(put, rows, parent)
         else:
@@ -419,9 +427,11 @@ class Client:
         of len(keys) blocks); returns how many leading blocks were written. A device tensor or a
         non-contiguous ``out`` is filled through a host copy (the blocks past the prefix keep
         their values)."""
-        keys = list(keys)
+        keys = check_keys(keys)
+        if isinstance(out, torch.Tensor):
+            holding_data(out, "out")
         host = _host_staging(out)
-        rows = _flat_bytes(out if host is None else host, len(keys), spec.block_nbytes)
+        rows = _flat_bytes(out if host is None else host, len(keys), spec.block_nbytes, "out")
         if not keys:
             return 0
         if self._local is not None:
@@ -530,7 +540,8 @@ class Client:
                 self._call(self._kv.UnregisterRegion, pb.UnregisterRegionRequest(region_id=self._local.region_id))
             except KVStoreError:
                 pass  # NOTE: the server may already be gone; the region is unlinked below anyway
-            self._local.close()
+            assert self._unlink is not None
+            self._unlink()
             self._local = None
         self._channel.close()
 

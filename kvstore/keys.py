@@ -125,8 +125,14 @@ def check_keys(keys: Sequence[bytes]) -> list[bytes]:
         return keys[:]  # well-formed by construction
     if type(keys) is list and set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {KEY_BYTES}:
         return keys  # the common case, checked at C speed without copying
+    if isinstance(keys, (bytes, bytearray, memoryview, str)):
+        raise InvalidArgument(f"keys must be a sequence of {KEY_BYTES}-byte keys, got one "
+                              f"{type(keys).__name__}")
     out = []
     for i, k in enumerate(keys):
+        if isinstance(k, int):
+            raise InvalidArgument(f"key {i} is an int: keys are the {KEY_BYTES}-byte block keys "
+                                  "block_keys() returns, not token ids")
         if not isinstance(k, (bytes, bytearray, memoryview)) or len(k) != KEY_BYTES:
             raise InvalidArgument(f"key {i} must be {KEY_BYTES} bytes, got {type(k).__name__} of len "
                                   f"{len(k) if hasattr(k, '__len__') else '?'}")

@@ -68,7 +68,14 @@ from kvstore.store_reads import LookupResult, ReadPath
 from kvstore.store_reserve import ReservedPuts, _block_views, _parent
 from kvstore.store_sessions import SessionPins
 from tiers.base import BlockRef
-from tiers.memory import MemoryTier, default_device, dram_tier, hbm_tier, usable_device
+from tiers.memory import (
+    MemoryTier,
+    default_device,
+    dram_tier,
+    hbm_tier,
+    holding_data,
+    usable_device,
+)
 from tiers.nvme import NVMeTier
 from tiers.remote import RemoteTier
 
@@ -228,6 +235,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         calls (default: ``keys[0]`` is the first block of a prefix)."""
         if not isinstance(kv, torch.Tensor):
             raise InvalidArgument(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        holding_data(kv, "kv")
         keys = check_keys(keys)
         want = (len(keys), *spec.block_shape)
         if tuple(kv.shape) != want:

@@ -22,6 +22,7 @@ from kvstore.errors import FailedPrecondition, InvalidArgument, ShapeMismatch
 from kvstore.keys import ROOT_KEY, check_keys
 from kvstore.spec import ModelSpec
 from tiers.base import BlockRef
+from tiers.memory import holding_data
 
 
 @dataclass(slots=True)
@@ -62,6 +63,7 @@ def _block_views(spec: ModelSpec, bufs: Sequence[Any], n_keys: int, what: str) -
         # NOTE: a non-contiguous tensor reshapes into a copy: written to, the caller's buffer
         # would stay as it was (and numpy refuses one outright), so neither is taken
         if isinstance(b, torch.Tensor):
+            holding_data(b, f"{what} {i}")
             if not b.is_contiguous():
                 raise InvalidArgument(f"{what} {i} is not contiguous")
             v = b.reshape(-1).view(torch.uint8)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 
@@ -12,7 +13,7 @@ import torch
 import xxhash
 from service_harness import SPEC, fresh_tokens, random_kv, restart, start
 
-from kvstore.errors import KVStoreError, NotFound
+from kvstore.errors import InvalidArgument, KVStoreError, NotFound
 from kvstore.spec import ModelSpec
 from proto.kvstore.v1 import kvstore_pb2 as pb
 from proto.kvstore.v1 import kvstore_pb2_grpc
@@ -522,3 +523,58 @@ def test_regions_of_clients_that_died_are_dropped_not_held_forever(tmp_path):
         if child.poll() is None:
             child.kill()
         sc.stop()
+
+
+def test_a_client_never_closed_unlinks_its_region_at_exit_without_warnings(sidecar):
+    """An engine that drops its Client (or exits) without close(): the region's name is
+    unlinked by the client itself at exit, with no 'leaked shared_memory' warning from the
+    resource tracker and no BufferError from a mapping still in use; a Client collected while
+    the process runs does the same."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    token = sidecar.admin().create_tenant("no-close")
+    code = ("import gc, torch; from kvstore.client import Client; from service_harness import SPEC, random_kv\n"
+            f"c = Client({sidecar.target!r}, {token!r}, local=True, region_bytes=1 << 20)\n"
+            "keys = c.block_keys(SPEC, list(range(SPEC.block_tokens)))\n"
+            "c.put(SPEC, keys, random_kv(1)); c.get(SPEC, keys)\n"
+            f"d = Client({sidecar.target!r}, {token!r}, local=True, region_bytes=1 << 20)\n"
+            "name = d._local.region.name; del d; gc.collect()\n"
+            "import os; print(os.path.exists('/dev/shm/' + name))\n"
+            "print(c._local.region.name, flush=True)\n")
+    tests = Path(__file__).resolve().parent
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tests.parent, check=False,
+                          env={**os.environ, "PYTHONPATH": str(tests)}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    collected_exists, name = done.stdout.split()
+    assert collected_exists == "False"  # the collected client's region is gone already
+    assert not Path("/dev/shm", name).exists()
+    assert "leaked" not in done.stderr and "BufferError" not in done.stderr, done.stderr
+
+
+def test_token_ids_passed_as_keys_are_refused_with_a_hint(sidecar):
+    c = sidecar.tenant("ints-as-keys", local=False)
+    for call in (lambda: c.lookup(SPEC, list(range(SPEC.block_tokens))), lambda: c.get(SPEC, [1, 2]),
+                 lambda: c.delete([7])):
+        with pytest.raises(InvalidArgument, match="not token ids"):
+            call()
+    with pytest.raises(InvalidArgument, match="got str"):
+        c.get(SPEC, ["abc"])
+    with pytest.raises(InvalidArgument, match="sequence of 32-byte keys"):
+        c.get(SPEC, bytes(64))  # the packed form is the server's wire format, not the client's
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_meta_tensors_are_refused_by_the_client(sidecar, local):
+    """A meta tensor (shapes only, no memory) as put's kv or get_into's out is InvalidArgument
+    naming the meta device, and nothing is stored."""
+    c = sidecar.tenant(f"meta-{int(local)}", local=local)
+    keys = c.block_keys(SPEC, fresh_tokens(2))
+    meta = torch.empty((2, *SPEC.block_shape), dtype=SPEC.torch_dtype, device="meta")
+    with pytest.raises(InvalidArgument, match="meta device"):
+        c.put(SPEC, keys, meta)
+    assert c.lookup(SPEC, keys).num_blocks == 0
+    c.put(SPEC, keys, random_kv(2))
+    with pytest.raises(InvalidArgument, match="meta device"):
+        c.get_into(SPEC, keys, meta)

@@ -582,3 +582,35 @@ def test_a_device_that_is_not_there_is_a_typed_error_and_the_directory_stays_fre
             s.get("a", spec, keys, device=missing)
         with pytest.raises(InvalidArgument, match="unknown device"):
             s.get("a", spec, keys, device="tpu9")
+
+
+@pytest.mark.parametrize("tiers", [(4, 4, 16), (0, 0, 16)], ids=["memory", "nvme-only"])
+def test_meta_tensors_are_refused_and_nothing_is_stored(open_store, spec, tiers):
+    """A meta tensor has shapes but no memory: as put's kv (or a put_bytes buffer) it is
+    InvalidArgument, not torch's NotImplementedError from deep inside a copy, and nothing is
+    stored; as get_into's output or get's device it is refused the same way."""
+    hbm, dram, nvme = tiers
+    s = open_store(spec, hbm_blocks=hbm, dram_blocks=dram, nvme_blocks=nvme)
+    keys = s.block_keys("a", spec, tokens(2, spec))
+    meta = torch.empty((2, *spec.block_shape), dtype=spec.torch_dtype, device="meta")
+    with pytest.raises(InvalidArgument, match="meta device"):
+        s.put("a", spec, keys, meta)
+    with pytest.raises(InvalidArgument, match="meta device"):
+        s.put_bytes("a", spec, keys, [b.reshape(-1).view(torch.uint8) for b in meta])
+    assert s.lookup("a", spec, keys).num_blocks == 0
+    s.put("a", spec, keys, make_kv(spec, 2))
+    with pytest.raises(InvalidArgument, match="meta device"):
+        s.get_into("a", spec, keys, list(meta))
+    with pytest.raises(InvalidArgument, match="meta device"):
+        s.get("a", spec, keys, device="meta")
+
+
+def test_token_ids_in_place_of_keys_are_refused_with_a_hint(open_store, spec):
+    s = open_store(spec, hbm_blocks=4, dram_blocks=0, nvme_blocks=0)
+    ids = tokens(2, spec)
+    for call in (lambda: s.lookup("a", spec, ids), lambda: s.get("a", spec, ids),
+                 lambda: s.put("a", spec, ids[:2], make_kv(spec, 2))):
+        with pytest.raises(InvalidArgument, match="not token ids"):
+            call()
+    with pytest.raises(InvalidArgument, match="sequence of 32-byte keys"):
+        s.lookup("a", spec, b"".join(s.block_keys("a", spec, ids)))

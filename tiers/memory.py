@@ -217,6 +217,8 @@ def usable_device(device: str | torch.device) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise InvalidArgument(f"unknown device {device!r}: {exc}") from None
+    if dev.type == "meta":
+        raise InvalidArgument("the meta device holds no data: name a real device (cpu, cuda:N)")
     if dev.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if not n:
@@ -225,6 +227,15 @@ def usable_device(device: str | torch.device) -> torch.device:
         if dev.index is not None and dev.index >= n:
             raise FailedPrecondition(f"device {str(dev)!r} asked for, but there are {n} CUDA devices")
     return dev
+
+
+def holding_data(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t``, or InvalidArgument when it has no memory to read or write: a tensor on the meta
+    device (shapes only, e.g. a model built before its weights are loaded). torch refuses it
+    only deep inside a copy, with NotImplementedError, or copies nothing out of it."""
+    if t.device.type == "meta":
+        raise InvalidArgument(f"{what} is on the meta device: it holds no data")
+    return t
 
 
 def hbm_tier(capacity: int, device: str | torch.device | None = None) -> MemoryTier:
