@@ -119,15 +119,56 @@ class Placement:
         (session blocks: HBM alone) were nothing else stored: each tier's capacity, within the
         tenant's quota there. A put of more can only fail, after evicting all it could."""
         tiers = [Tier.HBM] if pinned and Tier.HBM in self._mem else [t for t in self.tiers if t >= floor]
-        total = 0
+        return sum(self._fit(tenant, t, nbytes, self.backend(t).capacity, 0) for t in tiers)
+
+    def room_now(self, tenant: str, nbytes: int, floor: Tier, pinned: bool, need: int) -> int:
+        """How many of ``need`` new blocks of ``nbytes`` one put could place from ``floor``
+        down (session blocks: HBM alone) if it evicted everything it may, at most ``need``: in
+        each memory tier the bytes not held by pinned, in-flight or protected blocks (nor by
+        the ancestors they keep in their tier), within the tenant's quota; NVMe at capacity,
+        as in :meth:`most_blocks`. An upper bound: a put of more can only fail. Scans a memory
+        tier's blocks only when free room and NVMe cannot take ``need`` blocks."""
+        tiers = [Tier.HBM] if pinned and Tier.HBM in self._mem else [t for t in self.tiers if t >= floor]
+        fits: dict[Tier, int] = {}
         for t in tiers:
             backend = self.backend(t)
-            fit = backend.capacity // max(backend.charge(nbytes), 1)
-            quota = self._quota_of(tenant, t)
-            if quota is not None:
-                fit = min(fit, quota // max(nbytes, 1))
-            total += fit
-        return total
+            used = backend.used_bytes if t in self._mem else 0
+            fits[t] = self._fit(tenant, t, nbytes, backend.capacity - used,
+                                self.tenant_usage.get((tenant, t), 0) if t in self._mem else 0)
+        if sum(fits.values()) >= need:
+            return need
+        for t in tiers:
+            if t in self._mem:
+                held, held_own = self._held(t, tenant)
+                fits[t] = self._fit(tenant, t, nbytes, self.backend(t).capacity - held, held_own)
+        return min(need, sum(fits.values()))
+
+    def _fit(self, tenant: str, tier: Tier, nbytes: int, room: int, quota_used: int) -> int:
+        """Blocks of ``nbytes`` that ``room`` bytes of ``tier`` take, within what the tenant's
+        quota leaves after ``quota_used``."""
+        fit = room // max(self.backend(tier).charge(nbytes), 1)
+        quota = self._quota_of(tenant, tier)
+        if quota is not None:
+            fit = min(fit, (quota - quota_used) // max(nbytes, 1))
+        return max(fit, 0)
+
+    def _held(self, tier: Tier, tenant: str) -> tuple[int, int]:
+        """Bytes of ``tier`` that no eviction can free now (all tenants', and ``tenant``'s own
+        within them): pinned, in-flight and protected blocks, and their ancestors in the same
+        tier (leaf-first eviction, and a parent never sits in a slower tier than its child)."""
+        backend = self.backend(tier)
+        seen: set[tuple[str, bytes]] = set()
+        held = own = 0
+        for m in list(self._index.in_tier(tier)):
+            cur: BlockMeta | None = m
+            if not (m.pins or m.in_flight or (m.tenant, m.key) in self.protected):
+                continue
+            while cur is not None and cur.tier == tier and (cur.tenant, cur.key) not in seen:
+                seen.add((cur.tenant, cur.key))
+                held += backend.charge(cur.nbytes)
+                own += cur.nbytes if cur.tenant == tenant else 0
+                cur = self._index.get(cur.tenant, cur.parent)
+        return held, own
 
     def write(self, tier: Tier, ref: BlockRef, meta: BlockMeta, data: Any) -> bool:
         if tier == Tier.NVME:

@@ -342,6 +342,19 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         until it ends, so such a put would evict everything it could and still fail)."""
         new = sum(1 for k in keys if self._index.get(tenant, k) is None)
         most = self._place.most_blocks(tenant, spec.block_nbytes, floor, pinned)
+        if new <= most:
+            # session blocks already stored below HBM are brought up too
+            up = sum(1 for k in keys if (m := self._index.get(tenant, k)) is not None and m.tier > Tier.HBM) \
+                if pinned and Tier.HBM in self.tiers else 0
+            room = self._place.room_now(tenant, spec.block_nbytes, floor, pinned, new + up)
+            if new + up > room:
+                where = "hbm" if pinned else "the tiers it may use"
+                raise ResourceExhausted(
+                    f"no room for {new + up} blocks of {spec.block_nbytes} bytes of tenant {tenant!r} in "
+                    f"{where}: only {room} could be made, the rest is held by pinned (session) or "
+                    f"in-flight blocks or by the tenant's quota; nothing was evicted",
+                    resource=Tier.HBM.label if pinned else floor.label)
+            return
         if new > most:
             where = "hbm (session blocks)" if pinned else "the tiers it may use"
             if not most:

@@ -614,3 +614,48 @@ def test_token_ids_in_place_of_keys_are_refused_with_a_hint(open_store, spec):
             call()
     with pytest.raises(InvalidArgument, match="sequence of 32-byte keys"):
         s.lookup("a", spec, b"".join(s.block_keys("a", spec, ids)))
+
+
+def test_a_session_put_that_pinned_blocks_leave_no_room_for_evicts_nothing(open_store, spec):
+    """HBM mostly held by a session's pinned blocks: a session put needing more HBM than
+    eviction could ever free now is refused before it evicts anything. It used to evict the
+    unpinned block (dropped: no tier below) and then fail on its second block. A put that does
+    fit once that block goes still evicts it."""
+    s = open_store(spec, hbm_blocks=4, dram_blocks=0, nvme_blocks=0, high_watermark=1.0, low_watermark=1.0)
+    s.open_session("a", "s1")
+    pinned = s.block_keys("a", spec, tokens(3, spec))
+    s.put("a", spec, pinned, make_kv(spec, 3), session="s1")
+    loose = s.block_keys("a", spec, tokens(1, spec, start=100))
+    s.put("a", spec, loose, make_kv(spec, 1))
+    two = s.block_keys("a", spec, tokens(2, spec, start=200))
+    with pytest.raises(ResourceExhausted, match="only 1 could be made.*nothing was evicted") as e:
+        s.put("a", spec, two, make_kv(spec, 2), session="s1")
+    assert e.value.resource == "hbm"
+    assert s.stats()["evictions"] == 0
+    assert s.lookup("a", spec, loose).num_blocks == 1
+    assert s.lookup("a", spec, two).num_blocks == 0
+    # ancestors of pinned blocks are held too: a child of the pinned chain is pinned, so its
+    # parents cannot go either; one block fits once the loose one is evicted
+    s.put("a", spec, two[:1], make_kv(spec, 1), session="s1")
+    assert s.lookup("a", spec, loose).num_blocks == 0 and s.lookup("a", spec, two[:1]).num_blocks == 1
+
+
+def test_room_now_counts_what_eviction_can_reach(open_store, spec):
+    """Placement.room_now: free room first; when short, capacity less the bytes held by pinned
+    blocks and their same-tier ancestors, within the tenant's quota; lower tiers add theirs."""
+    from kvstore.block import Tier
+
+    s = open_store(spec, hbm_blocks=6, dram_blocks=2, nvme_blocks=0, high_watermark=1.0, low_watermark=1.0)
+    nb = spec.block_nbytes
+    base = s.block_keys("a", spec, tokens(4, spec))
+    s.put("a", spec, base[:2], make_kv(spec, 2))  # unpinned parents...
+    s.open_session("a", "s")
+    s.put("a", spec, base[2:], make_kv(spec, 2), session="s", parent=base[1])  # ...of pinned blocks
+    s.put("b", spec, s.block_keys("b", spec, tokens(2, spec)), make_kv(spec, 2))
+    place = s._place
+    assert place.room_now("a", nb, Tier.HBM, True, 2) == 2  # free: 2
+    assert place.room_now("a", nb, Tier.HBM, True, 5) == 2  # 4 held (2 pinned + 2 ancestors)
+    assert place.room_now("a", nb, Tier.HBM, False, 5) == 4  # DRAM adds 2
+    assert place.room_now("b", nb, Tier.HBM, True, 5) == 2  # a's 4 held, b's own 2 can go
+    s.set_tenant_policy("b", quota_bytes={"hbm": nb})
+    assert place.room_now("b", nb, Tier.HBM, True, 5) == 1  # within b's quota of one block
