@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from bench.kv_accuracy import PPL_TEXT
-from kvstore.integrations.smollm2 import MODEL_ID, chat_ids, ensure_smollm2, load_smollm2
 from kvstore.config import StoreConfig
 from kvstore.integrations.hf import PrefixCache, TenantStore, forward, spec_from_config
+from kvstore.integrations.smollm2 import MODEL_ID, chat_ids, ensure_smollm2, load_smollm2
 from kvstore.store import Store
 
 __all__ = ["chat_ids", "load_smollm2", "main", "run"]

@@ -347,7 +347,7 @@ def machine_info() -> dict[str, Any]:
                 break
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True, check=False,
                                 capture_output=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = "?"

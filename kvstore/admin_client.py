@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 from kvstore.client import Client, ClientTLS, spec_to_pb
 from kvstore.spec import ModelSpec
@@ -78,7 +78,7 @@ class AdminClient:
     def close(self) -> None:
         self._inner.close()
 
-    def __enter__(self) -> AdminClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -34,7 +34,7 @@ from kvstore.server_config import DEFAULT_LISTEN
 
 TargetOpt = Annotated[str, typer.Option("--target", envvar="KVSTORE_TARGET", help="Server address.")]
 TokenOpt = Annotated[str, typer.Option("--token", envvar="KVSTORE_ADMIN_TOKEN", help="Admin bearer token.")]
-CaOpt = Annotated[Optional[Path], typer.Option("--ca-file", envvar="KVSTORE_CA_FILE", help="CA bundle for TLS.")]
+CaOpt = Annotated[Path | None, typer.Option("--ca-file", envvar="KVSTORE_CA_FILE", help="CA bundle for TLS.")]
 
 
 def parse_size(text: str) -> int:
@@ -61,9 +61,9 @@ def _fail(exc: KVStoreError) -> None:
 
 # -- serve ----------------------------------------------------------------------------------------
 def serve(
-    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file.")] = None,
-    listen: Annotated[Optional[str], typer.Option("--listen", help=f"host:port (default {DEFAULT_LISTEN}).")] = None,
-    data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="Store directory.")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file.")] = None,
+    listen: Annotated[str | None, typer.Option("--listen", help=f"host:port (default {DEFAULT_LISTEN}).")] = None,
+    data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Store directory.")] = None,
 ) -> None:
     """Run the kvstore gRPC sidecar (embedded defaults when there is no config file)."""
     from kvstore import memtune, server_config
@@ -88,7 +88,7 @@ tenant_app = typer.Typer(help="Create, rotate, delete and list tenants.", no_arg
 def tenant_add(
     name: str,
     role: Annotated[str, typer.Option(help="tenant | publisher | admin")] = "tenant",
-    namespace: Annotated[Optional[list[str]], typer.Option(
+    namespace: Annotated[list[str] | None, typer.Option(
         "--namespace", "-n", help="Shared namespace (shared:NAME) to read (tenant) or publish (publisher).")] = None,
     target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
 ) -> None:
@@ -173,8 +173,8 @@ def policy_get(name: str, target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = 
 @policy_app.command("set")
 def policy_set(
     name: str,
-    ttl: Annotated[Optional[float], typer.Option("--ttl", help="Block TTL in seconds (omit: none).")] = None,
-    quota: Annotated[Optional[list[str]], typer.Option("--quota", help="TIER=SIZE, e.g. hbm=2GiB; repeat.")] = None,
+    ttl: Annotated[float | None, typer.Option("--ttl", help="Block TTL in seconds (omit: none).")] = None,
+    quota: Annotated[list[str] | None, typer.Option("--quota", help="TIER=SIZE, e.g. hbm=2GiB; repeat.")] = None,
     priority: Annotated[int, typer.Option(help="Relative priority.")] = 0,
     target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
 ) -> None:

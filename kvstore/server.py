@@ -31,8 +31,8 @@ from kvstore.auth import AuthRegistry
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.metrics import ServiceMetrics, StoreCollector, serve_metrics
 from kvstore.server_config import ServerConfig
-from kvstore.shm import is_local_target
 from kvstore.service import AdminPlane, DataPlane, RpcRunner, add_services
+from kvstore.shm import is_local_target
 from proto.kvstore.v1 import admin_pb2, kvstore_pb2
 
 log = logging.getLogger(__name__)

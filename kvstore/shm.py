@@ -19,14 +19,13 @@ the server only touches the slots named in one call.
 
 from __future__ import annotations
 
+import _posixshmem  # CPython's POSIX shm_open (what multiprocessing.shared_memory uses)
 import mmap
 import os
 import secrets
 from collections.abc import Callable
 from multiprocessing import shared_memory
 from typing import Protocol
-
-import _posixshmem  # CPython's POSIX shm_open (what multiprocessing.shared_memory uses)
 
 from kvstore.errors import FailedPrecondition, InvalidArgument
 

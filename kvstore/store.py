@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -411,8 +411,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                 tiers["remote"] = {"used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes,
                                    "blocks": u.blocks}
                 c.update({f"remote_{k}": v for k, v in self._remote.metrics().items()})
-                for tenant in tenants:
-                    tenants[tenant]["remote"] = self._remote.tenant_bytes(tenant)
+                for tenant, row in tenants.items():
+                    row["remote"] = self._remote.tenant_bytes(tenant)
             return {
                 "tiers": tiers,
                 "blocks": len(self._index),
@@ -481,7 +481,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                 self._remote.close()
             self._dir_lock.release()
 
-    def __enter__(self) -> Store:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,3 +1,5 @@
+import itertools
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -32,7 +34,7 @@ def test_allocator_invariants(ops):
         ext = a.extents()
         assert dict(ext) == live
         assert a.used == sum(live.values()) <= a.capacity
-        for (o1, l1), (o2, _) in zip(ext, ext[1:]):
+        for (o1, l1), (o2, _) in itertools.pairwise(ext):
             assert o1 + l1 <= o2  # no overlap
         assert all(0 <= o and o + n <= a.capacity for o, n in ext)
     for off in list(live):

@@ -193,8 +193,7 @@ def test_unsupported_caches_are_refused() -> None:
 def test_smollm2_two_turn_chat_reuses_turn_one_and_decodes_the_same(tmp_path: Path) -> None:
     pytest.importorskip("gguf", reason="gguf is not installed: pip install 'kvstore[hf]'")
     pytest.importorskip("accelerate", reason="accelerate is not installed: pip install 'kvstore[hf]'")
-    from kvstore.integrations.smollm2 import chat_ids, load_smollm2
-    from kvstore.integrations.smollm2 import ModelUnavailable, ensure_smollm2
+    from kvstore.integrations.smollm2 import ModelUnavailable, chat_ids, ensure_smollm2, load_smollm2
 
     try:
         files = ensure_smollm2()

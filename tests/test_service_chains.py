@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from service_harness import SPEC, fresh_tokens, random_kv
 
 from kvstore.errors import InvalidArgument, NotFound
-from service_harness import SPEC, fresh_tokens, random_kv
 
 torch.set_num_threads(1)
 

@@ -6,6 +6,7 @@ import grpc
 import pytest
 import torch
 import xxhash
+from service_harness import SPEC, fresh_tokens, random_kv, start
 
 from kvstore import server_config
 from kvstore.client import spec_to_pb
@@ -13,10 +14,8 @@ from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhauste
 from kvstore.server import create_server
 from kvstore.shm import ShmRegion
 from proto.kvstore.v1 import admin_pb2 as apb
-from proto.kvstore.v1 import admin_pb2_grpc
+from proto.kvstore.v1 import admin_pb2_grpc, kvstore_pb2_grpc
 from proto.kvstore.v1 import kvstore_pb2 as pb
-from proto.kvstore.v1 import kvstore_pb2_grpc
-from service_harness import SPEC, fresh_tokens, random_kv, start
 
 torch.set_num_threads(1)
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

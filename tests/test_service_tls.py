@@ -12,11 +12,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from service_harness import SPEC, fresh_tokens, random_kv, start
 
 from kvstore.admin_client import AdminClient
 from kvstore.client import Client, ClientTLS
 from kvstore.errors import KVStoreError
-from service_harness import SPEC, fresh_tokens, random_kv, start
 
 
 def _name(cn: str) -> x509.Name:

@@ -9,8 +9,8 @@ from kvstore.spec import ModelSpec
 
 
 def base_spec(**kw):
-    args = dict(model="m", revision="r1", num_layers=4, num_kv_heads=2, head_dim=64,
-                dtype="float16", block_tokens=16)
+    args = {"model": "m", "revision": "r1", "num_layers": 4, "num_kv_heads": 2, "head_dim": 64,
+            "dtype": "float16", "block_tokens": 16}
     args.update(kw)
     return ModelSpec(**args)
 

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-
 from conftest import make_kv, tokens
+
 from kvstore import SessionState
-from kvstore.errors import (DTypeMismatch, InvalidArgument, NotFound, ResourceExhausted,
-                            ShapeMismatch, UnknownTier)
+from kvstore.errors import DTypeMismatch, InvalidArgument, NotFound, ResourceExhausted, ShapeMismatch, UnknownTier
 
 
 def test_put_lookup_get_round_trip_across_tiers(open_store, spec):
@@ -455,6 +454,7 @@ def test_watermarks_evict_down_to_low(open_store, spec, clock):
 
 def test_embedded_master_key_is_generated_0600_and_reused(tmp_path, spec, monkeypatch):
     import stat
+
     from kvstore import Store, StoreConfig
     monkeypatch.delenv("KVSTORE_MASTER_KEY", raising=False)
     cfg = StoreConfig(path=tmp_path / "emb", hbm_bytes=0, dram_bytes=0,

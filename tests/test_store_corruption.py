@@ -3,7 +3,6 @@
 import lmdb
 import pytest
 import torch
-
 from conftest import make_kv, tokens
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import crash_child  # noqa: E402
+import crash_child
 
-from kvstore.store import Store  # noqa: E402
+from kvstore.store import Store
 
 CHILD = Path(__file__).with_name("crash_child.py")
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import make_kv, tokens
+
 from kernels.quant import QuantScheme, error_bound, quantize
 from kvstore.errors import InvalidArgument
 
@@ -30,6 +30,7 @@ def test_int8_tenant_within_bounds_lossless_tenant_bit_exact(open_store, spec):
 
 def test_bad_quantization_names_are_refused(tmp_path, spec):
     from pydantic import ValidationError
+
     from kvstore.config import StoreConfig
     with pytest.raises(ValidationError):
         StoreConfig(path=tmp_path, nvme_quantization="int4")

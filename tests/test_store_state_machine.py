@@ -15,11 +15,11 @@ import tempfile
 from pathlib import Path
 
 import torch
+from conftest import MASTER, FakeClock
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from conftest import MASTER, FakeClock
 from kvstore.config import StoreConfig
 from kvstore.errors import ResourceExhausted
 from kvstore.spec import ModelSpec
