@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -28,7 +29,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.replay import (
     ReplayConfig,
     ReplayResult,
@@ -82,6 +83,13 @@ def replay(
     """Replay TRACE through the policy and report hits, time saved and bytes moved."""
     err = Console(stderr=True)
     try:
+        if not (math.isfinite(num_params) and num_params >= 1):
+            raise InvalidArgument(f"--params must be a finite number of parameters >= 1, got {num_params}")
+        # NOTE: checked before the replay, which may run for minutes, not after it
+        if json_out is not None and json_out.is_dir():
+            raise InvalidArgument(f"--json {str(json_out)!r} is a directory: name the file to write")
+        if json_out is not None and not json_out.parent.is_dir():
+            raise InvalidArgument(f"--json {str(json_out)!r}: directory {str(json_out.parent)!r} does not exist")
         spec = replay_spec(num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim,
                            dtype=dtype, block_tokens=block_tokens, num_params=int(num_params),
                            hidden_size=hidden_size)

@@ -76,13 +76,14 @@ def parse_request(obj: dict, line_no: int = 0) -> TraceRequest:
 
 
 def load_trace(path: Path | str) -> list[TraceRequest]:
-    """Read a JSONL trace; raises InvalidArgument on a malformed line, or on a request that
+    """Read a JSONL trace; raises InvalidArgument on a malformed line, on a request that
     arrives before the one above it (the replay's clock follows the trace, so an unsorted
-    trace would run time backwards)."""
+    trace would run time backwards), on a file that is not UTF-8 text and on one that holds
+    no request."""
     out: list[TraceRequest] = []
     last = 0
     with open(path, encoding="utf-8") as fh:
-        for i, line in enumerate(fh, 1):
+        for i, line in _numbered_lines(fh, path):
             line = line.strip()
             if not line:
                 continue
@@ -96,7 +97,19 @@ def load_trace(path: Path | str) -> list[TraceRequest]:
                                       f"{last}'s {out[-1].timestamp_ms}: sort the trace by timestamp")
             out.append(req)
             last = i
+    if not out:
+        raise InvalidArgument(f"trace {str(path)!r} holds no request (an empty file, or blank lines only)")
     return out
+
+
+def _numbered_lines(fh: Iterable[str], path: Path | str) -> Iterator[tuple[int, str]]:
+    """``enumerate(fh, 1)``, with text that is not UTF-8 an InvalidArgument naming the line."""
+    i = 0
+    try:
+        for i, line in enumerate(fh, 1):
+            yield i, line
+    except UnicodeDecodeError:
+        raise InvalidArgument(f"trace {str(path)!r}: not UTF-8 text after line {i} (a JSONL trace is)") from None
 
 
 def write_trace(path: Path | str, requests: Iterable[TraceRequest]) -> None:

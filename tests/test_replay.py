@@ -259,3 +259,44 @@ def test_repeat_bench_doubles_the_trace_with_fresh_ids_and_splits_the_passes():
                                   .net_saved_time_fraction)
     # HBM 4 holds 1, 2, 3 and 7; the copy starts cold but its own hits (8, 9) match the first's
     assert second == pytest.approx(first)
+
+
+def test_a_trace_with_no_request_or_not_text_is_refused(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(InvalidArgument, match="holds no request"):
+        load_trace(empty)
+    binary = tmp_path / "bin.jsonl"
+    binary.write_bytes(b'{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}\n\xff\xfe\x00')
+    with pytest.raises(InvalidArgument, match="not UTF-8 text"):
+        load_trace(binary)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--params", "nan"], "--params must be a finite number"),
+    (["--params", "0"], "--params must be a finite number"),
+    (["--json", "{missing}/r.json"], "does not exist"),
+    (["--json", "{dir}"], "is a directory"),
+])
+def test_cli_replay_refuses_bad_options_before_it_runs(tmp_path, monkeypatch, args, message):
+    """Bad options fail with exit code 2 and a one-line error before the replay starts (a
+    --json path that cannot be written used to fail with a traceback after the whole replay)."""
+    import typer
+
+    import kvstore.cli_replay as cli_replay
+
+    ran = []
+    monkeypatch.setattr(cli_replay, "run_replay", lambda *a, **k: ran.append(1))
+    app = typer.Typer()
+    app.command("replay")(cli_replay.replay)
+
+    @app.callback()
+    def _root() -> None:
+        pass
+
+    path = tmp_path / "t.jsonl"
+    write_trace(path, generate("agent", seed=1)[:20])
+    args = [a.format(missing=tmp_path / "no" / "such", dir=tmp_path) for a in args]
+    res = CliRunner().invoke(app, ["replay", str(path), "--hbm-blocks", "5", *args])
+    assert res.exit_code == 2 and message in " ".join(res.output.split()), res.output  # rich wraps lines
+    assert not ran
