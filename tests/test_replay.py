@@ -283,7 +283,7 @@ def test_cli_replay_refuses_bad_options_before_it_runs(tmp_path, monkeypatch, ar
     --json path that cannot be written used to fail with a traceback after the whole replay)."""
     import typer
 
-    import kvstore.cli_replay as cli_replay
+    from kvstore import cli_replay
 
     ran = []
     monkeypatch.setattr(cli_replay, "run_replay", lambda *a, **k: ran.append(1))
