@@ -19,9 +19,11 @@ which adds them to the main ``kvstore`` app; the command functions are plain and
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -75,9 +77,34 @@ def serve(
             cfg = server_config.build({**cfg.model_dump(exclude={"store"}),
                                        "store": {**cfg.store.model_dump(), "path": str(data_dir)}})
         memtune.reexec_with_streaming_copies(cfg.streaming_copy_bytes)  # returns once it is set
-        run(cfg, echo=typer.echo)
+        with _recovery_bar() as progress:
+            run(cfg, echo=typer.echo, progress=progress)
     except KVStoreError as exc:
         _fail(exc)
+
+
+@contextmanager
+def _recovery_bar() -> Iterator[Callable[[int, int], None]]:
+    """A progress bar on stderr for the index rebuilt from NVMe at start, shown from the first
+    report (none for a store with nothing on NVMe), gone once it is full."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("recovering blocks from NVMe"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+    task: list[Any] = []
+
+    def report(done: int, total: int) -> None:
+        if not task:
+            bar.start()
+            task.append(bar.add_task("recover", total=total))
+        bar.update(task[0], completed=done)
+        if done >= total:
+            bar.stop()
+
+    try:
+        yield report
+    finally:
+        bar.stop()
 
 
 # -- tenants --------------------------------------------------------------------------------------

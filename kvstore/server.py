@@ -119,10 +119,11 @@ class SidecarServer:
         return self.grpc_server.wait_for_termination(timeout)
 
 
-def open_store(config: ServerConfig, clock: Callable[[], float]) -> Any:
+def open_store(config: ServerConfig, clock: Callable[[], float],
+               progress: Callable[[int, int], None] | None = None) -> Any:
     from kvstore.store import Store  # the Store pulls in torch and the tiers
 
-    return Store.open(config.store, clock=clock)
+    return Store.open(config.store, clock=clock, progress=progress)
 
 
 def bootstrap(config: ServerConfig, *, clock: Callable[[], float] = time.time) -> str | None:
@@ -131,9 +132,10 @@ def bootstrap(config: ServerConfig, *, clock: Callable[[], float] = time.time) -
     return AuthRegistry(config.auth_file, clock=clock).ensure_admin()
 
 
-def create_server(config: ServerConfig, *, store: Any = None,
-                  clock: Callable[[], float] = time.time) -> tuple[SidecarServer, int]:
-    """Build and bind (not start) the sidecar; returns it and the bound port (0 for unix sockets)."""
+def create_server(config: ServerConfig, *, store: Any = None, clock: Callable[[], float] = time.time,
+                  progress: Callable[[int, int], None] | None = None) -> tuple[SidecarServer, int]:
+    """Build and bind (not start) the sidecar; returns it and the bound port (0 for unix sockets).
+    ``progress(done, total)``: the Store's index rebuilt from NVMe (see ``Store.open``)."""
     creds = _credentials(config)
     if creds is None and not is_local_target(config.listen) and not config.allow_insecure_remote:
         raise FailedPrecondition(
@@ -143,7 +145,7 @@ def create_server(config: ServerConfig, *, store: Any = None,
     registry = AuthRegistry(config.auth_file, clock=clock)
     audit = AuditLog(config.audit_file, clock=clock, fsync=config.audit_fsync)
     if store is None:
-        store = open_store(config, clock)
+        store = open_store(config, clock, progress)
     metrics_registry = CollectorRegistry()
     metrics = ServiceMetrics(metrics_registry)
     metrics_registry.register(StoreCollector(store.stats))
@@ -179,8 +181,10 @@ def create_server(config: ServerConfig, *, store: Any = None,
 
 
 def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
-          clock: Callable[[], float] = time.time) -> None:
-    """Run the sidecar until SIGINT/SIGTERM. Prints the admin token the first time only."""
+          clock: Callable[[], float] = time.time,
+          progress: Callable[[int, int], None] | None = None) -> None:
+    """Run the sidecar until SIGINT/SIGTERM. Prints the admin token the first time only, and
+    how many blocks were recovered from NVMe (``progress(done, total)`` while it happens)."""
     done = threading.Event()
 
     def _stop(signum: int, frame: Any) -> None:
@@ -196,13 +200,23 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
         token = bootstrap(config, clock=clock)
         key_file = config.store.master_key_file or config.data_dir / "master.key"
         new_key = config.store.master_key is None and not key_file.exists()
-        server, port = create_server(config, clock=clock)
+        recovered = [0]
+
+        def recovering(done: int, total: int) -> None:
+            recovered[0] = total
+            if progress is not None:
+                progress(done, total)
+
+        began = time.monotonic()
+        server, port = create_server(config, clock=clock, progress=recovering)
         server.start()
         if config.listen.startswith("unix:"):
             echo(f"kvstore serving on {config.listen}")
         else:
             echo(f"kvstore serving on {config.listen.rpartition(':')[0]}:{port}")
         echo(f"data directory: {config.data_dir}")
+        if recovered[0]:
+            echo(f"recovered {recovered[0]} blocks from NVMe ({time.monotonic() - began:.1f} s)")
         if new_key and key_file.exists():
             echo(f"generated master key: {key_file} (back it up: without it NVMe blocks are unreadable)")
         if token is not None:

@@ -80,6 +80,9 @@ from tiers.nvme import NVMeTier
 from tiers.remote import RemoteTier
 
 Clock = Callable[[], float]
+#: ``progress(done, total)``: blocks of the index rebuilt from NVMe so far, of all (Store.open)
+Progress = Callable[[int, int], None]
+RECOVERY_STEP = 8192
 
 __all__ = ["LookupResult", "Store"]  # LookupResult lives in kvstore.store_reads
 
@@ -92,7 +95,8 @@ def _later(a: float | None, b: float | None) -> float | None:
 class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
     """Use :meth:`Store.open`; see the module docstring for the contracts."""
 
-    def __init__(self, config: StoreConfig, *, clock: Clock = time.time) -> None:
+    def __init__(self, config: StoreConfig, *, clock: Clock = time.time,
+                 progress: Progress | None = None) -> None:
         from policy import make_policy
         from policy.quantization import QuantizationPolicy
 
@@ -114,12 +118,12 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         path.mkdir(parents=True, exist_ok=True)
         self._dir_lock = DirLock(path)
         try:
-            self._open_tiers(config, clock)
+            self._open_tiers(config, clock, progress)
         except BaseException:
             self._dir_lock.release()
             raise
 
-    def _open_tiers(self, config: StoreConfig, clock: Clock) -> None:
+    def _open_tiers(self, config: StoreConfig, clock: Clock, progress: Progress | None) -> None:
         """The tiers, the codec and the placement; the index rebuilt from NVMe."""
         from kvstore.codec import Codec, CodecConfig
         from kvstore.keyring import Keyring, load_master_key
@@ -158,17 +162,23 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                                 remote=self._remote)
         self.tiers = self._place.tiers
         if self._nvme is not None:
-            self._recover()
+            self._recover(progress)
 
     @classmethod
-    def open(cls, config: StoreConfig, *, clock: Clock = time.time) -> Store:
-        """Open (or create) the store at ``config.path``; rebuilds the index from NVMe."""
-        return cls(config, clock=clock)
+    def open(cls, config: StoreConfig, *, clock: Clock = time.time, progress: Progress | None = None) -> Store:
+        """Open (or create) the store at ``config.path``; rebuilds the index from NVMe
+        (about 25 µs a block on a 2-core CPU: a million blocks take tens of seconds), calling
+        ``progress(done, total)`` every :data:`RECOVERY_STEP` blocks and at the end when there
+        are any."""
+        return cls(config, clock=clock, progress=progress)
 
     # -- recovery -----------------------------------------------------------------------------
-    def _recover(self) -> None:
+    def _recover(self, progress: Progress | None) -> None:
         assert self._nvme is not None
-        for rec, spec in self._nvme.records():
+        records = list(self._nvme.records())
+        for i, (rec, spec) in enumerate(records, 1):
+            if progress is not None and (i % RECOVERY_STEP == 0 or i == len(records)):
+                progress(i, len(records))
             if spec is None:
                 continue
             self._specs.setdefault(rec.fingerprint, spec)

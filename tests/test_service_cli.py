@@ -140,6 +140,33 @@ def test_serve_runs_on_embedded_defaults_and_prints_the_token_once(tmp_path):
     assert (tmp_path / "home" / "auth.json").exists()
 
 
+def test_serve_says_how_many_blocks_it_recovered_from_nvme(tmp_path):
+    """A restart with blocks on NVMe prints how many it recovered (the index rebuild takes tens
+    of seconds for a million blocks; a progress bar shows it on a terminal)."""
+    from kvstore import Store, StoreConfig
+
+    home = tmp_path / "home"
+    store = Store.open(StoreConfig(path=home, hbm_bytes=0, dram_bytes=0, nvme_bytes=64 << 20))
+    store.put("t", SPEC, store.block_keys("t", SPEC, fresh_tokens(3)), random_kv(3))
+    store.close()
+    env = {**os.environ, "KVSTORE_HOME": str(home), "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-c", "from kvstore.cli import main; main()", "serve", "--listen", "127.0.0.1:0",
+           "--config", str(_tiny_config(tmp_path))]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            lines.append(proc.stdout.readline())
+            if lines[-1].startswith("ready") or lines[-1] == "":
+                break
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    out = "".join(lines)
+    assert "recovered 3 blocks from NVMe" in out, out
+
+
 def _tiny_config(tmp_path: Path) -> Path:
     path = tmp_path / "tiny.toml"
     path.write_text(f'[store]\npath = "{tmp_path / "home"}"\nhbm_bytes = 8388608\ndram_bytes = 8388608\n'

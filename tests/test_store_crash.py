@@ -65,3 +65,25 @@ def test_kill_9_loses_nothing_committed(tmp_path, mode):
         check(path, mode, acked, started)
         start = started
     assert kills >= 10 and len(acked) > 10  # the child made progress between kills
+
+
+def test_open_reports_its_progress_rebuilding_the_index(tmp_path, monkeypatch):
+    """Store.open(progress=) is called every RECOVERY_STEP blocks and once at the end, with
+    (done, total); not at all for a store with nothing on NVMe."""
+    from kvstore import StoreConfig
+    from kvstore import store as store_mod
+
+    SPEC = crash_child.SPEC
+    monkeypatch.setattr(store_mod, "RECOVERY_STEP", 2)
+    cfg = StoreConfig(path=tmp_path / "s", hbm_bytes=0, dram_bytes=0, nvme_bytes=1 << 20, master_key=bytes(32))
+    calls: list[tuple[int, int]] = []
+    Store.open(cfg, progress=lambda d, t: calls.append((d, t))).close()
+    assert calls == []
+    s = Store.open(cfg)
+    s.put("a", SPEC, s.block_keys("a", SPEC, list(range(5 * SPEC.block_tokens))),
+          torch.zeros((5, *SPEC.block_shape), dtype=SPEC.torch_dtype))
+    s.close()
+    s = Store.open(cfg, progress=lambda d, t: calls.append((d, t)))
+    assert calls == [(2, 5), (4, 5), (5, 5)]
+    assert s.lookup("a", SPEC, s.block_keys("a", SPEC, list(range(5 * SPEC.block_tokens)))).num_blocks == 5
+    s.close()
