@@ -219,3 +219,42 @@ def test_backend_without_page_size_refuses_io(sidecar: Any, token: str) -> None:
     backend = create(sidecar, token)
     with pytest.raises(InvalidArgument, match="page size unknown"):
         backend.exists("anything")
+
+
+# -- options and a sidecar that does not answer ---------------------------------------------------
+def test_options_are_typed_and_the_timeout_reaches_the_client(sidecar: Any, token: str) -> None:
+    backend = create(sidecar, token, kvstore_page_bytes=str(PAGE_BYTES), kvstore_timeout_s="2.5")
+    assert backend.client.timeout == 2.5 and backend.spec.block_nbytes == PAGE_BYTES
+    assert create(sidecar, token, kvstore_page_bytes=PAGE_BYTES).client.timeout == 10.0  # the default
+    for bad in ({"kvstore_timeout_s": "soon"}, {"kvstore_timeout_s": 0}, {"kvstore_timeout_s": float("nan")},
+                {"kvstore_ttl_s": -1}, {"kvstore_page_bytes": "big"}, {"kvstore_page_bytes": 1.5},
+                {"kvstore_shared_memory": "false"}):
+        with pytest.raises(InvalidArgument, match=next(iter(bad))):
+            create(sidecar, token, **bad)
+
+
+def test_a_sidecar_that_does_not_answer_costs_one_timeout_then_misses() -> None:
+    """A listening socket that never speaks gRPC stands in for a hung sidecar: every verb
+    returns a miss or a failure (logged) instead of raising into SGLang's cache threads, and
+    a batch gives up after its first timeout instead of waiting once per page."""
+    import socket
+    import time
+
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen()
+        cfg = storage_config({"kvstore_target": f"127.0.0.1:{hung.getsockname()[1]}", "kvstore_token": "t",
+                              "kvstore_page_bytes": PAGE_BYTES, "kvstore_timeout_s": 0.3})
+        backend = API.StorageBackendFactory.create_backend("dynamic", cfg, None)
+        try:
+            assert not backend.client.uses_shared_memory  # registration timed out: streams
+            keys = [f"page-{i}" for i in range(8)]
+            t0 = time.monotonic()
+            assert backend.batch_get(keys) == [None] * 8
+            assert backend.batch_exists(keys) == 0
+            assert backend.batch_set(keys, pages(8, seed=1)) is False
+            assert backend.get("page-0") is None and backend.exists("page-0") is False
+            # one timeout each (5 calls): per page, the batches alone would take 24
+            assert time.monotonic() - t0 < 12 * 0.3
+        finally:
+            backend.close()

@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,7 @@ from typing import Any
 import torch
 
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.integrations.options import DEFAULT_TIMEOUT_S, non_negative_int, positive_seconds
 from kvstore.keys import KEY_BYTES
 from kvstore.spec import DTYPES, ModelSpec
 
@@ -74,6 +76,8 @@ class KVStoreBackendConfig:
         model / revision: spec identity (``kvstore_model`` defaults to SGLang's ``model_name``).
         ttl_s: per-page TTL in seconds (``kvstore_ttl_s``), None = the tenant's policy.
         shared_memory: ``kvstore_shared_memory``: None = automatic, False = in-band streams only.
+        timeout_s: seconds each call to the sidecar may take (``kvstore_timeout_s``, default
+            10): a sidecar that stops answering costs a prefetch or backup that long, then a miss.
     """
 
     target: str
@@ -84,6 +88,7 @@ class KVStoreBackendConfig:
     revision: str = ""
     ttl_s: float | None = None
     shared_memory: bool | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not self.target:
@@ -94,8 +99,12 @@ class KVStoreBackendConfig:
             raise InvalidArgument(f"kvstore_page_bytes must be a non-negative int, got {self.page_bytes!r}")
         if self.dtype and self.dtype not in DTYPES:
             raise InvalidArgument(f"kvstore_dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
-        if self.ttl_s is not None and self.ttl_s <= 0:
-            raise InvalidArgument("kvstore_ttl_s must be positive")
+        if self.ttl_s is not None and not (math.isfinite(self.ttl_s) and self.ttl_s > 0):
+            raise InvalidArgument(f"kvstore_ttl_s must be a finite number of seconds > 0, got {self.ttl_s}")
+        positive_seconds(self.timeout_s, "kvstore_timeout_s")
+        if self.shared_memory is not None and not isinstance(self.shared_memory, bool):
+            raise InvalidArgument(f"kvstore_shared_memory must be true, false or absent (automatic), "
+                                  f"got {self.shared_memory!r}")
 
     @classmethod
     def from_storage_config(cls, storage_config: Any) -> KVStoreBackendConfig:
@@ -103,12 +112,13 @@ class KVStoreBackendConfig:
         ttl = extra.get("kvstore_ttl_s")
         return cls(target=str(extra.get("kvstore_target", "")),
                    token=str(extra.get("kvstore_token") or os.environ.get("KVSTORE_TOKEN", "")),
-                   page_bytes=int(extra.get("kvstore_page_bytes", 0)),
+                   page_bytes=non_negative_int(extra.get("kvstore_page_bytes", 0), "kvstore_page_bytes"),
                    dtype=str(extra.get("kvstore_dtype", "")),
                    model=str(extra.get("kvstore_model") or storage_config.model_name or "sglang"),
                    revision=str(extra.get("kvstore_revision", "")),
-                   ttl_s=None if ttl is None else float(ttl),
-                   shared_memory=extra.get("kvstore_shared_memory"))
+                   ttl_s=None if ttl is None else positive_seconds(ttl, "kvstore_ttl_s"),
+                   shared_memory=extra.get("kvstore_shared_memory"),
+                   timeout_s=positive_seconds(extra.get("kvstore_timeout_s", DEFAULT_TIMEOUT_S), "kvstore_timeout_s"))
 
 
 def page_spec(cfg: KVStoreBackendConfig, storage_config: Any, page_bytes: int, dtype: str,
@@ -154,7 +164,8 @@ def hicache_storage_class() -> type:
         def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
             self.storage_config = storage_config
             self.config = KVStoreBackendConfig.from_storage_config(storage_config)
-            self.client = Client(self.config.target, self.config.token, local=self.config.shared_memory)
+            self.client = Client(self.config.target, self.config.token, local=self.config.shared_memory,
+                                 timeout=self.config.timeout_s)
             self._spec: ModelSpec | None = None
             self._dtype = self.config.dtype
             if self.config.page_bytes:
@@ -182,7 +193,15 @@ def hicache_storage_class() -> type:
 
         # -- the HiCacheStorage verbs ---------------------------------------------------------
         def exists(self, key: str) -> bool:
-            return self.client.lookup(self.spec, [self._key(key)]).num_blocks == 1
+            """Whether the page is stored; ``False`` too when the sidecar fails or does not answer
+            within ``kvstore_timeout_s`` (logged): the engine computes the page instead."""
+            try:
+                return self.client.lookup(self.spec, [self._key(key)]).num_blocks == 1
+            except InvalidArgument:
+                raise
+            except KVStoreError as err:
+                log.warning("kvstore HiCache exists of %s failed: %s", key, err)
+                return False
 
         def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
             """Number of leading ``keys`` present (stops at the first miss)."""
@@ -193,7 +212,17 @@ def hicache_storage_class() -> type:
 
         def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
             """The page into ``target_location`` (a tensor of ``page_bytes``) or a new flat tensor
-            of the spec's dtype; ``None`` on a miss."""
+            of the spec's dtype; ``None`` on a miss, and when the sidecar fails (logged)."""
+            try:
+                return self._get(key, target_location)
+            except InvalidArgument:
+                raise
+            except KVStoreError as err:
+                log.warning("kvstore HiCache get of %s failed: %s", key, err)
+                return None
+
+        def _get(self, key: str, target_location: Any) -> torch.Tensor | None:
+            """:meth:`get`, a failure of the sidecar raised."""
             spec = self.spec
             out = target_location if isinstance(target_location, torch.Tensor) else \
                 torch.empty(spec.block_nbytes // spec.itemsize, dtype=spec.torch_dtype)
@@ -208,7 +237,16 @@ def hicache_storage_class() -> type:
         def batch_get(self, keys: list[str], target_locations: Any = None,
                       target_sizes: Any = None) -> list[torch.Tensor | None]:
             targets = target_locations or [None] * len(keys)
-            return [self.get(k, t) for k, t in zip(keys, targets)]
+            out: list[torch.Tensor | None] = [None] * len(keys)
+            for i, (k, t) in enumerate(zip(keys, targets)):
+                try:
+                    out[i] = self._get(k, t)
+                except InvalidArgument:
+                    raise
+                except KVStoreError as err:  # the rest would wait as long: all misses
+                    log.warning("kvstore HiCache batch_get failed at %s (%d of %d): %s", k, i, len(keys), err)
+                    break
+            return out
 
         def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
             """Store one page (``value``, else ``target_location``); ``True`` when stored (or
@@ -242,19 +280,28 @@ def hicache_storage_class() -> type:
             """Load pages into the registered host pool at ``host_indices``; per-page success."""
             pool = self.mem_pool_host
             staging = pool.get_dummy_flat_data_page()
-            done = []
-            for key, offset in zip(keys, self._page_offsets(keys, host_indices)):
-                ok = self.get(key, staging) is not None
-                if ok:
+            done = [False] * len(keys)
+            for i, (key, offset) in enumerate(zip(keys, self._page_offsets(keys, host_indices))):
+                try:
+                    done[i] = self._get(key, staging) is not None
+                except InvalidArgument:
+                    raise
+                except KVStoreError as err:  # the rest would wait as long: all misses
+                    log.warning("kvstore HiCache batch_get_v1 failed at %s (%d of %d): %s", key, i, len(keys), err)
+                    break
+                if done[i]:
                     pool.set_from_flat_data_page(offset, staging)
-                done.append(ok)
             return done
 
         def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
             """Store the host pool's pages at ``host_indices``; per-page success."""
             pool = self.mem_pool_host
-            return [self.set(key, pool.get_data_page(offset, flat=True))
-                    for key, offset in zip(keys, self._page_offsets(keys, host_indices))]
+            done = [False] * len(keys)
+            for i, (key, offset) in enumerate(zip(keys, self._page_offsets(keys, host_indices))):
+                done[i] = self.set(key, pool.get_data_page(offset, flat=True))
+                if not done[i]:  # the sidecar failed (logged): the rest would fail as slowly
+                    break
+            return done
 
         # -- housekeeping ---------------------------------------------------------------------
         def delete(self, key: str) -> bool:

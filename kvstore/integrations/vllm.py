@@ -10,7 +10,9 @@ imports it. vLLM loads the connector by name::
 
 Extra config keys: ``kvstore_target`` and ``kvstore_token`` (required), ``kvstore_model`` (the
 model id in the block spec; default: vLLM's served model name), ``kvstore_revision``,
-``kvstore_namespace``, ``kvstore_region_mib`` (the client's shared-memory region, default 64).
+``kvstore_namespace``, ``kvstore_region_mib`` (the client's shared-memory region, default 64),
+``kvstore_timeout_s`` (each call to the sidecar, default 10: a sidecar that stops answering
+costs the scheduler at most that per lookup, then the request goes on as a miss).
 
 Contracts:
 
@@ -62,6 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kernels.paged import PagedLayout, gather_layer, scatter_blocks
 from kvstore.errors import InvalidArgument, KVStoreError, ShapeMismatch
+from kvstore.integrations.options import DEFAULT_TIMEOUT_S, positive_seconds
 from kvstore.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -168,6 +171,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             if not extra.get(name):
                 raise InvalidArgument(f"kvstore connector needs kv_connector_extra_config[{name!r}]")
         self._extra = extra
+        self._timeout = positive_seconds(extra.get("kvstore_timeout_s", DEFAULT_TIMEOUT_S), "kvstore_timeout_s")
         self._namespace = str(extra.get("kvstore_namespace", ""))
         self._block_size = vllm_config.cache_config.block_size
         tp_rank = 0
@@ -198,7 +202,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             from kvstore.client import Client
             region = int(self._extra.get("kvstore_region_mib", 64)) << 20
             self._client_obj = Client(str(self._extra["kvstore_target"]), str(self._extra["kvstore_token"]),
-                                      region_bytes=region)
+                                      region_bytes=region, timeout=self._timeout)
         return self._client_obj
 
     def shutdown(self) -> None:
