@@ -15,7 +15,9 @@ Data planes, chosen automatically:
   server can map the client's region (proved by a nonce). Put/Get then carry keys and offsets
   only and the server copies between the region and its tiers. Buffers from
   :meth:`Client.local_blocks` already live in the region: put/get on them move the bytes exactly
-  once; other tensors are staged through the region (one more copy on the client).
+  once; other tensors are staged through the region (one more copy on the client). A client
+  that could not reach its server when it started (an engine up before its sidecar) uses
+  streams and registers the region at a later put or get, once the server answers.
 * **in-band streams** otherwise: blocks in frames of at most ``chunk_bytes`` of payload with an
   xxh3 checksum each (:mod:`kvstore.frames`: the payload is copied once per side, never parsed
   out of a protobuf field). Blocks smaller than a frame share frames, both ways (grpc pays a
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -74,6 +77,11 @@ MiB = 1 << 20
 #: put 2.45 / 2.42 / 2.24 / 1.97 GB/s and get 2.50 / 2.45 / 2.20 / 1.91 with 2 MiB blocks, and
 #: put 1.97 / 2.19 / 1.92 / 1.68 with 256 KiB blocks packed several to a frame.
 DEFAULT_CHUNK_BYTES = 2 * MiB
+#: seconds before a client whose region could not be registered (the server unreachable) tries
+#: again, from its next put or get
+REGISTER_RETRY_S = 5.0
+#: status codes that mean the server could not be reached or did not answer in time
+_UNREACHABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,15 +253,16 @@ class Client:
             response_deserializer=decoder(pb.GetFrame), _registered_method=True)
         self._admin = admin_pb2_grpc.AdminStub(self._channel)
         self._local: _LocalPlane | None = None
+        self._unlink: weakref.finalize | None = None
+        self._region_bytes = region_bytes
+        self._register_lock = threading.Lock()
+        self._retry_register_at: float | None = None  # monotonic time of the next attempt
         auto = local is None
         if auto:
             local = is_local_target(target)
         if local:
             # an explicit local=True must succeed; automatic detection falls back to streams
-            self._local = self._register(region_bytes, required=not auto)
-        # a client never closed still unlinks its region when collected or at exit (else the
-        # resource tracker does, warning of a leak); the server drops regions whose name is gone
-        self._unlink = weakref.finalize(self, self._local.close) if self._local is not None else None
+            self._register(required=not auto)
 
     # -- plumbing -----------------------------------------------------------------------------
     def _call(self, method: Any, request: Any) -> Any:
@@ -262,16 +271,37 @@ class Client:
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
-    def _register(self, size: int, required: bool) -> _LocalPlane | None:
-        region = ShmRegion.create(size)
+    def _register(self, required: bool) -> None:
+        """Create the shared-memory region and register it. When the server cannot be reached
+        (down, not started yet, not answering) and ``required`` is false, the client goes on
+        with streams and tries again :data:`REGISTER_RETRY_S` later, from its next put or get:
+        an engine may start before its sidecar does."""
+        region = ShmRegion.create(self._region_bytes)
         try:
             region_id = self._register_region(region)
-        except KVStoreError:
+        except KVStoreError as exc:
             region.close()
             if required:
                 raise
-            return None
-        return _LocalPlane(region, region_id)
+            transient = exc.code in _UNREACHABLE
+            self._retry_register_at = time.monotonic() + REGISTER_RETRY_S if transient else None
+            return
+        self._retry_register_at = None
+        self._local = _LocalPlane(region, region_id)
+        # a client never closed still unlinks its region when collected or at exit (else the
+        # resource tracker does, warning of a leak); the server drops regions whose name is gone
+        self._unlink = weakref.finalize(self, self._local.close)
+
+    def _plane(self) -> _LocalPlane | None:
+        """The shared-memory plane, registered now if an earlier attempt could not reach the
+        server and its retry time has come; None: streams."""
+        due = self._retry_register_at
+        if self._local is None and due is not None and time.monotonic() >= due:
+            with self._register_lock:
+                due = self._retry_register_at
+                if self._local is None and due is not None and time.monotonic() >= due:
+                    self._register(required=False)
+        return self._local
 
     def _register_region(self, region: ShmRegion) -> int:
         """Register ``region`` with the server; its id there."""
@@ -363,7 +393,7 @@ class Client:
         if len(rows) != len(keys):
             raise InvalidArgument(f"{len(rows)} blocks for {len(keys)} keys")
         put = _Put(spec, check_keys(keys), session or "", ttl_s, namespace)
-        if self._local is not None:
+        if self._plane() is not None:
             self._put_local(put, rows, parent)
         else:
             self._put_stream(put, rows, parent)
@@ -434,7 +464,7 @@ class Client:
         rows = _flat_bytes(out if host is None else host, len(keys), spec.block_nbytes, "out")
         if not keys:
             return 0
-        if self._local is not None:
+        if self._plane() is not None:
             n = self._get_local(spec, keys, rows, namespace, parent)
         else:
             n = self._get_stream(spec, keys, rows, namespace, parent)
@@ -530,11 +560,14 @@ class Client:
     # -- lifecycle ----------------------------------------------------------------------------
     def local_blocks(self, spec: ModelSpec, n: int) -> LocalBlocks:
         """A [n, 2, L, H, T, D] tensor inside the shared region: put/get on it copy once."""
-        if self._local is None:
-            raise InvalidArgument("no shared-memory region: the server is not local")
-        return LocalBlocks(self._local, spec, n)
+        plane = self._plane()
+        if plane is None:
+            raise InvalidArgument("no shared-memory region: the server is not local, or could not "
+                                  "be reached when the client registered one")
+        return LocalBlocks(plane, spec, n)
 
     def close(self) -> None:
+        self._retry_register_at = None
         if self._local is not None:
             try:
                 self._call(self._kv.UnregisterRegion, pb.UnregisterRegionRequest(region_id=self._local.region_id))

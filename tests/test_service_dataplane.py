@@ -578,3 +578,65 @@ def test_meta_tensors_are_refused_by_the_client(sidecar, local):
     c.put(SPEC, keys, random_kv(2))
     with pytest.raises(InvalidArgument, match="meta device"):
         c.get_into(SPEC, keys, meta)
+
+
+def test_a_client_started_before_its_sidecar_takes_shared_memory_once_it_is_up(tmp_path, monkeypatch):
+    """An engine may start before its sidecar (containers of one pod start together). The
+    client then runs on streams, and registers its region at a later put or get once the
+    server answers, instead of staying on streams for its whole life."""
+    import kvstore.client as client_mod
+    from kvstore.client import Client
+
+    monkeypatch.setattr(client_mod, "REGISTER_RETRY_S", 0.0)
+    sc = start(tmp_path)
+    token = sc.admin().create_tenant("early")
+    port = sc.port
+    sc.stop()
+    c = Client(f"127.0.0.1:{port}", token, region_bytes=1 << 20, timeout=5)
+    try:
+        assert not c.uses_shared_memory
+        with pytest.raises(KVStoreError):
+            c.stats()  # nothing answers yet
+        sc = start(tmp_path, admin_token=sc.admin_token, listen=f"127.0.0.1:{port}")
+        kv = random_kv(2, seed=5)
+        deadline = time.monotonic() + 30
+        while True:  # grpc reconnects with a backoff of about a second
+            try:
+                keys = c.block_keys(SPEC, fresh_tokens(2))
+                c.put(SPEC, keys, kv)
+                break
+            except KVStoreError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        assert c.uses_shared_memory
+        assert torch.equal(c.get(SPEC, keys).view(torch.int16), kv.view(torch.int16))
+        assert sc.server.data.regions.prune() == 0  # registered, and alive
+    finally:
+        c.close()
+        sc.stop()
+
+
+def test_a_client_refused_by_a_remote_server_does_not_retry_registering(sidecar, monkeypatch):
+    """Only an unreachable server is tried again: one that answered (here: the region is not
+    on its host, FAILED_PRECONDITION) keeps the client on streams without further attempts."""
+    import kvstore.client as client_mod
+    from kvstore.client import Client
+
+    monkeypatch.setattr(client_mod, "REGISTER_RETRY_S", 0.0)
+    token = sidecar.admin().create_tenant("elsewhere")
+    real = client_mod.ShmRegion.create
+
+    def elsewhere(size: int, **kw):
+        region = real(size, **kw)
+        region.name = region.name + "x"  # a name the server cannot open: "not on this host"
+        return region
+
+    monkeypatch.setattr(client_mod.ShmRegion, "create", staticmethod(elsewhere))
+    c = sidecar.client(token, region_bytes=1 << 20)
+    assert not c.uses_shared_memory and c._retry_register_at is None
+    calls = []
+    monkeypatch.setattr(Client, "_register", lambda self, required: calls.append(required))
+    keys = c.block_keys(SPEC, fresh_tokens(1))
+    c.put(SPEC, keys, random_kv(1))
+    assert calls == [] and not c.uses_shared_memory
