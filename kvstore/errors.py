@@ -72,6 +72,14 @@ class Unauthenticated(KVStoreError):
     code = "UNAUTHENTICATED"
 
 
+class Unavailable(KVStoreError):
+    """The sidecar could not be reached (client side: status UNAVAILABLE), or an engine
+    integration skips calls while its sidecar keeps failing
+    (:class:`kvstore.integrations.guard.SidecarGuard`)."""
+
+    code = "UNAVAILABLE"
+
+
 class FailedPrecondition(KVStoreError):
     """The store is in a state that does not allow the call (e.g. closed)."""
 

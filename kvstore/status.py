@@ -30,6 +30,7 @@ _ERROR_FOR_CODE: dict[str, type[errors.KVStoreError]] = {
     "UNAUTHENTICATED": errors.Unauthenticated,
     "FAILED_PRECONDITION": errors.FailedPrecondition,
     "DATA_LOSS": errors.IntegrityError,
+    "UNAVAILABLE": errors.Unavailable,
 }
 
 

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.integrations.guard import SidecarGuard
 from kvstore.integrations.options import DEFAULT_TIMEOUT_S, non_negative_int, positive_seconds
 from kvstore.keys import KEY_BYTES
 from kvstore.spec import DTYPES, ModelSpec
@@ -166,6 +167,7 @@ def hicache_storage_class() -> type:
             self.config = KVStoreBackendConfig.from_storage_config(storage_config)
             self.client = Client(self.config.target, self.config.token, local=self.config.shared_memory,
                                  timeout=self.config.timeout_s)
+            self.guard = SidecarGuard(self.config.target)
             self._spec: ModelSpec | None = None
             self._dtype = self.config.dtype
             if self.config.page_bytes:
@@ -196,11 +198,11 @@ def hicache_storage_class() -> type:
             """Whether the page is stored; ``False`` too when the sidecar fails or does not answer
             within ``kvstore_timeout_s`` (logged): the engine computes the page instead."""
             try:
-                return self.client.lookup(self.spec, [self._key(key)]).num_blocks == 1
+                return self.guard.call(self.client.lookup, self.spec, [self._key(key)]).num_blocks == 1
             except InvalidArgument:
                 raise
             except KVStoreError as err:
-                log.warning("kvstore HiCache exists of %s failed: %s", key, err)
+                log.log(self.guard.level(), "kvstore HiCache exists of %s failed: %s", key, err)
                 return False
 
         def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
@@ -218,7 +220,7 @@ def hicache_storage_class() -> type:
             except InvalidArgument:
                 raise
             except KVStoreError as err:
-                log.warning("kvstore HiCache get of %s failed: %s", key, err)
+                log.log(self.guard.level(), "kvstore HiCache get of %s failed: %s", key, err)
                 return None
 
         def _get(self, key: str, target_location: Any) -> torch.Tensor | None:
@@ -228,7 +230,8 @@ def hicache_storage_class() -> type:
                 torch.empty(spec.block_nbytes // spec.itemsize, dtype=spec.torch_dtype)
             direct = out.device.type == "cpu" and out.is_contiguous()
             buf = out if direct else torch.empty(out.shape, dtype=out.dtype)  # CPU staging page
-            if self.client.get_into(spec, [self._key(key)], _byte_rows(buf, spec.block_nbytes)) != 1:
+            if self.guard.call(self.client.get_into, spec, [self._key(key)],
+                               _byte_rows(buf, spec.block_nbytes)) != 1:
                 return None
             if not direct:
                 out.copy_(buf)
@@ -244,7 +247,7 @@ def hicache_storage_class() -> type:
                 except InvalidArgument:
                     raise
                 except KVStoreError as err:  # the rest would wait as long: all misses
-                    log.warning("kvstore HiCache batch_get failed at %s (%d of %d): %s", k, i, len(keys), err)
+                    log.log(self.guard.level(), "kvstore HiCache batch_get failed at %s (%d of %d): %s", k, i, len(keys), err)
                     break
             return out
 
@@ -254,11 +257,12 @@ def hicache_storage_class() -> type:
             page = value if value is not None else target_location
             rows = _byte_rows(page, self.spec.block_nbytes)
             try:
-                self.client.put_bytes(self.spec, [self._key(key)], rows.numpy(), ttl_s=self.config.ttl_s)
+                self.guard.call(self.client.put_bytes, self.spec, [self._key(key)], rows.numpy(),
+                                ttl_s=self.config.ttl_s)
             except InvalidArgument:
                 raise
             except KVStoreError as err:
-                log.warning("kvstore HiCache set of %s failed: %s", key, err)
+                log.log(self.guard.level(), "kvstore HiCache set of %s failed: %s", key, err)
                 return False
             return True
 
@@ -287,7 +291,7 @@ def hicache_storage_class() -> type:
                 except InvalidArgument:
                     raise
                 except KVStoreError as err:  # the rest would wait as long: all misses
-                    log.warning("kvstore HiCache batch_get_v1 failed at %s (%d of %d): %s", key, i, len(keys), err)
+                    log.log(self.guard.level(), "kvstore HiCache batch_get_v1 failed at %s (%d of %d): %s", key, i, len(keys), err)
                     break
                 if done[i]:
                     pool.set_from_flat_data_page(offset, staging)

@@ -12,7 +12,9 @@ Extra config keys: ``kvstore_target`` and ``kvstore_token`` (required), ``kvstor
 model id in the block spec; default: vLLM's served model name), ``kvstore_revision``,
 ``kvstore_namespace``, ``kvstore_region_mib`` (the client's shared-memory region, default 64),
 ``kvstore_timeout_s`` (each call to the sidecar, default 10: a sidecar that stops answering
-costs the scheduler at most that per lookup, then the request goes on as a miss).
+costs the scheduler at most that per lookup, then the request goes on as a miss; after three
+such failures in a row calls are skipped, as misses, for a growing while: see
+:mod:`kvstore.integrations.guard`).
 
 Contracts:
 
@@ -64,6 +66,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kernels.paged import PagedLayout, gather_layer, scatter_blocks
 from kvstore.errors import InvalidArgument, KVStoreError, ShapeMismatch
+from kvstore.integrations.guard import SidecarGuard
 from kvstore.integrations.options import DEFAULT_TIMEOUT_S, positive_seconds
 from kvstore.spec import ModelSpec
 
@@ -172,6 +175,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 raise InvalidArgument(f"kvstore connector needs kv_connector_extra_config[{name!r}]")
         self._extra = extra
         self._timeout = positive_seconds(extra.get("kvstore_timeout_s", DEFAULT_TIMEOUT_S), "kvstore_timeout_s")
+        self._guard = SidecarGuard(str(extra["kvstore_target"]))
         self._namespace = str(extra.get("kvstore_namespace", ""))
         self._block_size = vllm_config.cache_config.block_size
         tp_rank = 0
@@ -219,9 +223,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         if full == 0:
             return 0, False
         try:
-            hit = self._client().lookup(self._spec, token_ids=prompt[: full * bs], namespace=self._namespace)
+            hit = self._guard.call(self._client().lookup, self._spec, token_ids=prompt[: full * bs],
+                                   namespace=self._namespace)
         except KVStoreError as exc:
-            log.warning("kvstore lookup failed for %s: %s", request.request_id, exc)
+            log.log(self._guard.level(), "kvstore lookup failed for %s: %s", request.request_id, exc)
             return 0, False
         st = self._reqs.get(request.request_id)
         if st is None:
@@ -328,9 +333,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVStoreConnectorMetadata)
         for t in meta.loads:
             try:
-                blocks = self._client().get(self._spec, t.keys, parent=t.parent, namespace=self._namespace)
+                blocks = self._guard.call(self._client().get, self._spec, t.keys, parent=t.parent,
+                                          namespace=self._namespace)
             except KVStoreError as exc:
-                log.warning("kvstore load failed for %s: %s", t.req_id, exc)
+                log.log(self._guard.level(), "kvstore load failed for %s: %s", t.req_id, exc)
                 blocks = None
             n = 0 if blocks is None else blocks.shape[0]
             if n:
@@ -367,9 +373,10 @@ class KVStoreConnector(KVConnectorBase_V1):
             for pos in set(range(len(self._layers))) - seen:
                 gather_layer(self._layers[pos], t.block_ids, self._layout, buf[:, :, pos])
             try:
-                self._client().put(self._spec, t.keys, buf, parent=t.parent, namespace=self._namespace)
+                self._guard.call(self._client().put, self._spec, t.keys, buf, parent=t.parent,
+                                 namespace=self._namespace)
             except KVStoreError as exc:
-                log.warning("kvstore save failed for %s: %s", t.req_id, exc)
+                log.log(self._guard.level(), "kvstore save failed for %s: %s", t.req_id, exc)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
