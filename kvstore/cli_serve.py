@@ -77,27 +77,28 @@ def serve(
             cfg = server_config.build({**cfg.model_dump(exclude={"store"}),
                                        "store": {**cfg.store.model_dump(), "path": str(data_dir)}})
         memtune.reexec_with_streaming_copies(cfg.streaming_copy_bytes)  # returns once it is set
-        with _recovery_bar() as progress:
+        with _progress_bars() as progress:
             run(cfg, echo=typer.echo, progress=progress)
     except KVStoreError as exc:
         _fail(exc)
 
 
 @contextmanager
-def _recovery_bar() -> Iterator[Callable[[int, int], None]]:
-    """A progress bar on stderr for the index rebuilt from NVMe at start, shown from the first
-    report (none for a store with nothing on NVMe), gone once it is full."""
+def _progress_bars() -> Iterator[Callable[[str, int, int], None]]:
+    """``progress(what, done, total)`` as a progress bar on stderr per ``what`` (the index
+    rebuilt from NVMe at start, memory blocks committed to NVMe at stop), shown from its first
+    report and gone once it is full."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    bar = Progress(TextColumn("recovering blocks from NVMe"), BarColumn(), MofNCompleteColumn(),
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), console=Console(stderr=True), transient=True)
-    task: list[Any] = []
+    tasks: dict[str, Any] = {}
 
-    def report(done: int, total: int) -> None:
-        if not task:
+    def report(what: str, done: int, total: int) -> None:
+        if what not in tasks:
             bar.start()
-            task.append(bar.add_task("recover", total=total))
-        bar.update(task[0], completed=done)
+            tasks[what] = bar.add_task(what, total=total)
+        bar.update(tasks[what], completed=done)
         if done >= total:
             bar.stop()
 

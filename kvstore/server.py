@@ -100,10 +100,12 @@ class SidecarServer:
             except Exception:
                 log.exception("expiry sweep failed")
 
-    def stop(self, grace: float | None = None) -> None:
-        """Stop serving (in-flight calls get ``grace`` seconds), then close regions and the Store."""
+    def stop(self, grace: float | None = None, *, progress: Callable[[int, int], None] | None = None) -> int:
+        """Stop serving (in-flight calls get ``grace`` seconds), then close regions and the Store;
+        returns how many memory blocks the Store committed to NVMe as it closed (``progress``:
+        see ``Store.close``)."""
         if self._stopped.is_set():
-            return
+            return 0
         self._stopped.set()
         self.health.enter_graceful_shutdown()
         self.grpc_server.stop(self.config.grace_s if grace is None else grace).wait()
@@ -113,10 +115,29 @@ class SidecarServer:
             self._metrics_http.shutdown()
         self.data.close()
         self.audit.close()
-        self.store.close()
+        return int(self.store.close(progress=progress) or 0)
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         return self.grpc_server.wait_for_termination(timeout)
+
+
+class _Counted:
+    """A ``progress(done, total)`` that remembers the total and the time since it was made,
+    and passes each report on as ``progress(what, done, total)``."""
+
+    def __init__(self, what: str, progress: Callable[[str, int, int], None] | None) -> None:
+        self.what, self._progress = what, progress
+        self.total = 0
+        self._began = time.monotonic()
+
+    @property
+    def seconds(self) -> float:
+        return time.monotonic() - self._began
+
+    def __call__(self, done: int, total: int) -> None:
+        self.total = total
+        if self._progress is not None:
+            self._progress(self.what, done, total)
 
 
 def open_store(config: ServerConfig, clock: Callable[[], float],
@@ -182,9 +203,10 @@ def create_server(config: ServerConfig, *, store: Any = None, clock: Callable[[]
 
 def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
           clock: Callable[[], float] = time.time,
-          progress: Callable[[int, int], None] | None = None) -> None:
-    """Run the sidecar until SIGINT/SIGTERM. Prints the admin token the first time only, and
-    how many blocks were recovered from NVMe (``progress(done, total)`` while it happens)."""
+          progress: Callable[[str, int, int], None] | None = None) -> None:
+    """Run the sidecar until SIGINT/SIGTERM. Prints the admin token the first time only, how
+    many blocks were recovered from NVMe at start and how many were committed to it at stop;
+    ``progress(what, done, total)`` while either runs."""
     done = threading.Event()
 
     def _stop(signum: int, frame: Any) -> None:
@@ -200,23 +222,16 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
         token = bootstrap(config, clock=clock)
         key_file = config.store.master_key_file or config.data_dir / "master.key"
         new_key = config.store.master_key is None and not key_file.exists()
-        recovered = [0]
-
-        def recovering(done: int, total: int) -> None:
-            recovered[0] = total
-            if progress is not None:
-                progress(done, total)
-
-        began = time.monotonic()
-        server, port = create_server(config, clock=clock, progress=recovering)
+        recovered = _Counted("recovering blocks from NVMe", progress)
+        server, port = create_server(config, clock=clock, progress=recovered)
         server.start()
         if config.listen.startswith("unix:"):
             echo(f"kvstore serving on {config.listen}")
         else:
             echo(f"kvstore serving on {config.listen.rpartition(':')[0]}:{port}")
         echo(f"data directory: {config.data_dir}")
-        if recovered[0]:
-            echo(f"recovered {recovered[0]} blocks from NVMe ({time.monotonic() - began:.1f} s)")
+        if recovered.total:
+            echo(f"recovered {recovered.total} blocks from NVMe ({recovered.seconds:.1f} s)")
         if new_key and key_file.exists():
             echo(f"generated master key: {key_file} (back it up: without it NVMe blocks are unreadable)")
         if token is not None:
@@ -229,4 +244,8 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if server is not None:
-            server.stop()
+            persisted = _Counted("committing memory blocks to NVMe", progress)
+            committed = server.stop(progress=persisted)
+            if persisted.total:
+                echo(f"stopped: {committed} blocks of HBM and DRAM committed to NVMe "
+                     f"({persisted.seconds:.1f} s)")

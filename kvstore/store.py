@@ -80,9 +80,12 @@ from tiers.nvme import NVMeTier
 from tiers.remote import RemoteTier
 
 Clock = Callable[[], float]
-#: ``progress(done, total)``: blocks of the index rebuilt from NVMe so far, of all (Store.open)
+#: ``progress(done, total)``: blocks handled so far of all, by Store.open (the index rebuilt
+#: from NVMe, every RECOVERY_STEP blocks) and Store.flush / close (committed to NVMe, every
+#: FLUSH_STEP blocks); called at the end too, when there was anything to do
 Progress = Callable[[int, int], None]
 RECOVERY_STEP = 8192
+FLUSH_STEP = 64
 
 __all__ = ["LookupResult", "Store"]  # LookupResult lives in kvstore.store_reads
 
@@ -437,10 +440,11 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                 "policy": self.policy.name,
             }
 
-    def flush(self, remote_timeout_s: float | None = 30.0) -> int:
+    def flush(self, remote_timeout_s: float | None = 30.0, *, progress: Progress | None = None) -> int:
         """Commit an NVMe copy of every block above NVMe that has none, ancestors first, as far
         as the NVMe tier has room (nothing is evicted for it); returns how many were written.
-        Also waits (up to ``remote_timeout_s``) for the remote tier's queued writes."""
+        Also waits (up to ``remote_timeout_s``) for the remote tier's queued writes.
+        ``progress(done, total)``: blocks considered so far (see :data:`Progress`)."""
         if self._remote is not None:
             self._remote.flush(remote_timeout_s)
         with self._lock, self._batch():
@@ -451,7 +455,9 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
             todo = [m for m in sorted(self._index, key=lambda m: m.depth)
                     if not (m.persisted or m.tier == Tier.NVME or m.in_flight)]
             with self._flush_ahead(todo):
-                for m in todo:
+                for i, m in enumerate(todo, 1):
+                    if progress is not None and (i % FLUSH_STEP == 0 or i == len(todo)):
+                        progress(i, len(todo))
                     parent = self._index.get(m.tenant, m.parent)
                     if parent is not None and not parent.persisted:
                         continue  # a copy without its ancestors could never be served
@@ -474,14 +480,16 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                 jobs.append((ref, self._mem[m.tier].buffer(ref)))
         return self._place.nvme_ahead(jobs)
 
-    def close(self) -> None:
+    def close(self, *, progress: Progress | None = None) -> int:
         """Close the store. Blocks committed to NVMe come back on the next :meth:`open`
-        (with ``persist_on_close``, the warm blocks of HBM and DRAM are committed first)."""
+        (with ``persist_on_close``, the warm blocks of HBM and DRAM are committed first,
+        reported to ``progress`` as :meth:`flush` does); returns how many were committed."""
+        flushed = 0
         with self._lock:
             if self._closed:
-                return
+                return 0
             if self.config.persist_on_close:
-                self.flush()
+                flushed = self.flush(progress=progress)
             self._closed = True
             for t in self._mem.values():
                 t.close()
@@ -490,6 +498,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
             if self._remote is not None:
                 self._remote.close()
             self._dir_lock.release()
+        return flushed
 
     def __enter__(self) -> Self:
         return self

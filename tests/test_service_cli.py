@@ -140,9 +140,10 @@ def test_serve_runs_on_embedded_defaults_and_prints_the_token_once(tmp_path):
     assert (tmp_path / "home" / "auth.json").exists()
 
 
-def test_serve_says_how_many_blocks_it_recovered_from_nvme(tmp_path):
+def test_serve_says_how_many_blocks_it_recovered_and_committed(tmp_path):
     """A restart with blocks on NVMe prints how many it recovered (the index rebuild takes tens
-    of seconds for a million blocks; a progress bar shows it on a terminal)."""
+    of seconds for a million blocks; a progress bar shows it on a terminal), and a stop how many
+    memory blocks it committed to NVMe."""
     from kvstore import Store, StoreConfig
 
     home = tmp_path / "home"
@@ -160,11 +161,22 @@ def test_serve_says_how_many_blocks_it_recovered_from_nvme(tmp_path):
             lines.append(proc.stdout.readline())
             if lines[-1].startswith("ready") or lines[-1] == "":
                 break
+        out = "".join(lines)
+        assert "recovered 3 blocks from NVMe" in out, out
+        # two blocks put now live in HBM: committed to NVMe at stop, and said so
+        from kvstore.admin_client import AdminClient
+        from kvstore.client import Client
+
+        port = int(next(ln for ln in lines if "serving on" in ln).rsplit(":", 1)[1])
+        admin_token = next(ln for ln in lines if "admin token" in ln).split()[-1]
+        with AdminClient(f"127.0.0.1:{port}", admin_token) as admin:
+            token = admin.create_tenant("late")
+        with Client(f"127.0.0.1:{port}", token, local=False) as c:
+            c.put(SPEC, c.block_keys(SPEC, fresh_tokens(2)), random_kv(2))
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-    out = "".join(lines)
-    assert "recovered 3 blocks from NVMe" in out, out
+        rest, _ = proc.communicate(timeout=60)
+    assert "stopped: 2 blocks of HBM and DRAM committed to NVMe" in rest, rest
 
 
 def _tiny_config(tmp_path: Path) -> Path:

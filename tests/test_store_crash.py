@@ -87,3 +87,25 @@ def test_open_reports_its_progress_rebuilding_the_index(tmp_path, monkeypatch):
     assert calls == [(2, 5), (4, 5), (5, 5)]
     assert s.lookup("a", SPEC, s.block_keys("a", SPEC, list(range(5 * SPEC.block_tokens)))).num_blocks == 5
     s.close()
+
+
+def test_flush_and_close_report_progress_and_close_says_how_many_it_committed(tmp_path, monkeypatch):
+    from kvstore import StoreConfig
+    from kvstore import store as store_mod
+
+    SPEC = crash_child.SPEC
+    monkeypatch.setattr(store_mod, "FLUSH_STEP", 2)
+    cfg = StoreConfig(path=tmp_path / "s", hbm_bytes=8 * SPEC.block_nbytes, dram_bytes=0,
+                      nvme_bytes=1 << 20, master_key=bytes(32))
+    s = Store.open(cfg)
+    keys = s.block_keys("a", SPEC, list(range(5 * SPEC.block_tokens)))
+    s.put("a", SPEC, keys, torch.zeros((5, *SPEC.block_shape), dtype=SPEC.torch_dtype))
+    calls: list[tuple[int, int]] = []
+    assert s.close(progress=lambda d, t: calls.append((d, t))) == 5
+    assert calls == [(2, 5), (4, 5), (5, 5)]
+    assert s.close() == 0  # closed already
+    s = Store.open(cfg)
+    assert s.lookup("a", SPEC, keys).tiers == ["nvme"] * 5
+    calls.clear()
+    assert s.flush(progress=lambda d, t: calls.append((d, t))) == 0 and calls == []
+    s.close()
