@@ -64,6 +64,17 @@ class ResourceExhausted(KVStoreError):
         self.resource = resource
 
 
+class NVMeWriteFailed(ResourceExhausted):
+    """The NVMe tier could not commit a write transaction (a full disk, an I/O error). The
+    tier forgot the blocks that transaction would have stored (``lost``: their ``(tenant,
+    key)``); the Store drops them, or their NVMe copies, from its index, so that no lookup
+    announces a block that is not on disk."""
+
+    def __init__(self, message: str, *, lost: tuple[tuple[str, bytes], ...] = ()) -> None:
+        super().__init__(message, resource="nvme disk")
+        self.lost = lost
+
+
 class PermissionDenied(KVStoreError):
     code = "PERMISSION_DENIED"
 

@@ -376,9 +376,11 @@ class Placement:
         self._index.set_persisted(meta, False)
         self.counters.add("nvme_copies_dropped")
 
-    def lost(self, meta: BlockMeta) -> None:
-        """An NVMe value failed its integrity check (the tier already deleted it)."""
-        self.counters.add("integrity_failures")
+    def lost(self, meta: BlockMeta, reason: str = "integrity_failures") -> None:
+        """``meta``'s NVMe value is gone (the tier already forgot it): it failed its integrity
+        check, or the commit that would have stored it failed (``reason`` is counted). A block
+        living in NVMe goes with its subtree; one above keeps its memory copy."""
+        self.counters.add(reason)
         if self._index.get(meta.tenant, meta.key) is not meta:
             return
         self.charge(meta, Tier.NVME, -1)

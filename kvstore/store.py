@@ -36,10 +36,11 @@ blocks bound for NVMe, one every few MiB while the next blocks are encoded (tier
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Self
 
 import torch
@@ -52,6 +53,7 @@ from kvstore.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    NVMeWriteFailed,
     ResourceExhausted,
     ShapeMismatch,
 )
@@ -80,6 +82,7 @@ from tiers.nvme import NVMeTier
 from tiers.remote import RemoteTier
 
 Clock = Callable[[], float]
+log = logging.getLogger(__name__)
 #: ``progress(done, total)``: blocks handled so far of all, by Store.open (the index rebuilt
 #: from NVMe, every RECOVERY_STEP blocks) and Store.flush / close (committed to NVMe, every
 #: FLUSH_STEP blocks); called at the end too, when there was anything to do
@@ -209,7 +212,31 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
     def _batch(self) -> Any:
         """One NVMe write transaction (and one sync) for a whole public call."""
         self._check_open()
-        return self._nvme.batch() if self._nvme is not None else nullcontext()
+        return self._nvme_batch() if self._nvme is not None else nullcontext()
+
+    @contextmanager
+    def _nvme_batch(self) -> Iterator[None]:
+        """:meth:`NVMeTier.batch`; when a commit fails, the blocks it did not store leave the
+        index (or lose their NVMe copy) before the error goes on to the caller."""
+        assert self._nvme is not None
+        try:
+            with self._nvme.batch():
+                yield
+        except NVMeWriteFailed as exc:
+            self._forget_unwritten(exc.lost)
+            raise
+
+    def _forget_unwritten(self, lost: Sequence[tuple[str, bytes]]) -> None:
+        """Drop from the index what an NVMe commit that failed did not store: a block living
+        in NVMe only (with its subtree, unusable without it), or a memory block's NVMe copy."""
+        for tenant, key in lost:
+            m = self._index.get(tenant, key)
+            if m is None or not (m.persisted or m.tier == Tier.NVME):
+                continue
+            try:
+                self._place.lost(m, reason="nvme_write_failures")
+            except NVMeWriteFailed:  # a delete of a descendant failed too: it stays on disk,
+                log.warning("could not delete a block below one NVMe did not store")  # not indexed
 
     def _quota(self, tenant: str, tier: Tier) -> int | None:
         pol = self._tenant_policy.get(tenant)

@@ -18,7 +18,9 @@ Store has already undone its own inserts by then). Inside :meth:`NVMeTier.pipeli
 call that writes many blocks), values are encoded ahead on a background thread
 (``tiers.nvme_ahead``) while this thread writes the previous ones, and the batch commits every
 ``PIPELINE_COMMIT_BYTES`` as it goes, so the disk writes overlap the encoding: a batch is several
-durable commits then, each made before the call returns. A value that fails its integrity check
+durable commits then, each made before the call returns. A commit LMDB cannot make (a full
+disk, an I/O error) raises :class:`kvstore.errors.NVMeWriteFailed` naming the blocks it would
+have stored, which the tier forgets again (the Store drops them from its index). A value that fails its integrity check
 is deleted (the Store counts it), never returned. Not thread-safe by itself beyond LMDB's own
 rules: the Store serialises writers (LMDB's write transactions stay on the caller's thread).
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import shutil
 import struct
 from collections.abc import Iterator, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +43,7 @@ import lmdb
 import numpy as np
 
 from kvstore.block import Tier
-from kvstore.errors import IntegrityError, ResourceExhausted
+from kvstore.errors import IntegrityError, NVMeWriteFailed, ResourceExhausted
 from kvstore.quantization import Quantization
 from kvstore.spec import ModelSpec
 from tiers.base import BlockRef, TierUsage
@@ -164,6 +167,10 @@ class NVMeTier:
         self._ahead_exec: ThreadPoolExecutor | None = None
         self._ahead_buffers = BufferPool(keep=3)
         self._pending_bytes = 0  # value bytes written in the open batch since its last commit
+        # blocks put (ident, nbytes) and specs first recorded in the open batch since its last
+        # commit: forgotten again if that commit fails
+        self._unsynced: list[tuple[tuple[str, bytes], int]] = []
+        self._unsynced_specs: list[bytes] = []
 
     # -- open / recovery ----------------------------------------------------------------------
     def key_backend(self) -> MutableMapping[str, bytes]:
@@ -232,6 +239,10 @@ class NVMeTier:
         finally:
             if staged is not None and ahead is not None:
                 ahead.release(buf)
+        if self._batch is not None:
+            self._unsynced.append((ref.ident, ref.nbytes))
+            if fp not in self._known_specs:
+                self._unsynced_specs.append(fp)
         self._known_specs.add(fp)
         self._sizes[ref.ident] = ref.nbytes
         self._used += ref.nbytes
@@ -313,16 +324,41 @@ class NVMeTier:
         finally:
             txn, self._batch = self._batch, None
             if txn is not None:
-                txn.commit()
+                self._commit(txn)
 
     def _commit_step(self) -> None:
         """Commit the open batch's writes so far and go on in a new transaction (pipelined
         batches only). Durable like any commit: a block stored here survives kill -9 from now."""
         txn, self._batch = self._batch, None
         assert txn is not None
-        txn.commit()
+        self._commit(txn)
         self._pending_bytes = 0
         self._batch = self._env.begin(write=True, buffers=True)
+
+    def _commit(self, txn: lmdb.Transaction) -> None:
+        """Commit ``txn``; when LMDB cannot (a full disk, an I/O error), forget the blocks it
+        would have stored and raise :class:`NVMeWriteFailed` naming them."""
+        try:
+            txn.commit()
+        except lmdb.Error as exc:
+            lost = []
+            for ident, nbytes in self._unsynced:
+                if self._sizes.pop(ident, None) is not None:
+                    self._used -= nbytes
+                    lost.append(ident)
+            self._known_specs.difference_update(self._unsynced_specs)
+            self._unsynced.clear()
+            self._unsynced_specs.clear()
+            try:
+                free = f"{shutil.disk_usage(self.path).free} bytes free"
+            except OSError:
+                free = "free space unknown"
+            raise NVMeWriteFailed(
+                f"the NVMe tier could not commit its writes ({exc}; {free} on the disk of "
+                f"{self.path}): free some space there or lower nvme_bytes; {len(lost)} blocks of "
+                f"this call were not stored", lost=tuple(lost)) from None
+        self._unsynced.clear()
+        self._unsynced_specs.clear()
 
     @contextmanager
     def pipelined(self, jobs: Sequence[AheadJob]) -> Iterator[None]:
@@ -351,9 +387,14 @@ class NVMeTier:
     def _write(self) -> Iterator[lmdb.Transaction]:
         if self._batch is not None:
             yield self._batch
-        else:
-            with self._env.begin(write=True) as txn:
-                yield txn
+            return
+        txn = self._env.begin(write=True)
+        try:
+            yield txn
+        except BaseException:
+            txn.abort()
+            raise
+        self._commit(txn)  # outside a batch nothing is recorded before it succeeds
 
     @contextmanager
     def _read(self) -> Iterator[lmdb.Transaction]:

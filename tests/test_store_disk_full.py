@@ -1,0 +1,128 @@
+"""An NVMe commit that fails (a full disk, an I/O error): the call fails with NVMeWriteFailed
+(RESOURCE_EXHAUSTED), and nothing the commit did not store is announced by a lookup — before,
+LMDB's raw error escaped and the index kept blocks that were not on disk (lookup hit, get miss).
+
+The failure is injected: the tier's LMDB environment is wrapped so that the next write
+transactions fail to commit, as ``mdb_txn_commit`` does on a full disk (checked by hand on a
+16 MiB tmpfs: ``mdb_txn_commit: Input/output error``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lmdb
+import pytest
+import torch
+from conftest import make_kv, tokens
+
+from kvstore.errors import NVMeWriteFailed, ResourceExhausted
+
+
+class _FailingTxn:
+    def __init__(self, txn: Any, env: _FailingEnv) -> None:
+        self._txn, self._env = txn, env
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._txn, name)
+
+    def commit(self) -> None:
+        if self._env.failures:
+            self._env.failures -= 1
+            self._txn.abort()
+            raise lmdb.Error("mdb_txn_commit: Input/output error")
+        self._txn.commit()
+
+
+class _FailingEnv:
+    """``env`` whose write transactions fail to commit while ``failures`` > 0 (counted down
+    once ``after`` successful commits have been let through)."""
+
+    def __init__(self, env: Any) -> None:
+        self._env, self.failures = env, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
+
+    def begin(self, *args: Any, **kw: Any) -> Any:
+        txn = self._env.begin(*args, **kw)
+        return _FailingTxn(txn, self) if kw.get("write") else txn
+
+
+def _failing(store: Any) -> _FailingEnv:
+    env = _FailingEnv(store._nvme._env)
+    store._nvme._env = env
+    return env
+
+
+def test_a_put_whose_commit_fails_stores_and_announces_nothing(open_store, spec, tmp_path):
+    s = open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=64)
+    before = s.block_keys("a", spec, tokens(2, spec))
+    s.put("a", spec, before, make_kv(spec, 2))
+    env = _failing(s)
+    keys = s.block_keys("a", spec, tokens(3, spec, start=100))
+    used = s.stats()["tiers"]["nvme"]["used_bytes"]
+    env.failures = 1
+    with pytest.raises(NVMeWriteFailed, match="could not commit") as err:
+        s.put("a", spec, keys, make_kv(spec, 3))
+    assert isinstance(err.value, ResourceExhausted) and err.value.code == "RESOURCE_EXHAUSTED"
+    assert s.lookup("a", spec, keys).num_blocks == 0
+    assert s.stats()["tiers"]["nvme"]["used_bytes"] == used
+    assert s.stats()["counters"]["nvme_write_failures"] == 1
+    # the store goes on: the same put succeeds once commits do, and everything survives a reopen
+    kv = make_kv(spec, 3, seed=4)
+    s.put("a", spec, keys, kv)
+    assert torch.equal(s.get("a", spec, keys), kv)
+    s.close()
+    s = open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=64)
+    assert s.lookup("a", spec, before + keys).num_blocks == 2  # a different chain after 2
+    assert s.lookup("a", spec, keys).num_blocks == 3
+
+
+def test_a_failed_pipelined_commit_leaves_no_part_of_the_put(open_store, spec, monkeypatch):
+    """A put of many NVMe-bound blocks commits every few MiB; when a later commit fails, the
+    blocks of the earlier commits are rolled back with the rest, on disk too."""
+    from tiers import nvme as nvme_mod
+
+    monkeypatch.setattr(nvme_mod, "PIPELINE_COMMIT_BYTES", 2 * spec.block_nbytes)
+    s = open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=64)
+    s._nvme._commit_bytes = 2 * spec.block_nbytes
+    env = _failing(s)
+    keys = s.block_keys("a", spec, tokens(8, spec))
+    env.failures = 1
+    real_commit = _FailingTxn.commit
+    commits = []
+
+    def second_fails(self: _FailingTxn) -> None:  # let the first commit of the put through
+        commits.append(1)
+        if len(commits) == 1:
+            self._txn.commit()
+            return
+        real_commit(self)
+
+    monkeypatch.setattr(_FailingTxn, "commit", second_fails)
+    with pytest.raises(NVMeWriteFailed):
+        s.put("a", spec, keys, make_kv(spec, 8))
+    assert len(commits) >= 2
+    assert s.lookup("a", spec, keys).num_blocks == 0 and s.stats()["blocks"] == 0
+    s.close()
+    s = open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=64)
+    assert s.stats()["blocks"] == 0  # the first commit's blocks were deleted again
+
+
+def test_a_failed_flush_keeps_the_memory_blocks_without_an_nvme_copy(open_store, spec):
+    s = open_store(spec, hbm_blocks=4, dram_blocks=0, nvme_blocks=16)
+    keys = s.block_keys("a", spec, tokens(3, spec))
+    kv = make_kv(spec, 3)
+    s.put("a", spec, keys, kv)
+    env = _failing(s)
+    env.failures = 1
+    with pytest.raises(NVMeWriteFailed):
+        s.flush()
+    assert s.lookup("a", spec, keys).tiers == ["hbm"] * 3
+    assert s.stats()["tiers"]["nvme"]["used_bytes"] == 0
+    assert all(not m.persisted for m in s._index)
+    assert torch.equal(s.get("a", spec, keys), kv)
+    assert s.flush() == 3  # commits work again
+    s.close()
+    s = open_store(spec, hbm_blocks=4, dram_blocks=0, nvme_blocks=16)
+    assert torch.equal(s.get("a", spec, keys), kv)
