@@ -8,7 +8,7 @@ transactions fail to commit, as ``mdb_txn_commit`` does on a full disk (checked 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 import lmdb
 import pytest
@@ -25,6 +25,15 @@ class _FailingTxn:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._txn, name)
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if kind is not None:
+            self._txn.abort()
+        else:
+            self.commit()
+
     def commit(self) -> None:
         if self._env.failures:
             self._env.failures -= 1
@@ -34,8 +43,8 @@ class _FailingTxn:
 
 
 class _FailingEnv:
-    """``env`` whose write transactions fail to commit while ``failures`` > 0 (counted down
-    once ``after`` successful commits have been let through)."""
+    """``env`` whose write transactions fail to commit while ``failures`` > 0 (each failure
+    counts it down)."""
 
     def __init__(self, env: Any) -> None:
         self._env, self.failures = env, 0
@@ -126,3 +135,21 @@ def test_a_failed_flush_keeps_the_memory_blocks_without_an_nvme_copy(open_store,
     s.close()
     s = open_store(spec, hbm_blocks=4, dram_blocks=0, nvme_blocks=16)
     assert torch.equal(s.get("a", spec, keys), kv)
+
+
+def test_a_tenant_key_that_cannot_be_stored_or_destroyed_fails_the_call_by_name(open_store, spec):
+    """The keyring's own LMDB (tenant data keys): a new tenant's first put, or the destruction
+    of a deleted tenant's key, that cannot commit fails with NVMeWriteFailed saying which,
+    not an INTERNAL error (a tenant deletion that silently kept the key would keep its data
+    readable)."""
+    s = open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=16)
+    backend = s.keyring._backend
+    env = _FailingEnv(backend._env)
+    backend._env = env
+    env.failures = 1
+    with pytest.raises(NVMeWriteFailed, match="store tenant 'new'.s data key"):
+        s.put("new", spec, s.block_keys("new", spec, tokens(1, spec)), make_kv(spec, 1))
+    s.put("old", spec, s.block_keys("old", spec, tokens(1, spec)), make_kv(spec, 1))
+    env.failures = 1
+    with pytest.raises(NVMeWriteFailed, match="destroy tenant 'old'.s data key"):
+        s.drop_tenant("old")

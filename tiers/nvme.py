@@ -106,12 +106,14 @@ class _KeyBackend(MutableMapping[str, bytes]):
         return bytes(v)
 
     def __setitem__(self, tenant: str, wrapped: bytes) -> None:
-        with self._env.begin(db=self._db, write=True) as txn:
+        with self._writing(f"store tenant {tenant!r}'s data key"), \
+                self._env.begin(db=self._db, write=True) as txn:
             txn.put(b"k" + tenant.encode(), wrapped)
         self._env.sync(True)
 
     def __delitem__(self, tenant: str) -> None:
-        with self._env.begin(db=self._db, write=True) as txn:
+        with self._writing(f"destroy tenant {tenant!r}'s data key"), \
+                self._env.begin(db=self._db, write=True) as txn:
             old = txn.get(b"k" + tenant.encode())
             if old is None:
                 raise KeyError(tenant)
@@ -120,6 +122,14 @@ class _KeyBackend(MutableMapping[str, bytes]):
             txn.put(b"k" + tenant.encode(), b"\x00" * len(old))
             txn.delete(b"k" + tenant.encode())
         self._env.sync(True)
+
+    @contextmanager
+    def _writing(self, what: str) -> Iterator[None]:
+        """A failed commit of the key store (a full disk) as NVMeWriteFailed saying what failed."""
+        try:
+            yield
+        except lmdb.Error as exc:
+            raise NVMeWriteFailed(f"could not {what}: {exc} (is the disk of {self._env.path()} full?)") from None
 
     def __iter__(self) -> Iterator[str]:
         with self._env.begin(db=self._db) as txn:
