@@ -13,6 +13,9 @@ Contract:
   detected by :meth:`AuditLog.verify`.
 * Time comes from the injected ``clock``.
 * Thread-safe: one lock serialises appends.
+* An append that cannot be written whole (a full disk, an I/O error) leaves the file as it was
+  (a torn line is cut off again: it would stop the next start, which refuses a malformed
+  line) and raises :class:`kvstore.errors.FailedPrecondition` saying so.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvstore.errors import IntegrityError
+from kvstore.errors import FailedPrecondition, IntegrityError
 
 GENESIS = "0" * 64
 
@@ -89,12 +92,25 @@ class AuditLog:
                 prev=self._prev,
             )
             raw = json.dumps(asdict(entry), separators=(",", ":"), sort_keys=True).encode()
-            os.write(self._fd, raw + b"\n")
-            if self._fsync:
-                os.fsync(self._fd)
+            self._write_whole(raw + b"\n")
             self._seq = entry.seq
             self._prev = _digest(raw)
             return entry
+
+    def _write_whole(self, line: bytes) -> None:
+        end = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            written = os.write(self._fd, line)
+            if written != len(line):
+                raise OSError(f"wrote {written} of {len(line)} bytes (is the disk full?)")
+            if self._fsync:
+                os.fsync(self._fd)
+        except OSError as exc:
+            try:
+                os.ftruncate(self._fd, end)
+            except OSError:
+                pass  # NOTE: the next start reports the torn line (IntegrityError)
+            raise FailedPrecondition(f"the audit log {self.path} could not be written: {exc}") from None
 
     def read(self, since_seq: int = 0, limit: int = 1000) -> list[AuditEntry]:
         """Entries with ``seq > since_seq``, oldest first, at most ``limit``."""

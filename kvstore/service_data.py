@@ -18,6 +18,7 @@ copies into them and commits, all or nothing (:mod:`kvstore.store_lease`,
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -30,7 +31,7 @@ from kernels.copy import copy_blocks
 from kvstore.audit import AuditLog
 from kvstore.auth import Principal, resolve_namespace
 from kvstore.block import Tier
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError
 from kvstore.keys import ROOT_KEY, block_keys
 from kvstore.metrics import ServiceMetrics
 from kvstore.server_config import LimitsConfig
@@ -48,6 +49,8 @@ from proto.kvstore.v1 import kvstore_pb2 as pb
 if TYPE_CHECKING:
     from kvstore.store_lease import ReadLease
     from kvstore.store_reserve import PutReservation
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -212,14 +215,20 @@ class DataPlane:
         """Delete blocks (audited, whatever the outcome)."""
         ns = resolve_namespace(principal, namespace, write=True)
         keys = split_keys(packed, self.limits.max_keys_per_call)
-        result = "OK"
+        record = lambda result: self.audit.append(principal.name, "blocks.delete", ns, result, f"{len(keys)} keys")
         try:
-            return int(self.store.delete(ns, keys))
-        except KVStoreError as exc:
-            result = exc.code
+            n = int(self.store.delete(ns, keys))
+        except BaseException as exc:
+            try:
+                record(exc.code if isinstance(exc, KVStoreError) else "INTERNAL")
+            except KVStoreError as failed:  # NOTE: the delete's own error goes on, not this one
+                log.error("a failed delete of %s was not audited: %s", ns, failed)
             raise
-        finally:
-            self.audit.append(principal.name, "blocks.delete", ns, result, f"{len(keys)} keys")
+        try:
+            record("OK")
+        except KVStoreError as exc:
+            raise FailedPrecondition(f"the blocks were deleted, but {exc}") from None
+        return n
 
     def stats(self, principal: Principal) -> dict[str, Any]:
         return scope_stats(self.store.stats(), principal.readable)

@@ -21,7 +21,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message_factory import GetMessageClass
 
 from kvstore.auth import AuthRegistry, Principal, Role, bearer_token
-from kvstore.errors import KVStoreError, PermissionDenied, ResourceExhausted
+from kvstore.errors import FailedPrecondition, KVStoreError, PermissionDenied, ResourceExhausted
 from kvstore.metrics import ServiceMetrics
 from kvstore.status import to_status
 
@@ -54,13 +54,17 @@ class RpcRunner:
                 raise PermissionDenied(f"{principal.name!r} is not an admin")
             result = fn(principal)
             if audit is not None:
-                audit(who, "OK")
+                try:
+                    audit(who, "OK")
+                except KVStoreError as exc:  # the action is done; its record is not
+                    audit = None  # NOTE: not once more below
+                    raise FailedPrecondition(f"{name} was carried out, but {exc}") from None
             return result
         except KVStoreError as exc:
             status, message = to_status(exc)
             code = status.name
             if audit is not None:
-                audit(who, code)
+                _audit_quietly(audit, who, code, name)
             if self.metrics is not None and isinstance(exc, ResourceExhausted):
                 self.metrics.rejections.labels(resource=exc.resource or "unknown").inc()
             context.abort(status, message)
@@ -71,11 +75,20 @@ class RpcRunner:
             code = "INTERNAL"
             log.exception("%s failed", name)
             if audit is not None:
-                audit(who, code)
+                _audit_quietly(audit, who, code, name)
             context.abort(grpc.StatusCode.INTERNAL, "internal error")
         finally:
             if self.metrics is not None:
                 self.metrics.observe(name, code, time.perf_counter() - start)
+
+
+def _audit_quietly(audit: Callable[[str, str], None], who: str, code: str, name: str) -> None:
+    """Record a failed call; a record that cannot be written is logged, not raised over the
+    call's own error."""
+    try:
+        audit(who, code)
+    except KVStoreError as exc:
+        log.error("%s by %s failed with %s, and its audit record was not written: %s", name, who, code, exc)
 
 
 _FACTORIES = {

@@ -200,3 +200,49 @@ def test_a_principal_recreated_under_a_deleted_ones_name_cannot_reach_its_region
             with pytest.raises(grpc.RpcError) as err:
                 call(req, metadata=stub_md, timeout=5)
             assert err.value.code() == grpc.StatusCode.NOT_FOUND and "unknown region" in err.value.details()
+
+
+def test_an_audit_record_that_cannot_be_written_leaves_no_torn_line(tmp_path, monkeypatch):
+    """A full disk mid-append: the torn line is cut off again (the next start would refuse a
+    malformed line), the append fails with FailedPrecondition, and the log goes on after."""
+    import kvstore.audit as audit_mod
+    from kvstore.errors import FailedPrecondition
+
+    log = AuditLog(tmp_path / "audit.log", clock=lambda: 5.0, fsync=False)
+    log.append("admin", "tenant.create", "a", "OK")
+    size = (tmp_path / "audit.log").stat().st_size
+    real_write = audit_mod.os.write
+    monkeypatch.setattr(audit_mod.os, "write", lambda fd, data: real_write(fd, data[: len(data) // 2]))
+    with pytest.raises(FailedPrecondition, match="could not be written: wrote"):
+        log.append("admin", "tenant.create", "b", "OK")
+    assert (tmp_path / "audit.log").stat().st_size == size
+    monkeypatch.setattr(audit_mod.os, "write", real_write)
+    assert log.append("admin", "tenant.create", "c", "OK").seq == 2
+    log.close()
+    reopened = AuditLog(tmp_path / "audit.log", clock=lambda: 6.0, fsync=False)
+    assert reopened.verify() == 2 and [e.target for e in reopened.read()] == ["a", "c"]
+    reopened.close()
+
+
+def test_an_admin_action_whose_audit_record_fails_says_so(sidecar, monkeypatch):
+    """The action is carried out; the caller gets FAILED_PRECONDITION saying its record could
+    not be written (not an INTERNAL error), and the server goes on."""
+    from kvstore.errors import FailedPrecondition
+
+    admin = sidecar.admin()
+    audit = sidecar.server.data.audit
+    real = audit.append
+
+    def failing(*args, **kw):
+        raise FailedPrecondition("the audit log x could not be written: [Errno 28] No space left on device")
+
+    monkeypatch.setattr(audit, "append", failing)
+    with pytest.raises(FailedPrecondition, match="Admin.CreateTenant was carried out, but the audit log"):
+        admin.create_tenant("unrecorded")
+    monkeypatch.setattr(audit, "append", real)
+    assert "unrecorded" in [t["name"] for t in admin.list_tenants()]
+    token = admin.rotate_token("unrecorded")
+    client = sidecar.client(token)
+    monkeypatch.setattr(audit, "append", failing)
+    with pytest.raises(FailedPrecondition, match="the blocks were deleted, but the audit log"):
+        client.delete([b"\0" * 32])
