@@ -29,7 +29,8 @@ import os
 import re
 import secrets
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -200,14 +201,32 @@ class AuthRegistry:
             },
             "policies": {name: asdict(p) for name, p in sorted(self._policies.items())},
         }
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise FailedPrecondition(f"the principals file {self.path} could not be saved ({exc}); "
+                                     "nothing was changed") from None
+
+    @contextmanager
+    def _changing(self) -> Iterator[None]:
+        """A change of principals, tokens or policies: saved when the block ends, or undone in
+        memory when it raises or the save fails (a deletion or rotation that memory had made
+        and the file had not would bring the old token back at the next start)."""
+        before = (dict(self._principals), dict(self._hashes), dict(self._policies))
+        try:
+            yield
+            self._save()
+        except BaseException:
+            self._principals, self._hashes, self._policies = before
+            raise
 
     # -- authentication ---------------------------------------------------------------------
     def authenticate(self, token: str) -> Principal:
@@ -234,37 +253,34 @@ class AuthRegistry:
         """Create a principal and return its token (shown once)."""
         check_name(name)
         ns = self._check_namespaces(role, namespaces)
-        with self._lock:
+        with self._lock, self._changing():
             if name in self._principals:
                 raise AlreadyExists(f"principal {name!r} already exists")
             self._principals[name] = Principal(name, role, ns, created=self._clock())
             token = self._set_token(name)
-            self._save()
         return token
 
     def rotate(self, name: str) -> str:
         """Replace a principal's token; the old one stops working at once."""
-        with self._lock:
+        with self._lock, self._changing():
             self.get(name)
             token = self._set_token(name)
-            self._save()
         return token
 
     def delete(self, name: str) -> Principal:
-        with self._lock:
+        with self._lock, self._changing():
             p = self.get(name)
             if p.role is Role.ADMIN and sum(q.role is Role.ADMIN for q in self._principals.values()) == 1:
                 raise FailedPrecondition("cannot delete the last admin")
             del self._principals[name]
             self._hashes = {h: n for h, n in self._hashes.items() if n != name}
             self._policies.pop(name, None)
-            self._save()
         return p
 
     def grant(self, name: str, namespace: str, *, revoke: bool = False) -> Principal:
         """Add (or remove) a shared namespace to a tenant's read grants / a publisher's list."""
         check_shared(namespace)
-        with self._lock:
+        with self._lock, self._changing():
             p = self.get(name)
             if p.role is Role.ADMIN:
                 raise InvalidArgument("admins have no namespaces")
@@ -272,7 +288,6 @@ class AuthRegistry:
             ns.discard(namespace) if revoke else ns.add(namespace)
             updated = replace(p, namespaces=self._check_namespaces(p.role, sorted(ns)))
             self._principals[name] = updated
-            self._save()
         return updated
 
     def get(self, name: str) -> Principal:
@@ -299,11 +314,10 @@ class AuthRegistry:
 
     def set_policy(self, namespace: str, policy: TenantPolicy) -> TenantPolicy:
         """Record a policy for a tenant or shared namespace that exists."""
-        with self._lock:
+        with self._lock, self._changing():
             if namespace.startswith(SHARED_PREFIX):
                 check_shared(namespace)
             else:
                 self.get(namespace)
             self._policies[namespace] = policy
-            self._save()
         return policy

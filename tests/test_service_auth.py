@@ -246,3 +246,38 @@ def test_an_admin_action_whose_audit_record_fails_says_so(sidecar, monkeypatch):
     monkeypatch.setattr(audit, "append", failing)
     with pytest.raises(FailedPrecondition, match="the blocks were deleted, but the audit log"):
         client.delete([b"\0" * 32])
+
+
+def test_a_principals_file_that_cannot_be_saved_changes_nothing(tmp_path, monkeypatch):
+    """A full disk while saving principals: the change is undone in memory too, so memory and
+    file agree. Before, a deletion or rotation the file had not taken stayed in effect only
+    until the next start, when the revoked token worked again."""
+    import errno
+
+    import kvstore.auth as auth_mod
+    from kvstore.auth import AuthRegistry
+    from kvstore.errors import FailedPrecondition
+
+    reg = AuthRegistry(tmp_path / "auth.json", clock=lambda: 1.0)
+    token = reg.create("acme")
+
+    def full(*args, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(auth_mod.os, "replace", full)
+    with pytest.raises(FailedPrecondition, match="could not be saved .*No space left.*nothing was changed"):
+        reg.delete("acme")
+    assert reg.authenticate(token).name == "acme"
+    with pytest.raises(FailedPrecondition):
+        reg.rotate("acme")
+    assert reg.authenticate(token).name == "acme"
+    with pytest.raises(FailedPrecondition):
+        reg.create("other")
+    assert [p.name for p in reg.list()] == ["acme"]
+    assert not (tmp_path / "auth.tmp").exists()
+    monkeypatch.undo()
+    reg.delete("acme")
+    again = AuthRegistry(tmp_path / "auth.json", clock=lambda: 2.0)
+    assert again.list() == []
+    with pytest.raises(Unauthenticated):
+        again.authenticate(token)
