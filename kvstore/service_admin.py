@@ -11,7 +11,7 @@ from typing import Any
 from kvstore.audit import AuditLog
 from kvstore.auth import SHARED_PREFIX, AuthRegistry, Role, TenantPolicy, check_name
 from kvstore.block import Tier
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, NotFound
 from kvstore.service_resources import RegionTable
 from kvstore.spec import FINGERPRINT_BYTES
 
@@ -33,12 +33,28 @@ class AdminPlane:
 
     def delete_tenant(self, name: str) -> None:
         """Remove a principal (its token stops working) and, for a tenant or a shared namespace,
-        destroy its data key and blocks on every tier."""
+        destroy its data key and blocks on every tier.
+
+        A tenant's data goes first and its principal after, then its data once more (what it
+        put in between): when a step fails (a full disk), the principal is still there and the
+        deletion can be run again. A name whose principal is gone but whose data key or blocks
+        are left (a deletion that failed half-way in an earlier version) is cleaned up: else a
+        tenant created later under that name would read them."""
         if name.startswith(SHARED_PREFIX):
             self.store.drop_tenant(name)
             return
         check_name(name)
-        principal = self.registry.delete(name)
+        try:
+            principal = self.registry.get(name)
+        except NotFound:
+            keyring = getattr(self.store, "keyring", None)
+            had_key = keyring is not None and name in keyring.tenants()
+            if self.store.drop_tenant(name) or had_key:
+                return
+            raise
+        if principal.role is Role.TENANT:
+            self.store.drop_tenant(name)
+        self.registry.delete(name)
         if self.regions is not None:
             # NOTE: a principal created later under the same name must not reach the memory
             # of the deleted one's clients through their region ids

@@ -281,3 +281,42 @@ def test_a_principals_file_that_cannot_be_saved_changes_nothing(tmp_path, monkey
     assert again.list() == []
     with pytest.raises(Unauthenticated):
         again.authenticate(token)
+
+
+def test_a_tenant_deletion_that_fails_half_way_can_be_run_again(sidecar, monkeypatch):
+    """Data first, principal after: when destroying the data fails (here: a full disk), the
+    principal is still there and the deletion runs again; and a principal deleted without its
+    data (as the earlier order could leave it) has that data dropped by a delete of its name,
+    so a tenant created later under it reads nothing of it."""
+    from kvstore.errors import NVMeWriteFailed
+
+    admin = sidecar.admin()
+    c = sidecar.client(admin.create_tenant("halfway"), local=False)
+    keys = c.block_keys(SPEC, fresh_tokens(2))
+    c.put(SPEC, keys, random_kv(2))
+    store = sidecar.server.store
+    real_drop = store.drop_tenant
+
+    def full(tenant):
+        raise NVMeWriteFailed(f"could not destroy tenant {tenant!r}'s data key: disk full")
+
+    monkeypatch.setattr(store, "drop_tenant", full)
+    with pytest.raises(Exception, match="disk full"):
+        admin.delete_tenant("halfway")
+    assert c.lookup(SPEC, keys).num_blocks == 2  # the principal and its data are still there
+    monkeypatch.setattr(store, "drop_tenant", real_drop)
+    admin.delete_tenant("halfway")
+    with pytest.raises(Unauthenticated):
+        c.lookup(SPEC, keys)
+    # a principal gone, its data left behind: deleting the name drops the data
+    c2 = sidecar.client(admin.create_tenant("orphan"), local=False)
+    keys2 = c2.block_keys(SPEC, fresh_tokens(2))
+    c2.put(SPEC, keys2, random_kv(2))
+    sidecar.server.registry.delete("orphan")
+    assert store.lookup("orphan", SPEC, keys2).num_blocks == 2
+    admin.delete_tenant("orphan")
+    assert store.lookup("orphan", SPEC, keys2).num_blocks == 0
+    c3 = sidecar.client(admin.create_tenant("orphan"), local=False)
+    assert c3.lookup(SPEC, keys2).num_blocks == 0
+    with pytest.raises(NotFound):
+        admin.delete_tenant("never-was")
