@@ -232,6 +232,8 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
         echo(f"data directory: {config.data_dir}")
         if recovered.total:
             echo(f"recovered {recovered.total} blocks from NVMe ({recovered.seconds:.1f} s)")
+        if getattr(server.store, "disk_warning", None):
+            echo(f"warning: {server.store.disk_warning}")
         if new_key and key_file.exists():
             echo(f"generated master key: {key_file} (back it up: without it NVMe blocks are unreadable)")
         if token is not None:

@@ -30,6 +30,14 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def format_size(n: int) -> str:
+    """``n`` bytes for people, binary units: ``"64.0 GiB"``, ``"124.0 KiB"``, ``"512 B"``."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(n) >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
 def _size_or_value(value: Any) -> Any:
     """A string is parsed as a size; anything else is left for the int validation after it."""
     return parse_size(value) if isinstance(value, str) else value

@@ -62,6 +62,7 @@ from kvstore.keys import ROOT_KEY, block_keys, check_keys
 from kvstore.memtune import retain_freed_memory
 from kvstore.placement import Placement
 from kvstore.sessions import SessionTable
+from kvstore.sizes import format_size
 from kvstore.spec import ModelSpec
 from kvstore.stats import Counters
 from kvstore.store_admin import TenantAdmin, TenantPolicy
@@ -167,8 +168,16 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                                 quotas=self._quota, quant_policy=self.quant_policy,
                                 remote=self._remote)
         self.tiers = self._place.tiers
+        self.disk_warning: str | None = None
         if self._nvme is not None:
             self._recover(progress)
+            room, need = self._nvme.disk_room()
+            if room < need:
+                self.disk_warning = (
+                    f"nvme_bytes is {format_size(config.nvme_bytes)}, but the disk of {self._nvme.path} "
+                    f"can take only {format_size(room)} more: NVMe writes will fail (RESOURCE_EXHAUSTED) "
+                    f"before the tier fills; lower nvme_bytes or free space there")
+                log.warning("%s", self.disk_warning)
 
     @classmethod
     def open(cls, config: StoreConfig, *, clock: Clock = time.time, progress: Progress | None = None) -> Store:

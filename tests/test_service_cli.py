@@ -184,3 +184,11 @@ def _tiny_config(tmp_path: Path) -> Path:
     path.write_text(f'[store]\npath = "{tmp_path / "home"}"\nhbm_bytes = 8388608\ndram_bytes = 8388608\n'
                     'nvme_bytes = 67108864\n[metrics]\nenabled = false\n')
     return path
+
+
+def test_format_size_is_binary_and_round_trips_through_parse_size():
+    from kvstore.sizes import format_size
+
+    assert [format_size(n) for n in (0, 512, 1024, 124 * 1024, 64 << 30, 3 << 40)] == [
+        "0 B", "512 B", "1.0 KiB", "124.0 KiB", "64.0 GiB", "3.0 TiB"]
+    assert parse_size(format_size(64 << 30).replace(" ", "")) == 64 << 30

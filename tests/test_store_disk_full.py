@@ -153,3 +153,18 @@ def test_a_tenant_key_that_cannot_be_stored_or_destroyed_fails_the_call_by_name(
     env.failures = 1
     with pytest.raises(NVMeWriteFailed, match="destroy tenant 'old'.s data key"):
         s.drop_tenant("old")
+
+
+def test_a_disk_smaller_than_nvme_bytes_is_warned_of_at_open(open_store, spec, tmp_path, monkeypatch, caplog):
+    from collections import namedtuple
+
+    from tiers import nvme as nvme_mod
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(nvme_mod.shutil, "disk_usage", lambda p: usage(1 << 30, 0, 1 << 30))
+    assert open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=64, path=tmp_path / "a").disk_warning is None
+    monkeypatch.setattr(nvme_mod.shutil, "disk_usage", lambda p: usage(1 << 30, 0, 3 * 1024))
+    with caplog.at_level("WARNING", logger="kvstore.store"):
+        s = open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=64, path=tmp_path / "b")
+    assert s.disk_warning is not None and "can take only" in s.disk_warning
+    assert "lower nvme_bytes or free space" in caplog.text

@@ -292,6 +292,18 @@ class NVMeTier:
             txn.delete(k, db=self._meta)
         return True
 
+    def disk_room(self) -> tuple[int, int]:
+        """``(room, need)``: bytes the disk could still take for values (its free space, plus
+        what the LMDB file holds beyond the stored values), and bytes the tier may still
+        store (capacity less what it holds). ``room < need``: writes fail before the tier fills."""
+        data = self.path / "data.mdb"
+        try:
+            allocated = data.stat().st_blocks * 512
+        except OSError:
+            allocated = 0
+        room = shutil.disk_usage(self.path).free + max(allocated - self._used, 0)
+        return room, max(self.capacity - self._used, 0)
+
     def contains(self, ref: BlockRef) -> bool:
         return ref.ident in self._sizes
 
