@@ -227,3 +227,26 @@ def test_smollm2_two_turn_chat_reuses_turn_one_and_decodes_the_same(tmp_path: Pa
         assert torch.equal(second.sequences, reference)
     finally:
         store.close()
+
+
+def test_generate_goes_on_when_the_store_fails(caplog: pytest.LogCaptureFixture) -> None:
+    """A store that does not answer costs generate its reuse, not its output: the restore is a
+    miss, the save is skipped, both logged; the tokens equal a plain model.generate."""
+    from kvstore.errors import Unavailable
+
+    class Down:
+        def block_keys(self, spec: Any, token_ids: Any) -> list[bytes]:
+            raise Unavailable("failed to connect to all addresses")
+
+        lookup = put = get = block_keys
+
+    model = _build("llama")
+    pc = _adapter(model, Down())
+    prompt = _prompt(3 * BLOCK + 2, seed=11)
+    with caplog.at_level("WARNING", logger="kvstore.integrations.hf"):
+        out = pc.generate(model, prompt, max_new_tokens=4, do_sample=False)
+    assert out.reused_tokens == 0 and out.saved.num_blocks == 0
+    assert torch.equal(out.sequences, model.generate(prompt, max_new_tokens=4, do_sample=False))
+    assert "restore failed" in caplog.text and "save failed" in caplog.text
+    with pytest.raises(Unavailable):  # called directly, the primitives still raise
+        pc.restore(prompt)

@@ -14,7 +14,9 @@ Primitives and what each guarantees:
   ``DynamicCache``, bit-identical to what was saved, always leaving at least one prompt token
   uncached (so the model computes the logits of the last prompt token). A miss gives no cache.
 * :class:`PrefixCache.generate` — restore, ``model.generate`` on the whole prompt (only the
-  uncached suffix is prefilled), then save the new full blocks.
+  uncached suffix is prefilled), then save the new full blocks. A store that fails or does not
+  answer (any error but a bad argument) costs the reuse, not the generation: the restore is a
+  miss and the save is skipped, each logged. ``save`` and ``restore`` called directly raise.
 
 NOTE: keys are stored after RoPE, so a block is only valid at its position after exactly its
 prefix: the block key is the *chained* key over the full token prefix (``block_keys`` of the
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -47,8 +50,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("kvstore.integrations.hf needs transformers: pip install 'kvstore[hf]'") from exc
 from packaging.version import Version
 
-from kvstore.errors import DTypeMismatch, InvalidArgument, NotFound, ShapeMismatch
+from kvstore.errors import DTypeMismatch, InvalidArgument, KVStoreError, NotFound, ShapeMismatch
 from kvstore.spec import DTYPES, ModelSpec
+
+log = logging.getLogger(__name__)
 
 #: transformers 4.54 moved per-layer tensors from ``key_cache[i]`` to ``layers[i].keys``.
 _LAYERED_CACHE = Version(transformers.__version__).release >= (4, 54)
@@ -306,11 +311,24 @@ class PrefixCache:
                  **generate_kwargs: Any) -> Generation:
         """Restore the prompt's stored prefix, ``model.generate`` from it (batch 1), and save
         the full blocks of the whole sequence (prompt and generated tokens) if ``save``."""
-        restored = self.restore(input_ids, device=self.device or model.device)
+        try:
+            restored = self.restore(input_ids, device=self.device or model.device)
+        except InvalidArgument:
+            raise
+        except KVStoreError as exc:
+            log.warning("kvstore restore failed, prefilling the whole prompt: %s", exc)
+            restored = Restored(None, 0, [])
         cache = restored.cache if restored.cache is not None else DynamicCache()
         kwargs = {cache_argument(model): cache, "use_cache": True, **generate_kwargs}
         with torch.no_grad():
             out = model.generate(input_ids, return_dict_in_generate=True, **kwargs)
         sequences, cache = out.sequences, output_cache(out)
-        saved = self.save(sequences, cache) if save else Saved(0, 0)
+        saved = Saved(0, 0)
+        if save:
+            try:
+                saved = self.save(sequences, cache)
+            except InvalidArgument:
+                raise
+            except KVStoreError as exc:
+                log.warning("kvstore save failed, the blocks of this sequence are not stored: %s", exc)
         return Generation(sequences, restored.num_tokens, saved, cache)
