@@ -115,21 +115,15 @@ def _pack(keys: Sequence[bytes]) -> bytes:
 
 def _flat_bytes(kv: Any, n: int, nbytes: int, what: str = "kv") -> np.ndarray:
     """A [n, nbytes] uint8 numpy view of a CPU tensor/array/buffer (copies only if non-contiguous)."""
-    if isinstance(kv, torch.Tensor):
-        t = kv.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        arr = t.contiguous().view(torch.uint8).numpy()
+    given = kv.detach() if isinstance(kv, torch.Tensor) else np.asarray(kv)
+    size = given.numel() * given.element_size() if isinstance(given, torch.Tensor) else given.nbytes
+    if size != n * nbytes:  # NOTE: checked before any copy
+        raise InvalidArgument(f"{what} holds {size} bytes ({given.dtype}, shape {tuple(given.shape)}); "
+                              f"{n} blocks of this spec are {n * nbytes} ({nbytes} each)")
+    if isinstance(given, torch.Tensor):
+        arr = given.cpu().contiguous().view(torch.uint8).numpy()
     else:
-        given = np.asarray(kv)
-        if given.nbytes != n * nbytes:
-            raise InvalidArgument(f"{what} holds {given.nbytes} bytes ({given.dtype}, shape {given.shape}); "
-                                  f"{n} blocks of this spec are {n * nbytes} ({nbytes} each)")
         arr = np.ascontiguousarray(given).view(np.uint8)
-    arr = arr.reshape(-1)
-    if arr.size != n * nbytes:
-        raise InvalidArgument(f"{what} holds {arr.size} bytes; {n} blocks of this spec are {n * nbytes} "
-                              f"({nbytes} each)")
     return arr.reshape(n, nbytes)
 
 
@@ -374,6 +368,7 @@ class Client:
             ttl_s: float | None = None, namespace: str = "", parent: bytes | None = None) -> None:
         """Store ``kv`` ([len(keys), 2, L, H, T, D] of the spec's dtype) under the key chain;
         ``parent``: the stored block ``keys[0]`` continues from."""
+        keys = check_keys(keys)
         if isinstance(kv, torch.Tensor):
             holding_data(kv, "kv")
             want = (len(keys), *spec.block_shape)
@@ -388,11 +383,12 @@ class Client:
                   session: str | None = None, ttl_s: float | None = None, namespace: str = "",
                   parent: bytes | None = None) -> None:
         """Like :meth:`put`, blocks as a [n, block_nbytes] uint8 array or n buffers."""
+        keys = check_keys(keys)
         rows = blocks if isinstance(blocks, np.ndarray) and blocks.ndim == 2 else \
             [np.frombuffer(b, dtype=np.uint8) for b in blocks]
         if len(rows) != len(keys):
             raise InvalidArgument(f"{len(rows)} blocks for {len(keys)} keys")
-        put = _Put(spec, check_keys(keys), session or "", ttl_s, namespace)
+        put = _Put(spec, keys, session or "", ttl_s, namespace)
         if self._plane() is not None:
             self._put_local(put, rows, parent)
         else:
