@@ -159,10 +159,10 @@ class Placement:
         backend = self.backend(tier)
         seen: set[tuple[str, bytes]] = set()
         held = own = 0
-        for m in list(self._index.in_tier(tier)):
-            cur: BlockMeta | None = m
+        for m in self._index.in_tier(tier):
             if not (m.pins or m.in_flight or (m.tenant, m.key) in self.protected):
                 continue
+            cur: BlockMeta | None = m
             while cur is not None and cur.tier == tier and (cur.tenant, cur.key) not in seen:
                 seen.add((cur.tenant, cur.key))
                 held += backend.charge(cur.nbytes)

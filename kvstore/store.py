@@ -388,22 +388,10 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                                 *, pinned: bool = False) -> None:
         """ResourceExhausted, before anything is evicted, for a put whose new blocks outnumber
         what the tiers it may use could ever hold for this tenant (a put holds its own blocks
-        until it ends, so such a put would evict everything it could and still fail)."""
+        until it ends, so such a put would evict everything it could and still fail), or what
+        they could hold now, with pinned, in-flight and protected blocks where they are."""
         new = sum(1 for k in keys if self._index.get(tenant, k) is None)
         most = self._place.most_blocks(tenant, spec.block_nbytes, floor, pinned)
-        if new <= most:
-            # session blocks already stored below HBM are brought up too
-            up = sum(1 for k in keys if (m := self._index.get(tenant, k)) is not None and m.tier > Tier.HBM) \
-                if pinned and Tier.HBM in self.tiers else 0
-            room = self._place.room_now(tenant, spec.block_nbytes, floor, pinned, new + up)
-            if new + up > room:
-                where = "hbm" if pinned else "the tiers it may use"
-                raise ResourceExhausted(
-                    f"no room for {new + up} blocks of {spec.block_nbytes} bytes of tenant {tenant!r} in "
-                    f"{where}: only {room} could be made, the rest is held by pinned (session) or "
-                    f"in-flight blocks or by the tenant's quota; nothing was evicted",
-                    resource=Tier.HBM.label if pinned else floor.label)
-            return
         if new > most:
             where = "hbm (session blocks)" if pinned else "the tiers it may use"
             if not most:
@@ -414,6 +402,16 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                 f"a put of {new} new blocks of {spec.block_nbytes} bytes can never fit: {where} hold "
                 f"at most {most} of them for tenant {tenant!r} (capacity, and its quota where set); "
                 f"put fewer blocks at a time or give the store more room", resource=floor.label)
+        # session blocks already stored below HBM are brought up too
+        up = sum(1 for k in keys if (m := self._index.get(tenant, k)) is not None and m.tier > Tier.HBM) \
+            if pinned and Tier.HBM in self.tiers else 0
+        room = self._place.room_now(tenant, spec.block_nbytes, floor, pinned, new + up)
+        if new + up > room:
+            raise ResourceExhausted(
+                f"no room for {new + up} blocks of {spec.block_nbytes} bytes of tenant {tenant!r} in "
+                f"{'hbm' if pinned else 'the tiers it may use'}: only {room} could be made, the rest is "
+                f"held by pinned (session) or in-flight blocks or by the tenant's quota; nothing was evicted",
+                resource=Tier.HBM.label if pinned else floor.label)
 
     def _unput(self, metas: list[BlockMeta]) -> None:
         """Roll back the blocks a failed put inserted (those still indexed as themselves)."""
