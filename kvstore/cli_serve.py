@@ -100,6 +100,7 @@ def _progress_bars() -> Iterator[Callable[[str, int, int], None]]:
             tasks[what] = bar.add_task(what, total=total)
         bar.update(tasks[what], completed=done)
         if done >= total:
+            bar.remove_task(tasks[what])
             bar.stop()
 
     try:
