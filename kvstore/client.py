@@ -58,6 +58,7 @@ import torch
 from kernels.copy import host_copy
 from kvstore import memtune
 from kvstore.block import Tier
+from kvstore.client_shm import LocalBlocks, LocalPlane
 from kvstore.errors import IntegrityError, InvalidArgument, KVStoreError, UnknownRegion
 from kvstore.frames import Frame, block_frames, decoder, encode, scatter, write_into
 from kvstore.keys import KEY_BYTES, as_token_array, check_keys
@@ -67,7 +68,6 @@ from kvstore.spec import ModelSpec
 from kvstore.status import from_rpc_error
 from proto.kvstore.v1 import admin_pb2_grpc, kvstore_pb2_grpc
 from proto.kvstore.v1 import kvstore_pb2 as pb
-from tiers.arena import ExtentAllocator
 from tiers.memory import holding_data
 
 MiB = 1 << 20
@@ -167,48 +167,6 @@ class _Put:
     namespace: str
 
 
-class _LocalPlane:
-    """The client's shared-memory region, registered with the server, and its slot allocator."""
-
-    def __init__(self, region: ShmRegion, region_id: int) -> None:
-        self.region = region
-        self.region_id = region_id
-        self.arena = np.frombuffer(region.view(0, region.usable), dtype=np.uint8)
-        self.base = self.arena.ctypes.data
-        self.alloc = ExtentAllocator(region.usable, alignment=4096)
-        self.lock = threading.Lock()
-
-    def offsets_of(self, arr: np.ndarray) -> int | None:
-        """Offset of a contiguous array inside the region, or None when it lives elsewhere."""
-        addr = arr.ctypes.data
-        if self.base <= addr and addr + arr.nbytes <= self.base + self.arena.size:
-            return addr - self.base
-        return None
-
-    def reserve(self, nbytes: int) -> int | None:
-        with self.lock:
-            return self.alloc.alloc(nbytes)
-
-    def reserve_blocks(self, n: int, nbytes: int) -> tuple[int, int]:
-        """Slots for as many of ``n`` blocks as fit (halving until they do): ``(offset, count)``;
-        count 0 when not even one block fits."""
-        count = n
-        while count:
-            off = self.reserve(count * nbytes)
-            if off is not None:
-                return off, count
-            count //= 2
-        return -1, 0
-
-    def release(self, offset: int) -> None:
-        with self.lock:
-            self.alloc.free(offset)
-
-    def close(self) -> None:
-        del self.arena
-        self.region.close()
-
-
 class Client:
     """A connection to a kvstore sidecar; see the module docstring."""
 
@@ -246,7 +204,7 @@ class Client:
             _METHOD + "Get", request_serializer=pb.GetRequest.SerializeToString,
             response_deserializer=decoder(pb.GetFrame), _registered_method=True)
         self._admin = admin_pb2_grpc.AdminStub(self._channel)
-        self._local: _LocalPlane | None = None
+        self._local: LocalPlane | None = None
         self._unlink: weakref.finalize | None = None
         self._region_bytes = region_bytes
         self._register_lock = threading.Lock()
@@ -281,12 +239,12 @@ class Client:
             self._retry_register_at = time.monotonic() + REGISTER_RETRY_S if transient else None
             return
         self._retry_register_at = None
-        self._local = _LocalPlane(region, region_id)
+        self._local = LocalPlane(region, region_id)
         # a client never closed still unlinks its region when collected or at exit (else the
         # resource tracker does, warning of a leak); the server drops regions whose name is gone
         self._unlink = weakref.finalize(self, self._local.close)
 
-    def _plane(self) -> _LocalPlane | None:
+    def _plane(self) -> LocalPlane | None:
         """The shared-memory plane, registered now if an earlier attempt could not reach the
         server and its retry time has come; None: streams."""
         due = self._retry_register_at
@@ -579,30 +537,3 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class LocalBlocks:
-    """Blocks allocated in the client's shared region; ``tensor`` is the view to fill or read.
-    Call :meth:`free` (or use as a context manager) to give the slots back."""
-
-    def __init__(self, plane: _LocalPlane, spec: ModelSpec, n: int) -> None:
-        self._plane = plane
-        nbytes = spec.block_nbytes * n
-        off = plane.reserve(nbytes)
-        if off is None:
-            raise InvalidArgument(f"{nbytes} bytes do not fit in the free part of the shared region")
-        self.offset = off
-        flat = torch.from_numpy(plane.arena[off : off + nbytes])
-        self.tensor = flat.view(spec.torch_dtype).view(n, *spec.block_shape)
-
-    def free(self) -> None:
-        if self.offset >= 0:
-            self.tensor = None  # type: ignore[assignment]
-            self._plane.release(self.offset)
-            self.offset = -1
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.free()

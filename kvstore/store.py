@@ -390,7 +390,14 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         what the tiers it may use could ever hold for this tenant (a put holds its own blocks
         until it ends, so such a put would evict everything it could and still fail), or what
         they could hold now, with pinned, in-flight and protected blocks where they are."""
-        new = sum(1 for k in keys if self._index.get(tenant, k) is None)
+        lift = pinned and Tier.HBM in self.tiers  # session blocks stored below HBM come up
+        new = up = 0
+        for k in keys:
+            m = self._index.get(tenant, k)
+            if m is None:
+                new += 1
+            elif lift and m.tier > Tier.HBM:
+                up += 1
         most = self._place.most_blocks(tenant, spec.block_nbytes, floor, pinned)
         if new > most:
             where = "hbm (session blocks)" if pinned else "the tiers it may use"
@@ -402,9 +409,6 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                 f"a put of {new} new blocks of {spec.block_nbytes} bytes can never fit: {where} hold "
                 f"at most {most} of them for tenant {tenant!r} (capacity, and its quota where set); "
                 f"put fewer blocks at a time or give the store more room", resource=floor.label)
-        # session blocks already stored below HBM are brought up too
-        up = sum(1 for k in keys if (m := self._index.get(tenant, k)) is not None and m.tier > Tier.HBM) \
-            if pinned and Tier.HBM in self.tiers else 0
         room = self._place.room_now(tenant, spec.block_nbytes, floor, pinned, new + up)
         if new + up > room:
             raise ResourceExhausted(
