@@ -8,66 +8,19 @@ transactions fail to commit, as ``mdb_txn_commit`` does on a full disk (checked 
 
 from __future__ import annotations
 
-from typing import Any, Self
-
-import lmdb
 import pytest
 import torch
 from conftest import make_kv, tokens
+from disk_faults import FailingEnv, FailingTxn, failing
 
 from kvstore.errors import NVMeWriteFailed, ResourceExhausted
-
-
-class _FailingTxn:
-    def __init__(self, txn: Any, env: _FailingEnv) -> None:
-        self._txn, self._env = txn, env
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._txn, name)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
-        if kind is not None:
-            self._txn.abort()
-        else:
-            self.commit()
-
-    def commit(self) -> None:
-        if self._env.failures:
-            self._env.failures -= 1
-            self._txn.abort()
-            raise lmdb.Error("mdb_txn_commit: Input/output error")
-        self._txn.commit()
-
-
-class _FailingEnv:
-    """``env`` whose write transactions fail to commit while ``failures`` > 0 (each failure
-    counts it down)."""
-
-    def __init__(self, env: Any) -> None:
-        self._env, self.failures = env, 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._env, name)
-
-    def begin(self, *args: Any, **kw: Any) -> Any:
-        txn = self._env.begin(*args, **kw)
-        return _FailingTxn(txn, self) if kw.get("write") else txn
-
-
-def _failing(store: Any) -> _FailingEnv:
-    env = _FailingEnv(store._nvme._env)
-    store._nvme._env = env
-    return env
 
 
 def test_a_put_whose_commit_fails_stores_and_announces_nothing(open_store, spec, tmp_path):
     s = open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=64)
     before = s.block_keys("a", spec, tokens(2, spec))
     s.put("a", spec, before, make_kv(spec, 2))
-    env = _failing(s)
+    env = failing(s)
     keys = s.block_keys("a", spec, tokens(3, spec, start=100))
     used = s.stats()["tiers"]["nvme"]["used_bytes"]
     env.failures = 1
@@ -95,20 +48,20 @@ def test_a_failed_pipelined_commit_leaves_no_part_of_the_put(open_store, spec, m
     monkeypatch.setattr(nvme_mod, "PIPELINE_COMMIT_BYTES", 2 * spec.block_nbytes)
     s = open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=64)
     s._nvme._commit_bytes = 2 * spec.block_nbytes
-    env = _failing(s)
+    env = failing(s)
     keys = s.block_keys("a", spec, tokens(8, spec))
     env.failures = 1
-    real_commit = _FailingTxn.commit
+    real_commit = FailingTxn.commit
     commits = []
 
-    def second_fails(self: _FailingTxn) -> None:  # let the first commit of the put through
+    def second_fails(self: FailingTxn) -> None:  # let the first commit of the put through
         commits.append(1)
         if len(commits) == 1:
             self._txn.commit()
             return
         real_commit(self)
 
-    monkeypatch.setattr(_FailingTxn, "commit", second_fails)
+    monkeypatch.setattr(FailingTxn, "commit", second_fails)
     with pytest.raises(NVMeWriteFailed):
         s.put("a", spec, keys, make_kv(spec, 8))
     assert len(commits) >= 2
@@ -123,7 +76,7 @@ def test_a_failed_flush_keeps_the_memory_blocks_without_an_nvme_copy(open_store,
     keys = s.block_keys("a", spec, tokens(3, spec))
     kv = make_kv(spec, 3)
     s.put("a", spec, keys, kv)
-    env = _failing(s)
+    env = failing(s)
     env.failures = 1
     with pytest.raises(NVMeWriteFailed):
         s.flush()
@@ -144,7 +97,7 @@ def test_a_tenant_key_that_cannot_be_stored_or_destroyed_fails_the_call_by_name(
     readable)."""
     s = open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=16)
     backend = s.keyring._backend
-    env = _FailingEnv(backend._env)
+    env = FailingEnv(backend._env)
     backend._env = env
     env.failures = 1
     with pytest.raises(NVMeWriteFailed, match="store tenant 'new'.s data key"):
