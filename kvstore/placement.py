@@ -30,7 +30,7 @@ import torch
 from kernels.copy import copy_bytes
 from kvstore.block import BlockMeta, Tier
 from kvstore.config import StoreConfig
-from kvstore.errors import ResourceExhausted
+from kvstore.errors import NVMeWriteFailed, ResourceExhausted
 from kvstore.index import Ident, PrefixIndex
 from kvstore.sessions import SessionTable
 from kvstore.spec import ModelSpec
@@ -303,6 +303,14 @@ class Placement:
                 return False
             if not self.copy(meta, ref, src, dest):
                 return False
+            if dest == Tier.NVME and meta.paused and self._nvme is not None:
+                # a paused session's block is kept: committed before its memory copy goes, so
+                # a commit that fails (a full disk) leaves it where it was
+                try:
+                    self._nvme.commit_now()
+                except NVMeWriteFailed:
+                    meta.persisted = False
+                    raise
         finally:
             meta.in_flight = False
             if guard:

@@ -232,6 +232,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
             with self._nvme.batch():
                 yield
         except NVMeWriteFailed as exc:
+            self.counters.add("nvme_commit_failures")
             self._forget_unwritten(exc.lost)
             raise
 

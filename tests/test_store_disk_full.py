@@ -121,3 +121,29 @@ def test_a_disk_smaller_than_nvme_bytes_is_warned_of_at_open(open_store, spec, t
         s = open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=64, path=tmp_path / "b")
     assert s.disk_warning is not None and "can take only" in s.disk_warning
     assert "lower nvme_bytes or free space" in caplog.text
+
+
+def test_a_paused_sessions_block_is_not_lost_to_a_commit_that_fails(open_store, spec):
+    """A paused session's blocks are kept: one demoted to NVMe is committed before its memory
+    copy is freed, so when that commit fails it stays in DRAM (the call that demoted it fails)
+    and the session resumes whole. Found by the state machine: the block was dropped."""
+    s = open_store(spec, hbm_blocks=4, dram_blocks=3, nvme_blocks=6)
+    s.open_session("a", "chat")
+    mine = s.block_keys("a", spec, tokens(2, spec))
+    kv = make_kv(spec, 2)
+    s.put("a", spec, mine, kv, session="chat")
+    s.pause_session("a", "chat")
+    assert s.lookup("a", spec, mine).tiers == ["dram", "dram"]
+    env = failing(s)
+    # a chain sharing the session's first block: its new block goes to DRAM, whose high
+    # watermark demotes the session's leaf to NVMe
+    other = s.block_keys("a", spec, tokens(1, spec) + tokens(1, spec, start=50))
+    assert other[0] == mine[0]
+    env.failures = 1
+    with pytest.raises(NVMeWriteFailed):
+        s.put("a", spec, other, make_kv(spec, 2, seed=3))
+    assert s.lookup("a", spec, mine).tiers == ["dram", "dram"]
+    s.resume_session("a", "chat")
+    assert s.lookup("a", spec, mine).tiers == ["hbm", "hbm"]
+    assert torch.equal(s.get("a", spec, mine), kv)
+    assert s.stats()["counters"]["nvme_commit_failures"] == 1

@@ -8,8 +8,9 @@ After every step it checks DESIGN.md invariants through the public API only:
 5. deleted, dropped or expired blocks are never found.
 
 One rule puts on a full disk (the NVMe commit fails, as on ENOSPC): the put raises
-NVMeWriteFailed and its blocks may or may not be stored (those that reached a memory tier are),
-but whatever is found is still exactly what was put, and pinned blocks stay in HBM.
+NVMeWriteFailed and its blocks may or may not be stored (those that reached a memory tier are;
+blocks it found may have had their TTL lifted), but whatever is found is still exactly what
+was put, pinned blocks stay in HBM, and get serves every block a lookup announces.
 """
 
 from __future__ import annotations
@@ -70,8 +71,6 @@ class StoreMachine(RuleBasedStateMachine):
         self.keys = {(t, c): self.store.block_keys(t, SPEC, chain_tokens(c))
                      for t in TENANTS for c in range(CHAINS)}
         self.live: dict[tuple[str, bytes], float | None] = {}  # -> ttl deadline (None: never)
-        # blocks of a put that failed on a full disk: stored or not, never other bytes
-        self.uncertain: set[tuple[str, bytes]] = set()
         self.disk = FailingEnv(self.store._nvme._env)
         self.store._nvme._env = self.disk
         self.sessions: dict[tuple[str, str], tuple[str, list[bytes]]] = {}  # -> (state, keys)
@@ -96,7 +95,6 @@ class StoreMachine(RuleBasedStateMachine):
             return  # allowed: pinned blocks or the quota hold the room; nothing was written
         now = self.clock()
         for k in keys:
-            self.uncertain.discard((t, k))
             new = None if ttl is None else now + ttl
             if (t, k) in self.live and not self._expired(t, k):
                 old = self.live[(t, k)]
@@ -116,7 +114,12 @@ class StoreMachine(RuleBasedStateMachine):
         try:
             self.store.put(t, SPEC, keys, kv)
         except NVMeWriteFailed:
-            self.uncertain.update((t, k) for k in keys if (t, k) not in self.live or self._expired(t, k))
+            # the put ran to its end before its commit failed: what it stored in memory stays,
+            # with no TTL (it gave none, which lifts the TTL of blocks it found); what it wrote
+            # to NVMe is gone. The store says which.
+            found = self.store.lookup(t, SPEC, keys).num_blocks
+            for k in keys[:found]:
+                self.live[(t, k)] = None
         except ResourceExhausted:
             pass
         finally:
@@ -129,9 +132,8 @@ class StoreMachine(RuleBasedStateMachine):
         out = self.store.get(t, SPEC, keys)
         assert out.shape[0] == announced, "a lookup announced a block that get could not serve"
         for i in range(out.shape[0]):
-            if (t, keys[i]) not in self.uncertain:
-                assert (t, keys[i]) in self.live, "served a block that was never put or was removed"
-                assert not self._expired(t, keys[i]), "served an expired block"
+            assert (t, keys[i]) in self.live, "served a block that was never put or was removed"
+            assert not self._expired(t, keys[i]), "served an expired block"
             assert torch.equal(out[i].view(torch.uint8), block_value(t, keys[i]).view(torch.uint8))
 
     @rule(t=st.sampled_from(TENANTS), c=st.integers(0, CHAINS - 1), i=st.integers(0, 3))
@@ -144,7 +146,6 @@ class StoreMachine(RuleBasedStateMachine):
             if key in ks:
                 for k in ks[ks.index(key):]:
                     self.live.pop((t, k), None)
-                    self.uncertain.discard((t, k))
                 self._leave_sessions(t, ks[ks.index(key):])
 
     def _leave_sessions(self, t, gone):
@@ -157,7 +158,6 @@ class StoreMachine(RuleBasedStateMachine):
     def drop_tenant(self, t):
         self.store.drop_tenant(t)
         self.live = {k: v for k, v in self.live.items() if k[0] != t}
-        self.uncertain = {k for k in self.uncertain if k[0] != t}
         self.sessions = {k: v for k, v in self.sessions.items() if k[0] != t}
         if t == "b":
             self.store.set_tenant_policy("b", quota_bytes={"hbm": QUOTA_B_HBM})
@@ -208,8 +208,6 @@ class StoreMachine(RuleBasedStateMachine):
             order = ["hbm", "dram", "nvme"]
             assert [order.index(x) for x in m.tiers] == sorted(order.index(x) for x in m.tiers)
             for k in keys[: m.num_blocks]:
-                if (t, k) in self.uncertain:
-                    continue
                 assert (t, k) in self.live, "found a removed block or another tenant's"
                 assert not self._expired(t, k), "found an expired block"
 

@@ -348,6 +348,12 @@ class NVMeTier:
             if txn is not None:
                 self._commit(txn)
 
+    def commit_now(self) -> None:
+        """Commit what the open batch wrote so far (durably) and go on in a new transaction;
+        nothing to do outside a batch, where every write commits on its own."""
+        if self._batch is not None:
+            self._commit_step()
+
     def _commit_step(self) -> None:
         """Commit the open batch's writes so far and go on in a new transaction (pipelined
         batches only). Durable like any commit: a block stored here survives kill -9 from now."""
