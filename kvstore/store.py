@@ -122,7 +122,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         self.policy = make_policy(config.policy, self._specs.get)
 
         path = config.path
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)  # other users: not even metadata
         self._dir_lock = DirLock(path)
         try:
             self._open_tiers(config, clock, progress)

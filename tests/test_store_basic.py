@@ -659,3 +659,24 @@ def test_room_now_counts_what_eviction_can_reach(open_store, spec):
     assert place.room_now("b", nb, Tier.HBM, True, 5) == 2  # a's 4 held, b's own 2 can go
     s.set_tenant_policy("b", quota_bytes={"hbm": nb})
     assert place.room_now("b", nb, Tier.HBM, True, 5) == 1  # within b's quota of one block
+
+
+def test_the_store_directory_and_its_files_are_private(tmp_path):
+    """Values are encrypted, but NVMe records name tenants and block keys can be tested for a
+    known prompt: other users of the host read nothing there (directories 0700, files 0600,
+    the master key 0600)."""
+    import os
+    import stat
+
+    from conftest import MASTER
+
+    from kvstore import Store, StoreConfig
+
+    root = tmp_path / "private"
+    Store.open(StoreConfig(path=root, hbm_bytes=1 << 20, dram_bytes=0, nvme_bytes=4 << 20,
+                           master_key=MASTER)).close()
+    modes = {p.relative_to(tmp_path).as_posix(): stat.S_IMODE(os.stat(p).st_mode)
+             for p in [root, *root.rglob("*")]}
+    assert {p: m for p, m in modes.items() if os.path.isdir(tmp_path / p) and m != 0o700} == {}
+    assert {p: m for p, m in modes.items() if not os.path.isdir(tmp_path / p) and m & 0o077} == {}
+    assert "private/nvme/data.mdb" in modes and "private/nvme/keys/data.mdb" in modes

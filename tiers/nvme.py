@@ -148,7 +148,8 @@ class NVMeTier:
                  pipeline_commit_bytes: int | None = None,
                  writemap: bool = False) -> None:
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        # private: values are encrypted, but records name tenants and keys can be tested
+        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.capacity = capacity
         # Room for LMDB's own pages and for values that do not compress (header overhead).
         # NOTE: writemap (values copied straight into the file mapping, no malloc'd dirty
@@ -158,12 +159,13 @@ class NVMeTier:
         self._env = lmdb.open(
             str(self.path), map_size=map_size or max(capacity * 2 + (256 << 20), 1 << 26),
             max_dbs=8, sync=durable, metasync=durable, readahead=False, lock=True,
-            writemap=writemap)
+            writemap=writemap, mode=0o600)
         self._blocks = self._env.open_db(b"blocks")
         self._meta = self._env.open_db(b"meta")
         self._specs = self._env.open_db(b"specs")
+        (self.path / "keys").mkdir(exist_ok=True, mode=0o700)  # NOTE: lmdb would make it 0600 (mode)
         self._keys_env = lmdb.open(str(self.path / "keys"), map_size=64 << 20, max_dbs=2,
-                                   sync=True, metasync=True, readahead=False, lock=True)
+                                   sync=True, metasync=True, readahead=False, lock=True, mode=0o600)
         self._keys = self._keys_env.open_db(b"keys")
         self._batch: lmdb.Transaction | None = None
         self.codec: Any = None  # set by the Store once the keyring (which lives here) is built
