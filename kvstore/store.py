@@ -522,13 +522,18 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
     def close(self, *, progress: Progress | None = None) -> int:
         """Close the store. Blocks committed to NVMe come back on the next :meth:`open`
         (with ``persist_on_close``, the warm blocks of HBM and DRAM are committed first,
-        reported to ``progress`` as :meth:`flush` does); returns how many were committed."""
+        reported to ``progress`` as :meth:`flush` does); returns how many were committed.
+        When that commit fails (a full disk), the store still closes, then raises it."""
         flushed = 0
+        failed: NVMeWriteFailed | None = None
         with self._lock:
             if self._closed:
                 return 0
             if self.config.persist_on_close:
-                flushed = self.flush(progress=progress)
+                try:
+                    flushed = self.flush(progress=progress)
+                except NVMeWriteFailed as exc:
+                    failed = exc
             self._closed = True
             for t in self._mem.values():
                 t.close()
@@ -537,6 +542,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
             if self._remote is not None:
                 self._remote.close()
             self._dir_lock.release()
+        if failed is not None:
+            raise failed
         return flushed
 
     def __enter__(self) -> Self:

@@ -147,3 +147,19 @@ def test_a_paused_sessions_block_is_not_lost_to_a_commit_that_fails(open_store, 
     assert s.lookup("a", spec, mine).tiers == ["hbm", "hbm"]
     assert torch.equal(s.get("a", spec, mine), kv)
     assert s.stats()["counters"]["nvme_commit_failures"] == 1
+
+
+def test_a_close_whose_commit_fails_still_closes_and_says_so(open_store, spec, tmp_path):
+    """persist_on_close on a full disk: the memory blocks cannot be committed, the store
+    closes anyway (its directory free for the next open) and then raises the failure."""
+    s = open_store(spec, hbm_blocks=4, dram_blocks=0, nvme_blocks=16, path=tmp_path / "c")
+    kept = s.block_keys("a", spec, tokens(1, spec))
+    s.put("a", spec, kept, make_kv(spec, 1))
+    s.flush()
+    s.put("a", spec, s.block_keys("a", spec, tokens(2, spec, start=40)), make_kv(spec, 2))
+    failing(s).failures = 1
+    with pytest.raises(NVMeWriteFailed):
+        s.close()
+    assert s.close() == 0  # closed
+    again = open_store(spec, hbm_blocks=4, dram_blocks=0, nvme_blocks=16, path=tmp_path / "c")
+    assert again.lookup("a", spec, kept).tiers == ["nvme"] and again.stats()["blocks"] == 1
