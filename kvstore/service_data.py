@@ -218,7 +218,7 @@ class DataPlane:
         record = lambda result: self.audit.append(principal.name, "blocks.delete", ns, result, f"{len(keys)} keys")
         try:
             n = int(self.store.delete(ns, keys))
-        except BaseException as exc:
+        except Exception as exc:
             try:
                 record(exc.code if isinstance(exc, KVStoreError) else "INTERNAL")
             except KVStoreError as failed:  # NOTE: the delete's own error goes on, not this one
