@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 
 _PERSON = b"kvstore-sglang1"
 #: torch dtype -> kvstore dtype name
+#: what a call to the sidecar returns when the sidecar failed (logged; the page is a miss)
+_FAILED = object()
 _DTYPE_NAMES = {getattr(torch, attr): name for name, (attr, _) in DTYPES.items() if name == attr}
 
 
@@ -194,16 +196,22 @@ def hicache_storage_class() -> type:
             return page_key(self.spec, key)
 
         # -- the HiCacheStorage verbs ---------------------------------------------------------
-        def exists(self, key: str) -> bool:
-            """Whether the page is stored; ``False`` too when the sidecar fails or does not answer
-            within ``kvstore_timeout_s`` (logged): the engine computes the page instead."""
+        def _ask(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+            """``fn(*args, **kw)`` through the guard; :data:`_FAILED` when the sidecar fails or
+            does not answer within ``kvstore_timeout_s`` (logged), so the engine treats the
+            page as a miss. Bad arguments still raise."""
             try:
-                return self.guard.call(self.client.lookup, self.spec, [self._key(key)]).num_blocks == 1
+                return self.guard.call(fn, *args, **kw)
             except InvalidArgument:
                 raise
             except KVStoreError as err:
-                log.log(self.guard.level(), "kvstore HiCache exists of %s failed: %s", key, err)
-                return False
+                log.log(self.guard.level(), "kvstore HiCache %s failed: %s", what, err)
+                return _FAILED
+
+        def exists(self, key: str) -> bool:
+            """Whether the page is stored; ``False`` too when the sidecar fails (see :meth:`_ask`)."""
+            hit = self._ask(f"exists of {key}", self.client.lookup, self.spec, [self._key(key)])
+            return hit is not _FAILED and hit.num_blocks == 1
 
         def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
             """Number of leading ``keys`` present (stops at the first miss)."""
@@ -215,23 +223,21 @@ def hicache_storage_class() -> type:
         def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
             """The page into ``target_location`` (a tensor of ``page_bytes``) or a new flat tensor
             of the spec's dtype; ``None`` on a miss, and when the sidecar fails (logged)."""
-            try:
-                return self._get(key, target_location)
-            except InvalidArgument:
-                raise
-            except KVStoreError as err:
-                log.log(self.guard.level(), "kvstore HiCache get of %s failed: %s", key, err)
-                return None
+            out = self._get(key, target_location)
+            return None if out is _FAILED else out
 
-        def _get(self, key: str, target_location: Any) -> torch.Tensor | None:
-            """:meth:`get`, a failure of the sidecar raised."""
+        def _get(self, key: str, target_location: Any) -> Any:
+            """:meth:`get`, a failure of the sidecar returned as :data:`_FAILED`."""
             spec = self.spec
             out = target_location if isinstance(target_location, torch.Tensor) else \
                 torch.empty(spec.block_nbytes // spec.itemsize, dtype=spec.torch_dtype)
             direct = out.device.type == "cpu" and out.is_contiguous()
             buf = out if direct else torch.empty(out.shape, dtype=out.dtype)  # CPU staging page
-            if self.guard.call(self.client.get_into, spec, [self._key(key)],
-                               _byte_rows(buf, spec.block_nbytes)) != 1:
+            n = self._ask(f"get of {key}", self.client.get_into, spec, [self._key(key)],
+                          _byte_rows(buf, spec.block_nbytes))
+            if n is _FAILED:
+                return _FAILED
+            if n != 1:
                 return None
             if not direct:
                 out.copy_(buf)
@@ -242,13 +248,10 @@ def hicache_storage_class() -> type:
             targets = target_locations or [None] * len(keys)
             out: list[torch.Tensor | None] = [None] * len(keys)
             for i, (k, t) in enumerate(zip(keys, targets)):
-                try:
-                    out[i] = self._get(k, t)
-                except InvalidArgument:
-                    raise
-                except KVStoreError as err:  # the rest would wait as long: all misses
-                    log.log(self.guard.level(), "kvstore HiCache batch_get failed at %s (%d of %d): %s", k, i, len(keys), err)
+                page = self._get(k, t)
+                if page is _FAILED:  # the rest would wait as long: all misses
                     break
+                out[i] = page
             return out
 
         def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
@@ -256,15 +259,8 @@ def hicache_storage_class() -> type:
             already present), ``False`` on a store-side failure."""
             page = value if value is not None else target_location
             rows = _byte_rows(page, self.spec.block_nbytes)
-            try:
-                self.guard.call(self.client.put_bytes, self.spec, [self._key(key)], rows.numpy(),
-                                ttl_s=self.config.ttl_s)
-            except InvalidArgument:
-                raise
-            except KVStoreError as err:
-                log.log(self.guard.level(), "kvstore HiCache set of %s failed: %s", key, err)
-                return False
-            return True
+            return self._ask(f"set of {key}", self.client.put_bytes, self.spec, [self._key(key)],
+                             rows.numpy(), ttl_s=self.config.ttl_s) is not _FAILED
 
         def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                       target_sizes: Any = None) -> bool:
@@ -286,13 +282,10 @@ def hicache_storage_class() -> type:
             staging = pool.get_dummy_flat_data_page()
             done = [False] * len(keys)
             for i, (key, offset) in enumerate(zip(keys, self._page_offsets(keys, host_indices))):
-                try:
-                    done[i] = self._get(key, staging) is not None
-                except InvalidArgument:
-                    raise
-                except KVStoreError as err:  # the rest would wait as long: all misses
-                    log.log(self.guard.level(), "kvstore HiCache batch_get_v1 failed at %s (%d of %d): %s", key, i, len(keys), err)
+                page = self._get(key, staging)
+                if page is _FAILED:  # the rest would wait as long: all misses
                     break
+                done[i] = page is not None
                 if done[i]:
                     pool.set_from_flat_data_page(offset, staging)
             return done
