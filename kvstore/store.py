@@ -190,7 +190,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
     # -- recovery -----------------------------------------------------------------------------
     def _recover(self, progress: Progress | None) -> None:
         assert self._nvme is not None
-        records = list(self._nvme.records())
+        records = self._nvme.records()
         for i, (rec, spec) in enumerate(records, 1):
             if progress is not None and (i % RECOVERY_STEP == 0 or i == len(records)):
                 progress(i, len(records))

@@ -188,7 +188,7 @@ class NVMeTier:
     def key_backend(self) -> MutableMapping[str, bytes]:
         return _KeyBackend(self._keys_env, self._keys)
 
-    def records(self) -> Iterator[tuple[NVMeRecord, ModelSpec | None]]:
+    def records(self) -> list[tuple[NVMeRecord, ModelSpec | None]]:
         """Every committed block's record and spec (rebuilds the Store's index on open)."""
         with self._env.begin() as txn:
             specs: dict[bytes, ModelSpec | None] = {}
@@ -209,7 +209,7 @@ class NVMeTier:
             self._sizes[(rec.tenant, rec.key)] = rec.nbytes
             self._used += rec.nbytes
             self._known_specs.add(rec.fingerprint)
-        return iter(out)
+        return out
 
     # -- TierBackend --------------------------------------------------------------------------
     @staticmethod
