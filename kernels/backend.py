@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from kvstore.errors import InvalidArgument
+from kernels.errors import InvalidArgument
 
 Backend = Literal["auto", "torch", "triton"]
 

@@ -14,7 +14,7 @@ from typing import Literal
 
 import xxhash
 
-from kvstore.errors import InvalidArgument
+from kernels.errors import InvalidArgument
 
 Algorithm = Literal["xxh3_64", "xxh3_128"]
 

@@ -52,7 +52,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels.backend import Backend, use_triton
-from kvstore.errors import DTypeMismatch, InvalidArgument, ShapeMismatch
+from kernels.errors import DTypeMismatch, InvalidArgument, ShapeMismatch
 
 
 class PagedLayout(str, enum.Enum):

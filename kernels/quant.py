@@ -50,7 +50,7 @@ from typing import Literal
 import torch
 
 from kernels.backend import Backend, use_triton
-from kvstore.errors import DTypeMismatch, InvalidArgument, ShapeMismatch
+from kernels.errors import DTypeMismatch, InvalidArgument, ShapeMismatch
 
 KeyGranularity = Literal["channel", "head"]
 

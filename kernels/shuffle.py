@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvstore.errors import InvalidArgument
+from kernels.errors import InvalidArgument
 
 #: items processed per slice (keeps a slice of the source in L2 while every plane is written).
 _SLICE_ITEMS = 1 << 17

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from kernels.backend import Backend, use_triton
-from kvstore.errors import InvalidArgument
+from kernels.errors import InvalidArgument
 
 
 def _flat_bytes(src: torch.Tensor, itemsize: int, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.errors import ShapeMismatch
 from kernels.paged import PagedLayout
-from kvstore.errors import ShapeMismatch
 
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _TILE = 4096  # elements per tile (BLOCK_S * D_PAD)

@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.errors import InvalidArgument
 from kernels.quant import MIN_SCALE, QuantizedKV, QuantScheme
-from kvstore.errors import InvalidArgument
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 _MIN_SCALE = tl.constexpr(MIN_SCALE)

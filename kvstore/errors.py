@@ -8,25 +8,9 @@ Expected outcomes (a miss, "no room in this tier") are return values, not except
 
 from __future__ import annotations
 
-
-class KVStoreError(Exception):
-    """Base of all kvstore errors. ``code`` is the gRPC status name it maps to."""
-
-    code = "INTERNAL"
-
-
-class InvalidArgument(KVStoreError, ValueError):
-    """The request is malformed: bad spec, wrong shape/dtype, keys that do not match, ..."""
-
-    code = "INVALID_ARGUMENT"
-
-
-class ShapeMismatch(InvalidArgument):
-    """A tensor's shape does not match what the ModelSpec and key count require."""
-
-
-class DTypeMismatch(InvalidArgument):
-    """A tensor's dtype is not the ModelSpec's KV dtype."""
+# The root and the kernels' errors live in kernels.errors, at the bottom of the import order;
+# they are re-exported here, where the rest of the hierarchy is.
+from kernels.errors import DTypeMismatch, InvalidArgument, KVStoreError, ShapeMismatch
 
 
 class UnknownTier(InvalidArgument):
@@ -105,3 +89,22 @@ class IntegrityError(KVStoreError):
 
 class KeyUnavailable(IntegrityError):
     """The tenant's data key is gone (tenant deleted): its stored bytes are unreadable."""
+
+
+__all__ = [
+    "DTypeMismatch",
+    "FailedPrecondition",
+    "IntegrityError",
+    "InvalidArgument",
+    "KVStoreError",
+    "KeyUnavailable",
+    "NVMeWriteFailed",
+    "NotFound",
+    "PermissionDenied",
+    "ResourceExhausted",
+    "ShapeMismatch",
+    "Unauthenticated",
+    "Unavailable",
+    "UnknownRegion",
+    "UnknownTier",
+]
