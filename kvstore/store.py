@@ -314,76 +314,93 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         self._check_tenant(tenant)
         if ttl_s is not None and not ttl_s > 0:
             raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s}")
-        with self._lock, self._batch():
-            self._check_open()
-            self._register_spec(spec)
-            sess = None
-            if session is not None:
-                sess = self._sessions.get(tenant, session)
-            now = self._clock()
-            deadline = self._ttl_deadline(tenant, ttl_s, now)
-            inserted: list[BlockMeta] = []
-            existing: list[BlockMeta] = []  # already stored: touched and re-timed on success
-            held: list[BlockMeta] = []
-            guarded: list[Ident] = []
-            parent_tier, base_depth = self.tiers[0], 0
-            if parent0 != ROOT_KEY:
-                pm = self._index.get(tenant, parent0)
-                if (pm is None or pm.in_flight or pm.fingerprint != spec.fingerprint
-                        or self._place.expired(pm, now)):
-                    raise NotFound("the parent block is not stored (never put, evicted or "
-                                   "expired): put the chain from its root")
-                parent_tier, base_depth = pm.tier, pm.depth + 1
-            self._refuse_what_cannot_fit(tenant, spec, keys, parent_tier, pinned=sess is not None)
-            # New blocks bound for NVMe are encoded ahead while the previous ones are written.
-            with self._put_ahead(tenant, spec, keys, data, parent_tier):
-                # NOTE: guarded here, next to the try whose finally lets go: a put refused
-                # above, or whose encode-ahead failed to start, leaves its parent evictable
-                if parent0 != ROOT_KEY and (tenant, parent0) not in self._place.protected:
-                    self._place.protected.add((tenant, parent0))
-                    guarded.append((tenant, parent0))
-                try:
-                    for i, key in enumerate(keys):
-                        parent = keys[i - 1] if i else parent0
-                        m = self._index.get(tenant, key)
-                        if m is not None and self._place.expired(m, now):
-                            self._place.drop(m, reason="expired")
-                            m = None
-                        if m is not None and (m.fingerprint != spec.fingerprint or m.parent != parent):
-                            raise InvalidArgument(f"key {i} is already stored with another "
-                                                  f"fingerprint or parent: keys must be a chain "
-                                                  f"from block_keys() for this spec")
-                        if m is None:
-                            m = self._place.insert_new(tenant, spec, key, parent, base_depth + i, data(i), now,
-                                                 deadline, parent_tier, pinned=sess is not None)
-                            inserted.append(m)
-                        else:
-                            existing.append(m)
-                            if sess is not None and m.tier > self.tiers[0]:
-                                self._place.promote([m])  # session blocks live in HBM
-                                if m.tier > self.tiers[0]:
-                                    raise ResourceExhausted(
-                                        f"cannot bring block {i} of session {session!r} into "
-                                        f"{self.tiers[0].label}: it is full of pinned blocks",
-                                        resource=self.tiers[0].label)
-                        if (tenant, key) not in self._place.protected:
-                            self._place.protected.add((tenant, key))
-                            guarded.append((tenant, key))
-                        held.append(m)
-                        parent_tier = m.tier
-                    # NOTE: only once every block is placed: a failed put changes no TTL
-                    for m in existing:
-                        self._place.touch(m, now)
-                        m.ttl_deadline = _later(m.ttl_deadline, deadline)
-                    if sess is not None:
-                        for m in held:
-                            self._session_add(sess, m)
-                except BaseException:
-                    self._unput(inserted)
+        held: list[BlockMeta] = []
+        done = False
+        try:
+            with self._lock, self._batch():
+                done = self._put_locked(tenant, spec, keys, data, session, ttl_s, parent0, held)
+        except NVMeWriteFailed as exc:
+            # NOTE: a commit that failed after every block of the put was placed may have hit
+            # only other blocks the put pushed down to NVMe (dropped, counted): the put itself
+            # succeeded then, and an engine told otherwise would recompute for nothing
+            with self._lock:
+                if not done or not all(self._index.get(tenant, m.key) is m for m in held):
                     raise
-                finally:
-                    self._place.protected.difference_update(guarded)
-            self._published(inserted)
+            log.warning("put stored its %d blocks, but %s", len(held), exc)
+
+    def _put_locked(self, tenant: str, spec: ModelSpec, keys: list[bytes], data: Callable[[int], Any],
+                    session: str | None, ttl_s: float | None, parent0: bytes, held: list[BlockMeta]) -> bool:
+        """The body of :meth:`_put` inside its lock and NVMe batch; fills ``held`` with the
+        put's blocks and returns True once every one is placed."""
+        self._check_open()
+        self._register_spec(spec)
+        sess = None
+        if session is not None:
+            sess = self._sessions.get(tenant, session)
+        now = self._clock()
+        deadline = self._ttl_deadline(tenant, ttl_s, now)
+        inserted: list[BlockMeta] = []
+        existing: list[BlockMeta] = []  # already stored: touched and re-timed on success
+        guarded: list[Ident] = []
+        parent_tier, base_depth = self.tiers[0], 0
+        if parent0 != ROOT_KEY:
+            pm = self._index.get(tenant, parent0)
+            if (pm is None or pm.in_flight or pm.fingerprint != spec.fingerprint
+                    or self._place.expired(pm, now)):
+                raise NotFound("the parent block is not stored (never put, evicted or "
+                               "expired): put the chain from its root")
+            parent_tier, base_depth = pm.tier, pm.depth + 1
+        self._refuse_what_cannot_fit(tenant, spec, keys, parent_tier, pinned=sess is not None)
+        # New blocks bound for NVMe are encoded ahead while the previous ones are written.
+        with self._put_ahead(tenant, spec, keys, data, parent_tier):
+            # NOTE: guarded here, next to the try whose finally lets go: a put refused
+            # above, or whose encode-ahead failed to start, leaves its parent evictable
+            if parent0 != ROOT_KEY and (tenant, parent0) not in self._place.protected:
+                self._place.protected.add((tenant, parent0))
+                guarded.append((tenant, parent0))
+            try:
+                for i, key in enumerate(keys):
+                    parent = keys[i - 1] if i else parent0
+                    m = self._index.get(tenant, key)
+                    if m is not None and self._place.expired(m, now):
+                        self._place.drop(m, reason="expired")
+                        m = None
+                    if m is not None and (m.fingerprint != spec.fingerprint or m.parent != parent):
+                        raise InvalidArgument(f"key {i} is already stored with another "
+                                              f"fingerprint or parent: keys must be a chain "
+                                              f"from block_keys() for this spec")
+                    if m is None:
+                        m = self._place.insert_new(tenant, spec, key, parent, base_depth + i, data(i), now,
+                                             deadline, parent_tier, pinned=sess is not None)
+                        inserted.append(m)
+                    else:
+                        existing.append(m)
+                        if sess is not None and m.tier > self.tiers[0]:
+                            self._place.promote([m])  # session blocks live in HBM
+                            if m.tier > self.tiers[0]:
+                                raise ResourceExhausted(
+                                    f"cannot bring block {i} of session {session!r} into "
+                                    f"{self.tiers[0].label}: it is full of pinned blocks",
+                                    resource=self.tiers[0].label)
+                    if (tenant, key) not in self._place.protected:
+                        self._place.protected.add((tenant, key))
+                        guarded.append((tenant, key))
+                    held.append(m)
+                    parent_tier = m.tier
+                # NOTE: only once every block is placed: a failed put changes no TTL
+                for m in existing:
+                    self._place.touch(m, now)
+                    m.ttl_deadline = _later(m.ttl_deadline, deadline)
+                if sess is not None:
+                    for m in held:
+                        self._session_add(sess, m)
+            except BaseException:
+                self._unput(inserted)
+                raise
+            finally:
+                self._place.protected.difference_update(guarded)
+        self._published(inserted)
+        return True
 
     def _refuse_what_cannot_fit(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes], floor: Tier,
                                 *, pinned: bool = False) -> None:

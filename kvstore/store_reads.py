@@ -14,6 +14,7 @@ lock, clock, index, placement, tiers, remote tier, device and counters, its help
 
 from __future__ import annotations
 
+import logging
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,13 +25,15 @@ import torch
 
 from kernels.copy import copy_bytes
 from kvstore.block import BlockMeta, Tier
-from kvstore.errors import ResourceExhausted, ShapeMismatch
+from kvstore.errors import NVMeWriteFailed, ResourceExhausted, ShapeMismatch
 from kvstore.index import Ident
 from kvstore.keys import ROOT_KEY, PackedKeys, check_keys
 from kvstore.spec import ModelSpec
 from kvstore.store_reserve import _block_views, _parent
 from tiers.base import BlockRef
 from tiers.memory import usable_device
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,26 +173,40 @@ class ReadPath:
     def _get(self, tenant: str, spec: ModelSpec, keys: list[bytes],
              out: Callable[[int], Any], parent: bytes) -> int:
         self._check_tenant(tenant)
-        with self._lock, self._batch():
-            self._check_open()
-            now = self._clock()
-            chain = self._chain(tenant, spec, keys, now, parent)
-            served = 0
-            idents = [(m.tenant, m.key) for m in chain if (m.tenant, m.key) not in self._place.protected]
-            self._place.protected.update(idents)
-            try:
-                for m in chain:
-                    if not self._place.serve(m, out(served), now):
-                        break
-                    served += 1
-                if self._remote is not None and served == len(chain) < len(keys):
-                    served += self._get_remote(tenant, spec, keys, served, out, chain, parent,
-                                               now, idents)
-            finally:
-                self._place.protected.difference_update(idents)
-            self.counters.add("hits", served)
-            self.counters.add("misses", len(keys) - served)
-            return served
+        served: list[int] = []
+        try:
+            with self._lock, self._batch():
+                served.append(self._get_locked(tenant, spec, keys, out, parent))
+        except NVMeWriteFailed as exc:
+            # NOTE: the blocks served are in the caller's buffers; a commit that failed after
+            # (blocks pushed down to NVMe to make room for promotions: dropped, counted) does
+            # not undo the read
+            if not served:
+                raise
+            log.warning("get served %d blocks, but %s", served[0], exc)
+        return served[0]
+
+    def _get_locked(self, tenant: str, spec: ModelSpec, keys: list[bytes],
+                    out: Callable[[int], Any], parent: bytes) -> int:
+        self._check_open()
+        now = self._clock()
+        chain = self._chain(tenant, spec, keys, now, parent)
+        served = 0
+        idents = [(m.tenant, m.key) for m in chain if (m.tenant, m.key) not in self._place.protected]
+        self._place.protected.update(idents)
+        try:
+            for m in chain:
+                if not self._place.serve(m, out(served), now):
+                    break
+                served += 1
+            if self._remote is not None and served == len(chain) < len(keys):
+                served += self._get_remote(tenant, spec, keys, served, out, chain, parent,
+                                           now, idents)
+        finally:
+            self._place.protected.difference_update(idents)
+        self.counters.add("hits", served)
+        self.counters.add("misses", len(keys) - served)
+        return served
 
     def _get_remote(self, tenant: str, spec: ModelSpec, keys: list[bytes], start: int,
                     out: Callable[[int], Any], chain: list[BlockMeta], parent: bytes,

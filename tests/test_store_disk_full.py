@@ -163,3 +163,42 @@ def test_a_close_whose_commit_fails_still_closes_and_says_so(open_store, spec, t
     assert s.close() == 0  # closed
     again = open_store(spec, hbm_blocks=4, dram_blocks=0, nvme_blocks=16, path=tmp_path / "c")
     assert again.lookup("a", spec, kept).tiers == ["nvme"] and again.stats()["blocks"] == 1
+
+
+def test_a_put_whose_blocks_are_stored_succeeds_when_only_a_demotion_fails(open_store, spec, caplog):
+    """The commit that fails may hold only other blocks the put pushed down to NVMe: those are
+    dropped (lookup no longer announces them) and counted, but the put's own blocks are in HBM,
+    so the put returns (an engine told it failed would recompute them for nothing)."""
+    s = open_store(spec, hbm_blocks=2, dram_blocks=0, nvme_blocks=16)
+    old = s.block_keys("a", spec, tokens(2, spec))
+    s.put("a", spec, old, make_kv(spec, 2))
+    env = failing(s)
+    env.failures = 1
+    new = s.block_keys("a", spec, tokens(2, spec, start=100))
+    kv = make_kv(spec, 2, seed=5)
+    with caplog.at_level("WARNING", logger="kvstore.store"):
+        s.put("a", spec, new, kv)  # makes room by demoting `old` to NVMe, whose commit fails
+    assert "put stored its 2 blocks, but the NVMe tier could not commit" in caplog.text
+    assert s.stats()["counters"]["nvme_commit_failures"] == 1
+    assert s.lookup("a", spec, new).tiers == ["hbm", "hbm"]
+    assert torch.equal(s.get("a", spec, new), kv)
+    assert s.lookup("a", spec, old).num_blocks == 0  # not announced: it is not on disk
+    assert s.get("a", spec, old).shape[0] == 0
+
+
+def test_a_get_that_served_its_blocks_returns_them_when_only_a_demotion_fails(open_store, spec):
+    """A get promotes NVMe hits into HBM, pushing others down; when that commit fails the blocks
+    already copied out are still the caller's: get returns them (and the others are dropped)."""
+    s = open_store(spec, hbm_blocks=2, dram_blocks=0, nvme_blocks=16)
+    first = s.block_keys("a", spec, tokens(2, spec))
+    kv = make_kv(spec, 2)
+    s.put("a", spec, first, kv)
+    second = s.block_keys("a", spec, tokens(2, spec, start=100))
+    s.put("a", spec, second, make_kv(spec, 2, seed=2))  # `first` goes down to NVMe
+    assert s.lookup("a", spec, first).tiers == ["nvme", "nvme"]
+    failing(s).failures = 1
+    out = torch.empty_like(kv)
+    assert s.get_into("a", spec, first, list(out)) == 2  # promotes `first`, demotes `second`
+    assert torch.equal(out, kv)
+    assert s.stats()["counters"]["nvme_commit_failures"] == 1
+    assert s.lookup("a", spec, second).num_blocks == 0

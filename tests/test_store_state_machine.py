@@ -93,6 +93,13 @@ class StoreMachine(RuleBasedStateMachine):
             self.store.put(t, SPEC, keys, kv, ttl_s=ttl, session=sid)
         except ResourceExhausted:
             return  # allowed: pinned blocks or the quota hold the room; nothing was written
+        self._stored(t, keys, ttl)
+        if sid is not None:
+            state, skeys = self.sessions[(t, sid)]
+            self.sessions[(t, sid)] = (state, skeys + [k for k in keys if k not in skeys])
+
+    def _stored(self, t: str, keys: list[bytes], ttl: float | None) -> None:
+        """A put of ``keys`` returned: every one is live, its TTL the later of old and new."""
         now = self.clock()
         for k in keys:
             new = None if ttl is None else now + ttl
@@ -102,9 +109,6 @@ class StoreMachine(RuleBasedStateMachine):
             else:  # a fresh block: whatever sessions held a removed one with this key let go
                 self._leave_sessions(t, [k])
             self.live[(t, k)] = new
-        if sid is not None:
-            state, skeys = self.sessions[(t, sid)]
-            self.sessions[(t, sid)] = (state, skeys + [k for k in keys if k not in skeys])
 
     @rule(t=st.sampled_from(TENANTS), c=st.integers(0, CHAINS - 1), n=st.integers(1, CHAIN_BLOCKS))
     def put_on_a_full_disk(self, t, c, n):
@@ -113,6 +117,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.disk.failures = 1
         try:
             self.store.put(t, SPEC, keys, kv)
+            # returned: its own blocks are stored (the failed commit hit only blocks it pushed
+            # down to NVMe, and those are gone)
+            self._stored(t, keys, None)
         except NVMeWriteFailed:
             # the put ran to its end before its commit failed: what it stored in memory stays,
             # with no TTL (it gave none, which lifts the TTL of blocks it found); what it wrote
