@@ -470,6 +470,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                 u = self._place.backend(t).usage()
                 tiers[t.label] = {"used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes,
                                   "blocks": u.blocks}
+            if self._nvme is not None:  # deleted, but no commit could delete them yet (full disk)
+                tiers["nvme"]["deletions_pending"] = self._nvme.deletions_pending
             c = self.counters.snapshot()
             tenants: dict[str, dict[str, int]] = {}
             for (tenant, tier), n in self._place.tenant_usage.items():

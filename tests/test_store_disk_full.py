@@ -202,3 +202,54 @@ def test_a_get_that_served_its_blocks_returns_them_when_only_a_demotion_fails(op
     assert torch.equal(out, kv)
     assert s.stats()["counters"]["nvme_commit_failures"] == 1
     assert s.lookup("a", spec, second).num_blocks == 0
+
+
+def test_a_deletion_that_cannot_be_committed_is_made_with_the_next_write(open_store, spec, tmp_path):
+    """Delete on a full disk: the blocks leave the index at once and the call says their NVMe
+    copies are still on disk; the next commit that succeeds deletes them, so a restart does not
+    bring them back (before, nothing retried them: every deleted block returned at the next start)."""
+    s = open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=16, path=tmp_path / "d")
+    gone = s.block_keys("a", spec, tokens(2, spec))
+    s.put("a", spec, gone, make_kv(spec, 2))
+    env = failing(s)
+    env.failures = 1
+    with pytest.raises(NVMeWriteFailed, match="2 deleted blocks are still on disk"):
+        s.delete("a", gone)
+    assert s.lookup("a", spec, gone).num_blocks == 0
+    assert s.stats()["tiers"]["nvme"]["deletions_pending"] == 2
+    kept = s.block_keys("a", spec, tokens(1, spec, start=60))
+    s.put("a", spec, kept, make_kv(spec, 1))  # commits, and with it the deletion
+    assert s.stats()["tiers"]["nvme"]["deletions_pending"] == 0
+    s.close()
+    s = open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=16, path=tmp_path / "d")
+    assert s.lookup("a", spec, gone).num_blocks == 0 and s.stats()["blocks"] == 1
+
+
+def test_a_pending_deletion_is_made_at_close_and_never_removes_a_block_put_again(open_store, spec, tmp_path):
+    s = open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=16, path=tmp_path / "e")
+    gone = s.block_keys("a", spec, tokens(1, spec))
+    again = s.block_keys("a", spec, tokens(2, spec, start=30))
+    s.put("a", spec, gone, make_kv(spec, 1))
+    s.put("a", spec, again, make_kv(spec, 2))
+    env = failing(s)
+    env.failures = 2
+    with pytest.raises(NVMeWriteFailed):
+        s.delete("a", gone + again)
+    kv = make_kv(spec, 2, seed=9)
+    with pytest.raises(NVMeWriteFailed):  # the put after fails too: the deletions stay pending
+        s.put("a", spec, again, kv)
+    assert s.stats()["tiers"]["nvme"]["deletions_pending"] == 3
+    s.put("a", spec, again, kv)  # this commit makes the deletions first, then stores `again`
+    env.failures = 1
+    with pytest.raises(NVMeWriteFailed):
+        s.delete("a", gone)  # not stored: nothing to delete, but the commit fails
+    assert s.stats()["tiers"]["nvme"]["deletions_pending"] == 0
+    with pytest.raises(NVMeWriteFailed):
+        env.failures = 1
+        s.delete("a", again[1:])
+    assert s.stats()["tiers"]["nvme"]["deletions_pending"] == 1
+    s.close()  # its last try makes it
+    s = open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=16, path=tmp_path / "e")
+    assert s.lookup("a", spec, gone).num_blocks == 0
+    assert s.lookup("a", spec, again).num_blocks == 1
+    assert torch.equal(s.get("a", spec, again[:1]), kv[:1])

@@ -131,6 +131,19 @@ class StoreMachine(RuleBasedStateMachine):
             pass
         finally:
             self.disk.failures = 0
+        self._forget_lost()
+
+    def _forget_lost(self) -> None:
+        """A failed commit drops the blocks it would have written to NVMe, the put's or others
+        it pushed down: those leave the model too (a later put of one is a fresh block, with its
+        own TTL). Sessions' blocks are never lost so (pinned in HBM, or, paused, committed before
+        they leave memory): they stay in the model, and the invariants check them."""
+        held = {(t, k) for (t, _), (_, keys) in self.sessions.items() for k in keys}
+        for (t, c), keys in self.keys.items():
+            n = self.store.lookup(t, SPEC, keys).num_blocks
+            gone = [k for k in keys[n:] if (t, k) in self.live and (t, k) not in held]
+            for k in gone:
+                del self.live[(t, k)]
 
     @rule(t=st.sampled_from(TENANTS), c=st.integers(0, CHAINS - 1))
     def get(self, t, c):

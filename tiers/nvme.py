@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import shutil
 import struct
 from collections.abc import Iterator, MutableMapping, Sequence
@@ -48,6 +49,8 @@ from kvstore.quantization import Quantization
 from kvstore.spec import ModelSpec
 from tiers.base import BlockRef, TierUsage
 from tiers.nvme_ahead import AheadJob, BufferPool, EncodeAhead
+
+log = logging.getLogger(__name__)
 
 _META = struct.Struct("<32sIIQdd16sB")  # parent, depth, tokens, nbytes, created, ttl, fp, has_ttl
 TENANT_PREFIX_BYTES = 16
@@ -183,6 +186,11 @@ class NVMeTier:
         # commit: forgotten again if that commit fails
         self._unsynced: list[tuple[tuple[str, bytes], int]] = []
         self._unsynced_specs: list[bytes] = []
+        # deletions made in the open transaction, and those a failed commit did not make: the
+        # latter are made again in every later write transaction until one commits (a deleted
+        # block must not come back at the next start)
+        self._deleting: list[bytes] = []
+        self._undeleted: set[bytes] = set()
 
     # -- open / recovery ----------------------------------------------------------------------
     def key_backend(self) -> MutableMapping[str, bytes]:
@@ -237,6 +245,7 @@ class NVMeTier:
         else:
             buf, n = staged
         k = self._dbkey(ref)
+        self._undeleted.discard(k)  # a deletion still to redo must not remove this new value
         fp = ref.spec.fingerprint
         try:
             with self._write() as txn:
@@ -290,9 +299,28 @@ class NVMeTier:
         self._used -= n
         k = self._dbkey(ref)
         with self._write() as txn:
-            txn.delete(k, db=self._blocks)
-            txn.delete(k, db=self._meta)
+            self._delete_in(txn, k)
         return True
+
+    def _delete_in(self, txn: lmdb.Transaction, k: bytes) -> None:
+        txn.delete(k, db=self._blocks)
+        txn.delete(k, db=self._meta)
+        self._deleting.append(k)
+
+    def _begin(self, **kw: Any) -> lmdb.Transaction:
+        """A write transaction that first makes again the deletions a failed commit lost."""
+        txn = self._env.begin(write=True, **kw)
+        if self._undeleted:
+            undeleted, self._undeleted = self._undeleted, set()
+            for k in undeleted:
+                self._delete_in(txn, k)
+        return txn
+
+    @property
+    def deletions_pending(self) -> int:
+        """Blocks deleted whose deletion no commit has made yet (a full disk): they are
+        deleted again with the next write, and would come back at a restart before that."""
+        return len(self._undeleted)
 
     def disk_room(self) -> tuple[int, int]:
         """``(room, need)``: bytes the disk could still take for values (its free space, plus
@@ -328,6 +356,13 @@ class NVMeTier:
             self._ahead_exec.shutdown(wait=True)
         if self.codec is not None:
             self.codec.close()
+        if self._undeleted:  # a last try (a full disk may have room again)
+            try:
+                with self._write():
+                    pass
+            except NVMeWriteFailed:
+                log.warning("closing with %d deleted blocks still on disk (no commit could delete "
+                            "them): they come back at the next start", len(self._undeleted))
         self._env.close()
         self._keys_env.close()
 
@@ -341,7 +376,7 @@ class NVMeTier:
         if self._batch is not None:
             yield
             return
-        self._batch = self._env.begin(write=True, buffers=True)
+        self._batch = self._begin(buffers=True)
         self._pending_bytes = 0
         try:
             yield
@@ -363,7 +398,7 @@ class NVMeTier:
         assert txn is not None
         self._commit(txn)
         self._pending_bytes = 0
-        self._batch = self._env.begin(write=True, buffers=True)
+        self._batch = self._begin(buffers=True)
 
     def _commit(self, txn: lmdb.Transaction) -> None:
         """Commit ``txn``; when LMDB cannot (a full disk, an I/O error), forget the blocks it
@@ -379,16 +414,22 @@ class NVMeTier:
             self._known_specs.difference_update(self._unsynced_specs)
             self._unsynced.clear()
             self._unsynced_specs.clear()
+            self._undeleted.update(self._deleting)
+            self._deleting.clear()
             try:
                 free = f"{shutil.disk_usage(self.path).free} bytes free"
             except OSError:
                 free = "free space unknown"
+            undeleted = (f"; {len(self._undeleted)} deleted blocks are still on disk (gone from the "
+                         f"index, deleted again with the next write that commits; a restart before "
+                         f"that would bring them back)" if self._undeleted else "")
             raise NVMeWriteFailed(
                 f"the NVMe tier could not commit its writes ({exc}; {free} on the disk of "
                 f"{self.path}): free some space there or lower nvme_bytes; {len(lost)} blocks of "
-                f"this call were not stored", lost=tuple(lost)) from None
+                f"this call were not stored{undeleted}", lost=tuple(lost)) from None
         self._unsynced.clear()
         self._unsynced_specs.clear()
+        self._deleting.clear()
 
     @contextmanager
     def pipelined(self, jobs: Sequence[AheadJob]) -> Iterator[None]:
@@ -418,11 +459,13 @@ class NVMeTier:
         if self._batch is not None:
             yield self._batch
             return
-        txn = self._env.begin(write=True)
+        txn = self._begin()
         try:
             yield txn
         except BaseException:
             txn.abort()
+            self._undeleted.update(self._deleting)  # NOTE: none made; redone with the next write
+            self._deleting.clear()
             raise
         self._commit(txn)  # outside a batch nothing is recorded before it succeeds
 
