@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import secrets
 import threading
 from collections.abc import Callable
 
@@ -60,7 +61,6 @@ class RegionTable:
     def __init__(self, max_per_principal: int, max_bytes: int) -> None:
         self._max_per, self._max_bytes = max_per_principal, max_bytes
         self._regions: dict[int, tuple[str, Region]] = {}
-        self._next = 1
         self._lock = threading.Lock()
 
     def register(self, owner: str, kind: str, name: str, size: int, handle: bytes = b"") -> tuple[int, Region]:
@@ -77,8 +77,13 @@ class RegionTable:
                 )
         region = attach_region(kind, name, size, handle)
         with self._lock:
-            rid = self._next
-            self._next += 1
+            # NOTE: random, never a counter: ids restarting at 1 with the server gave a client
+            # that registered before a restart the id of another client's region registered
+            # after it (same principal): its puts read that region, its gets wrote into it.
+            # A stale id must be unknown (UnknownRegion), so the client registers again.
+            rid = secrets.randbits(63) or 1
+            while rid in self._regions:
+                rid = secrets.randbits(63) or 1
             self._regions[rid] = (owner, region)
         return rid, region
 

@@ -482,6 +482,41 @@ def test_a_local_client_registers_its_region_again_after_the_server_restarts(tmp
         sc.stop()
 
 
+def test_a_region_registered_before_a_restart_is_never_taken_for_one_registered_after(tmp_path):
+    """Region ids started at 1 in every server process: a client of the same tenant that
+    registered first after a restart got the id the other client still held, whose puts then
+    stored bytes read from the new client's region and whose gets wrote into it."""
+    from kvstore.client import Client
+
+    sc = start(tmp_path)
+    port, admin_token = sc.port, sc.admin_token
+    token = sc.admin().create_tenant("pair")
+    a = Client(sc.target, token, local=True)
+    b = None
+    try:
+        keys = a.block_keys(SPEC, fresh_tokens(2))
+        a.put(SPEC, keys, random_kv(2, seed=1))
+        sc.stop()
+        sc = start(tmp_path, admin_token=admin_token, listen=f"127.0.0.1:{port}")
+        b = Client(sc.target, token, local=True)
+        assert b._local is not None and b._local.region_id != a._local.region_id
+        mine = b.local_blocks(SPEC, 4)
+        mine.tensor.fill_(7.0)
+        theirs = mine.tensor.clone()
+        more = a.block_keys(SPEC, fresh_tokens(2))
+        kv = random_kv(2, seed=2)
+        a.put(SPEC, more, kv)
+        assert torch.equal(b.get(SPEC, more).view(torch.int16), kv.view(torch.int16))
+        assert torch.equal(a.get(SPEC, more).view(torch.int16), kv.view(torch.int16))
+        assert torch.equal(mine.tensor, theirs)  # a's get wrote nothing into b's region
+        mine.free()
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+        sc.stop()
+
+
 def test_regions_of_clients_that_died_are_dropped_not_held_forever(tmp_path):
     """A client killed with SIGKILL never unregisters its region; Python's resource tracker
     unlinks its name, and the server drops the region at the principal's next registration
