@@ -43,6 +43,7 @@ leaves the process's allocator alone.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import weakref
@@ -55,11 +56,19 @@ import grpc
 import numpy as np
 import torch
 
-from kernels.copy import host_copy
+from kernels.copy import copy_bytes, host_copy
 from kvstore import memtune
 from kvstore.block import Tier
+from kvstore.block_buffers import block_views
 from kvstore.client_shm import LocalBlocks, LocalPlane
-from kvstore.errors import IntegrityError, InvalidArgument, KVStoreError, UnknownRegion
+from kvstore.errors import (
+    FailedPrecondition,
+    IntegrityError,
+    InvalidArgument,
+    KVStoreError,
+    ShapeMismatch,
+    UnknownRegion,
+)
 from kvstore.frames import Frame, block_frames, decoder, encode, scatter, write_into
 from kvstore.keys import KEY_BYTES, as_token_array, check_keys
 from kvstore.service_convert import spec_to_pb, tier_names
@@ -115,7 +124,17 @@ def _pack(keys: Sequence[bytes]) -> bytes:
 
 def _flat_bytes(kv: Any, n: int, nbytes: int, what: str = "kv") -> np.ndarray:
     """A [n, nbytes] uint8 numpy view of a CPU tensor/array/buffer (copies only if non-contiguous)."""
-    given = kv.detach() if isinstance(kv, torch.Tensor) else np.asarray(kv)
+    if isinstance(kv, torch.Tensor):
+        given = kv.detach()
+    elif isinstance(kv, np.ndarray):
+        given = kv
+    else:  # NOTE: a view through the buffer protocol; np.asarray would copy a list (get_into then
+        # wrote into the copy) and turn bytes into one string scalar
+        try:
+            given = np.frombuffer(kv, dtype=np.uint8)
+        except (TypeError, ValueError, BufferError):
+            raise InvalidArgument(f"{what} must be a tensor, an array or a buffer of bytes, got "
+                                  f"{type(kv).__name__} (one buffer per block: a list or tuple)") from None
     size = given.numel() * given.element_size() if isinstance(given, torch.Tensor) else given.nbytes
     if size != n * nbytes:  # NOTE: checked before any copy
         raise InvalidArgument(f"{what} holds {size} bytes ({given.dtype}, shape {tuple(given.shape)}); "
@@ -138,7 +157,21 @@ def _host_staging(out: Any) -> Any:
         if not out.flags.writeable:
             raise InvalidArgument("out is read-only")
         return None if out.flags.c_contiguous else np.ascontiguousarray(out)
+    try:
+        writable = np.frombuffer(out, dtype=np.uint8).flags.writeable
+    except (TypeError, ValueError, BufferError):
+        return None  # not a buffer: _flat_bytes says so
+    if not writable:
+        raise InvalidArgument(f"out is read-only ({type(out).__name__})")
     return None
+
+
+def _close_plane_in(pid: int, plane: LocalPlane) -> None:
+    """Unlink and unmap ``plane``'s region, in the process that created it only: a child of
+    fork() that exits (or closes its inherited Client) must not unlink its parent's region,
+    which the server would then drop, failing every later shared-memory call of the parent."""
+    if os.getpid() == pid:
+        plane.close()
 
 
 def _bearer_token(token: str) -> str:
@@ -206,6 +239,8 @@ class Client:
         self._admin = admin_pb2_grpc.AdminStub(self._channel)
         self._local: LocalPlane | None = None
         self._unlink: weakref.finalize | None = None
+        self._pid = os.getpid()
+        self._closed = False
         self._region_bytes = region_bytes
         self._register_lock = threading.Lock()
         self._retry_register_at: float | None = None  # monotonic time of the next attempt
@@ -217,7 +252,18 @@ class Client:
             self._register(required=not auto)
 
     # -- plumbing -----------------------------------------------------------------------------
+    def _usable(self) -> None:
+        """FailedPrecondition for a closed client, or one inherited through fork(): its channel
+        and its shared-memory region belong to the parent (two processes handing out the same
+        slots of one region stored and served each other's bytes)."""
+        if self._closed:
+            raise FailedPrecondition("this Client is closed")
+        if os.getpid() != self._pid:
+            raise FailedPrecondition(f"this Client was created in process {self._pid}, before a fork(): "
+                                     f"create a new Client in process {os.getpid()}")
+
     def _call(self, method: Any, request: Any) -> Any:
+        self._usable()
         try:
             return method(request, metadata=self._metadata, timeout=self.timeout)
         except grpc.RpcError as err:
@@ -242,11 +288,12 @@ class Client:
         self._local = LocalPlane(region, region_id)
         # a client never closed still unlinks its region when collected or at exit (else the
         # resource tracker does, warning of a leak); the server drops regions whose name is gone
-        self._unlink = weakref.finalize(self, self._local.close)
+        self._unlink = weakref.finalize(self, _close_plane_in, self._pid, self._local)
 
     def _plane(self) -> LocalPlane | None:
         """The shared-memory plane, registered now if an earlier attempt could not reach the
         server and its retry time has come; None: streams."""
+        self._usable()  # NOTE: before the caller copies anything into the region
         due = self._retry_register_at
         if self._local is None and due is not None and time.monotonic() >= due:
             with self._register_lock:
@@ -342,10 +389,16 @@ class Client:
                   parent: bytes | None = None) -> None:
         """Like :meth:`put`, blocks as a [n, block_nbytes] uint8 array or n buffers."""
         keys = check_keys(keys)
-        rows = blocks if isinstance(blocks, np.ndarray) and blocks.ndim == 2 else \
-            [np.frombuffer(b, dtype=np.uint8) for b in blocks]
-        if len(rows) != len(keys):
-            raise InvalidArgument(f"{len(rows)} blocks for {len(keys)} keys")
+        nbytes = spec.block_nbytes
+        rows: Any
+        if isinstance(blocks, np.ndarray):
+            if blocks.dtype != np.uint8 or blocks.shape != (len(keys), nbytes):
+                raise ShapeMismatch(f"blocks is a {blocks.dtype} array of shape {blocks.shape}; "
+                                    f"{len(keys)} blocks of this spec are uint8 [{len(keys)}, {nbytes}]")
+            rows = np.ascontiguousarray(blocks)
+        else:
+            rows = [v.cpu().numpy() if isinstance(v, torch.Tensor) else v
+                    for v in block_views(spec, blocks, len(keys), "buffer")]
         put = _Put(spec, keys, session or "", ttl_s, namespace)
         if self._plane() is not None:
             self._put_local(put, rows, parent)
@@ -407,11 +460,20 @@ class Client:
 
     def get_into(self, spec: ModelSpec, keys: Sequence[bytes], out: Any, *, namespace: str = "",
                  parent: bytes | None = None) -> int:
-        """Copy the longest available prefix into ``out`` (a tensor on any device, or an array,
-        of len(keys) blocks); returns how many leading blocks were written. A device tensor or a
+        """Copy the longest available prefix into ``out`` (a tensor on any device, an array or a
+        writable buffer holding len(keys) blocks' bytes, whatever its dtype; or a list of one
+        buffer per block, as :meth:`kvstore.Store.get_into` takes); returns how many leading
+        blocks were written. A device tensor or a
         non-contiguous ``out`` is filled through a host copy (the blocks past the prefix keep
         their values)."""
         keys = check_keys(keys)
+        if isinstance(out, (list, tuple)):  # one buffer per block, as Store.get_into takes
+            views = block_views(spec, out, len(keys), "output buffer", writable=True)
+            staged = np.empty((len(keys), spec.block_nbytes), dtype=np.uint8)
+            n = self.get_into(spec, keys, staged, namespace=namespace, parent=parent)
+            for i in range(n):
+                copy_bytes(views[i], staged[i])
+            return n
         if isinstance(out, torch.Tensor):
             holding_data(out, "out")
         host = _host_staging(out)
@@ -435,6 +497,7 @@ class Client:
         self._target(req.target, spec, keys, None, namespace, parent)
         nbytes = spec.block_nbytes
         stream = None
+        self._usable()
         try:
             stream = self._get_frames(req, metadata=self._metadata, timeout=self.timeout)
             first: Frame = next(stream)
@@ -521,11 +584,20 @@ class Client:
         return LocalBlocks(plane, spec, n)
 
     def close(self) -> None:
+        """Unregister and unlink the shared region and close the channel; calls after it raise
+        FailedPrecondition. In a child of fork() it only marks this inherited copy closed: the
+        region and the channel are the parent's."""
         self._retry_register_at = None
+        if self._closed:
+            return
+        self._closed = True
+        if os.getpid() != self._pid:
+            return
         if self._local is not None:
             try:
-                self._call(self._kv.UnregisterRegion, pb.UnregisterRegionRequest(region_id=self._local.region_id))
-            except KVStoreError:
+                self._kv.UnregisterRegion(pb.UnregisterRegionRequest(region_id=self._local.region_id),
+                                          metadata=self._metadata, timeout=self.timeout)
+            except grpc.RpcError:
                 pass  # NOTE: the server may already be gone; the region is unlinked below anyway
             assert self._unlink is not None
             self._unlink()

@@ -46,6 +46,7 @@ from typing import Any, Self
 import torch
 
 from kvstore.block import BlockMeta, Tier
+from kvstore.block_buffers import block_views
 from kvstore.config import StoreConfig
 from kvstore.dirlock import DirLock
 from kvstore.errors import (
@@ -68,7 +69,7 @@ from kvstore.stats import Counters
 from kvstore.store_admin import TenantAdmin, TenantPolicy
 from kvstore.store_lease import LeasedGets
 from kvstore.store_reads import LookupResult, ReadPath
-from kvstore.store_reserve import ReservedPuts, _block_views, _parent
+from kvstore.store_reserve import ReservedPuts, _parent
 from kvstore.store_sessions import SessionPins
 from tiers.base import BlockRef
 from tiers.memory import (
@@ -306,7 +307,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                   ttl_s: float | None = None, parent: bytes | None = None) -> None:
         """Like :meth:`put`, each block given as a contiguous buffer of ``spec.block_nbytes``."""
         keys = check_keys(keys)
-        views = _block_views(spec, buffers, len(keys), "buffer")
+        views = block_views(spec, buffers, len(keys), "buffer")
         self._put(tenant, spec, keys, views.__getitem__, session, ttl_s, _parent(parent))
 
     def _put(self, tenant: str, spec: ModelSpec, keys: list[bytes], data: Callable[[int], Any],

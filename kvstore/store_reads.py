@@ -25,11 +25,12 @@ import torch
 
 from kernels.copy import copy_bytes
 from kvstore.block import BlockMeta, Tier
+from kvstore.block_buffers import block_views
 from kvstore.errors import NVMeWriteFailed, ResourceExhausted, ShapeMismatch
 from kvstore.index import Ident
 from kvstore.keys import ROOT_KEY, PackedKeys, check_keys
 from kvstore.spec import ModelSpec
-from kvstore.store_reserve import _block_views, _parent
+from kvstore.store_reserve import _parent
 from tiers.base import BlockRef
 from tiers.memory import usable_device
 
@@ -167,7 +168,7 @@ class ReadPath:
         """Copy the longest usable prefix into ``outs`` (one buffer of ``block_nbytes`` per key,
         numpy/memoryview/tensor); returns the number of leading blocks written."""
         keys = check_keys(keys)
-        views = _block_views(spec, outs, len(keys), "output buffer")
+        views = block_views(spec, outs, len(keys), "output buffer", writable=True)
         return self._get(tenant, spec, keys, views.__getitem__, _parent(parent))
 
     def _get(self, tenant: str, spec: ModelSpec, keys: list[bytes],

@@ -14,15 +14,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import torch
-
 from kvstore.block import BlockMeta, Tier
-from kvstore.errors import FailedPrecondition, InvalidArgument, ShapeMismatch
+from kvstore.block_buffers import block_views
+from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.keys import ROOT_KEY, check_keys
 from kvstore.spec import ModelSpec
 from tiers.base import BlockRef
-from tiers.memory import holding_data
 
 
 @dataclass(slots=True)
@@ -52,30 +49,6 @@ def _parent(parent: bytes | None) -> bytes:
     if not isinstance(parent, bytes) or len(parent) != len(ROOT_KEY):
         raise InvalidArgument(f"parent must be a {len(ROOT_KEY)}-byte block key")
     return parent
-
-
-def _block_views(spec: ModelSpec, bufs: Sequence[Any], n_keys: int, what: str) -> list[Any]:
-    """Flat uint8 views (no copy) of one caller buffer per key, each a whole block."""
-    if len(bufs) != n_keys:
-        raise ShapeMismatch(f"{len(bufs)} {what}s for {n_keys} keys")
-    views = []
-    for i, b in enumerate(bufs):
-        # NOTE: a non-contiguous tensor reshapes into a copy: written to, the caller's buffer
-        # would stay as it was (and numpy refuses one outright), so neither is taken
-        if isinstance(b, torch.Tensor):
-            holding_data(b, f"{what} {i}")
-            if not b.is_contiguous():
-                raise InvalidArgument(f"{what} {i} is not contiguous")
-            v = b.reshape(-1).view(torch.uint8)
-        else:
-            if isinstance(b, np.ndarray) and not b.flags.c_contiguous:
-                raise InvalidArgument(f"{what} {i} is not contiguous")
-            v = np.frombuffer(b, dtype=np.uint8)
-        if v.shape[0] != spec.block_nbytes:
-            raise ShapeMismatch(f"{what} {i} has {v.shape[0]} bytes, a block of this spec has "
-                                f"{spec.block_nbytes}")
-        views.append(v)
-    return views
 
 
 class ReservedPuts:
@@ -179,7 +152,7 @@ class ReservedPuts:
                 with self._batch():
                     self._check_open()
                     bufs = [v if v is not None else data(i) for i, v in enumerate(res.views)]
-                    views = _block_views(res.spec, bufs, len(res.keys), "buffer")
+                    views = block_views(res.spec, bufs, len(res.keys), "buffer")
                     self._commit_reserved(res, views, session, ttl_s)
             finally:
                 self._release_reservation(res)
