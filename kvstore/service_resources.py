@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import hmac
 import secrets
 import threading
 from collections.abc import Callable
@@ -20,6 +21,7 @@ import numpy as np
 from kvstore.errors import (
     FailedPrecondition,
     InvalidArgument,
+    PermissionDenied,
     ResourceExhausted,
     UnknownRegion,
 )
@@ -63,7 +65,11 @@ class RegionTable:
         self._regions: dict[int, tuple[str, Region]] = {}
         self._lock = threading.Lock()
 
-    def register(self, owner: str, kind: str, name: str, size: int, handle: bytes = b"") -> tuple[int, Region]:
+    def register(self, owner: str, kind: str, name: str, size: int, handle: bytes = b"",
+                 nonce: bytes | None = None) -> tuple[int, Region]:
+        """Map and register a client's region. ``nonce``: what the client wrote at the head of its
+        region; a region whose head holds anything else is refused (a caller that names another
+        client's region cannot know it), and so is a region another principal registered."""
         if self._max_per == 0:
             raise FailedPrecondition("the local data plane is disabled on this server")
         if size <= 0 or size > self._max_bytes:
@@ -75,7 +81,14 @@ class RegionTable:
                     f"{owner!r} has limits.max_regions_per_principal={self._max_per} regions",
                     resource="limits.max_regions_per_principal",
                 )
+        with self._lock:
+            if any(r.name == name and o != owner for o, r in self._regions.values()):
+                raise PermissionDenied("that region is registered by another principal")
         region = attach_region(kind, name, size, handle)
+        if nonce is not None and not hmac.compare_digest(getattr(region, "nonce", b""), nonce):
+            region.close()
+            raise PermissionDenied("the region does not hold the nonce given: register a region this "
+                                   "client created")
         with self._lock:
             # NOTE: random, never a counter: ids restarting at 1 with the server gave a client
             # that registered before a restart the id of another client's region registered

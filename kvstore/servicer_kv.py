@@ -80,7 +80,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             if kind is None:
                 raise InvalidArgument("region kind is required")
             rid, region = self.plane.regions.register(p.name, kind, request.name, request.size,
-                                                      request.cuda_ipc_handle)
+                                                      request.cuda_ipc_handle, request.nonce)
             return pb.RegisterRegionResponse(region_id=rid, nonce=getattr(region, "nonce", b""))
         return self.rpc.run("RegisterRegion", context, call)
 

@@ -67,6 +67,10 @@ class ReservedPuts:
         meanwhile (in-flight headroom), and making room for them may evict, as a put would."""
         self._check_tenant(tenant)
         keys = check_keys(keys)
+        if len(set(keys)) != len(keys):  # NOTE: a slot reserved twice for one block tripped an assert at commit
+            dup = next(i for i, k in enumerate(keys) if k in keys[:i])
+            raise InvalidArgument(f"key {dup} repeats an earlier key of the same put: keys must be a chain "
+                                  f"from block_keys() for this spec")
         parent0 = _parent(parent)
         nbytes = spec.block_nbytes
         with self._lock, self._batch():

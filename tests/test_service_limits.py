@@ -116,6 +116,32 @@ def test_register_region_rejects_unknown_kinds_sizes_and_foreign_names(raw):
         region.close()
 
 
+def test_a_region_is_registered_only_with_its_nonce_and_by_one_principal(raw, sidecar):
+    """Any tenant could name another client's region (its name is in /dev/shm) and have the
+    server map it: PutLocal then copied that client's staged KV into the caller's namespace,
+    GetLocal wrote into its memory. The nonce the client wrote at the head of its region must
+    now match, and a region another principal registered is refused."""
+    kv, _, md, _ = raw
+    other = sidecar.tenant("victim", local=True)
+    assert other.uses_shared_memory
+    theirs = other._local.region
+    for nonce in (b"\0" * len(theirs.nonce), theirs.nonce):  # a guess, or even the right one
+        code, msg = _code(kv.RegisterRegion, pb.RegisterRegionRequest(
+            kind=pb.REGION_KIND_POSIX_SHM, name=theirs.name, size=theirs.usable, nonce=nonce), metadata=md)
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "another principal" in msg
+    mine = ShmRegion.create(4096)
+    try:
+        code, msg = _code(kv.RegisterRegion, pb.RegisterRegionRequest(
+            kind=pb.REGION_KIND_POSIX_SHM, name=mine.name, size=mine.usable, nonce=b"\1" * len(mine.nonce)),
+            metadata=md)
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "nonce" in msg
+        ok = kv.RegisterRegion(pb.RegisterRegionRequest(kind=pb.REGION_KIND_POSIX_SHM, name=mine.name,
+                                                        size=mine.usable, nonce=mine.nonce), metadata=md, timeout=5)
+        assert ok.nonce == mine.nonce
+    finally:
+        mine.close()
+
+
 def test_put_and_get_local_reject_foreign_regions_and_bad_slots(raw):
     kv, _, md, _ = raw
     region = ShmRegion.create(8 * SPEC.block_nbytes)

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_kv, tokens
+from service_harness import SPEC, fresh_tokens, random_kv
 
-from kvstore.errors import FailedPrecondition, NotFound, ResourceExhausted
+from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 
 T = "tenant-a"
 
@@ -233,3 +234,18 @@ def test_a_stream_put_that_can_never_fit_is_resource_exhausted_and_evicts_nothin
         assert sc.server.store.stats()["evictions"] == 0
     finally:
         sc.stop()
+
+
+def test_a_reservation_with_a_repeated_key_is_refused_up_front(open_store, spec, sidecar):
+    """A key twice in one put reserved two slots for one block: commit tripped an assert
+    (INTERNAL at the service), and under ``python -O`` leaked the slot. Now INVALID_ARGUMENT."""
+    store = open_store(spec)
+    keys = store.block_keys(T, spec, tokens(2, spec))
+    used = store.stats()["tiers"]["hbm"]["used_bytes"]
+    with pytest.raises(InvalidArgument, match="key 2 repeats an earlier key"):
+        store.reserve_put(T, spec, [keys[0], keys[1], keys[0]])
+    assert store.stats()["tiers"]["hbm"]["used_bytes"] == used
+    c = sidecar.tenant("dup", local=False)
+    k = c.block_keys(SPEC, fresh_tokens(1))
+    with pytest.raises(InvalidArgument, match="repeats an earlier key"):
+        c.put(SPEC, [k[0], k[0]], random_kv(2))
