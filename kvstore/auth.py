@@ -67,6 +67,9 @@ class Principal:
     role: Role
     namespaces: tuple[str, ...] = ()
     created: float = 0.0
+    epoch: int | None = None
+    """The Store's ``drop_epoch`` read just before this call's token was checked (set by the
+    service): a put that outlives the deletion of its tenant then fails instead of storing."""
 
     @property
     def readable(self) -> frozenset[str]:

@@ -174,7 +174,7 @@ def create_server(config: ServerConfig, *, store: Any = None, clock: Callable[[]
     data = DataPlane(store, audit, limits, metrics, copy_threads=config.copy_threads)
     admin = AdminPlane(store, registry, audit, data.regions)
     admin.apply_policies()
-    rpc = RpcRunner(registry, metrics)
+    rpc = RpcRunner(registry, metrics, lambda: store.drop_epoch)
 
     options = [
         ("grpc.max_receive_message_length", limits.max_message_bytes),

@@ -129,9 +129,10 @@ class DataPlane:
             self.metrics.lookup(b.namespace, len(b.keys), result.num_blocks, b.spec.block_tokens)
         return result.num_blocks, result.tiers[: result.num_blocks]
 
-    def reserve_put(self, b: Blocks) -> PutReservation:
-        """Reserve tier slots for a put whose bytes arrive later (``Store.reserve_put``)."""
-        return self.store.reserve_put(b.namespace, b.spec, b.keys, parent=b.parent)
+    def reserve_put(self, b: Blocks, since: int | None) -> PutReservation:
+        """Reserve tier slots for a put whose bytes arrive later (``Store.reserve_put``;
+        ``since``: the caller's ``Principal.epoch``)."""
+        return self.store.reserve_put(b.namespace, b.spec, b.keys, parent=b.parent, since=since)
 
     def commit_put(self, b: Blocks, reservation: PutReservation, data: Callable[[int], Any], session: str,
                    ttl_s: float | None, plane: str = "stream") -> int:
@@ -179,7 +180,7 @@ class DataPlane:
         nbytes = b.spec.block_nbytes
         check_slots(offsets, nbytes, len(b.keys))
         with self._slots(principal, region_id, offsets, nbytes) as slots:
-            reservation = self.reserve_put(b)
+            reservation = self.reserve_put(b, principal.epoch)
             try:
                 self._copy([(dst, slots[i]) for i, dst in enumerate(reservation.views) if dst is not None])
                 return self.commit_put(b, reservation, slots.__getitem__, session, ttl_s, plane="shm")

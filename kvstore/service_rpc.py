@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -34,11 +35,17 @@ Codec = tuple[Callable[[bytes], Any] | None, Callable[[Any], bytes] | None]
 class RpcRunner:
     """Authentication, timing, error mapping and (for Admin) auditing around one plain call."""
 
-    def __init__(self, registry: AuthRegistry, metrics: ServiceMetrics | None) -> None:
+    def __init__(self, registry: AuthRegistry, metrics: ServiceMetrics | None,
+                 drop_epoch: Callable[[], int] | None = None) -> None:
         self.registry, self.metrics = registry, metrics
+        self._drop_epoch = drop_epoch
 
     def principal(self, context: grpc.ServicerContext) -> Principal:
-        return self.registry.authenticate(bearer_token(context.invocation_metadata()))
+        # NOTE: the epoch is read BEFORE the token is checked: a tenant deleted after this
+        # point fails the call's put (Store.reserve_put since=), one deleted before fails here
+        epoch = self._drop_epoch() if self._drop_epoch is not None else None
+        principal = self.registry.authenticate(bearer_token(context.invocation_metadata()))
+        return replace(principal, epoch=epoch)
 
     def run(self, name: str, context: grpc.ServicerContext, fn: Callable[[Principal], Any],
             audit: Callable[[str, str], None] | None = None) -> Any:

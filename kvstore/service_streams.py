@@ -70,7 +70,7 @@ def put_stream(plane: DataPlane, p: Principal, frames: Iterator[Frame], is_activ
     staged: dict[int, np.ndarray] = {}
     reservation = None
     try:
-        reservation = plane.reserve_put(b)
+        reservation = plane.reserve_put(b, p.epoch)
         slots = reservation.views
 
         def destination(i: int) -> Any:

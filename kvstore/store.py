@@ -57,6 +57,7 @@ from kvstore.errors import (
     NVMeWriteFailed,
     ResourceExhausted,
     ShapeMismatch,
+    Unauthenticated,
 )
 from kvstore.index import Ident, PrefixIndex
 from kvstore.keys import ROOT_KEY, block_keys, check_keys
@@ -119,6 +120,9 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         self._specs: dict[bytes, ModelSpec] = {}
         self._sessions = SessionTable()
         self._tenant_policy: dict[str, TenantPolicy] = {}
+        # drop_tenant calls so far, and the count at each tenant's last drop (see drop_epoch)
+        self._drop_epoch = 0
+        self._dropped_at: dict[str, int] = {}
         self.counters = Counters()
         self.policy = make_policy(config.policy, self._specs.get)
 
@@ -263,6 +267,17 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         if not isinstance(spec, ModelSpec):
             raise InvalidArgument(f"spec must be a ModelSpec, got {type(spec).__name__}")
         self._specs.setdefault(spec.fingerprint, spec)
+
+    @property
+    def drop_epoch(self) -> int:
+        """A counter :meth:`drop_tenant` advances: read it before checking a caller's right to
+        write a tenant's blocks and pass it to :meth:`reserve_put` as ``since``."""
+        return self._drop_epoch
+
+    def _check_not_dropped(self, tenant: str, since: int) -> None:
+        """Unauthenticated when ``tenant`` was dropped after epoch ``since``. Caller holds the lock."""
+        if self._dropped_at.get(tenant, -1) > since:
+            raise Unauthenticated(f"tenant {tenant!r} was deleted while this call ran: nothing was stored")
 
     @staticmethod
     def _check_tenant(tenant: str) -> None:

@@ -54,6 +54,8 @@ class TenantAdmin:
         self._check_tenant(tenant)
         with self._lock, self._batch():
             self._check_open()
+            self._drop_epoch += 1  # NOTE: first: a reservation made before fails its commit
+            self._dropped_at[tenant] = self._drop_epoch
             n = 0
             for m in sorted(self._index.of_tenant(tenant), key=lambda m: -m.depth):
                 if self._index.get(m.tenant, m.key) is m:

@@ -40,6 +40,7 @@ class PutReservation:
     slots: list[tuple[Tier, int] | None]  # (tier, offset) of each reserved slot
     probe: BlockMeta  # charges the reserved bytes to the tenant
     charged: bool = True  # the reserved slots count for the tenant
+    since: int = 0  # the Store's drop epoch the caller's right to write was checked at
     done: bool = False
 
 
@@ -55,7 +56,7 @@ class ReservedPuts:
     """Store methods of the two-phase put (see the module docstring)."""
 
     def reserve_put(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes], *,
-                    parent: bytes | None = None) -> PutReservation:
+                    parent: bytes | None = None, since: int | None = None) -> PutReservation:
         """Prepare a put whose bytes arrive later (e.g. streamed over the network): reserve a
         slot in the fastest memory tier that can make room (the tier order along the chain
         kept) for each block not stored yet, up to the first that finds no room, so the caller
@@ -64,7 +65,12 @@ class ReservedPuts:
 
         Finish with :meth:`commit_put` (all or nothing, like :meth:`put_bytes`) or
         :meth:`abort_put`. Reserved bytes count against the tier and the tenant's quota
-        meanwhile (in-flight headroom), and making room for them may evict, as a put would."""
+        meanwhile (in-flight headroom), and making room for them may evict, as a put would.
+
+        ``since``: :attr:`drop_epoch` read before the caller checked its right to write (the
+        service: before it authenticated the token); when :meth:`drop_tenant` drops the tenant
+        after that, this call or the commit fails (Unauthenticated) instead of storing blocks a
+        tenant created later under the same name would read. Default: now."""
         self._check_tenant(tenant)
         keys = check_keys(keys)
         if len(set(keys)) != len(keys):  # NOTE: a slot reserved twice for one block tripped an assert at commit
@@ -75,12 +81,15 @@ class ReservedPuts:
         nbytes = spec.block_nbytes
         with self._lock, self._batch():
             self._check_open()
+            since = self._drop_epoch if since is None else since
+            self._check_not_dropped(tenant, since)
             self._register_spec(spec)
             now = self._clock()
             probe = BlockMeta(key=ROOT_KEY, tenant=tenant, fingerprint=spec.fingerprint,
                               parent=ROOT_KEY, depth=0, nbytes=nbytes, tokens=spec.block_tokens,
                               tier=self.tiers[0], created=now, last_access=now)
-            res = PutReservation(tenant, spec, keys, parent0, [None] * len(keys), [None] * len(keys), probe)
+            res = PutReservation(tenant, spec, keys, parent0, [None] * len(keys), [None] * len(keys), probe,
+                                 since=since)
             pm = self._index.get(tenant, parent0) if parent0 != ROOT_KEY else None
             floor = pm.tier if pm is not None else self.tiers[0]
             self._refuse_what_cannot_fit(tenant, spec, keys, floor)
@@ -155,6 +164,7 @@ class ReservedPuts:
             try:
                 with self._batch():
                     self._check_open()
+                    self._check_not_dropped(res.tenant, res.since)
                     bufs = [v if v is not None else data(i) for i, v in enumerate(res.views)]
                     views = block_views(res.spec, bufs, len(res.keys), "buffer")
                     self._commit_reserved(res, views, session, ttl_s)

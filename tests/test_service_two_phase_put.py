@@ -249,3 +249,22 @@ def test_a_reservation_with_a_repeated_key_is_refused_up_front(open_store, spec,
     k = c.block_keys(SPEC, fresh_tokens(1))
     with pytest.raises(InvalidArgument, match="repeats an earlier key"):
         c.put(SPEC, [k[0], k[0]], random_kv(2))
+
+
+def test_a_reservation_outlived_by_its_tenant_commits_nothing(open_store, spec):
+    from kvstore.errors import Unauthenticated
+
+    store = open_store(spec)
+    keys = store.block_keys(T, spec, tokens(2, spec))
+    since = store.drop_epoch
+    res = store.reserve_put(T, spec, keys, since=since)
+    for v in res.views:
+        v[:] = 1
+    store.drop_tenant(T)
+    with pytest.raises(Unauthenticated, match="deleted while this call ran"):
+        store.commit_put(res, lambda i: None)
+    assert store.stats()["blocks"] == 0 and store.stats()["tiers"]["hbm"]["used_bytes"] == 0
+    with pytest.raises(Unauthenticated):  # checked before the drop, reserved after it
+        store.reserve_put(T, spec, keys, since=since)
+    store.put(T, spec, keys, make_kv(spec, 2))  # in-process calls (no since) go on as before
+    assert store.lookup(T, spec, keys).num_blocks == 2
