@@ -138,7 +138,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
     def _open_tiers(self, config: StoreConfig, clock: Clock, progress: Progress | None) -> None:
         """The tiers, the codec and the placement; the index rebuilt from NVMe."""
         from kvstore.codec import Codec, CodecConfig
-        from kvstore.keyring import Keyring, load_master_key
+        from kvstore.keyring import DEFAULT_ENV_VAR, Keyring, load_master_key
 
         path = config.path
         self._mem: dict[Tier, MemoryTier] = {}
@@ -153,8 +153,20 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         self.keyring = None
         master = None
         if config.nvme_bytes or config.remote is not None:
-            master = load_master_key(config.master_key, key_file=config.master_key_file
-                                     or path / "master.key", create=True)
+            key_file = config.master_key_file or path / "master.key"
+            # NOTE: never a new key beside a keyring made with another: it could not unwrap the
+            # tenants' data keys, and writing it would leave the operator to overwrite it again
+            # when restoring the real one
+            keyring_made = (path / "nvme" / "keys" / "data.mdb").exists()
+            try:
+                master = load_master_key(config.master_key, key_file=key_file, create=not keyring_made)
+            except InvalidArgument as exc:
+                if not keyring_made:
+                    raise
+                raise FailedPrecondition(
+                    f"no master key, but {path / 'nvme'} holds data keys wrapped with one: restore "
+                    f"{key_file} (or pass the key: master_key, ${DEFAULT_ENV_VAR}); a new key would "
+                    f"not open them ({exc})") from None
         if config.remote is not None:
             assert master is not None
             self._remote = RemoteTier.open(config.remote, master, clock=clock)
@@ -196,9 +208,16 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
     def _recover(self, progress: Progress | None) -> None:
         assert self._nvme is not None
         records = self._nvme.records()
+        # tenants with a data key: a block of any other tenant cannot be decrypted (its tenant
+        # was deleted, and a crash came between the key's destruction and the blocks' deletion)
+        keyed = set(self.keyring.tenants()) if self.keyring is not None and self.config.encrypt else None
+        keyless: list[tuple[str, bytes]] = []
         for i, (rec, spec) in enumerate(records, 1):
             if progress is not None and (i % RECOVERY_STEP == 0 or i == len(records)):
                 progress(i, len(records))
+            if keyed is not None and rec.tenant not in keyed:
+                keyless.append((rec.tenant, rec.key))
+                continue
             if spec is None:
                 continue
             self._specs.setdefault(rec.fingerprint, spec)
@@ -210,6 +229,14 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
             self._index.add(meta)
             self._place.charge(meta, Tier.NVME, +1)
             self.policy.on_insert(meta, rec.created)
+        if keyless:  # before, such blocks were announced by lookups, missed by gets, and a put
+            # of the same prompt took them for stored and wrote nothing
+            with self._nvme.batch():
+                for tenant, key in keyless:
+                    self._nvme.delete_key(tenant, key)
+            self.counters.add("keyless_dropped", len(keyless))
+            log.warning("dropped %d blocks of deleted tenants (no data key): a tenant deletion was "
+                        "interrupted", len(keyless))
         # A block whose ancestor was never committed (it lived above NVMe at a crash) can
         # never be part of a usable prefix: drop it and its subtree.
         for meta in sorted(self._index, key=lambda m: m.depth):

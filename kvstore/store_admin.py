@@ -65,6 +65,11 @@ class TenantAdmin:
             self._tenant_policy.pop(tenant, None)
             self.quant_policy.forget_tenant(tenant)
             if self.keyring is not None:
+                # NOTE: the deletions are committed before the key goes (its own LMDB, committed
+                # at once): a crash between the two left blocks that no key could open
+                # (recovery now drops such blocks too)
+                if self._nvme is not None:
+                    self._nvme.commit_now()
                 self.keyring.destroy(tenant)
             if self._remote is not None:  # destroys its shared data key, then its values
                 n += self._remote.delete_tenant(tenant)

@@ -293,11 +293,15 @@ class NVMeTier:
             return False
 
     def delete(self, ref: BlockRef) -> bool:
-        n = self._sizes.pop(ref.ident, None)
+        return self.delete_key(ref.tenant, ref.key)
+
+    def delete_key(self, tenant: str, key: bytes) -> bool:
+        """Delete a block by its tenant and key (its spec may be unknown); False if not held."""
+        n = self._sizes.pop((tenant, key), None)
         if n is None:
             return False
         self._used -= n
-        k = self._dbkey(ref)
+        k = tenant_prefix(tenant) + key
         with self._write() as txn:
             self._delete_in(txn, k)
         return True
