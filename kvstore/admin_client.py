@@ -16,9 +16,19 @@ from collections.abc import Sequence
 from typing import Any, Self
 
 from kvstore.client import Client, ClientTLS, spec_to_pb
+from kvstore.errors import InvalidArgument
 from kvstore.spec import ModelSpec
 from proto.kvstore.v1 import admin_pb2 as apb
 from proto.kvstore.v1 import kvstore_pb2 as pb
+
+_ROLES = ("tenant", "publisher", "admin")
+
+
+def _in_range(what: str, value: int, lo: int, hi: int) -> None:
+    """InvalidArgument naming ``what`` unless ``value`` is an int in [lo, hi] (protobuf would
+    raise a bare ValueError while building the request)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise InvalidArgument(f"{what} must be an integer in [{lo}, {hi}], got {value!r}")
 
 
 class AdminClient:
@@ -32,6 +42,8 @@ class AdminClient:
         return self._inner._call(getattr(self._stub, name), request)
 
     def create_tenant(self, name: str, role: str = "tenant", namespaces: Sequence[str] = ()) -> str:
+        if role not in _ROLES:
+            raise InvalidArgument(f"role must be one of {', '.join(_ROLES)}, got {role!r}")
         r = self._call("CreateTenant", apb.CreateTenantRequest(
             name=name, role=apb.Role.Value(f"ROLE_{role.upper()}"), namespaces=list(namespaces)))
         return r.token
@@ -55,6 +67,9 @@ class AdminClient:
 
     def set_policy(self, tenant: str, *, ttl_s: float | None = None, quota_bytes: dict[str, int] | None = None,
                    priority: int = 0) -> dict[str, Any]:
+        _in_range("priority", priority, -(1 << 31), (1 << 31) - 1)
+        for tier, size in (quota_bytes or {}).items():
+            _in_range(f"the quota for {tier}", size, 0, (1 << 64) - 1)
         msg = apb.TenantPolicy(tenant=tenant, quota_bytes=quota_bytes or {}, priority=priority)
         if ttl_s is not None:
             msg.ttl_s = ttl_s
@@ -68,6 +83,8 @@ class AdminClient:
         return self._call("PurgeModel", req).blocks
 
     def audit(self, since_seq: int = 0, limit: int = 0) -> list[dict[str, Any]]:
+        _in_range("since_seq", since_seq, 0, (1 << 64) - 1)
+        _in_range("limit", limit, 0, (1 << 32) - 1)
         r = self._call("ReadAudit", apb.ReadAuditRequest(since_seq=since_seq, limit=limit))
         return [{"seq": e.seq, "time": e.time, "principal": e.principal, "action": e.action,
                  "target": e.target, "result": e.result, "detail": e.detail} for e in r.entries]

@@ -202,7 +202,7 @@ def policy_get(name: str, target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = 
 @policy_app.command("set")
 def policy_set(
     name: str,
-    ttl: Annotated[float | None, typer.Option("--ttl", help="Block TTL in seconds (omit: none).")] = None,
+    ttl: Annotated[float | None, typer.Option("--ttl", help="Block TTL in seconds: the default of a put that gives none, and the most any put gets (omit: none).")] = None,
     quota: Annotated[list[str] | None, typer.Option("--quota", help="TIER=SIZE, e.g. hbm=2GiB; repeat.")] = None,
     priority: Annotated[int, typer.Option(help="Relative priority.")] = 0,
     target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Iterable
 
 from kvstore.block import BlockMeta
+from kvstore.errors import InvalidArgument
 
 #: rebuild when the heap holds more than this many entries beyond twice the live blocks
 _SLACK = 1024
@@ -65,3 +67,13 @@ class DeadlineHeap:
     def needs_rebuild(self) -> bool:
         """Stale entries outnumber the live blocks: :meth:`rebuild` before the next :meth:`due`."""
         return self._stale
+
+
+def check_ttl(ttl_s: float | None, what: str = "ttl_s") -> float | None:
+    """``ttl_s`` as a float, None kept (no TTL); InvalidArgument unless a finite number > 0
+    (NaN passed a ``<= 0`` check, and an infinite TTL is spelled None)."""
+    if ttl_s is None:
+        return None
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s < math.inf:
+        raise InvalidArgument(f"{what} must be a finite number of seconds > 0 (unset it for no TTL), got {ttl_s!r}")
+    return float(ttl_s)

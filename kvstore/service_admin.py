@@ -11,7 +11,8 @@ from typing import Any
 from kvstore.audit import AuditLog
 from kvstore.auth import SHARED_PREFIX, AuthRegistry, Role, TenantPolicy, check_name
 from kvstore.block import Tier
-from kvstore.errors import InvalidArgument, NotFound
+from kvstore.errors import InvalidArgument, KVStoreError, NotFound
+from kvstore.expiry import check_ttl
 from kvstore.service_resources import RegionTable
 from kvstore.spec import FINGERPRINT_BYTES
 
@@ -63,12 +64,21 @@ class AdminPlane:
             self.store.drop_tenant(name)
 
     def set_policy(self, namespace: str, policy: TenantPolicy) -> TenantPolicy:
-        if policy.ttl_s is not None and policy.ttl_s <= 0:
-            raise InvalidArgument("ttl_s must be positive (unset it for no TTL)")
+        # NOTE: everything is checked before the policy is saved: a value the Store then
+        # refused (a NaN TTL) stayed in the principals file, and the next start failed on it
+        ttl = check_ttl(policy.ttl_s)
         quota = {Tier.parse(t).label: int(v) for t, v in policy.quota_bytes.items()}
-        policy = TenantPolicy(ttl_s=policy.ttl_s, quota_bytes=quota, priority=policy.priority)
+        bad = next((t for t, v in quota.items() if v < 0), None)
+        if bad is not None:
+            raise InvalidArgument(f"the quota for {bad} must be >= 0 bytes, got {quota[bad]}")
+        policy = TenantPolicy(ttl_s=ttl, quota_bytes=quota, priority=policy.priority)
+        before = self.registry.policies().get(namespace)
         self.registry.set_policy(namespace, policy)
-        self.store.set_tenant_policy(namespace, policy.ttl_s, quota or None)
+        try:
+            self.store.set_tenant_policy(namespace, policy.ttl_s, quota or None)
+        except KVStoreError:
+            self.registry.set_policy(namespace, before or TenantPolicy())  # as it was
+            raise
         return policy
 
     def apply_policies(self) -> None:

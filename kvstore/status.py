@@ -57,7 +57,7 @@ def from_rpc_error(err: grpc.RpcError) -> errors.KVStoreError:
     message = err.details() if hasattr(err, "details") else str(err)
     cls = _ERROR_FOR_CODE.get(name)
     if cls is None:
-        exc = errors.KVStoreError(f"{name}: {message}")
+        exc = errors.KVStoreError(message or name)  # NOTE: the code is in exc.code (the CLI prints both)
         exc.code = name
         return exc
     if cls is errors.ResourceExhausted:

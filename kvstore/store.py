@@ -59,6 +59,7 @@ from kvstore.errors import (
     ShapeMismatch,
     Unauthenticated,
 )
+from kvstore.expiry import check_ttl
 from kvstore.index import Ident, PrefixIndex
 from kvstore.keys import ROOT_KEY, block_keys, check_keys
 from kvstore.memtune import retain_freed_memory
@@ -285,9 +286,15 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         return pol.quota_bytes.get(tier) if pol else None
 
     def _ttl_deadline(self, tenant: str, ttl_s: float | None, now: float) -> float | None:
+        """The deadline of a block put now with ``ttl_s``: the tenant's policy TTL is an upper
+        bound (an operator's retention limit that a put cannot lift; before, any ``ttl_s`` a
+        tenant sent replaced it), and the default where the put gives none."""
+        pol = self._tenant_policy.get(tenant)
+        cap = pol.ttl_s if pol is not None else None
         if ttl_s is None:
-            pol = self._tenant_policy.get(tenant)
-            ttl_s = pol.ttl_s if pol and pol.ttl_s is not None else self.config.default_ttl_s
+            ttl_s = cap if cap is not None else self.config.default_ttl_s
+        elif cap is not None:
+            ttl_s = min(ttl_s, cap)
         return None if ttl_s is None else now + ttl_s
 
     def _register_spec(self, spec: ModelSpec) -> None:
@@ -355,8 +362,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
     def _put(self, tenant: str, spec: ModelSpec, keys: list[bytes], data: Callable[[int], Any],
              session: str | None, ttl_s: float | None, parent0: bytes = ROOT_KEY) -> None:
         self._check_tenant(tenant)
-        if ttl_s is not None and not ttl_s > 0:
-            raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s}")
+        ttl_s = check_ttl(ttl_s)
         held: list[BlockMeta] = []
         done = False
         try:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from kvstore.block import Tier
 from kvstore.errors import InvalidArgument
+from kvstore.expiry import check_ttl
 from kvstore.keys import check_keys
 from tiers.base import BlockRef
 
@@ -93,15 +94,15 @@ class TenantAdmin:
     def set_tenant_policy(self, tenant: str, ttl_s: float | None = None,
                           quota_bytes: dict[str, int] | None = None,
                           quantization: str | None = None) -> None:
-        """Per-tenant TTL (applies to blocks put from now on), per-tier quotas in bytes, and the
+        """Per-tenant TTL (applies to blocks put from now on: the default of a put that gives
+        none, and the most a put's own ``ttl_s`` gets), per-tier quotas in bytes, and the
         format of the tenant's blocks written to NVMe from now on: ``"int8"``, ``"fp8_e4m3"``
         (``"/head"`` for per-head key scales), ``"none"`` = lossless even where a model rule
         quantizes; None = no tenant rule (the model's rule or StoreConfig.nvme_quantization)."""
         from kvstore.quantization import Quantization
 
         self._check_tenant(tenant)
-        if ttl_s is not None and not ttl_s > 0:
-            raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s}")
+        ttl_s = check_ttl(ttl_s)
         quotas: dict[Tier, int] = {}
         for name, q in (quota_bytes or {}).items():
             if not isinstance(q, int) or q < 0:

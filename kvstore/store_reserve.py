@@ -17,6 +17,7 @@ from typing import Any
 from kvstore.block import BlockMeta, Tier
 from kvstore.block_buffers import block_views
 from kvstore.errors import FailedPrecondition, InvalidArgument
+from kvstore.expiry import check_ttl
 from kvstore.keys import ROOT_KEY, check_keys
 from kvstore.spec import ModelSpec
 from tiers.base import BlockRef
@@ -156,8 +157,7 @@ class ReservedPuts:
         another call, the parent moved to a slower tier), this is an ordinary put of the whole
         chain, copying out of the slots."""
         self._check_tenant(res.tenant)
-        if ttl_s is not None and not ttl_s > 0:
-            raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s}")
+        ttl_s = check_ttl(ttl_s)
         with self._lock:
             if res.done:
                 raise FailedPrecondition("this reservation was already committed or aborted")

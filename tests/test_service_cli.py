@@ -48,6 +48,24 @@ def test_cli_reports_errors_with_their_code(sidecar):
     assert result.exit_code == 1
 
 
+@pytest.mark.parametrize("args, says", [
+    (["policy", "set", "cli-x", "--quota", "hbm=99999999999t"], "the quota for hbm must be an integer in"),
+    (["policy", "set", "cli-x", "--priority", "99999999999"], "priority must be an integer in"),
+    (["tenant", "add", "cli-y", "--role", "superuser"], "role must be one of tenant, publisher, admin"),
+    (["audit", "--limit", "-1"], "limit must be an integer in"),
+    (["audit", "--since", "-5"], "since_seq must be an integer in"),
+    (["tenant", "add", "cli-x"], "principal 'cli-x' already exists"),
+])
+def test_bad_cli_values_are_one_line_errors_not_tracebacks(sidecar, args, says):
+    """Each of these raised a bare ValueError (a traceback) while the request was built."""
+    sidecar.admin().create_tenant("cli-x")
+    result = CliRunner().invoke(admin_app, [*args, "--target", sidecar.target, "--token", sidecar.admin_token])
+    assert result.exit_code == 1 and result.exception is None or isinstance(result.exception, SystemExit)
+    out = " ".join(result.output.split())
+    assert says in out and "Traceback" not in out
+    assert "ALREADY_EXISTS: " not in out  # the code once, not twice
+
+
 def test_errors_are_printed_as_text_not_console_markup(tmp_path):
     """A message naming a config table, "[tls]", reaches the operator whole."""
     cfg = tmp_path / "open.toml"

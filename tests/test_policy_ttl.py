@@ -1,0 +1,56 @@
+"""Operator TTL policy: checked before it is saved, and an upper bound on a put's own TTL.
+
+* ``policy set --ttl nan`` was refused by the Store after the principals file had saved it: the
+  policy showed NaN, and the next ``kvstore serve`` failed on it.
+* A put's ``ttl_s`` replaced the tenant's TTL policy, so any tenant could keep its blocks for
+  ever; the policy is now the most a put gets.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from conftest import make_kv, tokens
+from service_harness import restart
+
+from kvstore.errors import InvalidArgument
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0, 0.0])
+def test_a_bad_ttl_policy_is_refused_and_not_saved(sidecar, bad):
+    admin = sidecar.admin()
+    admin.create_tenant("bob")
+    admin.set_policy("bob", ttl_s=30.0)
+    with pytest.raises(InvalidArgument, match="finite number of seconds > 0"):
+        admin.set_policy("bob", ttl_s=bad)
+    assert admin.get_policy("bob")["ttl_s"] == 30.0
+    sc = restart(sidecar)  # starts: nothing unusable was saved
+    try:
+        assert sc.admin().get_policy("bob")["ttl_s"] == 30.0
+    finally:
+        sc.stop()
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -3, True])
+def test_a_put_ttl_must_be_finite_and_positive(open_store, spec, bad):
+    s = open_store(spec)
+    with pytest.raises(InvalidArgument, match="ttl_s must be a finite number"):
+        s.put("a", spec, s.block_keys("a", spec, tokens(1, spec)), make_kv(spec, 1), ttl_s=bad)
+
+
+def test_the_tenant_ttl_policy_bounds_a_puts_own_ttl(open_store, spec, clock):
+    s = open_store(spec)
+    s.set_tenant_policy("a", ttl_s=2.0)
+    long = s.block_keys("a", spec, tokens(1, spec))
+    short = s.block_keys("a", spec, tokens(1, spec, start=40))
+    s.put("a", spec, long, make_kv(spec, 1), ttl_s=100.0)  # asks for more than the policy allows
+    s.put("a", spec, short, make_kv(spec, 1), ttl_s=1.0)  # less is kept
+    clock.advance(1.5)
+    assert s.lookup("a", spec, short).num_blocks == 0
+    assert s.lookup("a", spec, long).num_blocks == 1
+    clock.advance(1.0)
+    assert s.lookup("a", spec, long).num_blocks == 0
+    s.put("b", spec, s.block_keys("b", spec, tokens(1, spec)), make_kv(spec, 1), ttl_s=100.0)
+    clock.advance(50)  # another tenant's policy does not apply
+    assert s.lookup("b", spec, s.block_keys("b", spec, tokens(1, spec))).num_blocks == 1
