@@ -147,9 +147,14 @@ def open_store(config: ServerConfig, clock: Callable[[], float],
     return Store.open(config.store, clock=clock, progress=progress)
 
 
-def bootstrap(config: ServerConfig, *, clock: Callable[[], float] = time.time) -> str | None:
-    """Create the data directory and the first admin; return its token once, else None."""
+def _make_data_dir(config: ServerConfig) -> None:
     config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+
+def bootstrap(config: ServerConfig, *, clock: Callable[[], float] = time.time) -> str | None:
+    """Create the data directory and the first admin; return its token once, else None (for
+    embedding: :func:`serve` creates the admin itself, once the server has started)."""
+    _make_data_dir(config)
     return AuthRegistry(config.auth_file, clock=clock).ensure_admin()
 
 
@@ -219,12 +224,16 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
 
         torch.set_num_threads(config.torch_threads)
     try:
-        token = bootstrap(config, clock=clock)
+        # NOTE: the admin is created only once the server is up (below): created first, by a
+        # start that then failed (a busy port, a refused config), its token was never shown
+        # and no later start printed one
+        _make_data_dir(config)
         key_file = config.store.master_key_file or config.data_dir / "master.key"
         new_key = config.store.master_key is None and not key_file.exists()
         recovered = _Counted("recovering blocks from NVMe", progress)
         server, port = create_server(config, clock=clock, progress=recovered)
         server.start()
+        token = server.registry.ensure_admin()
         if config.listen.startswith("unix:"):
             echo(f"kvstore serving on {config.listen}")
         else:

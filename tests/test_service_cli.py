@@ -210,3 +210,37 @@ def test_format_size_is_binary_and_round_trips_through_parse_size():
     assert [format_size(n) for n in (0, 512, 1024, 124 * 1024, 64 << 30, 3 << 40)] == [
         "0 B", "512 B", "1.0 KiB", "124.0 KiB", "64.0 GiB", "3.0 TiB"]
     assert parse_size(format_size(64 << 30).replace(" ", "")) == 64 << 30
+
+
+def test_a_first_start_that_fails_leaves_the_admin_token_to_the_next_one(tmp_path):
+    """The admin was created before the server started: a first start that then failed (here
+    a metrics port in use) saved an admin whose token it never printed, and no later start
+    printed one. The running server creates it now."""
+    import socket
+
+    from kvstore.auth import AuthRegistry, Role
+    from kvstore.server import serve
+    from kvstore.server_config import load
+
+    home = tmp_path / "home"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cfg = tmp_path / "busy.toml"
+        cfg.write_text(f'listen = "127.0.0.1:0"\n[store]\npath = "{home}"\nhbm_bytes = 8388608\n'
+                       f'dram_bytes = 8388608\nnvme_bytes = 67108864\n'
+                       f'[metrics]\nlisten = "127.0.0.1:{taken.getsockname()[1]}"\n')
+        with pytest.raises(Exception, match="cannot serve metrics"):
+            serve(load(cfg), echo=lambda line: None)
+    auth = home / "auth.json"
+    assert not auth.exists() or not any(p.role is Role.ADMIN for p in AuthRegistry(auth, clock=time.time).list())
+    lines: list[str] = []
+
+    def echo(line: str) -> None:
+        lines.append(line)
+        if line.startswith("ready"):
+            os.kill(os.getpid(), signal.SIGTERM)  # serve's handler stops it
+
+    serve(load(_tiny_config(tmp_path), overrides={"listen": "127.0.0.1:0"}), echo=echo)
+    token = next(line for line in lines if line.startswith("admin token")).rsplit(" ", 1)[1]
+    assert AuthRegistry(auth, clock=time.time).authenticate(token).role is Role.ADMIN
