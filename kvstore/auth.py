@@ -36,6 +36,7 @@ from pathlib import Path
 
 from kvstore.errors import (
     FailedPrecondition,
+    IntegrityError,
     InvalidArgument,
     KVStoreError,
     NotFound,
@@ -164,6 +165,14 @@ def resolve_namespace(principal: Principal, requested: str, *, write: bool) -> s
     raise PermissionDenied(f"namespace {requested!r} is not granted to {principal.name!r} for {verb}")
 
 
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _load(path: Path) -> dict:
     if not path.exists():
         return {"principals": {}, "policies": {}}
@@ -178,20 +187,26 @@ class AuthRegistry:
         self.path = Path(path)
         self._clock = clock
         self._lock = threading.Lock()
-        data = _load(self.path)
         self._principals: dict[str, Principal] = {}
         self._hashes: dict[str, str] = {}  # token hash -> name
-        for name, rec in data.get("principals", {}).items():
-            self._principals[name] = Principal(
-                name=name, role=Role(rec["role"]), namespaces=tuple(rec.get("namespaces", ())),
-                created=float(rec.get("created", 0.0)),
-            )
-            self._hashes[rec["token_sha256"]] = name
-        self._policies: dict[str, TenantPolicy] = {
-            name: TenantPolicy(ttl_s=p.get("ttl_s"), quota_bytes=dict(p.get("quota_bytes", {})),
-                               priority=int(p.get("priority", 0)))
-            for name, p in data.get("policies", {}).items()
-        }
+        try:
+            data = _load(self.path)
+            for name, rec in data.get("principals", {}).items():
+                self._principals[name] = Principal(
+                    name=name, role=Role(rec["role"]), namespaces=tuple(rec.get("namespaces", ())),
+                    created=float(rec.get("created", 0.0)),
+                )
+                self._hashes[rec["token_sha256"]] = name
+            self._policies: dict[str, TenantPolicy] = {
+                name: TenantPolicy(ttl_s=p.get("ttl_s"), quota_bytes=dict(p.get("quota_bytes", {})),
+                                   priority=int(p.get("priority", 0)))
+                for name, p in data.get("policies", {}).items()
+            }
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            # NOTE: a damaged file fails closed, by name (it was a traceback): no token works
+            # without it, and a new admin would not bring back the tenants' tokens
+            raise IntegrityError(f"the principals file {self.path} is damaged ({type(exc).__name__}: "
+                                 f"{exc}): restore it from a backup") from None
 
     # -- persistence ------------------------------------------------------------------------
     def _save(self) -> None:
@@ -213,6 +228,7 @@ class AuthRegistry:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
+            _sync_dir(self.path.parent)  # NOTE: the rename itself survives a power loss
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise FailedPrecondition(f"the principals file {self.path} could not be saved ({exc}); "

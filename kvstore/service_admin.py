@@ -84,7 +84,11 @@ class AdminPlane:
     def apply_policies(self) -> None:
         """Re-apply the recorded policies to a freshly opened Store."""
         for ns, policy in self.registry.policies().items():
-            self.store.set_tenant_policy(ns, policy.ttl_s, dict(policy.quota_bytes) or None)
+            try:
+                self.store.set_tenant_policy(ns, policy.ttl_s, dict(policy.quota_bytes) or None)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"the policy of {ns!r} in {self.registry.path} is not valid ({exc}): "
+                                      f"correct it there") from None
 
     def purge_model(self, fingerprint: bytes) -> int:
         if len(fingerprint) != FINGERPRINT_BYTES:

@@ -369,3 +369,37 @@ def test_a_put_under_way_when_its_tenant_is_deleted_stores_nothing(sidecar, monk
         assert again.lookup(SPEC, keys).num_blocks == 3
     finally:
         again.close()
+
+
+@pytest.mark.parametrize("damage", [b"\xff\xfe garbage", b'{"principals": {"admin": {"ro', b"",
+                                    b'{"principals": {"x": {"role": "king", "token_sha256": "00"}}}'])
+def test_a_damaged_principals_file_fails_closed_by_name(tmp_path, damage):
+    """It was a raw UnicodeDecodeError / JSONDecodeError traceback naming no file."""
+    import time
+
+    from kvstore.auth import AuthRegistry
+
+    path = tmp_path / "auth.json"
+    path.write_bytes(damage)
+    with pytest.raises(IntegrityError, match=f"principals file {path} is damaged"):
+        AuthRegistry(path, clock=time.time)
+
+
+def test_an_invalid_saved_policy_stops_the_start_naming_tenant_and_file(tmp_path):
+    """A NaN TTL saved before it was checked: the start failed on "ttl_s must be > 0, got nan"."""
+    import json
+    import time
+
+    from kvstore.auth import AuthRegistry, Role, TenantPolicy
+    from kvstore.errors import InvalidArgument as Invalid
+    from service_harness import start
+
+    auth = tmp_path / "auth.json"
+    reg = AuthRegistry(auth, clock=time.time)
+    reg.create("bob", Role.TENANT)
+    reg.set_policy("bob", TenantPolicy(ttl_s=5.0))
+    data = json.loads(auth.read_text())
+    data["policies"]["bob"]["ttl_s"] = float("nan")
+    auth.write_text(json.dumps(data))
+    with pytest.raises(Invalid, match=r"the policy of 'bob' in .*auth.json is not valid"):
+        start(tmp_path)
