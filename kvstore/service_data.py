@@ -236,13 +236,18 @@ class DataPlane:
 
 
 def scope_stats(stats: dict[str, Any], readable: frozenset[str] | None) -> dict[str, Any]:
-    """Drop other tenants' entries from per-tenant sections (``readable=None``: keep all)."""
+    """What a caller may see of the Store's statistics (``readable=None``, the admin: all).
+
+    A tenant or publisher sees the usage of the namespaces it reads, per tier, and each tier's
+    capacity; nothing store-wide. (It saw every counter before: other tenants' hits, sessions,
+    deletions and evictions moved its numbers, so it could watch their activity.)"""
     if readable is None:
         return stats
     out: dict[str, Any] = {}
-    for key, value in stats.items():
-        if key in ("tenants", "per_tenant", "namespaces") and isinstance(value, dict):
+    for key in ("tenants", "per_tenant", "namespaces"):
+        value = stats.get(key)
+        if isinstance(value, dict):
             out[key] = {t: v for t, v in value.items() if t in readable}
-        else:
-            out[key] = value
+    out["tiers"] = {t: {"capacity_bytes": v["capacity_bytes"]} for t, v in stats.get("tiers", {}).items()
+                    if isinstance(v, dict) and "capacity_bytes" in v}
     return out

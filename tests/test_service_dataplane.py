@@ -253,9 +253,16 @@ def test_stats_are_scoped_to_the_caller(sidecar):
     b = sidecar.tenant("stats-b")
     a.put(SPEC, a.block_keys(SPEC, fresh_tokens(1)), random_kv(1))
     b.put(SPEC, b.block_keys(SPEC, fresh_tokens(1)), random_kv(1))
-    seen = a.stats()["tenants"]
-    assert "stats-a" in seen and "stats-b" not in seen
+    seen = a.stats()
+    assert "stats-a" in seen["tenants"] and "stats-b" not in seen["tenants"]
     assert {"stats-a", "stats-b"} <= set(sidecar.admin().stats()["tenants"])
+    # nothing store-wide: b's activity does not move what a sees
+    assert set(seen) == {"tenants", "tiers"} and all(set(v) == {"capacity_bytes"} for v in seen["tiers"].values())
+    k = b.block_keys(SPEC, fresh_tokens(1))
+    b.put(SPEC, k, random_kv(1))
+    b.get(SPEC, k)
+    b.delete(k)
+    assert a.stats() == seen
 
 
 def _spec_pb():
