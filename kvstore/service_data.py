@@ -32,7 +32,7 @@ from kvstore.audit import AuditLog
 from kvstore.auth import Principal, resolve_namespace
 from kvstore.block import Tier
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError
-from kvstore.keys import ROOT_KEY, block_keys
+from kvstore.keys import KEY_BYTES, ROOT_KEY, block_keys
 from kvstore.metrics import ServiceMetrics
 from kvstore.server_config import LimitsConfig
 from kvstore.service_convert import (
@@ -213,11 +213,14 @@ class DataPlane:
         return int(self.store.prefetch(b.namespace, b.spec, b.keys, tier=tier.label, parent=b.parent))
 
     def delete(self, principal: Principal, namespace: str, packed: bytes) -> int:
-        """Delete blocks (audited, whatever the outcome)."""
-        ns = resolve_namespace(principal, namespace, write=True)
-        keys = split_keys(packed, self.limits.max_keys_per_call)
-        record = lambda result: self.audit.append(principal.name, "blocks.delete", ns, result, f"{len(keys)} keys")
+        """Delete blocks (audited, whatever the outcome: a refused namespace or malformed keys
+        too, under the namespace as asked, which were not recorded before)."""
+        target = namespace or principal.name
+        count = f"{len(packed) // KEY_BYTES} keys" if len(packed) % KEY_BYTES == 0 else f"{len(packed)} bytes of keys"
+        record = lambda result: self.audit.append(principal.name, "blocks.delete", target, result, count)
         try:
+            ns = target = resolve_namespace(principal, namespace, write=True)
+            keys = split_keys(packed, self.limits.max_keys_per_call)
             n = int(self.store.delete(ns, keys))
         except Exception as exc:
             try:

@@ -154,6 +154,15 @@ def test_delete_removes_blocks_and_is_audited(sidecar):
     entries = sidecar.admin().audit()
     assert any(e["action"] == "blocks.delete" and e["principal"] == "del" and e["target"] == "del"
                and e["result"] == "OK" for e in entries)
+    # refused or malformed deletions are recorded too (they were not)
+    sidecar.tenant("other")
+    with pytest.raises(KVStoreError):
+        c.delete(keys[:1], namespace="other")
+    with pytest.raises(InvalidArgument):
+        c._call(c._kv.Delete, pb.DeleteRequest(keys=b"12345"))
+    refused = [(e["target"], e["result"], e["detail"]) for e in sidecar.admin().audit()
+               if e["action"] == "blocks.delete" and e["principal"] == "del" and e["result"] != "OK"]
+    assert refused == [("other", "PERMISSION_DENIED", "1 keys"), ("del", "INVALID_ARGUMENT", "5 bytes of keys")]
 
 
 def test_ttl_expiry_through_the_service(sidecar):
