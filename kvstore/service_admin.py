@@ -43,6 +43,11 @@ class AdminPlane:
         tenant created later under that name would read them."""
         if name.startswith(SHARED_PREFIX):
             self.store.drop_tenant(name)
+            # the namespace stays (its publishers and grants do): so does the operator's policy
+            # for it, which drop_tenant had taken out of the Store while `policy get` showed it
+            policy = self.registry.policies().get(name)
+            if policy is not None:
+                self.store.set_tenant_policy(name, policy.ttl_s, dict(policy.quota_bytes) or None)
             return
         check_name(name)
         try:

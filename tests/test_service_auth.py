@@ -15,6 +15,7 @@ from kvstore.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    ResourceExhausted,
     Unauthenticated,
 )
 from proto.kvstore.v1 import kvstore_pb2 as pb
@@ -390,9 +391,10 @@ def test_an_invalid_saved_policy_stops_the_start_naming_tenant_and_file(tmp_path
     import json
     import time
 
+    from service_harness import start
+
     from kvstore.auth import AuthRegistry, Role, TenantPolicy
     from kvstore.errors import InvalidArgument as Invalid
-    from service_harness import start
 
     auth = tmp_path / "auth.json"
     reg = AuthRegistry(auth, clock=time.time)
@@ -403,3 +405,19 @@ def test_an_invalid_saved_policy_stops_the_start_naming_tenant_and_file(tmp_path
     auth.write_text(json.dumps(data))
     with pytest.raises(Invalid, match=r"the policy of 'bob' in .*auth.json is not valid"):
         start(tmp_path)
+
+
+def test_deleting_a_shared_namespaces_blocks_keeps_its_policy_in_force(sidecar):
+    """The deletion took the namespace's quota and TTL out of the Store while `policy get` still
+    showed them: the publisher then stored past its quota until the next restart."""
+    admin = sidecar.admin()
+    pub = sidecar.client(admin.create_tenant("pub", role="publisher", namespaces=["shared:kept"]))
+    keys = pub.block_keys(SPEC, fresh_tokens(2), namespace="shared:kept")
+    pub.put(SPEC, keys, random_kv(2), namespace="shared:kept")
+    quota = SPEC.block_nbytes  # one block, in HBM only
+    admin.set_policy("shared:kept", quota_bytes={"hbm": quota, "dram": 0, "nvme": 0})
+    admin.delete_tenant("shared:kept")
+    assert pub.lookup(SPEC, keys, namespace="shared:kept").num_blocks == 0
+    assert admin.get_policy("shared:kept")["quota_bytes"]["hbm"] == quota
+    with pytest.raises(ResourceExhausted):
+        pub.put(SPEC, keys, random_kv(2), namespace="shared:kept")
