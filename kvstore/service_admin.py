@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvstore.audit import AuditLog
-from kvstore.auth import SHARED_PREFIX, AuthRegistry, Role, TenantPolicy, check_name
+from kvstore.auth import SHARED_PREFIX, AuthRegistry, Role, TenantPolicy, check_name, check_shared
 from kvstore.block import Tier
 from kvstore.errors import InvalidArgument, KVStoreError, NotFound
 from kvstore.expiry import check_ttl
@@ -68,7 +68,24 @@ class AdminPlane:
         if principal.role is Role.TENANT:
             self.store.drop_tenant(name)
 
+    def _policy_holder(self, namespace: str) -> None:
+        """NotFound for a tenant that does not exist, InvalidArgument for a principal that holds
+        no blocks of its own (admin, publisher): policies are a tenant's or a shared
+        namespace's. (``policy get`` of a mistyped name showed an empty policy.)"""
+        if namespace.startswith(SHARED_PREFIX):
+            check_shared(namespace)
+            return
+        role = self.registry.get(namespace).role
+        if role is not Role.TENANT:
+            raise InvalidArgument(f"{namespace!r} is a {role.value}: policies are set on tenants and on "
+                                  f"shared namespaces ({SHARED_PREFIX}NAME)")
+
+    def get_policy(self, namespace: str) -> TenantPolicy:
+        self._policy_holder(namespace)
+        return self.registry.policy(namespace)
+
     def set_policy(self, namespace: str, policy: TenantPolicy) -> TenantPolicy:
+        self._policy_holder(namespace)
         # NOTE: everything is checked before the policy is saved: a value the Store then
         # refused (a NaN TTL) stayed in the principals file, and the next start failed on it
         ttl = check_ttl(policy.ttl_s)

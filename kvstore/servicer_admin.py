@@ -60,7 +60,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     def GetPolicy(self, request, context):
         return self._run("GetPolicy", "policy.get", request.name, context,
-                         lambda p: _policy_pb(request.name, self.plane.registry.policy(request.name)))
+                         lambda p: _policy_pb(request.name, self.plane.get_policy(request.name)))
 
     def SetPolicy(self, request, context):
         policy = TenantPolicy(ttl_s=request.ttl_s if request.HasField("ttl_s") else None,

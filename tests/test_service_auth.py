@@ -421,3 +421,17 @@ def test_deleting_a_shared_namespaces_blocks_keeps_its_policy_in_force(sidecar):
     assert admin.get_policy("shared:kept")["quota_bytes"]["hbm"] == quota
     with pytest.raises(ResourceExhausted):
         pub.put(SPEC, keys, random_kv(2), namespace="shared:kept")
+
+
+def test_policies_belong_to_tenants_and_shared_namespaces(sidecar):
+    admin = sidecar.admin()
+    admin.create_tenant("pol-pub", role="publisher", namespaces=["shared:p"])
+    with pytest.raises(NotFound):
+        admin.get_policy("nobody")  # was an empty policy, as if set to nothing
+    with pytest.raises(NotFound):
+        admin.set_policy("nobody", ttl_s=5.0)
+    for name in ("admin", "pol-pub"):
+        with pytest.raises(InvalidArgument, match="policies are set on tenants"):
+            admin.set_policy(name, ttl_s=5.0)
+    assert admin.set_policy("shared:p", ttl_s=5.0)["ttl_s"] == 5.0
+    assert admin.get_policy("shared:p")["ttl_s"] == 5.0
