@@ -51,6 +51,15 @@ class ServiceMetrics:
         self.requests.labels(rpc=rpc, code=code).inc()
         self.latency.labels(rpc=rpc).observe(seconds)
 
+    def forget_tenant(self, tenant: str) -> None:
+        """Drop a deleted tenant's series (a tenant created later under its name started
+        with its counts)."""
+        for counter in (self.lookup_hits, self.lookup_misses, self.saved_tokens):
+            try:
+                counter.remove(tenant)
+            except KeyError:
+                pass  # no series yet
+
     def lookup(self, tenant: str, asked: int, found: int, block_tokens: int) -> None:
         self.lookup_hits.labels(tenant=tenant).inc(found)
         self.lookup_misses.labels(tenant=tenant).inc(asked - found)

@@ -167,6 +167,11 @@ def create_server(config: ServerConfig, *, store: Any = None, clock: Callable[[]
         raise FailedPrecondition(
             f"refusing plaintext on non-loopback address {config.listen!r}: configure [tls] "
             "or set allow_insecure_remote = true")
+    m = config.metrics
+    if m.enabled and m.listen and not m.allow_remote and not is_local_target(m.listen):
+        raise FailedPrecondition(
+            f"refusing to serve metrics on non-loopback address {m.listen!r}: the endpoint has no "
+            "authentication and names every tenant; set [metrics] allow_remote = true to allow it")
     config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     registry = AuthRegistry(config.auth_file, clock=clock)
     audit = AuditLog(config.audit_file, clock=clock, fsync=config.audit_fsync)
@@ -177,7 +182,7 @@ def create_server(config: ServerConfig, *, store: Any = None, clock: Callable[[]
     metrics_registry.register(StoreCollector(store.stats))
     limits = config.limits
     data = DataPlane(store, audit, limits, metrics, copy_threads=config.copy_threads)
-    admin = AdminPlane(store, registry, audit, data.regions)
+    admin = AdminPlane(store, registry, audit, data.regions, metrics)
     admin.apply_policies()
     rpc = RpcRunner(registry, metrics, lambda: store.drop_epoch)
 

@@ -133,6 +133,10 @@ class MetricsConfig(BaseModel):
     enabled: bool = True
     """Serve metrics over HTTP."""
 
+    allow_remote: bool = False
+    """Serve them on a non-loopback address. Off: such a server refuses to start. The endpoint
+    is plain HTTP without authentication, and its labels name every tenant."""
+
 
 class ServerConfig(BaseModel):
     """Everything ``kvstore serve`` needs."""

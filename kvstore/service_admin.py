@@ -21,9 +21,10 @@ class AdminPlane:
     """Operator actions; each raises typed errors from kvstore.errors."""
 
     def __init__(self, store: Any, registry: AuthRegistry, audit: AuditLog,
-                 regions: RegionTable | None = None) -> None:
+                 regions: RegionTable | None = None, metrics: Any = None) -> None:
         self.store, self.registry, self.audit = store, registry, audit
         self.regions = regions
+        self.metrics = metrics  # ServiceMetrics: a deleted tenant's series go with it
 
     def create_tenant(self, name: str, role: Role, namespaces: list[str]) -> str:
         """Create a principal; returns its token (shown once)."""
@@ -41,6 +42,13 @@ class AdminPlane:
         deletion can be run again. A name whose principal is gone but whose data key or blocks
         are left (a deletion that failed half-way in an earlier version) is cleaned up: else a
         tenant created later under that name would read them."""
+        try:
+            self._delete_tenant(name)
+        finally:
+            if self.metrics is not None:  # after the data: a lookup meanwhile counted under the name
+                self.metrics.forget_tenant(name)
+
+    def _delete_tenant(self, name: str) -> None:
         if name.startswith(SHARED_PREFIX):
             self.store.drop_tenant(name)
             # the namespace stays (its publishers and grants do): so does the operator's policy

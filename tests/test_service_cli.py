@@ -75,6 +75,15 @@ def test_errors_are_printed_as_text_not_console_markup(tmp_path):
     assert "configure [tls] or set allow_insecure_remote" in " ".join(result.output.split())
 
 
+def test_metrics_on_a_non_loopback_address_need_allow_remote(tmp_path):
+    cfg = tmp_path / "open.toml"
+    cfg.write_text(f'listen = "127.0.0.1:0"\n[store]\npath = "{tmp_path / "data"}"\n'
+                   '[metrics]\nlisten = "0.0.0.0:0"\n')
+    result = CliRunner().invoke(admin_app, ["serve", "--config", str(cfg)])
+    assert result.exit_code == 1
+    assert "set [metrics] allow_remote = true" in " ".join(result.output.split())
+
+
 def test_a_metrics_port_in_use_is_a_clear_error_and_nothing_is_left_serving(tmp_path):
     import socket
 
@@ -126,6 +135,9 @@ def test_metrics_count_requests_and_read_store_stats(sidecar):
     assert 'kvstore_saved_prefill_tokens_total{tenant="metered"} 32.0' in text
     assert 'kvstore_store_tiers_used_bytes{tier="hbm"}' in text
     assert "kvstore_request_latency_seconds_bucket" in text
+    sidecar.admin().delete_tenant("metered")  # a tenant created later under the name starts at 0
+    text = generate_latest(sidecar.server.metrics_registry).decode()
+    assert 'tenant="metered"' not in text
 
 
 def test_serve_runs_on_embedded_defaults_and_prints_the_token_once(tmp_path):
