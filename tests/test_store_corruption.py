@@ -89,3 +89,21 @@ def test_wrong_master_key_serves_nothing(open_store, spec, tmp_path):
                       master_key=b"\x01" * 32)
     with pytest.raises(KVStoreError, match="master key"):
         Store.open(cfg)
+
+
+@pytest.mark.parametrize("which", ["nvme", "nvme/keys"])
+def test_a_truncated_lmdb_file_is_refused_by_name_not_a_sigbus(open_store, spec, tmp_path, which):
+    """A data file cut short (a bad restore) killed the process with SIGBUS at the first read."""
+    import os
+
+    from kvstore.errors import IntegrityError
+
+    path = tmp_path / "t"
+    s = open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=64, path=path)
+    s.put("a", spec, s.block_keys("a", spec, tokens(48, spec)), make_kv(spec, 48))
+    s.close()
+    data = path / which / "data.mdb"
+    os.truncate(data, data.stat().st_size // 2)
+    for _ in range(2):  # the failed open let go of the directory: the second fails the same way
+        with pytest.raises(IntegrityError, match=f"{data} is .* bytes, but its last commit uses"):
+            open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=64, path=path)

@@ -143,6 +143,23 @@ class _KeyBackend(MutableMapping[str, bytes]):
             return txn.stat(self._db)["entries"]
 
 
+def _check_whole(env: lmdb.Environment, path: Path) -> None:
+    """IntegrityError (closing ``env``) when the data file is shorter than the pages its last
+    commit names: a truncated file (a bad restore or copy) killed the process with SIGBUS at
+    the first read past its end, without a word."""
+    data = path / "data.mdb"
+    try:
+        need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        have = data.stat().st_size
+    except (OSError, lmdb.Error):
+        return  # nothing to compare with: LMDB's own errors come at the first use
+    if have < need:
+        env.close()
+        raise IntegrityError(f"{data} is {have} bytes, but its last commit uses {need}: the file was "
+                             f"truncated or damaged; restore it from a backup, or move {path} away "
+                             f"to start without its blocks")
+
+
 class NVMeTier:
     tier = Tier.NVME
 
@@ -163,12 +180,18 @@ class NVMeTier:
             str(self.path), map_size=map_size or max(capacity * 2 + (256 << 20), 1 << 26),
             max_dbs=8, sync=durable, metasync=durable, readahead=False, lock=True,
             writemap=writemap, mode=0o600)
+        _check_whole(self._env, self.path)
         self._blocks = self._env.open_db(b"blocks")
         self._meta = self._env.open_db(b"meta")
         self._specs = self._env.open_db(b"specs")
         (self.path / "keys").mkdir(exist_ok=True, mode=0o700)  # NOTE: lmdb would make it 0600 (mode)
         self._keys_env = lmdb.open(str(self.path / "keys"), map_size=64 << 20, max_dbs=2,
                                    sync=True, metasync=True, readahead=False, lock=True, mode=0o600)
+        try:
+            _check_whole(self._keys_env, self.path / "keys")
+        except IntegrityError:
+            self._env.close()
+            raise
         self._keys = self._keys_env.open_db(b"keys")
         self._batch: lmdb.Transaction | None = None
         self.codec: Any = None  # set by the Store once the keyring (which lives here) is built
