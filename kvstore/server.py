@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from kvstore.audit import AuditLog
-from kvstore.auth import AuthRegistry
+from kvstore.auth import SHARED_PREFIX, AuthRegistry
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.metrics import ServiceMetrics, StoreCollector, serve_metrics
 from kvstore.server_config import ServerConfig
@@ -233,6 +233,7 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
         # start that then failed (a busy port, a refused config), its token was never shown
         # and no later start printed one
         _make_data_dir(config)
+        had_principals = config.auth_file.exists()
         key_file = config.store.master_key_file or config.data_dir / "master.key"
         new_key = config.store.master_key is None and not key_file.exists()
         recovered = _Counted("recovering blocks from NVMe", progress)
@@ -252,6 +253,12 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
             echo(f"generated master key: {key_file} (back it up: without it NVMe blocks are unreadable)")
         if token is not None:
             echo(f"admin token (shown once, store it now): {token}")
+        keyring = getattr(server.store, "keyring", None)
+        orphans = [t for t in keyring.tenants() if not t.startswith(SHARED_PREFIX)] if keyring is not None else []
+        if not had_principals and orphans:
+            echo(f"warning: no principals file ({config.auth_file}), but the store holds the data of "
+                 f"{len(orphans)} tenants: their tokens are gone; restore the file from a backup, or "
+                 f"delete those tenants (a tenant created under one of their names reads its blocks)")
         if config.metrics.enabled and config.metrics.listen:
             echo(f"metrics: http://{config.metrics.listen}/metrics")
         echo("ready (Ctrl-C or SIGTERM to stop)")

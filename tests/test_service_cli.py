@@ -256,3 +256,26 @@ def test_a_first_start_that_fails_leaves_the_admin_token_to_the_next_one(tmp_pat
     serve(load(_tiny_config(tmp_path), overrides={"listen": "127.0.0.1:0"}), echo=echo)
     token = next(line for line in lines if line.startswith("admin token")).rsplit(" ", 1)[1]
     assert AuthRegistry(auth, clock=time.time).authenticate(token).role is Role.ADMIN
+
+
+def test_serve_warns_when_the_principals_file_is_gone_but_tenants_data_is_not(tmp_path):
+    """A lost auth.json gave a fresh admin and silence, with every tenant's blocks still there."""
+    from conftest import make_kv, tokens
+
+    from kvstore import Store
+    from kvstore.server import serve
+    from kvstore.server_config import load
+
+    config = load(_tiny_config(tmp_path), overrides={"listen": "127.0.0.1:0"})
+    store = Store.open(config.store)
+    store.put("acme", SPEC, store.block_keys("acme", SPEC, tokens(1, SPEC)), make_kv(SPEC, 1))
+    store.close()
+    lines: list[str] = []
+
+    def echo(line: str) -> None:
+        lines.append(line)
+        if line.startswith("ready"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    serve(config, echo=echo)
+    assert any("no principals file" in line and "data of 1 tenants" in line for line in lines), lines
