@@ -204,7 +204,7 @@ def policy_set(
     name: str,
     ttl: Annotated[float | None, typer.Option("--ttl", help="Block TTL in seconds: the default of a put that gives none, and the most any put gets (omit: none).")] = None,
     quota: Annotated[list[str] | None, typer.Option("--quota", help="TIER=SIZE, e.g. hbm=2GiB; repeat.")] = None,
-    priority: Annotated[int, typer.Option(help="Relative priority.")] = 0,
+    priority: Annotated[int, typer.Option(help="Eviction priority: when a tier makes room, every block of a lower priority goes first (default 0).")] = 0,
     target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
 ) -> None:
     """Replace a tenant's policy (TTL, per-tier quotas, priority)."""

@@ -50,7 +50,8 @@ class Placement:
                  specs: dict[bytes, ModelSpec], mem: dict[Tier, MemoryTier],
                  nvme: NVMeTier | None, policy: EvictionPolicy, counters: Counters,
                  sessions: SessionTable, quotas: Callable[[str, Tier], int | None],
-                 quant_policy: QuantizationPolicy, remote: RemoteTier | None = None) -> None:
+                 quant_policy: QuantizationPolicy, remote: RemoteTier | None = None,
+                 priorities: dict[str, int] | None = None) -> None:
         self.config = config
         self._clock = clock
         self._index = index
@@ -61,6 +62,8 @@ class Placement:
         self.counters = counters
         self._sessions = sessions
         self._quota_of = quotas
+        #: tenant -> priority (0 when absent): a lower priority's blocks are evicted first
+        self.priorities = priorities if priorities is not None else {}
         self.remote = remote
         self.quant_policy = quant_policy
         self.tiers: list[Tier] = sorted([*mem, *([Tier.NVME] if nvme else [])])
@@ -238,7 +241,9 @@ class Placement:
                 return self._nvme_copy_evictable(m, tenant)
             return self._index.is_candidate(m, tier, self.protected, tenant)
 
-        return VictimQueue(self.policy, tier, candidates, valid, self._clock())
+        prio = self.priorities
+        return VictimQueue(self.policy, tier, candidates, valid, self._clock(),
+                           (lambda m: prio.get(m.tenant, 0)) if prio else None)
 
     def _nvme_copy_evictable(self, m: BlockMeta, tenant: str | None) -> bool:
         return (m.persisted and m.tier < Tier.NVME and self._index.get(m.tenant, m.key) is m

@@ -55,7 +55,8 @@ class AdminPlane:
             # for it, which drop_tenant had taken out of the Store while `policy get` showed it
             policy = self.registry.policies().get(name)
             if policy is not None:
-                self.store.set_tenant_policy(name, policy.ttl_s, dict(policy.quota_bytes) or None)
+                self.store.set_tenant_policy(name, policy.ttl_s, dict(policy.quota_bytes) or None,
+                                             priority=policy.priority)
             return
         check_name(name)
         try:
@@ -105,7 +106,7 @@ class AdminPlane:
         before = self.registry.policies().get(namespace)
         self.registry.set_policy(namespace, policy)
         try:
-            self.store.set_tenant_policy(namespace, policy.ttl_s, quota or None)
+            self.store.set_tenant_policy(namespace, policy.ttl_s, quota or None, priority=policy.priority)
         except KVStoreError:
             self.registry.set_policy(namespace, before or TenantPolicy())  # as it was
             raise
@@ -115,7 +116,8 @@ class AdminPlane:
         """Re-apply the recorded policies to a freshly opened Store."""
         for ns, policy in self.registry.policies().items():
             try:
-                self.store.set_tenant_policy(ns, policy.ttl_s, dict(policy.quota_bytes) or None)
+                self.store.set_tenant_policy(ns, policy.ttl_s, dict(policy.quota_bytes) or None,
+                                             priority=policy.priority)
             except InvalidArgument as exc:
                 raise InvalidArgument(f"the policy of {ns!r} in {self.registry.path} is not valid ({exc}): "
                                       f"correct it there") from None

@@ -184,7 +184,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                                 mem=self._mem, nvme=self._nvme, policy=self.policy,
                                 counters=self.counters, sessions=self._sessions,
                                 quotas=self._quota, quant_policy=self.quant_policy,
-                                remote=self._remote)
+                                remote=self._remote, priorities={})
         self.tiers = self._place.tiers
         self.disk_warning: str | None = None
         if self._nvme is not None:

@@ -64,6 +64,7 @@ class TenantAdmin:
                     n += 1
             self._sessions.drop_tenant(tenant)
             self._tenant_policy.pop(tenant, None)
+            self._place.priorities.pop(tenant, None)
             self.quant_policy.forget_tenant(tenant)
             if self.keyring is not None:
                 # NOTE: the deletions are committed before the key goes (its own LMDB, committed
@@ -93,12 +94,15 @@ class TenantAdmin:
 
     def set_tenant_policy(self, tenant: str, ttl_s: float | None = None,
                           quota_bytes: dict[str, int] | None = None,
-                          quantization: str | None = None) -> None:
+                          quantization: str | None = None, priority: int = 0) -> None:
         """Per-tenant TTL (applies to blocks put from now on: the default of a put that gives
         none, and the most a put's own ``ttl_s`` gets), per-tier quotas in bytes, and the
         format of the tenant's blocks written to NVMe from now on: ``"int8"``, ``"fp8_e4m3"``
         (``"/head"`` for per-head key scales), ``"none"`` = lossless even where a model rule
-        quantizes; None = no tenant rule (the model's rule or StoreConfig.nvme_quantization)."""
+        quantizes; None = no tenant rule (the model's rule or StoreConfig.nvme_quantization).
+        ``priority``: when a tier makes room, every evictable block of a tenant of lower
+        priority goes before any of a higher one; the policy orders blocks of equal priority
+        (0 for every tenant by default). Quotas still bound what a tenant holds."""
         from kvstore.quantization import Quantization
 
         self._check_tenant(tenant)
@@ -108,9 +112,15 @@ class TenantAdmin:
             if not isinstance(q, int) or q < 0:
                 raise InvalidArgument(f"quota for {name!r} must be a non-negative int")
             quotas[Tier.parse(name)] = q
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidArgument(f"priority must be an int, got {priority!r}")
         quant = Quantization.parse(quantization) if quantization is not None else None
         with self._lock:
             self._tenant_policy[tenant] = TenantPolicy(ttl_s, quotas)
+            if priority:
+                self._place.priorities[tenant] = priority
+            else:
+                self._place.priorities.pop(tenant, None)
             if quantization is None:  # NOTE: "none" (quant None) is an explicit lossless rule
                 self.quant_policy.clear(tenant=tenant)
             else:

@@ -35,8 +35,12 @@ class VictimQueue:
     left the tier (with its parent, if it has one in the index)."""
 
     def __init__(self, policy: EvictionPolicy, tier: Tier, candidates: Callable[[], list[BlockMeta]],
-                 valid: Callable[[BlockMeta], bool], now: float) -> None:
+                 valid: Callable[[BlockMeta], bool], now: float,
+                 priority: Callable[[BlockMeta], int] | None = None) -> None:
+        """``priority(meta)``: its tenant's priority; a lower one goes first, whatever the
+        policy's order (which orders the blocks of equal priority)."""
         self._policy = policy
+        self._priority = priority
         self._keyed = policy if isinstance(policy, KeyedPolicy) else None
         self._tier = tier
         self._candidates = candidates
@@ -48,13 +52,17 @@ class VictimQueue:
 
     def _key(self, meta: BlockMeta) -> Any:
         assert self._keyed is not None
-        return self._keyed.evict_key(meta, self._tier, self._now)
+        key = self._keyed.evict_key(meta, self._tier, self._now)
+        return key if self._priority is None else (self._priority(meta), key)
 
     def pop(self) -> BlockMeta | None:
         """The next victim to try, or None when no candidate is left."""
         if self._keyed is None:
             if self._order is None:
-                self._order = iter(self._policy.rank(self._tier, self._candidates(), self._now))
+                ranked = self._policy.rank(self._tier, self._candidates(), self._now)
+                if self._priority is not None:
+                    ranked = sorted(ranked, key=self._priority)  # NOTE: stable: policy order within
+                self._order = iter(ranked)
             return next(self._order, None)
         if self._heap is None:
             # NOTE: the sequence number breaks ties in candidate order, as a stable sort would;

@@ -77,3 +77,32 @@ def test_a_non_keyed_policy_is_ranked_again_after_each_victim():
     index.remove(first)
     queue.evicted(None)
     assert queue.pop().key == b"1" and Reverse.calls == 2
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(forests, st.sampled_from(["lru", "cost", "gdsf"]), st.lists(st.integers(-2, 2), min_size=40, max_size=40))
+def test_with_tenant_priorities_each_victim_has_the_lowest_priority_then(forest, name, prio_of):
+    """A tenant priority (here, one per block) comes before the policy's order: every victim
+    has the lowest priority among the candidates at that moment, and among those the policy's
+    first choice."""
+    raw_parents, ages, tiers, pinned = forest
+    parents = [p if p < i else -1 for i, p in enumerate(raw_parents)]
+    index = _forest(parents, ages, tiers, pinned)
+    policy = make_policy(name)
+    for m in sorted(index, key=lambda m: m.last_access):
+        policy.on_insert(m, m.last_access)
+    prio = lambda m: prio_of[int(m.key)]
+    tier = Tier.HBM
+    queue = VictimQueue(policy, tier, lambda: index.candidates(tier, set()),
+                        lambda m: index.is_candidate(m, tier, set()), 100.0, prio)
+    while (victim := queue.pop()) is not None:
+        cands = index.candidates(tier, set())
+        low = min(prio(m) for m in cands)
+        assert prio(victim) == low
+        if hasattr(policy, "evict_key"):
+            assert policy.evict_key(victim, tier, 100.0) == min(
+                policy.evict_key(m, tier, 100.0) for m in cands if prio(m) == low)
+        index.remove(victim)
+        policy.on_remove(victim)
+        queue.evicted(index.get("t", victim.parent) if victim.parent else None)
+    assert not index.candidates(tier, set())
