@@ -26,13 +26,13 @@ import torch
 from kernels.copy import copy_bytes
 from kvstore.block import BlockMeta, Tier
 from kvstore.block_buffers import block_views
-from kvstore.errors import NVMeWriteFailed, ResourceExhausted, ShapeMismatch
+from kvstore.errors import InvalidArgument, NVMeWriteFailed, ResourceExhausted, ShapeMismatch
 from kvstore.index import Ident
 from kvstore.keys import ROOT_KEY, PackedKeys, check_keys
 from kvstore.spec import ModelSpec
 from kvstore.store_reserve import _parent
 from tiers.base import BlockRef
-from tiers.memory import usable_device
+from tiers.memory import holding_data, usable_device
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,10 @@ class ReadPath:
         if out is None:
             dev = usable_device(device) if device is not None else self.device
             out = torch.empty(want, dtype=spec.torch_dtype, device=dev)
+        elif not isinstance(out, torch.Tensor):
+            raise InvalidArgument(f"out must be a torch tensor, got {type(out).__name__} (get_into takes buffers)")
+        elif out.device.type == "meta":  # NOTE: filled with nothing, it was returned as served
+            holding_data(out, "out")
         elif tuple(out.shape) != want or out.dtype != spec.torch_dtype or not out.is_contiguous():
             raise ShapeMismatch(f"out must be a contiguous {spec.torch_dtype} tensor of shape "
                                 f"{want}, got {out.dtype} {tuple(out.shape)}")

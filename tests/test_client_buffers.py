@@ -122,3 +122,15 @@ def test_store_get_into_refuses_a_read_only_buffer_before_copying(open_store, sp
     outs = [bytearray(spec.block_nbytes), bytes(spec.block_nbytes)]
     with pytest.raises(InvalidArgument, match="output buffer 1 is read-only"):  # was numpy's ValueError
         s.get_into("a", spec, keys, outs)
+
+
+def test_store_get_refuses_an_out_with_no_data(open_store, spec):
+    from conftest import make_kv, tokens
+
+    s = open_store(spec)
+    keys = s.block_keys("a", spec, tokens(1, spec))
+    s.put("a", spec, keys, make_kv(spec, 1))
+    with pytest.raises(InvalidArgument, match="meta device"):  # returned as 1 block served before
+        s.get("a", spec, keys, out=torch.empty((1, *spec.block_shape), dtype=spec.torch_dtype, device="meta"))
+    with pytest.raises(InvalidArgument, match="out must be a torch tensor"):
+        s.get("a", spec, keys, out=np.zeros((1, spec.block_nbytes), np.uint8))
