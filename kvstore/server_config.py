@@ -94,6 +94,12 @@ class LimitsConfig(BaseModel):
     max_tokens_per_call: Annotated[int, Field(ge=1)] = 4 * MiB
     """Most token ids a request may send for key computation."""
 
+    max_sessions_per_tenant: Annotated[int, Field(ge=1)] = 4096
+    """Sessions one tenant may have open at once (a session lives until closed)."""
+
+    max_session_id_bytes: Annotated[int, Field(ge=1, le=65536)] = 256
+    """Longest session id, in UTF-8 bytes."""
+
     max_regions_per_principal: Annotated[int, Field(ge=0)] = 64
     """Shared-memory regions one principal may have registered at once (0 disables the local plane)."""
 

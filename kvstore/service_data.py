@@ -204,9 +204,15 @@ class DataPlane:
         """``verb`` is one of open, pause, resume, close."""
         if not session_id:
             raise InvalidArgument("session_id is required")
+        if len(session_id.encode()) > self.limits.max_session_id_bytes:
+            raise InvalidArgument(f"session_id is {len(session_id.encode())} bytes, more than "
+                                  f"limits.max_session_id_bytes={self.limits.max_session_id_bytes}")
         ns = resolve_namespace(principal, "", write=True)
-        call = {"open": self.store.open_session, "pause": self.store.pause_session,
-                "resume": self.store.resume_session, "close": self.store.close_session}[verb]
+        if verb == "open":  # NOTE: a session lives until closed: without a bound, memory grew per id
+            self.store.open_session(ns, session_id, max_sessions=self.limits.max_sessions_per_tenant)
+            return
+        call = {"pause": self.store.pause_session, "resume": self.store.resume_session,
+                "close": self.store.close_session}[verb]
         call(ns, session_id)
 
     def prefetch(self, b: Blocks, tier: Tier) -> int:

@@ -61,14 +61,15 @@ class SessionPins:
         sess.state = SessionState.PAUSED if pause else SessionState.RESUMED
         return blocks
 
-    def open_session(self, tenant: str, session: str) -> None:
-        """Start (or re-open) a session: blocks put with ``session=`` are pinned in HBM."""
+    def open_session(self, tenant: str, session: str, *, max_sessions: int | None = None) -> None:
+        """Start (or re-open) a session: blocks put with ``session=`` are pinned in HBM.
+        ``max_sessions``: refuse a new one (ResourceExhausted) when the tenant has that many."""
         self._check_tenant(tenant)
         if not isinstance(session, str) or not session:
             raise InvalidArgument("session id must be a non-empty string")
         with self._lock:
             self._check_open()
-            self._sessions.open(tenant, session)
+            self._sessions.open(tenant, session, max_sessions)
 
     def pause_session(self, tenant: str, session: str) -> int:
         """Unpin the session's blocks and demote them to DRAM (kept); returns blocks moved."""

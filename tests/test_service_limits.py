@@ -329,3 +329,26 @@ def test_put_answers_invalid_argument_for_frames_that_are_not_protobuf(sidecar, 
                               response_deserializer=pb.PutResponse.FromString)
         code, msg = _code(put, iter([b"\xff\xff\xff"]), metadata=md)
     assert code == INVALID and "malformed PutFrame" in msg
+
+
+def test_sessions_per_tenant_and_session_ids_are_bounded(tmp_path):
+    """A session lives until closed: a tenant could open sessions (and send ids of a MiB) without
+    end, each kept in the server's memory."""
+    from kvstore.errors import InvalidArgument, ResourceExhausted
+
+    sc = start(tmp_path, limits={"max_sessions_per_tenant": 2, "max_session_id_bytes": 8})
+    try:
+        a = sc.tenant("sess-a", local=False)
+        b = sc.tenant("sess-b", local=False)
+        a.open_session("one")
+        a.open_session("two")
+        a.open_session("two")  # re-opening is no new session
+        with pytest.raises(ResourceExhausted, match="max_sessions_per_tenant"):
+            a.open_session("three")
+        b.open_session("one")  # another tenant's count is its own
+        a.close_session("one")
+        a.open_session("three")
+        with pytest.raises(InvalidArgument, match="max_session_id_bytes=8"):
+            a.open_session("x" * 9)
+    finally:
+        sc.stop()
