@@ -468,14 +468,24 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         most = self._place.most_blocks(tenant, spec.block_nbytes, floor, pinned)
         if new > most:
             where = "hbm (session blocks)" if pinned else "the tiers it may use"
+            # NOTE: say which quota binds, when one is set: "give the store more room" misled
+            # an operator whose tenant had hit its own quota
+            tiers = [Tier.HBM] if pinned else [t for t in self.tiers if t >= floor]
+            quotas = {t: q for t in tiers if (q := self._quota(tenant, t)) is not None}
+            if quotas:
+                limit = ", ".join(f"{t.label}={format_size(q)}" for t, q in quotas.items())
+                why, fix = f"capacity, and its quota {limit}", "raise its quota (kvstore policy set)"
+                resource = f"quota:{tenant}:{next(iter(quotas)).label}"
+            else:
+                why, fix, resource = "capacity", "give the store more room", floor.label
             if not most:
                 raise ResourceExhausted(
                     f"a block of {spec.block_nbytes} bytes fits in none of {where} for tenant {tenant!r} "
-                    f"(capacity, and its quota where set): give the store more room", resource=floor.label)
+                    f"({why}): {fix}", resource=resource)
             raise ResourceExhausted(
                 f"a put of {new} new blocks of {spec.block_nbytes} bytes can never fit: {where} hold "
-                f"at most {most} of them for tenant {tenant!r} (capacity, and its quota where set); "
-                f"put fewer blocks at a time or give the store more room", resource=floor.label)
+                f"at most {most} of them for tenant {tenant!r} ({why}); "
+                f"put fewer blocks at a time or {fix}", resource=resource)
         room = self._place.room_now(tenant, spec.block_nbytes, floor, pinned, new + up)
         if new + up > room:
             raise ResourceExhausted(

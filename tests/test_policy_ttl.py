@@ -54,3 +54,17 @@ def test_the_tenant_ttl_policy_bounds_a_puts_own_ttl(open_store, spec, clock):
     s.put("b", spec, s.block_keys("b", spec, tokens(1, spec)), make_kv(spec, 1), ttl_s=100.0)
     clock.advance(50)  # another tenant's policy does not apply
     assert s.lookup("b", spec, s.block_keys("b", spec, tokens(1, spec))).num_blocks == 1
+
+
+def test_a_put_past_the_tenants_quota_names_the_quota(open_store, spec):
+    """It said "(capacity, and its quota where set): give the store more room" either way."""
+    from kvstore.errors import ResourceExhausted
+
+    s = open_store(spec, hbm_blocks=8, dram_blocks=0, nvme_blocks=0)
+    s.set_tenant_policy("a", quota_bytes={"hbm": 2 * spec.block_nbytes})
+    with pytest.raises(ResourceExhausted, match=r"its quota hbm=.*raise its quota") as err:
+        s.put("a", spec, s.block_keys("a", spec, tokens(3, spec)), make_kv(spec, 3))
+    assert err.value.resource == "quota:a:hbm"
+    with pytest.raises(ResourceExhausted, match="give the store more room") as err:
+        s.put("b", spec, s.block_keys("b", spec, tokens(9, spec)), make_kv(spec, 9))
+    assert err.value.resource == "hbm"
