@@ -362,6 +362,8 @@ class Client:
     def lookup(self, spec: ModelSpec, keys: Sequence[bytes] | None = None, *, token_ids: Any = None,
                namespace: str = "", parent: bytes | None = None) -> LookupResult:
         """Longest usable prefix of ``keys`` (or of the keys of ``token_ids``, returned too)."""
+        if keys is not None and token_ids is not None:  # NOTE: keys were silently ignored
+            raise InvalidArgument("give keys or token_ids, not both")
         req = pb.LookupRequest()
         self._target(req.target, spec, keys, token_ids, namespace, parent)
         r = self._call(self._kv.Lookup, req)

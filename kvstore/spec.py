@@ -31,6 +31,9 @@ DTYPES: dict[str, tuple[str, int]] = {
 FINGERPRINT_BYTES = 16
 
 
+#: the largest block a spec may describe (K and V of all layers of block_tokens tokens)
+MAX_BLOCK_BYTES = 16 << 30
+
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     """Identity and shape of one model shard's KV cache.
@@ -95,6 +98,10 @@ class ModelSpec:
         # NOTE: read on every block of every put/get: computed once, like the fingerprint
         object.__setattr__(self, "_nbytes", 2 * self.num_layers * self.num_kv_heads
                            * self.block_tokens * self.head_dim * DTYPES[self.dtype][1])
+        if self._nbytes > MAX_BLOCK_BYTES:  # NOTE: a typo (block_tokens=1<<40) was taken as a spec
+            raise InvalidArgument(f"a block of this ModelSpec would be {self._nbytes} bytes, more than "
+                                  f"{MAX_BLOCK_BYTES} (16 GiB): check num_layers, num_kv_heads, head_dim "
+                                  f"and block_tokens")
 
     # -- identity ---------------------------------------------------------------------------
     def canonical(self) -> bytes:

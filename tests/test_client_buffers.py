@@ -134,3 +134,10 @@ def test_store_get_refuses_an_out_with_no_data(open_store, spec):
         s.get("a", spec, keys, out=torch.empty((1, *spec.block_shape), dtype=spec.torch_dtype, device="meta"))
     with pytest.raises(InvalidArgument, match="out must be a torch tensor"):
         s.get("a", spec, keys, out=np.zeros((1, spec.block_nbytes), np.uint8))
+
+
+def test_lookup_takes_keys_or_token_ids_not_both(sidecar):
+    c = sidecar.tenant("both", local=False)
+    ids = fresh_tokens(1)
+    with pytest.raises(InvalidArgument, match="not both"):
+        c.lookup(SPEC, c.block_keys(SPEC, ids), token_ids=ids)

@@ -130,3 +130,12 @@ def test_golden_values_never_change():
     assert block_keys("t", b"f" * 16, 4, list(range(8)))[1].hex() == (
         "7bccfdd89328a99917c600dcb6546a53c2d924d80c502a0423bc6027464ac5d2")
     assert base_spec().fingerprint.hex() == "8ddb616d5e57ae8135657296bdb66ad0"
+
+
+def test_a_spec_whose_block_is_absurdly_large_is_refused():
+    """block_tokens=1 << 40 (a typo) made a spec; every put then failed on it."""
+    from kvstore.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="a block of this ModelSpec would be"):
+        ModelSpec(model="m", revision="r", num_layers=32, num_kv_heads=8, head_dim=128,
+                  dtype="float16", block_tokens=1 << 40)
