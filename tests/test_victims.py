@@ -26,6 +26,17 @@ def _forest(parents: list[int], ages: list[float], tiers: list[int], pinned: set
     return index
 
 
+def _indexed(forest: tuple, name: str) -> tuple[PrefixIndex, object]:
+    """The forest's index, and policy ``name`` told of its blocks oldest first."""
+    raw_parents, ages, tiers, pinned = forest
+    parents = [p if p < i else -1 for i, p in enumerate(raw_parents)]
+    index = _forest(parents, ages, tiers, pinned)
+    policy = make_policy(name)
+    for m in sorted(index, key=lambda m: m.last_access):
+        policy.on_insert(m, m.last_access)
+    return index, policy
+
+
 forests = st.integers(1, 40).flatmap(lambda n: st.tuples(
     st.lists(st.integers(-1, n), min_size=n, max_size=n),
     st.lists(st.floats(0, 100), min_size=n, max_size=n),
@@ -39,12 +50,7 @@ def test_each_victim_is_the_policys_first_choice_among_the_candidates_then(fores
     """Evicting from one queue until it is empty: every victim has the smallest key of the
     tier's candidates at that moment (what re-ranking the tier would pick, up to ties), and
     every block that became evictable on the way (a parent left without children) went too."""
-    raw_parents, ages, tiers, pinned = forest
-    parents = [p if p < i else -1 for i, p in enumerate(raw_parents)]
-    index = _forest(parents, ages, tiers, pinned)
-    policy = make_policy(name)
-    for m in sorted(index, key=lambda m: m.last_access):
-        policy.on_insert(m, m.last_access)
+    index, policy = _indexed(forest, name)
     queue = VictimQueue(policy, tier, lambda: index.candidates(tier, set()),
                         lambda m: index.is_candidate(m, tier, set()), 100.0)
     evicted = 0
@@ -85,12 +91,7 @@ def test_with_tenant_priorities_each_victim_has_the_lowest_priority_then(forest,
     """A tenant priority (here, one per block) comes before the policy's order: every victim
     has the lowest priority among the candidates at that moment, and among those the policy's
     first choice."""
-    raw_parents, ages, tiers, pinned = forest
-    parents = [p if p < i else -1 for i, p in enumerate(raw_parents)]
-    index = _forest(parents, ages, tiers, pinned)
-    policy = make_policy(name)
-    for m in sorted(index, key=lambda m: m.last_access):
-        policy.on_insert(m, m.last_access)
+    index, policy = _indexed(forest, name)
     prio = lambda m: prio_of[int(m.key)]
     tier = Tier.HBM
     queue = VictimQueue(policy, tier, lambda: index.candidates(tier, set()),
