@@ -232,7 +232,7 @@ class DataPlane:
             try:
                 record(exc.code if isinstance(exc, KVStoreError) else "INTERNAL")
             except KVStoreError as failed:  # NOTE: the delete's own error goes on, not this one
-                log.error("a failed delete of %s was not audited: %s", ns, failed)
+                log.error("a failed delete of %s was not audited: %s", target, failed)
             raise
         try:
             record("OK")

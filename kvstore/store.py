@@ -302,6 +302,11 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
             raise InvalidArgument(f"spec must be a ModelSpec, got {type(spec).__name__}")
         self._specs.setdefault(spec.fingerprint, spec)
 
+    @staticmethod
+    def _check_spec(spec: Any) -> None:
+        if not isinstance(spec, ModelSpec):
+            raise InvalidArgument(f"spec must be a ModelSpec, got {type(spec).__name__}")
+
     @property
     def drop_epoch(self) -> int:
         """A counter :meth:`drop_tenant` advances: read it before checking a caller's right to
@@ -323,6 +328,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                    extra_keys: Sequence[Any] | None = None) -> list[bytes]:
         """Chained keys of every full block of ``token_ids`` in ``tenant``'s namespace."""
         self._check_tenant(tenant)
+        self._check_spec(spec)
         return block_keys(tenant, spec.fingerprint, spec.block_tokens, token_ids, extra_keys)
 
     # -- put ----------------------------------------------------------------------------------
@@ -333,9 +339,13 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
 
         ``parent``: the stored block ``keys[0]`` continues from, to split a long chain across
         calls (default: ``keys[0]`` is the first block of a prefix)."""
+        self._check_spec(spec)
         if not isinstance(kv, torch.Tensor):
             raise InvalidArgument(f"kv must be a torch.Tensor, got {type(kv).__name__}")
         holding_data(kv, "kv")
+        if kv.layout != torch.strided:
+            raise InvalidArgument(f"kv must be a dense tensor, got layout {kv.layout}")
+        kv = kv.resolve_neg().resolve_conj()  # NOTE: lazy views show values their bytes do not hold
         keys = check_keys(keys)
         want = (len(keys), *spec.block_shape)
         if tuple(kv.shape) != want:
@@ -355,6 +365,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                   buffers: Sequence[Any], *, session: str | None = None,
                   ttl_s: float | None = None, parent: bytes | None = None) -> None:
         """Like :meth:`put`, each block given as a contiguous buffer of ``spec.block_nbytes``."""
+        self._check_spec(spec)
         keys = check_keys(keys)
         views = block_views(spec, buffers, len(keys), "buffer")
         self._put(tenant, spec, keys, views.__getitem__, session, ttl_s, _parent(parent))

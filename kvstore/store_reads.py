@@ -85,6 +85,7 @@ class ReadPath:
         longer than it is usable. :meth:`get` checks every link and serves only what is.
         """
         self._check_tenant(tenant)
+        self._check_spec(spec)
         parent0 = _parent(parent)
         if not isinstance(keys, PackedKeys):
             keys = check_keys(keys)
@@ -149,6 +150,7 @@ class ReadPath:
 
         ``out`` (shape ``[len(keys), 2, L, H, T, D]``, the spec's dtype) is filled and a view of
         it returned: reusing it avoids first-touch page faults of a fresh tensor per call."""
+        self._check_spec(spec)
         keys = check_keys(keys)
         want = (len(keys), *spec.block_shape)
         if out is None:
@@ -171,6 +173,7 @@ class ReadPath:
                  outs: Sequence[Any], *, parent: bytes | None = None) -> int:
         """Copy the longest usable prefix into ``outs`` (one buffer of ``block_nbytes`` per key,
         numpy/memoryview/tensor); returns the number of leading blocks written."""
+        self._check_spec(spec)
         keys = check_keys(keys)
         views = block_views(spec, outs, len(keys), "output buffer", writable=True)
         return self._get(tenant, spec, keys, views.__getitem__, _parent(parent))

@@ -141,3 +141,19 @@ def test_lookup_takes_keys_or_token_ids_not_both(sidecar):
     ids = fresh_tokens(1)
     with pytest.raises(InvalidArgument, match="not both"):
         c.lookup(SPEC, c.block_keys(SPEC, ids), token_ids=ids)
+
+
+def test_store_verbs_type_their_errors_for_odd_specs_and_tensors(open_store, spec):
+    from conftest import make_kv, tokens
+
+    s = open_store(spec)
+    keys = s.block_keys("a", spec, tokens(1, spec))
+    for call in (lambda: s.put("a", "x", keys, make_kv(spec, 1)), lambda: s.lookup("a", None, keys),
+                 lambda: s.get("a", "x", keys), lambda: s.block_keys("a", "x", [1, 2, 3, 4])):
+        with pytest.raises(InvalidArgument, match="spec must be a ModelSpec"):  # was AttributeError
+            call()
+    with pytest.raises(InvalidArgument, match="dense tensor"):  # was a RuntimeError from torch
+        s.put("a", spec, keys, make_kv(spec, 1).to_sparse())
+    kv = make_kv(spec, 1)
+    s.put("a", spec, keys, torch._neg_view(kv))  # a lazily negated view: the values it shows
+    assert torch.equal(s.get("a", spec, keys), -kv)

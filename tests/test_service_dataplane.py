@@ -163,6 +163,18 @@ def test_delete_removes_blocks_and_is_audited(sidecar):
     refused = [(e["target"], e["result"], e["detail"]) for e in sidecar.admin().audit()
                if e["action"] == "blocks.delete" and e["principal"] == "del" and e["result"] != "OK"]
     assert refused == [("other", "PERMISSION_DENIED", "1 keys"), ("del", "INVALID_ARGUMENT", "5 bytes of keys")]
+    # a refused delete whose record cannot be written still says why it was refused
+    from kvstore.errors import FailedPrecondition, PermissionDenied
+
+    def broken(*args, **kw):
+        raise FailedPrecondition("the audit log cannot be written")
+
+    sidecar.server.data.audit.append = broken
+    try:
+        with pytest.raises(PermissionDenied):  # was INTERNAL (an UnboundLocalError)
+            c.delete(keys[:1], namespace="other")
+    finally:
+        del sidecar.server.data.audit.append
 
 
 def test_ttl_expiry_through_the_service(sidecar):
