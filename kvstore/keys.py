@@ -119,6 +119,17 @@ def block_keys(
     return keys
 
 
+def check_chain(keys: list[bytes]) -> list[bytes]:
+    """``keys``, or InvalidArgument naming the first key that repeats an earlier one (no chain
+    from :func:`block_keys` holds a key twice; a put of one reserved two slots for one block)."""
+    if len(set(keys)) != len(keys):
+        seen: set[bytes] = set()
+        dup = next(i for i, k in enumerate(keys) if k in seen or seen.add(k))
+        raise InvalidArgument(f"key {dup} repeats an earlier key of the same put: keys must be a chain "
+                              f"from block_keys() for this spec")
+    return keys
+
+
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:
     """Validate a caller-supplied key list; returns it as a list of ``bytes``."""
     if isinstance(keys, PackedKeys):

@@ -61,7 +61,7 @@ from kvstore.errors import (
 )
 from kvstore.expiry import check_ttl
 from kvstore.index import Ident, PrefixIndex
-from kvstore.keys import ROOT_KEY, block_keys, check_keys
+from kvstore.keys import ROOT_KEY, block_keys, check_chain, check_keys
 from kvstore.memtune import retain_freed_memory
 from kvstore.placement import Placement
 from kvstore.sessions import SessionTable
@@ -373,6 +373,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
     def _put(self, tenant: str, spec: ModelSpec, keys: list[bytes], data: Callable[[int], Any],
              session: str | None, ttl_s: float | None, parent0: bytes = ROOT_KEY) -> None:
         self._check_tenant(tenant)
+        check_chain(keys)
         ttl_s = check_ttl(ttl_s)
         held: list[BlockMeta] = []
         done = False

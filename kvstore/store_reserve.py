@@ -18,7 +18,7 @@ from kvstore.block import BlockMeta, Tier
 from kvstore.block_buffers import block_views
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.expiry import check_ttl
-from kvstore.keys import ROOT_KEY, check_keys
+from kvstore.keys import ROOT_KEY, check_chain, check_keys
 from kvstore.spec import ModelSpec
 from tiers.base import BlockRef
 
@@ -73,11 +73,7 @@ class ReservedPuts:
         after that, this call or the commit fails (Unauthenticated) instead of storing blocks a
         tenant created later under the same name would read. Default: now."""
         self._check_tenant(tenant)
-        keys = check_keys(keys)
-        if len(set(keys)) != len(keys):  # NOTE: a slot reserved twice for one block tripped an assert at commit
-            dup = next(i for i, k in enumerate(keys) if k in keys[:i])
-            raise InvalidArgument(f"key {dup} repeats an earlier key of the same put: keys must be a chain "
-                                  f"from block_keys() for this spec")
+        keys = check_chain(check_keys(keys))  # NOTE: a slot reserved twice tripped an assert at commit
         parent0 = _parent(parent)
         nbytes = spec.block_nbytes
         with self._lock, self._batch():

@@ -268,3 +268,11 @@ def test_a_reservation_outlived_by_its_tenant_commits_nothing(open_store, spec):
         store.reserve_put(T, spec, keys, since=since)
     store.put(T, spec, keys, make_kv(spec, 2))  # in-process calls (no since) go on as before
     assert store.lookup(T, spec, keys).num_blocks == 2
+
+
+def test_store_put_names_a_repeated_key(open_store, spec):
+    store = open_store(spec)
+    keys = store.block_keys(T, spec, tokens(2, spec))
+    with pytest.raises(InvalidArgument, match="key 2 repeats an earlier key"):  # "already stored with
+        store.put(T, spec, [keys[0], keys[1], keys[0]], make_kv(spec, 3))   # another parent" before
+    assert store.stats()["blocks"] == 0
