@@ -260,7 +260,7 @@ def test_quota_evicts_own_blocks_first_never_another_tenants(open_store, spec, c
     assert s.lookup("a", spec, ka).num_blocks == 2
     with pytest.raises(ResourceExhausted) as e:
         s.put("a", spec, s.block_keys("a", spec, tokens(3, spec, start=7000)), make_kv(spec, 3))
-    assert e.value.resource == "hbm"
+    assert e.value.resource == "quota:a:hbm"  # the quota binds, not the tier
     assert s.lookup("b", spec, kb).num_blocks == 3
 
 
