@@ -298,8 +298,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         return None if ttl_s is None else now + ttl_s
 
     def _register_spec(self, spec: ModelSpec) -> None:
-        if not isinstance(spec, ModelSpec):
-            raise InvalidArgument(f"spec must be a ModelSpec, got {type(spec).__name__}")
+        self._check_spec(spec)
         self._specs.setdefault(spec.fingerprint, spec)
 
     @staticmethod
