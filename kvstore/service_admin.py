@@ -12,7 +12,6 @@ from kvstore.audit import AuditLog
 from kvstore.auth import SHARED_PREFIX, AuthRegistry, Role, TenantPolicy, check_name, check_shared
 from kvstore.block import Tier
 from kvstore.errors import InvalidArgument, KVStoreError, NotFound
-from kvstore.expiry import check_ttl
 from kvstore.service_resources import RegionTable
 from kvstore.spec import FINGERPRINT_BYTES
 
@@ -55,8 +54,7 @@ class AdminPlane:
             # for it, which drop_tenant had taken out of the Store while `policy get` showed it
             policy = self.registry.policies().get(name)
             if policy is not None:
-                self.store.set_tenant_policy(name, policy.ttl_s, dict(policy.quota_bytes) or None,
-                                             priority=policy.priority)
+                self._apply(name, policy)
             return
         check_name(name)
         try:
@@ -93,22 +91,23 @@ class AdminPlane:
         self._policy_holder(namespace)
         return self.registry.policy(namespace)
 
+    def _apply(self, namespace: str, policy: TenantPolicy) -> None:
+        """Put a recorded policy in force in the Store (which checks every value)."""
+        self.store.set_tenant_policy(namespace, policy.ttl_s, dict(policy.quota_bytes) or None,
+                                     priority=policy.priority)
+
     def set_policy(self, namespace: str, policy: TenantPolicy) -> TenantPolicy:
         self._policy_holder(namespace)
-        # NOTE: everything is checked before the policy is saved: a value the Store then
-        # refused (a NaN TTL) stayed in the principals file, and the next start failed on it
-        ttl = check_ttl(policy.ttl_s)
         quota = {Tier.parse(t).label: int(v) for t, v in policy.quota_bytes.items()}
-        bad = next((t for t, v in quota.items() if v < 0), None)
-        if bad is not None:
-            raise InvalidArgument(f"the quota for {bad} must be >= 0 bytes, got {quota[bad]}")
-        policy = TenantPolicy(ttl_s=ttl, quota_bytes=quota, priority=policy.priority)
-        before = self.registry.policies().get(namespace)
-        self.registry.set_policy(namespace, policy)
+        policy = TenantPolicy(ttl_s=policy.ttl_s, quota_bytes=quota, priority=policy.priority)
+        before = self.registry.policies().get(namespace) or TenantPolicy()
+        # NOTE: the Store checks and applies it before it is saved: a value the Store refused
+        # after the save (a NaN TTL) stayed in the principals file, and the next start failed
+        self._apply(namespace, policy)
         try:
-            self.store.set_tenant_policy(namespace, policy.ttl_s, quota or None, priority=policy.priority)
+            self.registry.set_policy(namespace, policy)
         except KVStoreError:
-            self.registry.set_policy(namespace, before or TenantPolicy())  # as it was
+            self._apply(namespace, before)  # as it was
             raise
         return policy
 
@@ -116,8 +115,7 @@ class AdminPlane:
         """Re-apply the recorded policies to a freshly opened Store."""
         for ns, policy in self.registry.policies().items():
             try:
-                self.store.set_tenant_policy(ns, policy.ttl_s, dict(policy.quota_bytes) or None,
-                                             priority=policy.priority)
+                self._apply(ns, policy)
             except InvalidArgument as exc:
                 raise InvalidArgument(f"the policy of {ns!r} in {self.registry.path} is not valid ({exc}): "
                                       f"correct it there") from None

@@ -204,8 +204,9 @@ class DataPlane:
         """``verb`` is one of open, pause, resume, close."""
         if not session_id:
             raise InvalidArgument("session_id is required")
-        if len(session_id.encode()) > self.limits.max_session_id_bytes:
-            raise InvalidArgument(f"session_id is {len(session_id.encode())} bytes, more than "
+        size = len(session_id.encode())
+        if size > self.limits.max_session_id_bytes:
+            raise InvalidArgument(f"session_id is {size} bytes, more than "
                                   f"limits.max_session_id_bytes={self.limits.max_session_id_bytes}")
         ns = resolve_namespace(principal, "", write=True)
         if verb == "open":  # NOTE: a session lives until closed: without a bound, memory grew per id
