@@ -213,13 +213,15 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         # was deleted, and a crash came between the key's destruction and the blocks' deletion)
         keyed = set(self.keyring.tenants()) if self.keyring is not None and self.config.encrypt else None
         keyless: list[tuple[str, bytes]] = []
+        unreadable: list[tuple[str, bytes]] = []
         for i, (rec, spec) in enumerate(records, 1):
             if progress is not None and (i % RECOVERY_STEP == 0 or i == len(records)):
                 progress(i, len(records))
             if keyed is not None and rec.tenant not in keyed:
                 keyless.append((rec.tenant, rec.key))
                 continue
-            if spec is None:
+            if spec is None:  # NOTE: before, such blocks stayed on disk, counted against
+                unreadable.append((rec.tenant, rec.key))  # nvme_bytes, in no index: never evicted
                 continue
             self._specs.setdefault(rec.fingerprint, spec)
             meta = BlockMeta(key=rec.key, tenant=rec.tenant, fingerprint=rec.fingerprint,
@@ -230,14 +232,20 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
             self._index.add(meta)
             self._place.charge(meta, Tier.NVME, +1)
             self.policy.on_insert(meta, rec.created)
-        if keyless:  # before, such blocks were announced by lookups, missed by gets, and a put
-            # of the same prompt took them for stored and wrote nothing
-            with self._nvme.batch():
-                for tenant, key in keyless:
-                    self._nvme.delete_key(tenant, key)
+        # keyless: before, such blocks were announced by lookups, missed by gets, and a put of
+        # the same prompt took them for stored and wrote nothing
+        with self._nvme.batch():
+            for tenant, key in (*keyless, *unreadable):
+                self._nvme.delete_key(tenant, key)
+            damaged = self._nvme.drop_damaged()
+        if keyless:
             self.counters.add("keyless_dropped", len(keyless))
             log.warning("dropped %d blocks of deleted tenants (no data key): a tenant deletion was "
                         "interrupted", len(keyless))
+        if unreadable or damaged:
+            self.counters.add("unreadable_dropped", len(unreadable) + damaged)
+            log.warning("dropped %d NVMe blocks whose record (%d) or model spec (%d) could not be read",
+                        len(unreadable) + damaged, damaged, len(unreadable))
         # A block whose ancestor was never committed (it lived above NVMe at a crash) can
         # never be part of a usable prefix: drop it and its subtree.
         for meta in sorted(self._index, key=lambda m: m.depth):

@@ -107,3 +107,39 @@ def test_a_truncated_lmdb_file_is_refused_by_name_not_a_sigbus(open_store, spec,
     for _ in range(2):  # the failed open let go of the directory: the second fails the same way
         with pytest.raises(IntegrityError, match=f"{data} is .* bytes, but its last commit uses"):
             open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=64, path=path)
+
+
+@pytest.mark.parametrize("what", ["spec", "record"])
+def test_blocks_whose_record_or_spec_cannot_be_read_are_dropped_at_open(open_store, spec, tmp_path, what):
+    """A block whose model spec (or its own record) cannot be read was kept on disk and
+    counted against nvme_bytes, but was in no index, so nothing ever evicted or deleted it:
+    capacity lost for good. It is now deleted at open and counted."""
+    path = tmp_path / "s"
+    chains = _store_with_blocks(open_store, spec, path)
+    env = lmdb.open(str(path / "nvme"), max_dbs=8)
+    meta, specs, blocks = (env.open_db(name) for name in (b"meta", b"specs", b"blocks"))
+    if what == "spec":  # another model's spec, unreadable (a newer writer, or damage)
+        with env.begin(write=True) as txn:
+            txn.put(b"\xee" * 16, b"{not json", db=specs)
+            k, raw = next(iter(txn.cursor(db=meta)))
+            rec = bytearray(raw)
+            fp_at = bytes(raw).index(spec.fingerprint)
+            rec[fp_at:fp_at + len(spec.fingerprint)] = b"\xee" * len(spec.fingerprint)
+            txn.put(k, bytes(rec), db=meta)
+    else:
+        with env.begin(write=True) as txn:
+            k, _ = next(iter(txn.cursor(db=meta)))
+            txn.put(k, b"\x01", db=meta)
+    env.close()
+    s = open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=32, path=path)
+    st = s.stats()
+    assert st["counters"]["unreadable_dropped"] == 1
+    held = sum(s.lookup("a", spec, keys).num_blocks for keys, _ in chains)
+    assert held < 6
+    assert st["tiers"]["nvme"]["used_bytes"] == st["tiers"]["nvme"]["blocks"] * spec.block_nbytes
+    s.close()
+    env = lmdb.open(str(path / "nvme"), max_dbs=8)
+    meta, blocks = env.open_db(b"meta"), env.open_db(b"blocks")
+    with env.begin() as txn:
+        assert txn.get(k, db=blocks) is None and txn.get(k, db=meta) is None
+    env.close()

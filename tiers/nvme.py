@@ -214,13 +214,16 @@ class NVMeTier:
         # block must not come back at the next start)
         self._deleting: list[bytes] = []
         self._undeleted: set[bytes] = set()
+        self._damaged: list[bytes] = []  # db keys of records that records() could not read
 
     # -- open / recovery ----------------------------------------------------------------------
     def key_backend(self) -> MutableMapping[str, bytes]:
         return _KeyBackend(self._keys_env, self._keys)
 
     def records(self) -> list[tuple[NVMeRecord, ModelSpec | None]]:
-        """Every committed block's record and spec (rebuilds the Store's index on open)."""
+        """Every committed block's record and spec (rebuilds the Store's index on open); the
+        spec is None where it cannot be read. A record that cannot be read at all is left out,
+        and its block is deleted by :meth:`drop_damaged`."""
         with self._env.begin() as txn:
             specs: dict[bytes, ModelSpec | None] = {}
             for fp, raw in txn.cursor(db=self._specs):
@@ -234,13 +237,24 @@ class NVMeTier:
                 try:
                     rec = NVMeRecord.unpack(k[TENANT_PREFIX_BYTES:], bytes(raw))
                 except (struct.error, UnicodeDecodeError):
-                    continue  # a damaged record is a lost block, not a crash at open
+                    self._damaged.append(k)  # a lost block, not a crash at open
+                    continue
                 out.append((rec, specs.get(rec.fingerprint)))
         for rec, spec in out:
             self._sizes[(rec.tenant, rec.key)] = rec.nbytes
             self._used += rec.nbytes
             self._known_specs.add(rec.fingerprint)
         return out
+
+    def drop_damaged(self) -> int:
+        """Delete the blocks whose record :meth:`records` could not read; their count. Why:
+        such a block was in no index, so nothing ever deleted it, and its bytes stayed on disk."""
+        damaged, self._damaged = self._damaged, []
+        if damaged:
+            with self._write() as txn:
+                for k in damaged:
+                    self._delete_in(txn, k)
+        return len(damaged)
 
     # -- TierBackend --------------------------------------------------------------------------
     @staticmethod
