@@ -87,7 +87,7 @@ class AdminClient:
         _in_range("limit", limit, 0, (1 << 32) - 1)
         r = self._call("ReadAudit", apb.ReadAuditRequest(since_seq=since_seq, limit=limit))
         return [{"seq": e.seq, "time": e.time, "principal": e.principal, "action": e.action,
-                 "target": e.target, "result": e.result, "detail": e.detail} for e in r.entries]
+                 "target": e.target, "result": e.result, "detail": e.detail, "ref": e.ref} for e in r.entries]
 
     def stats(self) -> dict[str, Any]:
         return json.loads(self._call("Stats", pb.StatsRequest()).json)

@@ -13,6 +13,13 @@ Contract:
   detected by :meth:`AuditLog.verify`.
 * Time comes from the injected ``clock``.
 * Thread-safe: one lock serialises appends.
+* A change is recorded twice (write-ahead): :class:`Recorder` appends a ``STARTED`` entry
+  before the action runs, and the action is refused when that entry cannot be written; the
+  outcome follows, its ``ref`` naming the ``STARTED`` entry's ``seq``. A ``STARTED`` entry left
+  without an outcome (the server stopped mid-action, or the outcome could not be written) gets
+  an ``UNKNOWN`` outcome when the log is next opened. Why: the outcome used to be the only
+  record, written after the action, so a crash between the two left an action no one could
+  see in the log. Read-only actions (``changes=False``) get only their outcome.
 * An append that cannot be written whole (a full disk, an I/O error) leaves the file as it was
   (a torn line is cut off again: it would stop the next start, which refuses a malformed
   line) and raises :class:`kvstore.errors.FailedPrecondition` saying so.
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -30,7 +38,13 @@ from pathlib import Path
 
 from kvstore.errors import FailedPrecondition, IntegrityError
 
+log = logging.getLogger(__name__)
+
 GENESIS = "0" * 64
+#: the result of the entry written before a change is made
+STARTED = "STARTED"
+#: the outcome given, at the next open, to a STARTED entry left without one
+UNKNOWN = "UNKNOWN"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +57,8 @@ class AuditEntry:
     result: str
     detail: str = ""
     prev: str = GENESIS
+    #: for an outcome, the seq of the STARTED entry it ends (0: none)
+    ref: int = 0
 
 
 def _digest(line: bytes) -> str:
@@ -60,10 +76,23 @@ class AuditLog:
         self._lock = threading.Lock()
         self._seq = 0
         self._prev = GENESIS
+        open_changes: dict[int, AuditEntry] = {}
         for entry, raw in self._scan():
             self._seq = entry.seq
             self._prev = _digest(raw)
+            if entry.result == STARTED:
+                open_changes[entry.seq] = entry
+            open_changes.pop(entry.ref, None)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        for entry in open_changes.values():
+            self._close_unfinished(entry)
+
+    def _close_unfinished(self, started: AuditEntry) -> None:
+        detail = "no outcome was recorded (the server stopped during the action, or its record could not be written)"
+        try:
+            self.append(started.principal, started.action, started.target, UNKNOWN, detail, ref=started.seq)
+        except FailedPrecondition as exc:  # NOTE: left open; the next start tries again
+            log.error("audit entry %d has no outcome, and none could be written: %s", started.seq, exc)
 
     def _scan(self) -> Iterator[tuple[AuditEntry, bytes]]:
         if not self.path.exists():
@@ -78,7 +107,8 @@ class AuditLog:
                 except (ValueError, TypeError) as exc:
                     raise IntegrityError(f"audit log {self.path} has a malformed line: {exc}") from None
 
-    def append(self, principal: str, action: str, target: str, result: str, detail: str = "") -> AuditEntry:
+    def append(self, principal: str, action: str, target: str, result: str, detail: str = "",
+               ref: int = 0) -> AuditEntry:
         """Append one entry and return it (durable when ``fsync`` is on)."""
         with self._lock:
             entry = AuditEntry(
@@ -90,6 +120,7 @@ class AuditLog:
                 result=result,
                 detail=detail,
                 prev=self._prev,
+                ref=ref,
             )
             raw = json.dumps(asdict(entry), separators=(",", ":"), sort_keys=True).encode()
             self._write_whole(raw + b"\n")
@@ -138,3 +169,25 @@ class AuditLog:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+
+class Recorder:
+    """The audit record of one action of ``principal``: :meth:`begin` before it changes
+    anything (raises FailedPrecondition, and so refuses the action, when the entry cannot be
+    written), :meth:`end` with its outcome. With ``changes=False`` (a read), only the outcome
+    is written."""
+
+    def __init__(self, log: AuditLog, action: str, target: str, detail: str = "", *, changes: bool = True) -> None:
+        self.log, self.action, self.target, self.detail, self.changes = log, action, target, detail, changes
+        self._started = 0
+
+    def begin(self, principal: str) -> None:
+        if not self.changes:
+            return
+        try:
+            self._started = self.log.append(principal, self.action, self.target, STARTED, self.detail).seq
+        except FailedPrecondition as exc:
+            raise FailedPrecondition(f"{exc}; so {self.action} was not carried out") from None
+
+    def end(self, principal: str, result: str) -> AuditEntry:
+        return self.log.append(principal, self.action, self.target, result, self.detail, ref=self._started)

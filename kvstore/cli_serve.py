@@ -248,9 +248,10 @@ def audit(
         for e in entries:
             typer.echo(json.dumps(e, sort_keys=True))
         return
-    table = Table("seq", "time", "principal", "action", "target", "result")
+    table = Table("seq", "time", "principal", "action", "target", "result", "ref")
     for e in entries:
-        table.add_row(str(e["seq"]), _when(e["time"]), e["principal"], e["action"], e["target"], e["result"])
+        table.add_row(str(e["seq"]), _when(e["time"]), e["principal"], e["action"], e["target"], e["result"],
+                      str(e["ref"] or ""))
     Console().print(table)
 
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kernels.copy import copy_blocks
-from kvstore.audit import AuditLog
+from kvstore.audit import AuditLog, Recorder
 from kvstore.auth import Principal, resolve_namespace
 from kvstore.block import Tier
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError
@@ -221,22 +221,23 @@ class DataPlane:
 
     def delete(self, principal: Principal, namespace: str, packed: bytes) -> int:
         """Delete blocks (audited, whatever the outcome: a refused namespace or malformed keys
-        too, under the namespace as asked, which were not recorded before)."""
-        target = namespace or principal.name
+        too, under the namespace as asked). The deletion is recorded before it is made, and not
+        made when that record cannot be written (:class:`~kvstore.audit.Recorder`)."""
         count = f"{len(packed) // KEY_BYTES} keys" if len(packed) % KEY_BYTES == 0 else f"{len(packed)} bytes of keys"
-        record = lambda result: self.audit.append(principal.name, "blocks.delete", target, result, count)
+        audit = Recorder(self.audit, "blocks.delete", namespace or principal.name, count)
         try:
-            ns = target = resolve_namespace(principal, namespace, write=True)
+            ns = audit.target = resolve_namespace(principal, namespace, write=True)
             keys = split_keys(packed, self.limits.max_keys_per_call)
+            audit.begin(principal.name)
             n = int(self.store.delete(ns, keys))
         except Exception as exc:
             try:
-                record(exc.code if isinstance(exc, KVStoreError) else "INTERNAL")
+                audit.end(principal.name, exc.code if isinstance(exc, KVStoreError) else "INTERNAL")
             except KVStoreError as failed:  # NOTE: the delete's own error goes on, not this one
-                log.error("a failed delete of %s was not audited: %s", target, failed)
+                log.error("a failed delete of %s was not audited: %s", audit.target, failed)
             raise
         try:
-            record("OK")
+            audit.end(principal.name, "OK")
         except KVStoreError as exc:
             raise FailedPrecondition(f"the blocks were deleted, but {exc}") from None
         return n

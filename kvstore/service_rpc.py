@@ -2,8 +2,9 @@
 
 * :class:`RpcRunner` — ``run(name, context, fn)`` authenticates the bearer token, calls
   ``fn(principal)``, maps typed errors to status codes through :mod:`kvstore.status` (the one
-  place that does), counts rejections and observes latency. With ``audit`` it also requires the
-  admin role and records the outcome.
+  place that does), counts rejections and observes latency. With ``audit`` (a
+  :class:`~kvstore.audit.Recorder`) it also requires the admin role, records the action before
+  it runs (a change whose record cannot be written is not made) and records the outcome.
 * :func:`service_handler` — the grpc handler of a service built from its descriptor, with
   per-method (de)serializers overridable: the KVStore service serves Put/Get as raw frames
   (:mod:`kvstore.frames`) and every other method with the generated protobuf classes.
@@ -21,6 +22,7 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message_factory import GetMessageClass
 
+from kvstore.audit import Recorder
 from kvstore.auth import AuthRegistry, Principal, Role, bearer_token
 from kvstore.errors import FailedPrecondition, KVStoreError, PermissionDenied, ResourceExhausted
 from kvstore.metrics import ServiceMetrics
@@ -48,9 +50,10 @@ class RpcRunner:
         return replace(principal, epoch=epoch)
 
     def run(self, name: str, context: grpc.ServicerContext, fn: Callable[[Principal], Any],
-            audit: Callable[[str, str], None] | None = None) -> Any:
+            audit: Recorder | None = None) -> Any:
         """Authenticate, call ``fn(principal)``, map errors; with ``audit``, require the admin
-        role and record the outcome (failed authentications included, as principal ``?``)."""
+        role and record the action and its outcome (failed authentications included, as
+        principal ``?``)."""
         start = time.perf_counter()
         code = "OK"
         who = "?"
@@ -59,10 +62,12 @@ class RpcRunner:
             who = principal.name
             if audit is not None and principal.role is not Role.ADMIN:
                 raise PermissionDenied(f"{principal.name!r} is not an admin")
+            if audit is not None:
+                audit.begin(who)
             result = fn(principal)
             if audit is not None:
                 try:
-                    audit(who, "OK")
+                    audit.end(who, "OK")
                 except KVStoreError as exc:  # the action is done; its record is not
                     audit = None  # NOTE: not once more below
                     raise FailedPrecondition(f"{name} was carried out, but {exc}") from None
@@ -89,11 +94,11 @@ class RpcRunner:
                 self.metrics.observe(name, code, time.perf_counter() - start)
 
 
-def _audit_quietly(audit: Callable[[str, str], None], who: str, code: str, name: str) -> None:
+def _audit_quietly(audit: Recorder, who: str, code: str, name: str) -> None:
     """Record a failed call; a record that cannot be written is logged, not raised over the
     call's own error."""
     try:
-        audit(who, code)
+        audit.end(who, code)
     except KVStoreError as exc:
         log.error("%s by %s failed with %s, and its audit record was not written: %s", name, who, code, exc)
 

@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from kvstore.audit import Recorder
 from kvstore.auth import Principal, Role, TenantPolicy
 from kvstore.errors import PermissionDenied
 from kvstore.service_admin import AdminPlane
@@ -29,9 +30,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     def __init__(self, plane: AdminPlane, rpc: RpcRunner) -> None:
         self.plane, self.rpc = plane, rpc
 
-    def _run(self, name: str, action: str, target: str, context, fn: Callable[[Principal], Any]) -> Any:
-        def audit(who: str, result: str) -> None:
-            self.plane.audit.append(who, action, target, result)
+    def _run(self, name: str, action: str, target: str, context, fn: Callable[[Principal], Any],
+             *, changes: bool = True) -> Any:
+        audit = Recorder(self.plane.audit, action, target, changes=changes)
         return self.rpc.run(f"Admin.{name}", context, fn, audit=audit)
 
     def CreateTenant(self, request, context):
@@ -51,7 +52,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     def ListTenants(self, request, context):
         return self._run("ListTenants", "tenant.list", "", context, lambda p: apb.ListTenantsResponse(
-            tenants=[_tenant_pb(t) for t in self.plane.registry.list()]))
+            tenants=[_tenant_pb(t) for t in self.plane.registry.list()]), changes=False)
 
     def Grant(self, request, context):
         action = "namespace.revoke" if request.revoke else "namespace.grant"
@@ -60,7 +61,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     def GetPolicy(self, request, context):
         return self._run("GetPolicy", "policy.get", request.name, context,
-                         lambda p: _policy_pb(request.name, self.plane.get_policy(request.name)))
+                         lambda p: _policy_pb(request.name, self.plane.get_policy(request.name)), changes=False)
 
     def SetPolicy(self, request, context):
         policy = TenantPolicy(ttl_s=request.ttl_s if request.HasField("ttl_s") else None,
@@ -80,7 +81,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             entries = self.plane.audit.read(request.since_seq, request.limit or 1000)
             return apb.ReadAuditResponse(entries=[apb.AuditEntry(
                 seq=e.seq, time=e.time, principal=e.principal, action=e.action, target=e.target,
-                result=e.result, detail=e.detail) for e in entries])
+                result=e.result, detail=e.detail, ref=e.ref) for e in entries])
         return self.rpc.run("Admin.ReadAudit", context, _admin_only(call))
 
     def Stats(self, request, context):

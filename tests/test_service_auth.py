@@ -140,6 +140,8 @@ def test_delete_tenant_revokes_token_and_destroys_its_blocks(sidecar):
 
 
 def test_every_admin_action_is_audited_with_its_result(sidecar):
+    """A change is recorded before it is made (STARTED) and after (its outcome, whose ref names
+    the STARTED entry); a read only after."""
     admin = sidecar.admin()
     admin.create_tenant("aud")
     admin.rotate_token("aud")
@@ -151,13 +153,54 @@ def test_every_admin_action_is_audited_with_its_result(sidecar):
     admin.delete_tenant("aud")
     with pytest.raises(NotFound):
         admin.delete_tenant("aud")  # NOT_FOUND, audited too
-    actions = [(e["action"], e["result"]) for e in admin.audit()]
-    assert actions == [
-        ("tenant.create", "OK"), ("tenant.rotate", "OK"), ("namespace.grant", "OK"), ("policy.set", "OK"),
-        ("policy.get", "OK"), ("tenant.list", "OK"), ("model.purge", "OK"), ("tenant.delete", "OK"),
-        ("tenant.delete", "NOT_FOUND"),
-    ]
-    assert all(e["principal"] == "admin" for e in admin.audit())
+    entries = admin.audit()
+    actions = [(e["action"], e["result"]) for e in entries]
+    changes = ["tenant.create", "tenant.rotate", "namespace.grant", "policy.set"]
+    assert actions == [*((a, r) for a in changes for r in ("STARTED", "OK")),
+                       ("policy.get", "OK"), ("tenant.list", "OK"),
+                       ("model.purge", "STARTED"), ("model.purge", "OK"),
+                       ("tenant.delete", "STARTED"), ("tenant.delete", "OK"),
+                       ("tenant.delete", "STARTED"), ("tenant.delete", "NOT_FOUND")]
+    assert all(e["principal"] == "admin" for e in entries)
+    seq = {e["seq"]: e for e in entries}
+    for e in entries:
+        if e["result"] == "STARTED" or e["action"] in ("policy.get", "tenant.list"):
+            assert e["ref"] == 0
+        else:  # an outcome names the entry written before its change, just before it here
+            assert e["ref"] == e["seq"] - 1 and seq[e["ref"]]["result"] == "STARTED"
+            assert seq[e["ref"]]["action"] == e["action"] and seq[e["ref"]]["target"] == e["target"]
+
+
+def test_a_change_left_without_an_outcome_gets_unknown_at_the_next_open(tmp_path):
+    """A crash between a change and its outcome record: the STARTED entry is closed with
+    UNKNOWN when the log is next opened (once), so the log shows the action and that its
+    outcome is not known. Before, the only record was written after the action, so a crash
+    between the two left no trace of it."""
+    log = AuditLog(tmp_path / "audit.log", clock=lambda: 5.0, fsync=False)
+    done = log.append("admin", "tenant.create", "a", "STARTED")
+    log.append("admin", "tenant.create", "a", "OK", ref=done.seq)
+    cut = log.append("admin", "tenant.delete", "b", "STARTED")
+    log.close()  # the server stops here
+    reopened = AuditLog(tmp_path / "audit.log", clock=lambda: 6.0, fsync=False)
+    last = reopened.read()[-1]
+    assert (last.seq, last.action, last.target, last.result, last.ref) == (4, "tenant.delete", "b", "UNKNOWN", cut.seq)
+    assert "no outcome was recorded" in last.detail and last.time == 6.0
+    reopened.close()
+    again = AuditLog(tmp_path / "audit.log", clock=lambda: 7.0, fsync=False)
+    assert again.verify() == 4  # closed once, not at every open
+    again.close()
+
+
+def test_audit_log_written_before_outcomes_had_refs_still_opens(tmp_path):
+    """Lines without ``ref`` (logs of earlier versions) read as ref 0."""
+    log = AuditLog(tmp_path / "audit.log", clock=lambda: 5.0, fsync=False)
+    log.append("admin", "tenant.create", "a", "OK")
+    log.close()
+    path = tmp_path / "audit.log"
+    path.write_text(path.read_text().replace(',"ref":0', ""))
+    old = AuditLog(path, clock=lambda: 6.0, fsync=False)
+    assert [e.ref for e in old.read()] == [0] and old.append("admin", "x", "y", "OK").seq == 2
+    old.close()
 
 
 def test_audit_log_is_append_only_and_chained(tmp_path):
@@ -225,28 +268,65 @@ def test_an_audit_record_that_cannot_be_written_leaves_no_torn_line(tmp_path, mo
     reopened.close()
 
 
-def test_an_admin_action_whose_audit_record_fails_says_so(sidecar, monkeypatch):
-    """The action is carried out; the caller gets FAILED_PRECONDITION saying its record could
-    not be written (not an INTERNAL error), and the server goes on."""
+def test_an_admin_change_whose_first_audit_record_fails_is_not_made(sidecar, monkeypatch):
+    """The STARTED record is written before the change: when it cannot be, the change is not
+    made and the caller gets FAILED_PRECONDITION saying so (before, the action was carried out
+    and only its record was missing)."""
+    from kvstore.errors import FailedPrecondition
+
+    admin = sidecar.admin()
+    audit = sidecar.server.data.audit
+
+    def failing(*args, **kw):
+        raise FailedPrecondition("the audit log x could not be written: [Errno 28] No space left on device")
+
+    monkeypatch.setattr(audit, "append", failing)
+    with pytest.raises(FailedPrecondition, match="could not be written.*so tenant.create was not carried out"):
+        admin.create_tenant("unrecorded")
+    monkeypatch.undo()
+    assert "unrecorded" not in [t["name"] for t in admin.list_tenants()]
+    token = admin.create_tenant("recorded")
+    client = sidecar.client(token)
+    keys = client.block_keys(SPEC, fresh_tokens(1))
+    client.put(SPEC, keys, random_kv(1))
+    monkeypatch.setattr(audit, "append", failing)
+    with pytest.raises(FailedPrecondition, match="so blocks.delete was not carried out"):
+        client.delete(keys)
+    monkeypatch.undo()
+    assert client.lookup(SPEC, keys).num_blocks == 1
+
+
+def test_an_admin_action_whose_outcome_record_fails_says_so(sidecar, monkeypatch):
+    """The STARTED record was written and the action carried out; the caller gets
+    FAILED_PRECONDITION saying its outcome could not be recorded (not an INTERNAL error), the
+    server goes on, and the log's next open closes the entry with UNKNOWN."""
+    from kvstore.audit import STARTED
     from kvstore.errors import FailedPrecondition
 
     admin = sidecar.admin()
     audit = sidecar.server.data.audit
     real = audit.append
 
-    def failing(*args, **kw):
+    def outcome_fails(principal, action, target, result, *args, **kw):
+        if result == STARTED:
+            return real(principal, action, target, result, *args, **kw)
         raise FailedPrecondition("the audit log x could not be written: [Errno 28] No space left on device")
 
-    monkeypatch.setattr(audit, "append", failing)
+    monkeypatch.setattr(audit, "append", outcome_fails)
     with pytest.raises(FailedPrecondition, match="Admin.CreateTenant was carried out, but the audit log"):
         admin.create_tenant("unrecorded")
-    monkeypatch.setattr(audit, "append", real)
+    monkeypatch.undo()
     assert "unrecorded" in [t["name"] for t in admin.list_tenants()]
     token = admin.rotate_token("unrecorded")
     client = sidecar.client(token)
-    monkeypatch.setattr(audit, "append", failing)
+    monkeypatch.setattr(audit, "append", outcome_fails)
     with pytest.raises(FailedPrecondition, match="the blocks were deleted, but the audit log"):
         client.delete([b"\0" * 32])
+    monkeypatch.undo()
+    reopened = AuditLog(audit.path, clock=lambda: 9.0, fsync=False)
+    unknown = [(e.action, e.target) for e in reopened.read() if e.result == "UNKNOWN"]
+    reopened.close()
+    assert unknown == [("tenant.create", "unrecorded"), ("blocks.delete", "unrecorded")]
 
 
 def test_a_principals_file_that_cannot_be_saved_changes_nothing(tmp_path, monkeypatch):

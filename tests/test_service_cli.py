@@ -38,8 +38,10 @@ def test_tenant_policy_stats_and_audit_commands(sidecar):
     assert "tiers" in json.loads(_run(sidecar, "stats"))
     _run(sidecar, "tenant", "delete", "cli-t", "--yes")
     lines = [json.loads(x) for x in _run(sidecar, "audit", "--json").splitlines()]
-    assert [e["action"] for e in lines] == ["tenant.create", "tenant.rotate", "policy.set", "policy.get",
-                                           "tenant.delete"]
+    assert [(e["action"], e["result"]) for e in lines] == [
+        ("tenant.create", "STARTED"), ("tenant.create", "OK"), ("tenant.rotate", "STARTED"), ("tenant.rotate", "OK"),
+        ("policy.set", "STARTED"), ("policy.set", "OK"), ("policy.get", "OK"),
+        ("tenant.delete", "STARTED"), ("tenant.delete", "OK")]
 
 
 def test_cli_reports_errors_with_their_code(sidecar):

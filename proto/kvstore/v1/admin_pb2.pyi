@@ -121,7 +121,7 @@ class ReadAuditRequest(_message.Message):
     def __init__(self, since_seq: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class AuditEntry(_message.Message):
-    __slots__ = ("seq", "time", "principal", "action", "target", "result", "detail")
+    __slots__ = ("seq", "time", "principal", "action", "target", "result", "detail", "ref")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
     PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class AuditEntry(_message.Message):
     TARGET_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    REF_FIELD_NUMBER: _ClassVar[int]
     seq: int
     time: float
     principal: str
@@ -136,7 +137,8 @@ class AuditEntry(_message.Message):
     target: str
     result: str
     detail: str
-    def __init__(self, seq: _Optional[int] = ..., time: _Optional[float] = ..., principal: _Optional[str] = ..., action: _Optional[str] = ..., target: _Optional[str] = ..., result: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    ref: int
+    def __init__(self, seq: _Optional[int] = ..., time: _Optional[float] = ..., principal: _Optional[str] = ..., action: _Optional[str] = ..., target: _Optional[str] = ..., result: _Optional[str] = ..., detail: _Optional[str] = ..., ref: _Optional[int] = ...) -> None: ...
 
 class ReadAuditResponse(_message.Message):
     __slots__ = ("entries",)
