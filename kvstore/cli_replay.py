@@ -99,15 +99,15 @@ def replay(
         cfg = ReplayConfig.with_defaults(hbm_blocks, dram_blocks, nvme_blocks, spec=spec,
                                          costs=costs)
         pol = make_replay_policy(policy, cfg)
-        requests = load_trace(trace)
+        requests = load_trace(trace, block_tokens)
+        with Progress(TextColumn(f"replay {policy}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=err, transient=True) as bar:
+            task = bar.add_task("replay", total=len(requests))
+            result = run_replay(requests, cfg, pol,
+                                progress=lambda done: bar.update(task, completed=done))
     except KVStoreError as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(code=2) from None
-    with Progress(TextColumn(f"replay {policy}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=err, transient=True) as bar:
-        task = bar.add_task("replay", total=len(requests))
-        result = run_replay(requests, cfg, pol,
-                            progress=lambda done: bar.update(task, completed=done))
     out = Console()
     if not out.is_terminal:
         out = Console(width=200)  # piped: do not squeeze the table to 80 columns

@@ -187,8 +187,13 @@ def make_replay_policy(name: str, cfg: ReplayConfig) -> EvictionPolicy:
 
 
 def block_key(hash_id: int) -> bytes:
-    """The replay's block key for a trace hash id (8-byte big-endian, signed)."""
-    return hash_id.to_bytes(8, "big", signed=True)
+    """The replay's block key for a trace hash id (8-byte big-endian, signed); InvalidArgument
+    for an id outside the signed 64-bit range (:func:`kvstore.workloads.load_trace` refuses
+    those in a trace file; this catches them in a trace built in memory)."""
+    try:
+        return hash_id.to_bytes(8, "big", signed=True)
+    except OverflowError:
+        raise InvalidArgument(f"hash id {hash_id} is outside the signed 64-bit range") from None
 
 
 class _Sim:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -57,30 +58,84 @@ class TraceRequest:
         return json.dumps(obj)
 
 
-def parse_request(obj: dict, line_no: int = 0) -> TraceRequest:
-    """Build a request from one decoded JSON object; InvalidArgument when malformed."""
+HASH_ID_MIN, HASH_ID_MAX = -(1 << 63), (1 << 63) - 1
+"""Hash ids are signed 64-bit integers (the replay keys a block by its id's 8 bytes)."""
+DEFAULT_BLOCK_TOKENS = 512
+"""The block size of the Mooncake traces and of :class:`WorkloadConfig`."""
+
+
+def parse_request(obj: object, line_no: int = 0, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> TraceRequest:
+    """Build a request from one decoded JSON object; InvalidArgument naming the line and the
+    field when malformed. ``timestamp`` is a finite number; ``input_length`` and
+    ``output_length`` (optional, 0) are integers >= 0 (an integral float such as 5.0 is taken);
+    ``hash_ids`` is a list of distinct integers in the signed 64-bit range, one per
+    ``block_tokens`` tokens of the input, the last one possibly partial:
+    ``len(hash_ids) == ceil(input_length / block_tokens)``; ``tenant`` (optional) is a string."""
+    where = f"trace line {line_no}"
+    if not isinstance(obj, dict):
+        raise InvalidArgument(f"{where}: not a JSON object but {_show(obj)}")
+    for name in ("timestamp", "input_length", "hash_ids"):
+        if name not in obj:
+            raise InvalidArgument(f"{where}: no {name!r} field")
+    ts = obj["timestamp"]
     try:
-        ids = tuple(int(h) for h in obj["hash_ids"])
-        req = TraceRequest(
-            timestamp_ms=float(obj["timestamp"]),
-            input_length=int(obj["input_length"]),
-            output_length=int(obj.get("output_length", 0)),
-            hash_ids=ids,
-            tenant=str(obj.get("tenant", "default")),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InvalidArgument(f"trace line {line_no}: bad request record ({exc})") from None
-    if req.input_length < 0 or len(set(ids)) != len(ids):
-        raise InvalidArgument(f"trace line {line_no}: negative length or repeated hash id")
-    return req
+        timestamp_ms = float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) else math.nan
+    except OverflowError:
+        timestamp_ms = math.nan
+    if not math.isfinite(timestamp_ms):
+        raise InvalidArgument(f"{where}: 'timestamp' must be a finite number (milliseconds), got {_show(ts)}")
+    input_length = _length(obj, "input_length", where)
+    ids = obj["hash_ids"]
+    if not isinstance(ids, list):
+        raise InvalidArgument(f"{where}: 'hash_ids' must be a list of integers, got {_show(ids)}")
+    for h in ids:
+        if isinstance(h, bool) or not isinstance(h, int) or not HASH_ID_MIN <= h <= HASH_ID_MAX:
+            raise InvalidArgument(f"{where}: 'hash_ids' holds {_show(h)}, not an integer in the "
+                                  f"signed 64-bit range")
+    if len(set(ids)) != len(ids):
+        dup = next(h for i, h in enumerate(ids) if h in ids[:i])
+        raise InvalidArgument(f"{where}: 'hash_ids' holds {dup} twice")
+    blocks = -(-input_length // block_tokens)
+    if len(ids) != blocks:
+        raise InvalidArgument(f"{where}: 'input_length' {input_length} needs {blocks} hash ids (one per "
+                              f"{block_tokens} tokens, the last one partial), 'hash_ids' holds {len(ids)}")
+    tenant = obj.get("tenant", "default")
+    if not isinstance(tenant, str):
+        raise InvalidArgument(f"{where}: 'tenant' must be a string, got {_show(tenant)}")
+    return TraceRequest(timestamp_ms=timestamp_ms, input_length=input_length,
+                        output_length=_length(obj, "output_length", where), hash_ids=tuple(ids),
+                        tenant=tenant)
 
 
-def load_trace(path: Path | str) -> list[TraceRequest]:
-    """Read a JSONL trace; raises InvalidArgument on a malformed line, on a request that
-    arrives before the one above it (the replay's clock follows the trace, so an unsorted
-    trace would run time backwards), on a file that is not UTF-8 text and on one that holds
-    no request."""
+def _length(obj: dict, name: str, where: str) -> int:
+    """``obj[name]`` (0 when absent) as an integer >= 0; an integral float is taken."""
+    v = obj.get(name, 0)
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise InvalidArgument(f"{where}: {name!r} must be an integer >= 0 (tokens), got {_show(v)}")
+    return v
+
+
+def _show(value: object) -> str:
+    """``repr(value)``, cut to a readable length (a trace line may hold a huge value)."""
+    return _cut(repr(value))
+
+
+def _cut(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def load_trace(path: Path | str, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> list[TraceRequest]:
+    """Read a JSONL trace cut at ``block_tokens`` tokens a block; raises InvalidArgument on a
+    malformed line (see :func:`parse_request`), on a request that arrives before the one above
+    it (the replay's clock follows the trace, so an unsorted trace would run time backwards),
+    on a hash id found under two different parents (equal ids mean an equal prefix, so the ids
+    form a tree), on a file that is not UTF-8 text and on one that holds no request."""
+    if block_tokens <= 0:
+        raise InvalidArgument(f"block_tokens must be positive, got {block_tokens}")
     out: list[TraceRequest] = []
+    parents: dict[int, int | None] = {}
     last = 0
     with open(path, encoding="utf-8") as fh:
         for i, line in _numbered_lines(fh, path):
@@ -89,17 +144,29 @@ def load_trace(path: Path | str) -> list[TraceRequest]:
                 continue
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InvalidArgument(f"trace line {i}: not JSON ({exc})") from None
-            req = parse_request(obj, i)
+            except (ValueError, RecursionError) as exc:  # NOTE: ValueError also for a >4300-digit int
+                raise InvalidArgument(f"trace line {i}: not JSON ({_cut(str(exc), 200)})") from None
+            req = parse_request(obj, i, block_tokens)
             if out and req.timestamp_ms < out[-1].timestamp_ms:
                 raise InvalidArgument(f"trace line {i}: timestamp {req.timestamp_ms} comes before line "
                                       f"{last}'s {out[-1].timestamp_ms}: sort the trace by timestamp")
+            prev = None
+            for h in req.hash_ids:
+                first = parents.setdefault(h, prev)
+                if first != prev:
+                    raise InvalidArgument(f"trace line {i}: hash id {h} comes {_after(prev)} here but "
+                                          f"{_after(first)} on an earlier line (equal ids mean an equal "
+                                          f"prefix: an id has one parent)")
+                prev = h
             out.append(req)
             last = i
     if not out:
         raise InvalidArgument(f"trace {str(path)!r} holds no request (an empty file, or blank lines only)")
     return out
+
+
+def _after(parent: int | None) -> str:
+    return "first" if parent is None else f"after {parent}"
 
 
 def _numbered_lines(fh: Iterable[str], path: Path | str) -> Iterator[tuple[int, str]]:

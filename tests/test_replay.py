@@ -134,7 +134,7 @@ def test_a_trace_out_of_arrival_order_is_refused_naming_the_line(tmp_path):
     """The replay's clock follows the trace: an unsorted one would run time backwards."""
     path = tmp_path / "unsorted.jsonl"
     rows = [(5, [1, 2]), (5, [1, 2, 3]), (3, [4])]
-    path.write_text("".join(json.dumps({"timestamp": t, "input_length": 1024, "output_length": 1,
+    path.write_text("".join(json.dumps({"timestamp": t, "input_length": 512 * len(ids), "output_length": 1,
                                         "hash_ids": ids}) + "\n" for t, ids in rows))
     with pytest.raises(InvalidArgument, match="trace line 3: timestamp 3.0 comes before line 2's 5.0"):
         load_trace(path)
