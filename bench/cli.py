@@ -31,7 +31,14 @@ def bench(
     # NOTE: as `kvstore serve` does (ServerConfig.streaming_copy_bytes): the store's block copies,
     # the limits they are judged against and every baseline's child process run under it alike
     reexec_with_streaming_copies()
-    from bench.suite import DEFAULT_RESULTS, run_suite
+    from bench.suite import DEFAULT_RESULTS, check_outputs, run_suite
+    from kvstore.errors import KVStoreError
+
+    try:
+        check_outputs(json_out, plot)  # before the suite, which may run for many minutes
+    except KVStoreError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from None
 
     cmd = ["kvstore", "bench", suite, *(["--quick"] if quick else []), "--json", str(json_out),
            *(["--plot", str(plot)] if plot else []), *(["--results", str(results)] if results else [])]

@@ -91,6 +91,23 @@ def run_one(suite: str, quick: bool, tick: TickFactory, workdir: Path) -> dict[s
     raise ValueError(f"unknown suite {suite!r}; choose one of {', '.join(SUITES)}")
 
 
+def check_outputs(json_out: Path, plot: Path | None = None) -> None:
+    """InvalidArgument unless the suite's output files can be written (the directory of
+    ``json_out`` is created as :func:`run_suite` does). Checked before a suite that may run for
+    many minutes, not when it is over."""
+    from kvstore.cli_replay import check_output_file
+    from kvstore.errors import InvalidArgument
+
+    try:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidArgument(f"--json {str(json_out)!r}: cannot create directory "
+                              f"{str(json_out.parent)!r} ({exc.strerror or exc})") from None
+    check_output_file(json_out, "--json")
+    if plot is not None:
+        check_output_file(plot, "--plot")
+
+
 def run_suite(suite: str, quick: bool, json_out: Path, plot: Path | None = None,
               results_md: Path | None = DEFAULT_RESULTS, command: str | None = None,
               show_progress: bool = True) -> dict[str, Any]:
@@ -102,6 +119,7 @@ def run_suite(suite: str, quick: bool, json_out: Path, plot: Path | None = None,
 
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}; choose one of {', '.join(SUITES)}")
+    check_outputs(json_out, plot)
     torch.set_num_threads(1)
     started = time.perf_counter()
     doc: dict[str, Any] = {
@@ -136,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
     args = ap.parse_args(argv)
     cmd = shlex.join(["python", "-m", "bench.suite", *(sys.argv[1:] if argv is None else argv)])
+    from kvstore.errors import KVStoreError
+
+    try:
+        check_outputs(args.json_out, args.plot)
+    except KVStoreError as exc:
+        ap.error(str(exc))
     run_suite(args.suite, args.quick, args.json_out, args.plot, args.results, command=cmd)
     return 0
 

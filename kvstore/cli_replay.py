@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -59,6 +60,24 @@ def results_table(results: list[ReplayResult], title: str = "replay") -> Table:
     return table
 
 
+def check_output_file(path: Path, option: str) -> None:
+    """InvalidArgument unless ``path`` can be written: not a directory, in an existing directory,
+    and a file there can be created or opened for writing. Tried by opening it for append,
+    which writes nothing; a file the try creates is removed again."""
+    if path.is_dir():
+        raise InvalidArgument(f"{option} {str(path)!r} is a directory: name the file to write")
+    if not path.parent.is_dir():
+        raise InvalidArgument(f"{option} {str(path)!r}: directory {str(path.parent)!r} does not exist")
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise InvalidArgument(f"{option} {str(path)!r} cannot be written ({exc.strerror or exc})") from None
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
 def replay(
     trace: Annotated[Path, typer.Argument(help="Mooncake-format JSONL trace.", exists=True,
                                           dir_okay=False, readable=True)],
@@ -86,10 +105,8 @@ def replay(
         if not (math.isfinite(num_params) and num_params >= 1):
             raise InvalidArgument(f"--params must be a finite number of parameters >= 1, got {num_params}")
         # NOTE: checked before the replay, which may run for minutes, not after it
-        if json_out is not None and json_out.is_dir():
-            raise InvalidArgument(f"--json {str(json_out)!r} is a directory: name the file to write")
-        if json_out is not None and not json_out.parent.is_dir():
-            raise InvalidArgument(f"--json {str(json_out)!r}: directory {str(json_out.parent)!r} does not exist")
+        if json_out is not None:
+            check_output_file(json_out, "--json")
         spec = replay_spec(num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim,
                            dtype=dtype, block_tokens=block_tokens, num_params=int(num_params),
                            hidden_size=hidden_size)

@@ -1,7 +1,7 @@
 """What the trace replay refuses, and how: malformed trace lines, hash ids that do not form a
-prefix tree and numbers out of range each give one InvalidArgument (one ``error:`` line and
-exit code 2 from the CLI) that names the line and the field, before the replay runs; a valid
-trace replays as before."""
+prefix tree, numbers out of range and output paths that cannot be written each give one
+InvalidArgument (one ``error:`` line and exit code 2 from the CLI) that names the line and the
+field, before the replay runs; a valid trace replays as before."""
 
 from __future__ import annotations
 
@@ -196,3 +196,73 @@ def test_the_mooncake_trace_passes_the_checks():
     trace = load_trace(MOONCAKE)
     assert len(trace) == 3993
     assert all(len(r.hash_ids) == -(-r.input_length // 512) for r in trace)
+
+
+# -- 5. output paths checked before the run --------------------------------------------------
+
+
+@pytest.mark.parametrize(("target", "message"), [
+    ("/proc/nope.json", "cannot be written"),
+    ("{dir}", "is a directory"),
+    ("{file}/r.json", "does not exist"),
+])
+def test_cli_replay_checks_that_the_json_file_can_be_written_before_it_runs(tmp_path, monkeypatch, target,
+                                                                             message):
+    """/proc/nope.json used to fail with a FileNotFoundError traceback after the whole replay."""
+    from kvstore import cli_replay
+
+    if target.startswith("/proc") and not Path("/proc").is_dir():
+        pytest.skip("no /proc here")
+    ran = []
+    monkeypatch.setattr(cli_replay, "run_replay", lambda *a, **k: ran.append(1))
+    path = trace_file(tmp_path, GOOD)
+    out = target.format(dir=tmp_path, file=path)
+    res = CliRunner().invoke(cli_app(cli_replay, "replay", "replay"),
+                             ["replay", str(path), "--hbm-blocks", "5", "--json", out])
+    assert res.exit_code == 2 and message in one_line(res.output), res.output
+    assert not ran
+
+
+def test_the_json_check_leaves_no_file_behind_and_keeps_an_existing_one(tmp_path):
+    from kvstore.cli_replay import check_output_file
+
+    new = tmp_path / "new.json"
+    check_output_file(new, "--json")
+    assert not new.exists()
+    old = tmp_path / "old.json"
+    old.write_text("kept")
+    check_output_file(old, "--json")
+    assert old.read_text() == "kept"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--json", "{dir}"], "--json '{dir}' is a directory"),
+    (["--json", "/proc/nope.json"], "cannot be written"),
+    (["--json", "/proc/no/such/r.json"], "cannot create directory"),
+    (["--json", "{dir}/r.json", "--plot", "{dir}"], "--plot '{dir}' is a directory"),
+])
+def test_bench_checks_its_output_files_before_the_suite_runs(tmp_path, monkeypatch, args, message):
+    """`kvstore bench replay --quick --json DIR` used to run the whole suite, then raise
+    IsADirectoryError."""
+    import bench.suite
+    from bench import cli as bench_cli
+
+    if not Path("/proc").is_dir():
+        pytest.skip("no /proc here")
+    ran = []
+    monkeypatch.setattr(bench.suite, "run_one", lambda *a, **k: ran.append(1) or {})
+    monkeypatch.setattr(bench.suite, "run_suite", lambda *a, **k: ran.append(1) or {})
+    args = [a.format(dir=tmp_path) for a in args]
+    res = CliRunner().invoke(cli_app(bench_cli, "bench", "bench"), ["bench", "replay", "--quick", *args])
+    assert res.exit_code == 2 and message.format(dir=tmp_path) in one_line(res.output), res.output
+    assert not ran
+
+
+def test_run_suite_checks_its_output_files_first(tmp_path, monkeypatch):
+    import bench.suite
+
+    ran = []
+    monkeypatch.setattr(bench.suite, "run_one", lambda *a, **k: ran.append(1) or {})
+    with pytest.raises(InvalidArgument, match="is a directory"):
+        bench.suite.run_suite("replay", True, tmp_path, results_md=None, show_progress=False)
+    assert not ran
