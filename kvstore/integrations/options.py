@@ -35,3 +35,11 @@ def non_negative_int(value: Any, key: str) -> int:
     if not (math.isfinite(as_float) and as_float == int(as_float) and as_float >= 0):
         raise InvalidArgument(f"{key} must be a whole number >= 0, got {value!r}")
     return int(as_float)
+
+
+def positive_int(value: Any, key: str) -> int:
+    """``value`` as an int > 0 (a whole float or numeric string is taken; 1.5 is not)."""
+    number = non_negative_int(value, key)
+    if number == 0:
+        raise InvalidArgument(f"{key} must be a whole number > 0, got {value!r}")
+    return number

@@ -10,11 +10,11 @@ imports it. vLLM loads the connector by name::
 
 Extra config keys: ``kvstore_target`` and ``kvstore_token`` (required), ``kvstore_model`` (the
 model id in the block spec; default: vLLM's served model name), ``kvstore_revision``,
-``kvstore_namespace``, ``kvstore_region_mib`` (the client's shared-memory region, default 64),
-``kvstore_timeout_s`` (each call to the sidecar, default 10: a sidecar that stops answering
-costs the scheduler at most that per lookup, then the request goes on as a miss; after three
-such failures in a row calls are skipped, as misses, for a growing while: see
-:mod:`kvstore.integrations.guard`).
+``kvstore_namespace``, ``kvstore_region_mib`` (the client's shared-memory region, a whole number
+of MiB > 0, default 64; checked at construction), ``kvstore_timeout_s`` (each call to the sidecar,
+default 10: a sidecar that stops answering costs the scheduler at most that per lookup, then the
+request goes on as a miss; after three such failures in a row calls are skipped, as misses, for
+a growing while: see :mod:`kvstore.integrations.guard`).
 
 Contracts:
 
@@ -67,7 +67,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kernels.paged import PagedLayout, gather_layer, scatter_blocks
 from kvstore.errors import InvalidArgument, KVStoreError, ShapeMismatch
 from kvstore.integrations.guard import SidecarGuard
-from kvstore.integrations.options import DEFAULT_TIMEOUT_S, positive_seconds
+from kvstore.integrations.options import DEFAULT_TIMEOUT_S, positive_int, positive_seconds
 from kvstore.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -83,6 +83,8 @@ __all__ = ["KVStoreConnector", "KVStoreConnectorMetadata", "Transfer", "cpu_isa"
 log = logging.getLogger(__name__)
 
 _FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+#: default size of the client's shared-memory region (``kvstore_region_mib``)
+DEFAULT_REGION_MIB = 64
 
 
 def make_spec(model: str, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str,
@@ -175,6 +177,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 raise InvalidArgument(f"kvstore connector needs kv_connector_extra_config[{name!r}]")
         self._extra = extra
         self._timeout = positive_seconds(extra.get("kvstore_timeout_s", DEFAULT_TIMEOUT_S), "kvstore_timeout_s")
+        self._region_bytes = positive_int(extra.get("kvstore_region_mib", DEFAULT_REGION_MIB),
+                                          "kvstore_region_mib") << 20
         self._guard = SidecarGuard(str(extra["kvstore_target"]))
         self._namespace = str(extra.get("kvstore_namespace", ""))
         self._block_size = vllm_config.cache_config.block_size
@@ -204,9 +208,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _client(self) -> Any:
         if self._client_obj is None:
             from kvstore.client import Client
-            region = int(self._extra.get("kvstore_region_mib", 64)) << 20
             self._client_obj = Client(str(self._extra["kvstore_target"]), str(self._extra["kvstore_token"]),
-                                      region_bytes=region, timeout=self._timeout)
+                                      region_bytes=self._region_bytes, timeout=self._timeout)
         return self._client_obj
 
     def shutdown(self) -> None:
