@@ -66,6 +66,7 @@ from kvstore.errors import (
     IntegrityError,
     InvalidArgument,
     KVStoreError,
+    ParentNotStored,
     ShapeMismatch,
     UnknownRegion,
 )
@@ -91,6 +92,16 @@ DEFAULT_CHUNK_BYTES = 2 * MiB
 REGISTER_RETRY_S = 5.0
 #: status codes that mean the server could not be reached or did not answer in time
 _UNREACHABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
+#: how long a call waits for the server's fence of an earlier call in doubt
+HELD_FENCE_WAIT_S = 0.05
+#: outcomes of a call that the server may not have seen the end of: it may still be running
+_IN_DOUBT = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN"})
+
+
+def _in_doubt(exc: BaseException) -> bool:
+    """Whether the server may still be running the call that raised ``exc``: no answer came
+    back from it (a status it sent means its handler has returned)."""
+    return not isinstance(exc, KVStoreError) or exc.code in _IN_DOUBT
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,21 +331,59 @@ class Client:
             raise KVStoreError("the server mapped a different region (not on this host)")
         return resp.region_id
 
-    def _call_local(self, method: Any, request: Any) -> Any:
+    def _call_local(self, method: Any, request: Any, staged: int | None = None) -> Any:
         """A PutLocal/GetLocal ``request`` on this client's region. A server that restarted has
         forgotten the region (UnknownRegion, answered before it touched anything): the region
-        is registered again and the call made once more."""
+        is registered again and the call made once more.
+
+        When the call fails, its slots are settled here: ``staged`` (the offset of slots this
+        client reserved for the call) is given back once the server is known to be done with
+        them, else held (:class:`LocalPlane`). Why: a call that ended without the server's
+        answer may still be copying there; its slots were given back at once, and another
+        call that reused them stored or read the wrong bytes, with no error. For slots that
+        are the caller's own (:class:`LocalBlocks`), the error says they may still be in use."""
         lp = self._local
         assert lp is not None
         request.region_id = lp.region_id
+        request.seq = lp.next_seq()
         try:
-            return self._call(method, request)
-        except UnknownRegion:
-            with lp.lock:
-                if lp.region_id == request.region_id:  # NOTE: another thread may have done it
-                    lp.region_id = self._register_region(lp.region)
-                request.region_id = lp.region_id
-            return self._call(method, request)
+            try:
+                return self._call(method, request)
+            except UnknownRegion:
+                with lp.lock:
+                    if lp.region_id == request.region_id:  # NOTE: another thread may have done it
+                        lp.region_id = self._register_region(lp.region)
+                    request.region_id = lp.region_id
+                return self._call(method, request)
+        except BaseException as exc:
+            over = not _in_doubt(exc) or self._fence(request.region_id, request.seq)
+            if staged is not None:
+                if over:
+                    lp.release(staged)
+                else:
+                    lp.hold(staged, request.region_id, request.seq)
+            elif not over and isinstance(exc, KVStoreError):
+                note = "the server may still be copying from or into these shared-memory blocks: do not reuse them yet"
+                exc.args = (f"{exc}; {note}",)
+            raise
+
+    def _fence(self, region_id: int, seq: int, wait_s: float | None = None) -> bool:
+        """True once the server says call ``seq`` on region ``region_id`` is over and will not
+        start (or no longer knows the region: a restarted server runs no call of before);
+        waiting at most ``wait_s`` (None: the client's timeout)."""
+        if self._closed or os.getpid() != self._pid:
+            return False  # NOTE: no exception here: this runs while another one is raised
+        req = pb.FenceRegionRequest(region_id=region_id, seq=seq)
+        try:
+            self._kv.FenceRegion(req, metadata=self._metadata, timeout=self.timeout if wait_s is None else wait_s)
+        except grpc.RpcError as err:
+            return isinstance(from_rpc_error(err), UnknownRegion)
+        return True
+
+    def _settle_held(self, lp: LocalPlane) -> None:
+        """Give back the slots of earlier calls in doubt that the server has finished (asked
+        without waiting long: this runs before a call)."""
+        lp.settle_held(lambda region_id, seq: self._fence(region_id, seq, wait_s=HELD_FENCE_WAIT_S))
 
     @property
     def uses_shared_memory(self) -> bool:
@@ -412,8 +461,10 @@ class Client:
             rows = [v.cpu().numpy() if isinstance(v, torch.Tensor) else v
                     for v in block_views(spec, blocks, len(keys), "buffer")]
         put = _Put(spec, keys, session or "", ttl_s, namespace)
-        if self._plane() is not None:
-            self._put_local(put, rows, parent)
+        lp = self._plane()
+        if lp is not None:
+            with lp.in_use():
+                self._put_local(put, rows, parent)
         else:
             self._put_stream(put, rows, parent)
 
@@ -438,6 +489,7 @@ class Client:
             self._put_slots(put, put.keys, [base + i * nbytes for i in range(len(put.keys))], parent)
             return
         # staged through the region (one more copy), in pieces that fit its free part
+        self._settle_held(lp)
         done = 0
         while done < len(put.keys):
             off, count = lp.reserve_blocks(len(put.keys) - done, nbytes)
@@ -448,19 +500,36 @@ class Client:
             try:
                 for j in range(count):
                     host_copy(lp.arena[off + j * nbytes : off + (j + 1) * nbytes], rows[done + j])
-                self._put_slots(put, put.keys[done : done + count],
-                                [off + j * nbytes for j in range(count)], parent)
-            finally:
+            except BaseException:
                 lp.release(off)
+                raise
+            try:
+                self._put_slots(put, put.keys[done : done + count],
+                                [off + j * nbytes for j in range(count)], parent, staged=off)
+            except ParentNotStored:
+                if not done:
+                    raise
+                # NOTE: an earlier piece of this put was evicted or deleted since it was
+                # stored: the blocks after it can never be reached, as if the whole put had
+                # been stored and then evicted (a put in one piece does just that). It was
+                # NotFound naming a parent the caller never gave.
+                return
+            lp.release(off)
             done += count
             parent = put.keys[done - 1]
 
-    def _put_slots(self, put: _Put, keys: list[bytes], offsets: list[int], parent: bytes | None) -> None:
-        req = pb.PutLocalRequest(offsets=offsets, session=put.session)
-        self._target(req.target, put.spec, keys, None, put.namespace, parent)
-        if put.ttl_s is not None:
-            req.ttl_s = put.ttl_s
-        self._call_local(self._kv.PutLocal, req)
+    def _put_slots(self, put: _Put, keys: list[bytes], offsets: list[int], parent: bytes | None,
+                   staged: int | None = None) -> None:
+        try:
+            req = pb.PutLocalRequest(offsets=offsets, session=put.session)
+            self._target(req.target, put.spec, keys, None, put.namespace, parent)
+            if put.ttl_s is not None:
+                req.ttl_s = put.ttl_s
+        except BaseException:
+            if staged is not None:
+                self._local.release(staged)  # type: ignore[union-attr]
+            raise
+        self._call_local(self._kv.PutLocal, req, staged)
 
     # -- get ----------------------------------------------------------------------------------
     def get(self, spec: ModelSpec, keys: Sequence[bytes], *, namespace: str = "",
@@ -492,8 +561,10 @@ class Client:
         rows = _flat_bytes(out if host is None else host, len(keys), spec.block_nbytes, "out")
         if not keys:
             return 0
-        if self._plane() is not None:
-            n = self._get_local(spec, keys, rows, namespace, parent)
+        lp = self._plane()
+        if lp is not None:
+            with lp.in_use():
+                n = self._get_local(spec, keys, rows, namespace, parent)
         else:
             n = self._get_stream(spec, keys, rows, namespace, parent)
         if host is not None and n:
@@ -537,14 +608,15 @@ class Client:
         if base is not None:
             return self._get_slots(spec, keys, [base + i * nbytes for i in range(len(keys))], namespace, parent)
         # staged through the region, in pieces that fit (see _put_local)
+        self._settle_held(lp)
         got = 0
         while got < len(keys):
             off, count = lp.reserve_blocks(len(keys) - got, nbytes)
             if not count:
                 return got + self._get_stream(spec, keys[got:], rows[got:], namespace, parent)
+            k = self._get_slots(spec, keys[got : got + count], [off + j * nbytes for j in range(count)],
+                                namespace, parent, staged=off)
             try:
-                k = self._get_slots(spec, keys[got : got + count], [off + j * nbytes for j in range(count)],
-                                    namespace, parent)
                 for j in range(k):
                     host_copy(rows[got + j], lp.arena[off + j * nbytes : off + (j + 1) * nbytes])
             finally:
@@ -556,10 +628,15 @@ class Client:
         return got
 
     def _get_slots(self, spec: ModelSpec, keys: list[bytes], offsets: list[int], namespace: str,
-                   parent: bytes | None) -> int:
-        req = pb.GetLocalRequest(offsets=offsets)
-        self._target(req.target, spec, keys, None, namespace, parent)
-        return self._call_local(self._kv.GetLocal, req).num_blocks
+                   parent: bytes | None, staged: int | None = None) -> int:
+        try:
+            req = pb.GetLocalRequest(offsets=offsets)
+            self._target(req.target, spec, keys, None, namespace, parent)
+        except BaseException:
+            if staged is not None:
+                self._local.release(staged)  # type: ignore[union-attr]
+            raise
+        return self._call_local(self._kv.GetLocal, req, staged).num_blocks
 
     # -- sessions, prefetch, delete, stats -----------------------------------------------------
     def open_session(self, session_id: str) -> None:
@@ -606,6 +683,8 @@ class Client:
         if os.getpid() != self._pid:
             return
         if self._local is not None:
+            # NOTE: calls under way on other threads end first (bounded by their timeout)
+            self._local.wait_idle(self.timeout)
             try:
                 self._kv.UnregisterRegion(pb.UnregisterRegionRequest(region_id=self._local.region_id),
                                           metadata=self._metadata, timeout=self.timeout)

@@ -35,6 +35,13 @@ class UnknownRegion(NotFound):
     PREFIX = "unknown region"
 
 
+class ParentNotStored(NotFound):
+    """A put continues from a parent block that is not stored (never put, evicted, expired or
+    deleted). Its message starts with :data:`PREFIX` (see :class:`UnknownRegion`)."""
+
+    PREFIX = "the parent block is not stored"
+
+
 class ResourceExhausted(KVStoreError):
     """A capacity or quota cannot hold the request, even after eviction.
 

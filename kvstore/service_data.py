@@ -31,7 +31,7 @@ from kernels.copy import copy_blocks
 from kvstore.audit import AuditLog, Recorder
 from kvstore.auth import Principal, resolve_namespace
 from kvstore.block import Tier
-from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError
+from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, Unavailable
 from kvstore.keys import KEY_BYTES, ROOT_KEY, block_keys
 from kvstore.metrics import ServiceMetrics
 from kvstore.server_config import LimitsConfig
@@ -160,26 +160,34 @@ class DataPlane:
 
     @contextmanager
     def _slots(self, principal: Principal, region_id: int, offsets: Sequence[int],
-               nbytes: int) -> Iterator[list[np.ndarray]]:
-        """The caller's region slots as flat uint8 arrays, for the duration of the block."""
-        region = self.regions.get(principal.name, region_id)
-        views = [region.view(off, nbytes) for off in offsets]
-        slots = [np.frombuffer(v, dtype=np.uint8) for v in views]
-        try:
-            yield slots
-        finally:
-            slots.clear()
-            for v in views:
-                try:
-                    v.release()
-                except BufferError:  # an array of it still lives (an error's traceback): it
-                    pass  # goes with that array; the region keeps its mapping until then
+               nbytes: int, seq: int) -> Iterator[list[np.ndarray]]:
+        """The caller's region slots as flat uint8 arrays, for the duration of the block (call
+        ``seq`` of the client: see :class:`~kvstore.service_resources.SlotUse`)."""
+        with self.regions.using(principal.name, region_id, seq) as region:
+            views = [region.view(off, nbytes) for off in offsets]
+            slots = [np.frombuffer(v, dtype=np.uint8) for v in views]
+            try:
+                yield slots
+            finally:
+                slots.clear()
+                for v in views:
+                    try:
+                        v.release()
+                    except BufferError:  # an array of it still lives (an error's traceback):
+                        pass  # it goes with that array; the region keeps its mapping until then
+
+    def fence(self, principal: Principal, region_id: int, seq: int, timeout: float | None) -> None:
+        """Return once the client's call ``seq`` on its region is not running and never will."""
+        if not seq:
+            raise InvalidArgument("seq is required")
+        if not self.regions.fence(principal.name, region_id, seq, timeout):
+            raise Unavailable(f"call {seq} on this region is still running")
 
     def put_local(self, principal: Principal, b: Blocks, region_id: int, offsets: Sequence[int],
-                  session: str, ttl_s: float | None) -> int:
+                  session: str, ttl_s: float | None, seq: int = 0) -> int:
         nbytes = b.spec.block_nbytes
         check_slots(offsets, nbytes, len(b.keys))
-        with self._slots(principal, region_id, offsets, nbytes) as slots:
+        with self._slots(principal, region_id, offsets, nbytes, seq) as slots:
             reservation = self.reserve_put(b, principal.epoch)
             try:
                 self._copy([(dst, slots[i]) for i, dst in enumerate(reservation.views) if dst is not None])
@@ -188,10 +196,11 @@ class DataPlane:
                 self.abort_put(reservation)
                 raise
 
-    def get_local(self, principal: Principal, b: Blocks, region_id: int, offsets: Sequence[int]) -> int:
+    def get_local(self, principal: Principal, b: Blocks, region_id: int, offsets: Sequence[int],
+                  seq: int = 0) -> int:
         nbytes = b.spec.block_nbytes
         check_slots(offsets, nbytes, len(b.keys))
-        with self._slots(principal, region_id, offsets, nbytes) as slots:
+        with self._slots(principal, region_id, offsets, nbytes, seq) as slots:
             lease = self.lease(b, slots.__getitem__, plane="shm")
             try:
                 # blocks leased in place are copied here; the others were decoded into their slot

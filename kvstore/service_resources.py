@@ -3,7 +3,8 @@
 * :class:`InflightBudget` — bytes each tenant has buffered in unfinished Put streams
   (``limits.max_inflight_bytes_per_tenant``); past it -> ResourceExhausted naming the limit.
 * :class:`RegionTable` — shared-memory regions registered by principals; a region is usable
-  only by the principal that registered it.
+  only by the principal that registered it. Each region has a :class:`SlotUse`, the calls
+  using its slots now, for the client's fence (below).
 * :class:`StagingPool` — reusable block-sized buffers for the in-band streams. A fresh large
   buffer per call costs page faults (a first touch runs at ~2 GB/s against ~10 GB/s for a warm
   copy), more than the copy itself; buffers given back are kept up to ``cache_bytes``.
@@ -14,7 +15,9 @@ from __future__ import annotations
 import hmac
 import secrets
 import threading
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -57,12 +60,67 @@ class InflightBudget:
                 self._used.pop(tenant, None)
 
 
+class SlotUse:
+    """The PutLocal/GetLocal calls using one region's slots now, so that a client can learn
+    when the server is done with the slots of a call it gave up on.
+
+    Why: a call that ends without an answer from the server (the client's deadline passed, it
+    was cancelled, the connection broke) may still be running here. The client used to give
+    its slots back at once, and another call reused them while this one still copied: a put
+    stored the other call's bytes, a get wrote into the other call's memory (wrong bytes
+    served, with no error). Now the client keeps such slots out of use until :meth:`fence`
+    says the call has ended or will never start.
+
+    Each call carries the client's sequence number ``seq`` (0: a client that sends none, not
+    fenceable). :meth:`fence` waits until the call ``seq`` is not running and marks it, so
+    that if it arrives later (still queued here when the client gave up) it is refused before
+    it touches a slot."""
+
+    #: fenced sequence numbers kept per region (a fenced call that never arrives leaves its
+    #: number here; the oldest are forgotten past this many)
+    KEEP_FENCED = 4096
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._running: set[int] = set()
+        self._fenced: OrderedDict[int, None] = OrderedDict()
+
+    @contextmanager
+    def using(self, seq: int) -> Iterator[None]:
+        with self._cond:
+            if seq in self._fenced:
+                del self._fenced[seq]
+                raise FailedPrecondition(f"call {seq} on this region was given up by its client (fenced)")
+            if seq:
+                self._running.add(seq)
+        try:
+            yield
+        finally:
+            if seq:
+                with self._cond:
+                    self._running.discard(seq)
+                    self._cond.notify_all()
+
+    def fence(self, seq: int, timeout: float | None) -> bool:
+        """True once call ``seq`` is not running and cannot start; False if it still runs
+        after ``timeout`` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: seq not in self._running, timeout):
+                return False
+            self._fenced[seq] = None
+            while len(self._fenced) > self.KEEP_FENCED:
+                self._fenced.popitem(last=False)
+            return True
+
+
 class RegionTable:
     """Shared-memory regions registered by principals (at most ``max_per_principal`` each)."""
 
     def __init__(self, max_per_principal: int, max_bytes: int) -> None:
         self._max_per, self._max_bytes = max_per_principal, max_bytes
         self._regions: dict[int, tuple[str, Region]] = {}
+        self._uses: dict[int, SlotUse] = {}
+        self._registering: dict[str, int] = {}  # registrations under way, per principal
         self._lock = threading.Lock()
 
     def register(self, owner: str, kind: str, name: str, size: int, handle: bytes = b"",
@@ -76,28 +134,41 @@ class RegionTable:
             raise InvalidArgument(f"region size {size} must be in (0, limits.max_region_bytes={self._max_bytes}]")
         self.prune(owner)  # regions of this principal's clients that are gone
         with self._lock:
-            if sum(o == owner for o, _ in self._regions.values()) >= self._max_per:
+            # NOTE: registrations under way count too: checked here and inserted after the
+            # region is mapped, concurrent registrations all passed the check (5 of limit 2)
+            held = sum(o == owner for o, _ in self._regions.values()) + self._registering.get(owner, 0)
+            if held >= self._max_per:
                 raise ResourceExhausted(
                     f"{owner!r} has limits.max_regions_per_principal={self._max_per} regions",
                     resource="limits.max_regions_per_principal",
                 )
-        with self._lock:
             if any(r.name == name and o != owner for o, r in self._regions.values()):
                 raise PermissionDenied("that region is registered by another principal")
-        region = attach_region(kind, name, size, handle)
-        if nonce is not None and not hmac.compare_digest(getattr(region, "nonce", b""), nonce):
-            region.close()
-            raise PermissionDenied("the region does not hold the nonce given: register a region this "
-                                   "client created")
-        with self._lock:
-            # NOTE: random, never a counter: ids restarting at 1 with the server gave a client
-            # that registered before a restart the id of another client's region registered
-            # after it (same principal): its puts read that region, its gets wrote into it.
-            # A stale id must be unknown (UnknownRegion), so the client registers again.
-            rid = secrets.randbits(63) or 1
-            while rid in self._regions:
+            self._registering[owner] = self._registering.get(owner, 0) + 1
+        try:
+            region = attach_region(kind, name, size, handle)
+            if nonce is not None and not hmac.compare_digest(getattr(region, "nonce", b""), nonce):
+                region.close()
+                raise PermissionDenied("the region does not hold the nonce given: register a region "
+                                       "this client created")
+            with self._lock:
+                # NOTE: random, never a counter: ids restarting at 1 with the server gave a
+                # client that registered before a restart the id of another client's region
+                # registered after it (same principal): its puts read that region, its gets
+                # wrote into it. A stale id must be unknown (UnknownRegion), so the client
+                # registers again.
                 rid = secrets.randbits(63) or 1
-            self._regions[rid] = (owner, region)
+                while rid in self._regions:
+                    rid = secrets.randbits(63) or 1
+                self._regions[rid] = (owner, region)
+                self._uses[rid] = SlotUse()
+        finally:
+            with self._lock:
+                left = self._registering[owner] - 1
+                if left:
+                    self._registering[owner] = left
+                else:
+                    del self._registering[owner]
         return rid, region
 
     def get(self, owner: str, region_id: int) -> Region:
@@ -107,10 +178,28 @@ class RegionTable:
                                 "(a server restart forgets every region)")
         return entry[1]
 
+    @contextmanager
+    def using(self, owner: str, region_id: int, seq: int) -> Iterator[Region]:
+        """The caller's region, for the duration of one call ``seq`` using its slots."""
+        with self._lock:
+            region = self.get(owner, region_id)
+            use = self._uses[region_id]
+        with use.using(seq):
+            yield region
+
+    def fence(self, owner: str, region_id: int, seq: int, timeout: float | None) -> bool:
+        """:meth:`SlotUse.fence` of the caller's region (UnknownRegion for a region this
+        server does not know: a restarted server runs none of the calls of before)."""
+        with self._lock:
+            self.get(owner, region_id)
+            use = self._uses[region_id]
+        return use.fence(seq, timeout)
+
     def unregister(self, owner: str, region_id: int) -> None:
         with self._lock:
             self.get(owner, region_id)
             _, region = self._regions.pop(region_id)
+            self._uses.pop(region_id, None)
         region.close()
 
     def prune(self, owner: str | None = None) -> int:
@@ -130,6 +219,8 @@ class RegionTable:
         ids = [rid for rid, (o, r) in entries if doomed(o, r)]  # NOTE: alive() outside the lock
         with self._lock:
             dropped = [e[1] for rid in ids if (e := self._regions.pop(rid, None)) is not None]
+            for rid in ids:
+                self._uses.pop(rid, None)
         for region in dropped:
             region.close()
         return len(dropped)
@@ -137,6 +228,7 @@ class RegionTable:
     def close(self) -> None:
         with self._lock:
             regions, self._regions = list(self._regions.values()), {}
+            self._uses.clear()
         for _, region in regions:
             region.close()
 

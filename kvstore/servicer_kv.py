@@ -94,15 +94,22 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         def call(p: Principal) -> pb.PutResponse:
             b = self.plane.resolve(p, request.target, write=True)
             ttl = request.ttl_s if request.HasField("ttl_s") else None
-            n = self.plane.put_local(p, b, request.region_id, request.offsets, request.session, ttl)
+            n = self.plane.put_local(p, b, request.region_id, request.offsets, request.session, ttl, request.seq)
             return pb.PutResponse(blocks_written=n)
         return self.rpc.run("PutLocal", context, call)
 
     def GetLocal(self, request, context):
         def call(p: Principal) -> pb.GetLocalResponse:
             b = self.plane.resolve(p, request.target)
-            return pb.GetLocalResponse(num_blocks=self.plane.get_local(p, b, request.region_id, request.offsets))
+            return pb.GetLocalResponse(num_blocks=self.plane.get_local(p, b, request.region_id, request.offsets,
+                                                                       request.seq))
         return self.rpc.run("GetLocal", context, call)
+
+    def FenceRegion(self, request, context):
+        def call(p: Principal) -> pb.FenceRegionResponse:
+            self.plane.fence(p, request.region_id, request.seq, context.time_remaining())
+            return pb.FenceRegionResponse()
+        return self.rpc.run("FenceRegion", context, call)
 
     def _session(self, verb: str, request, context):
         def call(p: Principal) -> pb.SessionResponse:

@@ -12,7 +12,8 @@ Contract:
   is a miss); if one escapes it maps to DATA_LOSS.
 * ``from_rpc_error(err)`` -> the ``KVStoreError`` subclass for the status (``KVStoreError`` with
   ``code`` set for codes without a dedicated class); NOT_FOUND whose message starts with
-  ``UnknownRegion.PREFIX`` -> ``UnknownRegion`` (the client registers its region again).
+  ``UnknownRegion.PREFIX`` -> ``UnknownRegion`` (the client registers its region again);
+  ``ParentNotStored.PREFIX`` -> ``ParentNotStored``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def from_rpc_error(err: grpc.RpcError) -> errors.KVStoreError:
         return exc
     if cls is errors.ResourceExhausted:
         return errors.ResourceExhausted(message or name)
-    if cls is errors.NotFound and message.startswith(errors.UnknownRegion.PREFIX):
-        return errors.UnknownRegion(message)
+    if cls is errors.NotFound:
+        for sub in (errors.UnknownRegion, errors.ParentNotStored):
+            if message.startswith(sub.PREFIX):
+                return sub(message)
     return cls(message or name)

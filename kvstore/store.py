@@ -53,8 +53,8 @@ from kvstore.errors import (
     DTypeMismatch,
     FailedPrecondition,
     InvalidArgument,
-    NotFound,
     NVMeWriteFailed,
+    ParentNotStored,
     ResourceExhausted,
     ShapeMismatch,
     Unauthenticated,
@@ -415,8 +415,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
             pm = self._index.get(tenant, parent0)
             if (pm is None or pm.in_flight or pm.fingerprint != spec.fingerprint
                     or self._place.expired(pm, now)):
-                raise NotFound("the parent block is not stored (never put, evicted or "
-                               "expired): put the chain from its root")
+                raise ParentNotStored(f"{ParentNotStored.PREFIX} (never put, evicted or expired): put "
+                                      "the chain from its root")
             parent_tier, base_depth = pm.tier, pm.depth + 1
         self._refuse_what_cannot_fit(tenant, spec, keys, parent_tier, pinned=sess is not None)
         # New blocks bound for NVMe are encoded ahead while the previous ones are written.

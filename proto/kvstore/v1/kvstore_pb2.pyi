@@ -237,28 +237,44 @@ class UnregisterRegionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PutLocalRequest(_message.Message):
-    __slots__ = ("target", "region_id", "offsets", "session", "ttl_s")
+    __slots__ = ("target", "region_id", "offsets", "session", "ttl_s", "seq")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     target: Target
     region_id: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     session: str
     ttl_s: float
-    def __init__(self, target: _Optional[_Union[Target, _Mapping]] = ..., region_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., session: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    seq: int
+    def __init__(self, target: _Optional[_Union[Target, _Mapping]] = ..., region_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., session: _Optional[str] = ..., ttl_s: _Optional[float] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class GetLocalRequest(_message.Message):
-    __slots__ = ("target", "region_id", "offsets")
+    __slots__ = ("target", "region_id", "offsets", "seq")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     target: Target
     region_id: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, target: _Optional[_Union[Target, _Mapping]] = ..., region_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    seq: int
+    def __init__(self, target: _Optional[_Union[Target, _Mapping]] = ..., region_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class FenceRegionRequest(_message.Message):
+    __slots__ = ("region_id", "seq")
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    region_id: int
+    seq: int
+    def __init__(self, region_id: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class FenceRegionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class GetLocalResponse(_message.Message):
     __slots__ = ("num_blocks",)

@@ -79,6 +79,11 @@ class KVStoreStub:
                 request_serializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.GetLocalRequest.SerializeToString,
                 response_deserializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.GetLocalResponse.FromString,
                 _registered_method=True)
+        self.FenceRegion = channel.unary_unary(
+                '/kvstore.v1.KVStore/FenceRegion',
+                request_serializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.FenceRegionRequest.SerializeToString,
+                response_deserializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.FenceRegionResponse.FromString,
+                _registered_method=True)
         self.OpenSession = channel.unary_unary(
                 '/kvstore.v1.KVStore/OpenSession',
                 request_serializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.SessionRequest.SerializeToString,
@@ -173,6 +178,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FenceRegion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def OpenSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -262,6 +273,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.GetLocal,
                     request_deserializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.GetLocalRequest.FromString,
                     response_serializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.GetLocalResponse.SerializeToString,
+            ),
+            'FenceRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.FenceRegion,
+                    request_deserializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.FenceRegionRequest.FromString,
+                    response_serializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.FenceRegionResponse.SerializeToString,
             ),
             'OpenSession': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenSession,
@@ -542,6 +558,33 @@ class KVStore:
             '/kvstore.v1.KVStore/GetLocal',
             proto_dot_kvstore_dot_v1_dot_kvstore__pb2.GetLocalRequest.SerializeToString,
             proto_dot_kvstore_dot_v1_dot_kvstore__pb2.GetLocalResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FenceRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/FenceRegion',
+            proto_dot_kvstore_dot_v1_dot_kvstore__pb2.FenceRegionRequest.SerializeToString,
+            proto_dot_kvstore_dot_v1_dot_kvstore__pb2.FenceRegionResponse.FromString,
             options,
             channel_credentials,
             insecure,
