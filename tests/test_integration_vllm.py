@@ -27,7 +27,7 @@ import pytest
 import service_harness
 import torch
 
-from kvstore.errors import InvalidArgument
+from kvstore.errors import DTypeMismatch, InvalidArgument
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "vllm_e2e.py"
@@ -234,13 +234,23 @@ class Engine:
             w.clear_connector_metadata()
         return meta, errors
 
-    def run(self, req: Request, block_ids: list[int]) -> tuple[int, list[set[int]], dict[str, Any] | None]:
-        """Lookup, allocation and one step computing the rest of the prompt; then finish.
-        Returns the external tokens taken, each worker's load errors and the finish report."""
+    def run(self, req: Request, block_ids: list[int],
+            chunks: list[int] | None = None) -> tuple[int, list[set[int]], dict[str, Any] | None]:
+        """Lookup, allocation, then steps computing the rest of the prompt (in ``chunks`` of
+        tokens: chunked prefill; default one step); then finish. Returns the external tokens
+        taken, each worker's load errors (all steps) and the finish report."""
         ext, _ = self.sched.get_num_new_matched_tokens(req, 0)
         self.sched.update_state_after_alloc(req, None, ext)
-        _, errors = self.step(sched_output([(req.request_id, block_ids, ext)],
-                                           {req.request_id: len(req.prompt_token_ids) - ext}))
+        computed, errors = ext, [set[int]() for _ in self.workers]
+        for i, n in enumerate(chunks or [len(req.prompt_token_ids) - ext]):
+            out = sched_output([(req.request_id, block_ids, computed)] if i == 0 else [], {req.request_id: n})
+            if i:
+                out.scheduled_cached_reqs = types.SimpleNamespace(
+                    req_ids=[req.request_id], resumed_req_ids=set(), new_block_ids=[None],
+                    num_computed_tokens=[computed])
+            for mine, got in zip(errors, self.step(out)[1], strict=True):
+                mine |= got
+            computed += n
         return ext, errors, self.sched.request_finished(req, block_ids)[1]
 
     def offered(self, req: Request) -> int:
@@ -284,6 +294,162 @@ def engine(kvv: Any, sidecar: Any) -> Iterator[Any]:
     yield make
     for eng in made:
         eng.close()
+
+
+def test_single_rank_save_then_load_is_bit_exact(engine: Any) -> None:
+    eng = engine()
+    eng.register([kv_caches(seed=1)])
+    p = prompt(3)
+    ext, errors, report = eng.run(Request("a", p), [1, 2, 3, 4])
+    assert ext == 0 and errors == [set()]
+    assert report == {"kvstore": {"loaded_tokens": 0, "sent_blocks": 3}}
+    assert eng.workers[0].counts.stored_blocks == 3
+    src = eng.caches[0]
+    eng.register([kv_caches()])
+    ext, errors, report = eng.run(Request("b", p), [5, 6, 7, 8])
+    assert ext == 3 * BS and errors == [set()]
+    assert report is not None and report["kvstore"]["loaded_tokens"] == 3 * BS
+    assert same_blocks(src, [1, 2, 3], eng.caches[0], [5, 6, 7])
+
+
+# -- TP > 1: each rank stores and loads its own shard, under its own keys -------------------------
+def test_tp2_each_rank_stores_and_loads_its_own_shard(engine: Any) -> None:
+    eng = engine(tp=2)
+    eng.register([kv_caches(seed=1), kv_caches(seed=2)])
+    p = prompt(3)
+    _, errors, _ = eng.run(Request("a", p), [1, 2, 3, 4])
+    assert errors == [set(), set()]
+    assert [w.counts.stored_blocks for w in eng.workers] == [3, 3]
+    sources = eng.caches
+    eng.register([kv_caches(), kv_caches()])
+    ext, errors, _ = eng.run(Request("b", p), [5, 6, 7, 8])
+    assert ext == 3 * BS and errors == [set(), set()]
+    for src, dst in zip(sources, eng.caches, strict=True):
+        assert same_blocks(src, [1, 2, 3], dst, [5, 6, 7])
+
+
+def test_tp2_chunked_prefill_saves_each_chunk_under_each_ranks_keys(engine: Any) -> None:
+    eng = engine(tp=2)
+    eng.register([kv_caches(seed=11), kv_caches(seed=12)])
+    p = prompt(4)
+    _, errors, report = eng.run(Request("a", p), [1, 2, 3, 4, 5], chunks=[BS + 3, 2 * BS, BS - 2])
+    assert errors == [set(), set()] and report == {"kvstore": {"loaded_tokens": 0, "sent_blocks": 4}}
+    assert [(w.counts.stored_blocks, w.counts.resent_blocks) for w in eng.workers] == [(4, 0), (4, 0)]
+    sources = eng.caches
+    eng.register([kv_caches(), kv_caches()])
+    ext, errors, _ = eng.run(Request("b", p), [6, 7, 8, 9, 10])
+    assert ext == 4 * BS and errors == [set(), set()]
+    for src, dst in zip(sources, eng.caches, strict=True):
+        assert same_blocks(src, [1, 2, 3, 4], dst, [6, 7, 8, 9])
+
+
+def test_tp2_lookup_hits_only_the_blocks_every_rank_has(kvv: Any, engine: Any, sidecar: Any) -> None:
+    eng = engine(tp=2)
+    eng.register([kv_caches(seed=1), kv_caches(seed=2)])
+    p = prompt(3)
+    eng.run(Request("a", p), [1, 2, 3, 4])
+    # rank 1 loses its third block (evicted): only two blocks are a hit for the request
+    rank1 = kvv.spec_for(VllmConfig(eng.extra, tp=2), eng.extra, tp_rank=1)
+    with sidecar.client(eng.extra["kvstore_token"]) as client:
+        assert client.delete(client.block_keys(rank1, p[: 3 * BS])[2:]) == 1
+    assert eng.offered(Request("b", p)) == 2 * BS
+
+
+# -- LoRA adapters, cache_salt and multimodal inputs keep their KV apart ------------------------
+def test_lora_adapters_and_cache_salts_do_not_share_kv(engine: Any) -> None:
+    eng = engine()
+    eng.register([kv_caches(seed=3)])
+    p = prompt(3)
+    eng.run(Request("a", p, lora_request=Lora("adapter-a", 1), cache_salt="alice"), [1, 2, 3, 4])
+    assert eng.offered(Request("same", p, lora_request=Lora("adapter-a", 1), cache_salt="alice")) == 3 * BS
+    assert eng.offered(Request("base", p, cache_salt="alice")) == 0
+    assert eng.offered(Request("lora-b", p, lora_request=Lora("adapter-b", 2), cache_salt="alice")) == 0
+    assert eng.offered(Request("salt-b", p, lora_request=Lora("adapter-a", 1), cache_salt="bob")) == 0
+    assert eng.offered(Request("no-salt", p, lora_request=Lora("adapter-a", 1))) == 0
+
+
+def test_a_lora_request_loads_the_blocks_saved_under_its_adapter(engine: Any) -> None:
+    eng = engine()
+    eng.register([kv_caches(seed=4)])
+    p = prompt(2)
+    eng.run(Request("a", p, lora_request=Lora("adapter-a", 1), cache_salt="s"), [1, 2, 3])
+    src = eng.caches[0]
+    eng.register([kv_caches()])
+    ext, errors, _ = eng.run(Request("b", p, lora_request=Lora("adapter-a", 7), cache_salt="s"), [4, 5, 6])
+    assert ext == 2 * BS and errors == [set()]  # the adapter's name, not vLLM's per-process id
+    assert same_blocks(src, [1, 2], eng.caches[0], [4, 5])
+
+
+def test_multimodal_requests_are_neither_looked_up_nor_saved(engine: Any, sidecar: Any) -> None:
+    eng = engine()
+    eng.register([kv_caches(seed=5)])
+    p = prompt(3)
+    eng.run(Request("text", p), [1, 2, 3, 4])
+    assert eng.offered(Request("image", p, mm_features=["image-1"])) == 0
+    q = prompt(3)
+    _, _, report = eng.run(Request("image-2", q, mm_features=["image-2"]), [5, 6, 7, 8])
+    assert report is None and eng.sched.counts.skipped_requests == 2
+    assert eng.offered(Request("text-2", q)) == 0  # nothing of the image request was stored
+
+
+# -- a save whose stored parent went away -------------------------------------------------------
+def test_a_save_whose_stored_parent_went_away_resends_the_chain_from_its_root(kvv: Any, engine: Any,
+                                                                              sidecar: Any) -> None:
+    eng = engine()
+    eng.register([kv_caches(seed=6)])
+    short = prompt(2)
+    eng.run(Request("a", short), [1, 2, 3])
+    long = short[: 2 * BS] + prompt(2)
+    req = Request("b", long)
+    assert eng.sched.get_num_new_matched_tokens(req, 0) == (2 * BS, False)
+    eng.sched.update_state_after_alloc(req, None, 0)  # vLLM has those two blocks itself
+    with sidecar.client(eng.extra["kvstore_token"]) as client:  # ... and kvstore loses them
+        spec = kvv.spec_for(VllmConfig(eng.extra), eng.extra)
+        assert client.delete(client.block_keys(spec, short[: 2 * BS])) == 2
+        eng.step(sched_output([("b", [4, 5, 6, 7, 8], 0)], {"b": len(long)}))
+        assert client.lookup(spec, token_ids=long[: 4 * BS]).num_blocks == 4
+    counts = eng.workers[0].counts
+    assert (counts.stored_blocks, counts.resent_blocks, counts.failed_blocks) == (2 + 2, 2, 0)
+
+
+def test_a_dropped_save_is_counted_failed_and_not_reported_stored(engine: Any, sidecar: Any) -> None:
+    admin = sidecar.admin()
+    token = admin.create_tenant("vllm-no-room")
+    admin.set_policy("vllm-no-room", quota_bytes={"hbm": 1, "dram": 1, "nvme": 1})  # every put refused
+    eng = engine(token)
+    eng.register([kv_caches(seed=7)])
+    p = prompt(2)
+    _, _, report = eng.run(Request("a", p), [1, 2, 3])
+    assert report == {"kvstore": {"loaded_tokens": 0, "sent_blocks": 2}}  # sent, not claimed stored
+    counts = eng.workers[0].counts
+    assert (counts.stored_blocks, counts.failed_blocks) == (0, 2)
+    assert eng.offered(Request("again", p)) == 0
+
+
+# -- cache dtypes -------------------------------------------------------------------------------
+def test_fp8_caches_vllm_allocates_as_uint8_round_trip(engine: Any) -> None:
+    eng = engine(cache_dtype="fp8")
+    g = torch.Generator().manual_seed(8)
+    shape = (NUM_BLOCKS, 2, BS, KV_HEADS, HEAD_DIM)
+    src = {f"model.layers.{i}.self_attn.attn": torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+           for i in range(LAYERS)}
+    eng.register([src])
+    p = prompt(2)
+    _, errors, _ = eng.run(Request("a", p), [1, 2, 3])
+    assert errors == [set()] and eng.workers[0].counts.stored_blocks == 2
+    eng.register([{n: torch.zeros_like(c) for n, c in src.items()}])
+    ext, errors, _ = eng.run(Request("b", p), [4, 5, 6])
+    assert ext == 2 * BS and errors == [set()]
+    assert same_blocks(src, [1, 2], eng.caches[0], [4, 5])
+
+
+@pytest.mark.parametrize(("cache_dtype", "tensor_dtype"), [("auto", torch.float32), ("fp8", torch.float16),
+                                                            ("auto", torch.uint8)])
+def test_caches_of_another_dtype_are_refused_at_registration(engine: Any, cache_dtype: str,
+                                                             tensor_dtype: torch.dtype) -> None:
+    eng = engine(cache_dtype=cache_dtype)
+    with pytest.raises(DTypeMismatch, match="kvstore connector"):
+        eng.register([kv_caches(dtype=tensor_dtype)])
 
 
 # -- options ------------------------------------------------------------------------------------

@@ -21,8 +21,8 @@ Contracts:
 * **Roles.** vLLM builds one instance per role, in different processes: the scheduler instance
   (lookup, allocation update, metadata, request finished) and one worker instance per worker
   (load, save). Each opens its own :class:`kvstore.client.Client` on first use. The scheduler
-  sends the worker everything it needs in :class:`KVStoreConnectorMetadata` (keys, parents,
-  block ids): the worker never computes keys.
+  sends the workers everything they need in :class:`KVStoreConnectorMetadata` (every rank's
+  keys, block ids, the LoRA adapter): the workers never compute keys.
 * **Blocks.** One kvstore block = one vLLM block (``block_tokens`` = vLLM's ``block_size``),
   all layers of this worker's shard, shaped ``[2, L, H, T, D]`` (:func:`spec_for` gives the
   spec). Each layer's cache is moved as vLLM allocated it by :mod:`kernels.paged`, in its
@@ -31,28 +31,47 @@ Contracts:
   depends on its ISA: for ``vec`` (K dim-major ``[D, bs]``, V token-major) the gather/scatter
   kernel itself reads K as ``[D, bs]`` (``CPU_SPLIT_KDIM``), so stored blocks are canonical
   with no transposing pass; other ISAs keep the engine's bytes under the layout tag ``vllm-cpu-<isa>`` (part of the fingerprint), so such blocks
-  round-trip exactly but never mix with canonical ones. Keys are the server-computed chained keys of the prompt's
-  full blocks (the tenant namespace is applied by the server), so a block is only ever reused
-  after the same prefix.
-* **Lookup.** :meth:`get_num_new_matched_tokens` asks the sidecar for the longest stored prefix,
-  capped so that at least one prompt token is left to compute, and returns the part beyond
-  vLLM's own (block-aligned) local hit. Loads are synchronous (``load_kv_async`` is False).
-* **Load.** :meth:`start_load_kv` gets every scheduled load's blocks and scatters all layers
-  before the forward pass (so :meth:`wait_for_layer_load` has nothing to wait for). Blocks the
-  sidecar no longer has (evicted since the lookup) are reported through
-  :meth:`get_block_ids_with_load_errors`, and vLLM recomputes them.
-* **Save.** Each step, full prompt blocks that become computed in that step and are not yet
-  known to be stored are saved: :meth:`save_kv_layer` gathers each layer into a staging
+  round-trip exactly but never mix with canonical ones. Caches must hold the spec's dtype,
+  checked at :meth:`~KVStoreConnector.register_kv_caches`; fp8 caches, which vLLM allocates as
+  ``uint8``, are viewed as the spec's fp8 dtype (same bytes).
+* **Keys.** The server-computed chained keys of the prompt's full blocks (the tenant namespace
+  is applied by the server), so a block is only ever reused after the same prefix. They are
+  computed under each TP rank's own spec (its shard has its own fingerprint), so the scheduler
+  asks for the keys of every rank. A request's LoRA adapter (``lora_request.lora_name``, else
+  its id) is the spec's ``adapter`` (so another fingerprint), and its ``cache_salt`` is an extra
+  key of the first block (as vLLM's own prefix cache does), so requests vLLM keeps apart never
+  share KV here either. NOTE: the adapter is known by its name, which must name one set of
+  weights (as the model id does: a retrained adapter needs a new name or ``kvstore_revision``).
+* **Multimodal inputs and prompt embeddings are not cached.** Their KV depends on more than the
+  token ids (placeholder tokens stand for an image), so such requests are neither looked up nor
+  saved (counted in ``counts.skipped_requests``, logged at debug).
+* **Lookup.** :meth:`get_num_new_matched_tokens` asks the sidecar for the longest stored prefix
+  of every TP rank's shard (one lookup per rank; two with a ``cache_salt``, keys then lookup)
+  and takes the shortest, so a hit is offered only where every rank has its blocks; capped so
+  that at least one prompt token is left to compute, it returns the part beyond vLLM's own
+  (block-aligned) local hit. Loads are synchronous (``load_kv_async`` is False).
+* **Load.** :meth:`start_load_kv` gets every scheduled load's blocks (under this rank's keys) and
+  scatters all layers before the forward pass (so :meth:`wait_for_layer_load` has nothing to
+  wait for). Blocks the sidecar no longer has (evicted since the lookup, on any rank) are
+  reported through :meth:`get_block_ids_with_load_errors`, and vLLM recomputes them.
+* **Save.** Each step, full prompt blocks that become computed in that step and were not yet
+  stored or sent to be saved are saved: :meth:`save_kv_layer` gathers each layer into a staging
   buffer right after the layer's attention wrote it, and :meth:`wait_for_save` fills any layer
   it did not see from the registered caches and puts the blocks (chained on the previous
-  block's key). A failed save is logged and dropped (a future miss, never wrong data), so
-  :meth:`request_finished` never delays freeing blocks.
-* **Limits.** One KV cache group (no hybrid/HMA models); prompt tokens only (no multimodal
-  extra keys); with TP > 1 the scheduler looks up rank 0's shard and assumes every rank saved.
+  block's key). When that stored previous block is gone (evicted or expired since the lookup,
+  or its own save failed), the put is refused and the whole chain is sent again from the
+  prompt's first block (the request still holds those blocks in the engine). Any other failed
+  save is logged and dropped (a future miss, never wrong data), so :meth:`request_finished`
+  never delays freeing blocks. The scheduler cannot see a worker's outcome: its report says how
+  many blocks it *sent* to be saved; each worker counts what it stored (``counts``).
+* **Limits.** One KV cache group (no hybrid/HMA models); prompt tokens only; no multimodal
+  requests. A save's metadata carries every rank's keys of the prompt's blocks up to the saved
+  ones (32 bytes per block and rank), so the workers can resend a chain from its root.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -64,8 +83,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kernels.paged import PagedLayout, gather_layer, scatter_blocks
-from kvstore.errors import InvalidArgument, KVStoreError, ShapeMismatch
+from kernels.paged import PagedLayout, gather_blocks, gather_layer, scatter_blocks
+from kvstore.errors import DTypeMismatch, InvalidArgument, KVStoreError, ParentNotStored, ShapeMismatch
 from kvstore.integrations.guard import SidecarGuard
 from kvstore.integrations.options import DEFAULT_TIMEOUT_S, positive_int, positive_seconds
 from kvstore.spec import ModelSpec
@@ -77,27 +96,30 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-__all__ = ["KVStoreConnector", "KVStoreConnectorMetadata", "Transfer", "cpu_isa", "make_spec",
-           "spec_for"]
+__all__ = ["ConnectorCounts", "KVStoreConnector", "KVStoreConnectorMetadata", "Transfer", "cpu_isa",
+           "make_spec", "request_adapter", "spec_for"]
 
 log = logging.getLogger(__name__)
 
 _FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 #: default size of the client's shared-memory region (``kvstore_region_mib``)
 DEFAULT_REGION_MIB = 64
+#: the extra key of a request's first block that carries its ``cache_salt``
+_SALT = b"vllm-cache-salt:"
 
 
 def make_spec(model: str, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str,
               block_size: int, revision: str = "", tp_rank: int = 0, tp_size: int = 1,
-              layout: str = "vllm") -> ModelSpec:
+              layout: str = "vllm", adapter: str = "") -> ModelSpec:
     """The block spec the connector uses (also for callers that inspect the store)."""
     return ModelSpec(model=model, revision=revision, num_layers=num_layers, num_kv_heads=num_kv_heads,
                      head_dim=head_dim, dtype=dtype, block_tokens=block_size, layout=layout,
-                     tp_rank=tp_rank, tp_size=tp_size)
+                     adapter=adapter, tp_rank=tp_rank, tp_size=tp_size)
 
 
-def spec_for(vllm_config: VllmConfig, extra: dict[str, Any], tp_rank: int = 0) -> ModelSpec:
-    """Spec of one worker's shard, from vLLM's config (the same in every process)."""
+def spec_for(vllm_config: VllmConfig, extra: dict[str, Any], tp_rank: int = 0, adapter: str = "") -> ModelSpec:
+    """Spec of one worker's shard, from vLLM's config (the same in every process); ``adapter``:
+    the request's LoRA adapter (:func:`request_adapter`), "" for the base model."""
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     if cc.cache_dtype == "auto":
         dtype = str(mc.dtype).removeprefix("torch.")
@@ -109,8 +131,27 @@ def spec_for(vllm_config: VllmConfig, extra: dict[str, Any], tp_rank: int = 0) -
     return make_spec(model, num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
                      head_dim=mc.get_head_size(), dtype=dtype, block_size=cc.block_size,
                      revision=str(extra.get("kvstore_revision") or mc.revision or ""),
-                     tp_rank=tp_rank, tp_size=pc.tensor_parallel_size,
+                     tp_rank=tp_rank, tp_size=pc.tensor_parallel_size, adapter=adapter,
                      layout=_layout_tag(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype))
+
+
+def request_adapter(request: Any) -> str:
+    """The spec ``adapter`` of a vLLM request: its LoRA adapter's name (else its id), "" without.
+
+    NOTE: the name, not ``lora_int_id``: vLLM numbers adapters per process, and stored blocks
+    outlive the process (NVMe, other engines on the same sidecar)."""
+    lora = getattr(request, "lora_request", None)
+    if lora is None:
+        return ""
+    name = getattr(lora, "lora_name", None) or getattr(lora, "name", None)
+    return f"lora:{name}" if name else f"lora-id:{getattr(lora, 'lora_int_id', '')}"
+
+
+def _unkeyable(request: Any) -> bool:
+    """Whether the request's KV depends on more than its token ids (multimodal inputs, prompt
+    embeddings), across vLLM versions (``mm_features``; ``mm_positions``/``mm_hashes`` before)."""
+    return (any(getattr(request, name, None) for name in ("mm_features", "mm_positions", "mm_hashes"))
+            or getattr(request, "prompt_embeds", None) is not None)
 
 
 #: CPU attention ISAs whose block order the connector converts to the canonical one
@@ -138,13 +179,18 @@ def _layout_tag(dtype: torch.dtype, block_size: int, head_size: int, cache_dtype
 
 @dataclass(slots=True)
 class Transfer:
-    """Blocks of one request to move this step: ``keys[i]`` <-> engine block ``block_ids[i]``;
-    ``parent``: the stored block ``keys[0]`` continues from (None at the prompt's start)."""
+    """Blocks of one request to move this step: the prompt's blocks ``start..len(block_ids)``.
+
+    ``keys[r][i]``: TP rank r's key of the prompt's block i, for every block up to the last one
+    moved (the ones before ``start`` are the chain the moved blocks continue from, which a
+    save sends again if the store lost it); ``block_ids[i]``: the engine block holding block i;
+    ``adapter``: the request's spec adapter (:func:`request_adapter`)."""
 
     req_id: str
-    keys: list[bytes]
-    parent: bytes | None
+    keys: list[list[bytes]]
+    start: int
     block_ids: list[int]
+    adapter: str = ""
 
 
 @dataclass
@@ -156,11 +202,25 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 
 
 @dataclass(slots=True)
+class ConnectorCounts:
+    """What one connector instance did: the scheduler counts requests, a worker its rank's
+    blocks (each process has its own instance; vLLM does not carry them between processes)."""
+
+    skipped_requests: int = 0  # scheduler: neither looked up nor saved (multimodal, prompt embeds)
+    stored_blocks: int = 0  # worker: blocks of saves the sidecar acknowledged
+    resent_blocks: int = 0  # worker: earlier blocks sent again because their stored chain was gone
+    failed_blocks: int = 0  # worker: blocks of saves that failed (logged, dropped)
+    failed_loads: int = 0  # worker: blocks a load did not get (reported to vLLM, recomputed)
+
+
+@dataclass(slots=True)
 class _ReqState:
     """Scheduler-side record of one request."""
 
-    keys: list[bytes]  # keys of the prompt's full blocks
-    stored: int = 0  # leading blocks known to be in the store
+    keys: list[list[bytes]]  # per TP rank: keys of the prompt's full blocks
+    adapter: str = ""
+    saved: int = 0  # leading blocks found stored by the lookup or sent to the workers to save
+    sent: int = 0  # blocks sent to the workers to save
     block_ids: list[int] = field(default_factory=list)
     load: tuple[int, int] | None = None  # (first block, count) to load at the next schedule
     loaded_tokens: int = 0
@@ -182,16 +242,21 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._guard = SidecarGuard(str(extra["kvstore_target"]))
         self._namespace = str(extra.get("kvstore_namespace", ""))
         self._block_size = vllm_config.cache_config.block_size
-        tp_rank = 0
+        self._tp_rank = 0
         if role == KVConnectorRole.WORKER:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-            tp_rank = get_tensor_model_parallel_rank()
-        self._spec = spec_for(vllm_config, extra, tp_rank)
+            self._tp_rank = get_tensor_model_parallel_rank()
+        self._spec = spec_for(vllm_config, extra, self._tp_rank)
+        # the scheduler computes keys for every rank's shard (ranks differ only in tp_rank)
+        self._rank_specs = [dataclasses.replace(self._spec, tp_rank=r) for r in range(self._spec.tp_size)]
+        self._adapter_specs: dict[tuple[str, int], ModelSpec] = {}
         mc, cc = vllm_config.model_config, vllm_config.cache_config
         self._k_dim_major = cpu_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype) in _K_DIM_MAJOR_ISAS
         self._client_obj: Any = None
+        self.counts = ConnectorCounts()
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
+        self._skipped: set[str] = set()  # requests not cached (see _unkeyable)
         # worker side
         self._layers: list[torch.Tensor] = []  # the engine's caches, in layer order
         self._layout = PagedLayout.BLOCKS_FIRST  # theirs (set by register_kv_caches)
@@ -217,28 +282,65 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._client_obj.close()
             self._client_obj = None
 
+    def _spec_of(self, adapter: str, rank: int) -> ModelSpec:
+        """Rank ``rank``'s spec for requests of LoRA adapter ``adapter`` (cached)."""
+        if not adapter:
+            return self._rank_specs[rank]
+        spec = self._adapter_specs.get((adapter, rank))
+        if spec is None:
+            spec = self._adapter_specs[(adapter, rank)] = dataclasses.replace(self._rank_specs[rank], adapter=adapter)
+        return spec
+
     # == scheduler side ===========================================================================
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Stored prompt tokens beyond vLLM's local hit (block-aligned, at least one token left)."""
+        """Stored prompt tokens beyond vLLM's local hit (block-aligned, at least one token left),
+        counting only blocks that every TP rank has."""
         prompt = list(request.prompt_token_ids or ())
         bs = self._block_size
         full = len(prompt) // bs
         if full == 0:
             return 0, False
+        if _unkeyable(request):
+            if request.request_id not in self._skipped:  # asked again each step it waits
+                self._skipped.add(request.request_id)
+                self.counts.skipped_requests += 1
+                log.debug("kvstore connector skips %s: multimodal inputs or prompt embeddings",
+                          request.request_id)
+            return 0, False
+        adapter = request_adapter(request)
+        salt = getattr(request, "cache_salt", None)
         try:
-            hit = self._guard.call(self._client().lookup, self._spec, token_ids=prompt[: full * bs],
-                                   namespace=self._namespace)
+            keys, found = self._lookup(prompt[: full * bs], adapter, salt)
         except KVStoreError as exc:
             log.log(self._guard.level(), "kvstore lookup failed for %s: %s", request.request_id, exc)
             return 0, False
         st = self._reqs.get(request.request_id)
         if st is None:
-            st = self._reqs[request.request_id] = _ReqState(keys=list(hit.keys or ()))
-        st.stored = max(st.stored, hit.num_blocks)
-        usable = min(hit.num_blocks, (len(prompt) - 1) // bs)
+            st = self._reqs[request.request_id] = _ReqState(keys=keys, adapter=adapter)
+        st.saved = max(st.saved, found)
+        usable = min(found, (len(prompt) - 1) // bs)
         local = num_computed_tokens // bs
         st.load = (local, usable - local) if usable > local else None
         return (usable - local) * bs if st.load else 0, False
+
+    def _lookup(self, tokens: list[int], adapter: str, salt: str | None) -> tuple[list[list[bytes]], int]:
+        """Every TP rank's keys of ``tokens``' full blocks, and how many leading blocks every
+        rank has stored."""
+        client, ns = self._client(), self._namespace
+        extra = [[_SALT + str(salt).encode()]] if salt else None
+        keys: list[list[bytes]] = []
+        found = len(tokens) // self._block_size
+        for rank in range(len(self._rank_specs)):
+            spec = self._spec_of(adapter, rank)
+            if extra is None:
+                hit = self._guard.call(client.lookup, spec, token_ids=tokens, namespace=ns)
+                rank_keys = list(hit.keys or ())
+            else:  # NOTE: a lookup by token ids takes no extra keys: keys first, then lookup
+                rank_keys = self._guard.call(client.block_keys, spec, tokens, extra, namespace=ns)
+                hit = self._guard.call(client.lookup, spec, rank_keys, namespace=ns) if found else None
+            keys.append(rank_keys)
+            found = min(found, hit.num_blocks if hit is not None else 0)
+        return keys, found
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
@@ -281,40 +383,58 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def _plan(self, req_id: str, st: _ReqState, computed_end: int, meta: KVStoreConnectorMetadata) -> None:
         """Add this step's load (if pending) and the newly completed full blocks to save."""
-        keys = st.keys
         if st.load is not None:
             first, n = st.load
-            meta.loads.append(Transfer(req_id, keys[first : first + n], keys[first - 1] if first else None,
-                                       st.block_ids[first : first + n]))
+            meta.loads.append(Transfer(req_id, [k[: first + n] for k in st.keys], first,
+                                       st.block_ids[: first + n], st.adapter))
             st.loaded_tokens += n * self._block_size
             st.load = None
-        done = min(computed_end // self._block_size, len(keys), len(st.block_ids))
-        if done > st.stored:
-            meta.saves.append(Transfer(req_id, keys[st.stored : done], keys[st.stored - 1] if st.stored else None,
-                                       st.block_ids[st.stored : done]))
-            st.stored = done
+        done = min(computed_end // self._block_size, len(st.keys[0]), len(st.block_ids))
+        if done > st.saved:
+            meta.saves.append(Transfer(req_id, [k[:done] for k in st.keys], st.saved, st.block_ids[:done],
+                                       st.adapter))
+            st.sent += done - st.saved
+            # NOTE: counted as saved before the workers put them: a later save chained on a
+            # block whose own save failed is refused, and then sends the chain from its root
+            st.saved = done
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Saves are synchronous, so blocks are never held; reports what kvstore did."""
+        """Saves are synchronous, so blocks are never held; reports what kvstore did as far as
+        the scheduler knows: tokens loaded, blocks sent to the workers to save (each worker
+        counts what it stored, :attr:`counts`)."""
+        self._skipped.discard(request.request_id)
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
-        return False, {"kvstore": {"loaded_tokens": st.loaded_tokens, "stored_blocks": st.stored}}
+        return False, {"kvstore": {"loaded_tokens": st.loaded_tokens, "sent_blocks": st.sent}}
 
     # == worker side ==============================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Keep each layer's cache as vLLM allocated it, in layer order, with its paged layout."""
+        """Keep each layer's cache as vLLM allocated it, in layer order, with its paged layout;
+        a cache of another dtype than the spec's is refused here, not in the forward pass."""
         from vllm.model_executor.models.utils import extract_layer_index
 
         names = sorted(kv_caches, key=extract_layer_index)
         if len(names) != self._spec.num_layers:
             raise ShapeMismatch(f"kvstore connector: {len(names)} KV layers, spec has {self._spec.num_layers}")
-        layouts = {self._layout_of(kv_caches[n]) for n in names}
+        caches = [self._typed(n, kv_caches[n]) for n in names]
+        layouts = {self._layout_of(c) for c in caches}
         if len(layouts) != 1:
             raise ShapeMismatch(f"kvstore connector: layers use different KV layouts {sorted(layouts)}")
         self._layout = layouts.pop()
-        self._layers = [kv_caches[n] for n in names]
+        self._layers = caches
         self._layer_pos = {n: i for i, n in enumerate(names)}
+
+    def _typed(self, name: str, cache: torch.Tensor) -> torch.Tensor:
+        """``cache`` as the spec's dtype: as is, or an fp8 cache vLLM allocated as ``uint8``
+        viewed as the spec's fp8 dtype (the same bytes)."""
+        want = self._spec.torch_dtype
+        if cache.dtype == want:
+            return cache
+        if cache.dtype == torch.uint8 and self._spec.itemsize == 1:
+            return cache.view(want)
+        raise DTypeMismatch(f"kvstore connector: layer {name} caches {cache.dtype}, the spec says {want} "
+                            f"(kv_cache_dtype {self._spec.dtype!r})")
 
     def _layout_of(self, cache: torch.Tensor) -> PagedLayout:
         s, bs = self._spec, self._block_size
@@ -335,17 +455,20 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
         for t in meta.loads:
+            keys, ids = t.keys[self._tp_rank], t.block_ids[t.start :]
             try:
-                blocks = self._guard.call(self._client().get, self._spec, t.keys, parent=t.parent,
+                blocks = self._guard.call(self._client().get, self._spec_of(t.adapter, self._tp_rank),
+                                          keys[t.start :], parent=keys[t.start - 1] if t.start else None,
                                           namespace=self._namespace)
             except KVStoreError as exc:
                 log.log(self._guard.level(), "kvstore load failed for %s: %s", t.req_id, exc)
                 blocks = None
             n = 0 if blocks is None else blocks.shape[0]
             if n:
-                scatter_blocks(blocks, self._layers, t.block_ids[:n], self._layout)
-            if n < len(t.keys):
-                self._load_errors.update(t.block_ids[n:])
+                scatter_blocks(blocks, self._layers, ids[:n], self._layout)
+            if n < len(ids):
+                self._load_errors.update(ids[n:])
+                self.counts.failed_loads += len(ids) - n
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads complete in :meth:`start_load_kv`; nothing to wait for."""
@@ -356,7 +479,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if pos is None:
             return
         for t, buf, seen in self._staging():
-            gather_layer(self._layers[pos], t.block_ids, self._layout, buf[:, :, pos])
+            gather_layer(self._layers[pos], t.block_ids[t.start :], self._layout, buf[:, :, pos])
             seen.add(pos)
 
     def _staging(self) -> list[tuple[Transfer, torch.Tensor, set[int]]]:
@@ -364,8 +487,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             meta = self._get_connector_metadata()
             assert isinstance(meta, KVStoreConnectorMetadata)
             s = self._spec
-            self._staged = [(t, torch.empty((len(t.block_ids), *s.block_shape), dtype=s.torch_dtype), set())
-                            for t in meta.saves]
+            self._staged = [(t, torch.empty((len(t.block_ids) - t.start, *s.block_shape), dtype=s.torch_dtype),
+                             set()) for t in meta.saves]
         return self._staged
 
     def wait_for_save(self) -> None:
@@ -374,12 +497,31 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._staged = []
         for t, buf, seen in staged:
             for pos in set(range(len(self._layers))) - seen:
-                gather_layer(self._layers[pos], t.block_ids, self._layout, buf[:, :, pos])
+                gather_layer(self._layers[pos], t.block_ids[t.start :], self._layout, buf[:, :, pos])
             try:
-                self._guard.call(self._client().put, self._spec, t.keys, buf, parent=t.parent,
-                                 namespace=self._namespace)
+                self._put(t, buf)
+                self.counts.stored_blocks += len(buf)
             except KVStoreError as exc:
                 log.log(self._guard.level(), "kvstore save failed for %s: %s", t.req_id, exc)
+                self.counts.failed_blocks += len(buf)
+
+    def _put(self, t: Transfer, blocks: torch.Tensor) -> None:
+        """Put ``blocks`` (the transfer's blocks from ``start``) chained on the block before;
+        if the store no longer has that chain, put the whole chain from its root."""
+        spec, keys = self._spec_of(t.adapter, self._tp_rank), t.keys[self._tp_rank]
+        put = self._client().put
+        if t.start == 0:
+            self._guard.call(put, spec, keys, blocks, namespace=self._namespace)
+            return
+        try:
+            self._guard.call(put, spec, keys[t.start :], blocks, parent=keys[t.start - 1], namespace=self._namespace)
+        except ParentNotStored:
+            log.info("kvstore: the stored prefix of %s is gone; saving its %d blocks from the root",
+                     t.req_id, len(keys))
+            head = gather_blocks(self._layers, t.block_ids[: t.start], self._layout,
+                                 out=torch.empty((t.start, *spec.block_shape), dtype=blocks.dtype))
+            self._guard.call(put, spec, keys, torch.cat([head, blocks]), namespace=self._namespace)
+            self.counts.resent_blocks += t.start
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
