@@ -458,7 +458,13 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                 # NOTE: only once every block is placed: a failed put changes no TTL
                 for m in existing:
                     self._place.touch(m, now)
-                    m.ttl_deadline = _later(m.ttl_deadline, deadline)
+                    later = _later(m.ttl_deadline, deadline)
+                    if later != m.ttl_deadline:
+                        m.ttl_deadline = later
+                        if self._nvme is not None and (m.persisted or m.tier == Tier.NVME):
+                            # NOTE: its NVMe record too: a restart read the old deadline there
+                            # and dropped the block before the one it had been given
+                            self._nvme.update_record(self._place.record(m))
                 if sess is not None:
                     for m in held:
                         self._session_add(sess, m)

@@ -56,6 +56,26 @@ def test_the_tenant_ttl_policy_bounds_a_puts_own_ttl(open_store, spec, clock):
     assert s.lookup("b", spec, s.block_keys("b", spec, tokens(1, spec))).num_blocks == 1
 
 
+@pytest.mark.parametrize("hbm_blocks", [0, 4])
+def test_a_ttl_extended_by_a_later_put_survives_a_restart(open_store, spec, clock, tmp_path, hbm_blocks):
+    """Putting stored blocks again with a longer TTL moves their deadline later. For a block
+    with an NVMe copy, only the index learned of it: a restart read the old deadline from
+    the NVMe record and dropped the blocks before the deadline they had been given."""
+    path = tmp_path / "ext"
+    s = open_store(spec, hbm_blocks=hbm_blocks, dram_blocks=0, nvme_blocks=16, path=path, durable=True)
+    keys = s.block_keys("a", spec, tokens(3, spec))
+    kv = make_kv(spec, 3)
+    s.put("a", spec, keys, kv, ttl_s=10.0)
+    s.put("a", spec, keys, kv, ttl_s=100.0)
+    clock.advance(50)
+    assert s.lookup("a", spec, keys).num_blocks == 3
+    s.close()
+    s = open_store(spec, hbm_blocks=hbm_blocks, dram_blocks=0, nvme_blocks=16, path=path, durable=True)
+    assert s.lookup("a", spec, keys).num_blocks == 3  # was 0
+    clock.advance(60)
+    assert s.lookup("a", spec, keys).num_blocks == 0  # the new deadline holds
+
+
 def test_a_put_past_the_tenants_quota_names_the_quota(open_store, spec):
     """It said "(capacity, and its quota where set): give the store more room" either way."""
     from kvstore.errors import ResourceExhausted

@@ -329,6 +329,15 @@ class NVMeTier:
             self.delete(ref)
             return False
 
+    def update_record(self, record: NVMeRecord) -> bool:
+        """Write ``record`` over the held block's record (its value unchanged): a TTL deadline
+        moved later. False if the block is not held."""
+        if (record.tenant, record.key) not in self._sizes:
+            return False
+        with self._write() as txn:
+            txn.put(tenant_prefix(record.tenant) + record.key, record.pack(), db=self._meta)
+        return True
+
     def delete(self, ref: BlockRef) -> bool:
         return self.delete_key(ref.tenant, ref.key)
 
