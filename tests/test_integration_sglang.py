@@ -258,3 +258,28 @@ def test_a_sidecar_that_does_not_answer_costs_one_timeout_then_misses() -> None:
             assert time.monotonic() - t0 < 12 * 0.3
         finally:
             backend.close()
+
+
+# -- the host pool fixes the page geometry ------------------------------------------------------
+def test_page_dtype_comes_from_the_host_pool_when_page_bytes_is_set(sidecar: Any, token: str) -> None:
+    backend = create(sidecar, token, kvstore_page_bytes=PAGE_BYTES)  # no kvstore_dtype
+    backend.register_mem_pool_host(LayerFirstHostPool(tokens=4 * PAGE))  # a bfloat16 pool
+    assert backend.spec.dtype == "bfloat16"
+    (page,) = pages(1, seed=9)
+    assert backend.set("pool-dtype", page)
+    got = backend.get("pool-dtype")
+    assert got is not None and got.dtype == torch.bfloat16 and torch.equal(got, page)
+    from_pool = create(sidecar, token)  # no page size either: all from the pool, same spec
+    from_pool.register_mem_pool_host(LayerFirstHostPool(tokens=4 * PAGE))
+    assert from_pool.spec == backend.spec and from_pool.exists("pool-dtype")
+
+
+@pytest.mark.parametrize(("extra", "key"), [({"kvstore_page_bytes": 2 * PAGE_BYTES}, "kvstore_page_bytes"),
+                                            ({"kvstore_page_bytes": PAGE_BYTES, "kvstore_dtype": "float16"},
+                                             "kvstore_dtype"),
+                                            ({"kvstore_dtype": "float32"}, "kvstore_dtype")])
+def test_settings_that_disagree_with_the_host_pool_are_refused_at_registration(
+        sidecar: Any, token: str, extra: dict[str, Any], key: str) -> None:
+    backend = create(sidecar, token, **extra)
+    with pytest.raises(InvalidArgument, match=key):
+        backend.register_mem_pool_host(LayerFirstHostPool(tokens=4 * PAGE))

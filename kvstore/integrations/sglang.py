@@ -27,7 +27,11 @@ Contracts:
   page_bytes / (2 * itemsize)`` of the page dtype — whose fingerprint still separates model,
   page geometry, SGLang layout, TP shard (MLA pages are shared by all TP ranks) and PP stage
   (in the ``layout`` tag). Round trips are bit-exact (kvstore's codecs are lossless unless an
-  operator enables NVMe quantization for the tenant or model).
+  operator enables NVMe quantization for the tenant or model). The host pool SGLang registers
+  fixes the spec: its page size, dtype and layout (so a backend configured with
+  ``kvstore_page_bytes`` and one that is not share pages once the pool is registered);
+  ``kvstore_page_bytes`` or ``kvstore_dtype`` that disagree with the pool are refused there,
+  as an :class:`~kvstore.errors.InvalidArgument`, rather than failing every transfer later.
 * **Results.** ``get`` returns the page or ``None``; ``set``/``batch_set`` return ``False`` on
   a store-side failure (quota, unavailable, ...) and log it; a page of the wrong size raises
   :class:`~kvstore.errors.InvalidArgument` (a caller bug). ``batch_exists`` returns the number of
@@ -60,9 +64,9 @@ __all__ = ["KVStoreBackendConfig", "hicache_storage_class", "page_key", "page_sp
 log = logging.getLogger(__name__)
 
 _PERSON = b"kvstore-sglang1"
-#: torch dtype -> kvstore dtype name
 #: what a call to the sidecar returns when the sidecar failed (logged; the page is a miss)
 _FAILED = object()
+#: torch dtype -> kvstore dtype name
 _DTYPE_NAMES = {getattr(torch, attr): name for name, (attr, _) in DTYPES.items() if name == attr}
 
 
@@ -74,8 +78,11 @@ class KVStoreBackendConfig:
         target: sidecar address (``kvstore_target``, required).
         token: tenant bearer token (``kvstore_token``; else ``$KVSTORE_TOKEN``).
         page_bytes: bytes of one page (``kvstore_page_bytes``); 0 = take it from the host pool
-            registered by SGLang (``get_dummy_flat_data_page().nbytes``).
-        dtype: page dtype name for the spec (``kvstore_dtype``); "" = the host pool's, else float16.
+            registered by SGLang (``get_dummy_flat_data_page().nbytes``). When set, pages can
+            move before a host pool is registered; a pool whose pages are of another size is
+            refused at ``register_mem_pool_host``.
+        dtype: page dtype name for the spec (``kvstore_dtype``); "" = the host pool's (float16
+            until one is registered). A pool of another (known) dtype is refused at registration.
         model / revision: spec identity (``kvstore_model`` defaults to SGLang's ``model_name``).
         ttl_s: per-page TTL in seconds (``kvstore_ttl_s``), None = the tenant's policy.
         shared_memory: ``kvstore_shared_memory``: None = automatic, False = in-band streams only.
@@ -178,12 +185,23 @@ def hicache_storage_class() -> type:
 
         # -- page geometry --------------------------------------------------------------------
         def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+            """Take the page geometry from the host pool (see the module docstring); refuses a
+            configured page size or dtype that disagrees with the pool's."""
+            page = mem_pool_host.get_dummy_flat_data_page()
+            nbytes = page.numel() * page.element_size()
+            if self.config.page_bytes and self.config.page_bytes != nbytes:
+                raise InvalidArgument(f"kvstore_page_bytes is {self.config.page_bytes}, but the host pool's "
+                                      f"pages are {nbytes} bytes: drop the setting or make them agree")
+            pool_dtype = _DTYPE_NAMES.get(page.dtype)
+            if self._dtype and pool_dtype and DTYPES[self._dtype][0] != DTYPES[pool_dtype][0]:
+                raise InvalidArgument(f"kvstore_dtype is {self._dtype!r}, but the host pool holds {page.dtype}: "
+                                      f"drop the setting or make them agree")
+            # NOTE: a pool of a dtype kvstore has no name for (e.g. fp8 stored as uint8) keeps
+            # the configured dtype, else float16: the page is opaque bytes either way
+            dtype = self._dtype or pool_dtype or "float16"
+            spec = page_spec(self.config, self.storage_config, nbytes, dtype, str(getattr(mem_pool_host, "layout", "")))
             super().register_mem_pool_host(mem_pool_host)
-            if self._spec is None:
-                page = mem_pool_host.get_dummy_flat_data_page()
-                dtype = self._dtype or _DTYPE_NAMES.get(page.dtype, "float16")
-                self._spec = page_spec(self.config, self.storage_config, page.numel() * page.element_size(),
-                                       dtype, str(getattr(mem_pool_host, "layout", "")))
+            self._spec = spec
 
         @property
         def spec(self) -> ModelSpec:
