@@ -121,6 +121,9 @@ def kvv() -> Iterator[Any]:
     try:
         yield importlib.import_module("kvstore.integrations.vllm")
     finally:
+        import kvstore.integrations
+
+        kvstore.integrations.__dict__.pop("vllm", None)  # NOTE: else `from ... import vllm` finds it
         for n, mod in saved.items():
             if mod is None:
                 sys.modules.pop(n, None)
