@@ -371,8 +371,11 @@ class Placement:
         if host is None:
             return False
         ref = self.ref(meta)
+        # NOTE: the tenant's remote quota is enforced here, by the tier (it was accepted and
+        # ignored: a tenant with a 256-byte remote quota held 1,536 bytes there)
         ok = self.remote.submit(ref, host, ttl_deadline=meta.ttl_deadline,
-                                quant=self.quant_policy.for_block(ref.tenant, ref.spec))
+                                quant=self.quant_policy.for_block(ref.tenant, ref.spec),
+                                quota=self._quota_of(meta.tenant, Tier.REMOTE))
         self.counters.add("demotions_remote" if ok else "remote_queue_full")
         return ok
 

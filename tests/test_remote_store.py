@@ -145,3 +145,27 @@ def test_quantization_rules_apply_to_remote_copies(tmp_path: Path, redis_ns) -> 
     finally:
         a.close()
         b.close()
+
+
+def test_a_tenants_remote_quota_bounds_what_it_holds_there(tmp_path: Path, redis_ns) -> None:
+    """A quota on "remote" was accepted and ignored: a tenant with a 2-block quota held 12
+    blocks there. The remote tier now refuses a tenant's write past it (written and queued
+    bytes count); other tenants are not affected."""
+    url, ns = redis_ns
+    n = SPEC.block_nbytes
+    cfg = StoreConfig(path=tmp_path / "q", hbm_bytes=4 * n, dram_bytes=0, nvme_bytes=0, master_key=MASTER,
+                      remote=RemoteConfig(urls=[url], namespace=ns), remote_write="through")
+    s = Store.open(cfg)
+    try:
+        s.set_tenant_policy("a", quota_bytes={"remote": 2 * n})
+        for i in range(6):
+            for tenant in ("a", "b"):
+                keys = s.block_keys(tenant, SPEC, list(range(100 * i, 100 * i + 2 * SPEC.block_tokens)))
+                s.put(tenant, SPEC, keys, torch.zeros((2, *SPEC.block_shape), dtype=SPEC.torch_dtype))
+        s.flush()
+        tenants = s.stats()["tenants"]
+        assert 0 < tenants["a"]["remote"] <= 2 * n  # was 12 * n
+        assert tenants["b"]["remote"] == 12 * n
+        assert s.stats()["counters"]["remote_quota_rejected"] >= 10
+    finally:
+        s.close()

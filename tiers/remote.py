@@ -96,6 +96,7 @@ class RemoteTier:
         self._cond = threading.Condition()
         self._queue: deque[tuple[BlockRef, np.ndarray, float | None, int, QuantArg]] = deque()
         self._queued_bytes = 0
+        self._tenant_queued: dict[str, int] = {}
         self._pending = 0
         self._closed = False
         self._worker = threading.Thread(target=self._drain, name="kvstore-remote-demote",
@@ -328,8 +329,9 @@ class RemoteTier:
         return ok
 
     def submit(self, ref: BlockRef, data: Any, *, ttl_deadline: float | None = None,
-               quant: QuantArg = None) -> bool:
-        """Queue an asynchronous put; False (nothing queued) when the queue is full or closed.
+               quant: QuantArg = None, quota: int | None = None) -> bool:
+        """Queue an asynchronous put; False (nothing queued) when the queue is full or closed,
+        or when the tenant's blocks here, written and queued, would pass ``quota`` bytes.
         ``data`` (a buffer of ``ref.nbytes``) is owned by the tier from now on."""
         view = as_bytes_view(data)
         with self._cond:
@@ -338,9 +340,19 @@ class RemoteTier:
                 with self._lock:
                     self._counts["queue_rejected"] += 1
                 return False
+            queued = self._tenant_queued.get(ref.tenant, 0)
+            if quota is not None:
+                with self._lock:
+                    held = self._tenant_used.get(ref.tenant, 0)
+                    if ref.ident in self._held:  # written over: its old bytes go
+                        held -= self._held[ref.ident][0]
+                    if held + queued + ref.nbytes > quota:
+                        self._counts["quota_rejected"] += 1
+                        return False
             epoch = self._epochs.get(ref.tenant, 0)
             self._queue.append((ref, view, ttl_deadline, epoch, quant))
             self._queued_bytes += ref.nbytes
+            self._tenant_queued[ref.tenant] = queued + ref.nbytes
             self._pending += 1
             self._cond.notify_all()
         self._count("queue_submitted")
@@ -367,8 +379,16 @@ class RemoteTier:
             finally:
                 with self._cond:
                     self._queued_bytes -= ref.nbytes
+                    self._unqueue(ref)
                     self._pending -= 1
                     self._cond.notify_all()
+
+    def _unqueue(self, ref: BlockRef) -> None:
+        left = self._tenant_queued.get(ref.tenant, 0) - ref.nbytes
+        if left > 0:
+            self._tenant_queued[ref.tenant] = left
+        else:
+            self._tenant_queued.pop(ref.tenant, None)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued demotion was attempted; False on timeout."""
@@ -551,6 +571,7 @@ class RemoteTier:
             self._pending -= len(self._queue)
             self._queued_bytes -= sum(item[0].nbytes for item in self._queue)
             self._queue.clear()
+            self._tenant_queued.clear()
             self._cond.notify_all()
         # NOTE: the item being written ends within one command's timeouts and retries.
         cfg = self.config
