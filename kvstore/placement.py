@@ -204,15 +204,8 @@ class Placement:
         """Evict until ``meta`` fits in ``tier`` within capacity, watermark and quota."""
         backend = self.backend(tier)
         need = backend.charge(meta.nbytes)
-        quota = self._quota_of(meta.tenant, tier)
-        if quota is not None:
-            if meta.nbytes > quota:
-                return False
-            own = self.victims(tier, meta.tenant)
-            while self.tenant_usage.get((meta.tenant, tier), 0) + meta.nbytes > quota:
-                if not self.evict_some(tier, own):
-                    self.counters.add("quota_rejections")
-                    return False
+        if not self.fit_quota(meta.tenant, tier, meta.nbytes):
+            return False
         cap = backend.capacity
         if need > cap:
             return False
@@ -225,6 +218,21 @@ class Placement:
             if not self.evict_some(tier, queue):
                 break
         return backend.used_bytes + need <= cap and backend.can_fit(meta.nbytes)
+
+    def fit_quota(self, tenant: str, tier: Tier, extra: int = 0) -> bool:
+        """Evict ``tenant``'s own blocks from ``tier`` until ``extra`` more bytes fit within its
+        quota there (none: True); False (counted) when they cannot."""
+        quota = self._quota_of(tenant, tier)
+        if quota is None:
+            return True
+        if extra > quota:
+            return False
+        own = self.victims(tier, tenant)
+        while self.tenant_usage.get((tenant, tier), 0) + extra > quota:
+            if not self.evict_some(tier, own):
+                self.counters.add("quota_rejections")
+                return False
+        return True
 
     def victims(self, tier: Tier, tenant: str | None = None) -> VictimQueue:
         """The eviction order of ``tier``'s evictable leaves (of one tenant only, if given) for

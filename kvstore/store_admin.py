@@ -102,7 +102,8 @@ class TenantAdmin:
         quantizes; None = no tenant rule (the model's rule or StoreConfig.nvme_quantization).
         ``priority``: when a tier makes room, every evictable block of a tenant of lower
         priority goes before any of a higher one; the policy orders blocks of equal priority
-        (0 for every tenant by default). Quotas still bound what a tenant holds."""
+        (0 for every tenant by default). Quotas still bound what a tenant holds; a quota lower
+        than what the tenant holds evicts (demotes) its own blocks at once."""
         from kvstore.quantization import Quantization
 
         self._check_tenant(tenant)
@@ -115,8 +116,13 @@ class TenantAdmin:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidArgument(f"priority must be an int, got {priority!r}")
         quant = Quantization.parse(quantization) if quantization is not None else None
-        with self._lock:
+        with self._lock, self._batch():
             self._tenant_policy[tenant] = TenantPolicy(ttl_s, quotas)
+            # a quota lowered below what the tenant holds takes effect now: it stayed over it
+            # until its next put. (Pinned blocks stay; the quota still bounds new ones.)
+            for tier in quotas:
+                if tier in self.tiers:
+                    self._place.fit_quota(tenant, tier)
             if priority:
                 self._place.priorities[tenant] = priority
             else:

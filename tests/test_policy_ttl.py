@@ -88,3 +88,19 @@ def test_a_put_past_the_tenants_quota_names_the_quota(open_store, spec):
     with pytest.raises(ResourceExhausted, match="give the store more room") as err:
         s.put("b", spec, s.block_keys("b", spec, tokens(9, spec)), make_kv(spec, 9))
     assert err.value.resource == "hbm"
+
+
+def test_a_quota_lowered_below_what_a_tenant_holds_takes_effect_at_once(open_store, spec):
+    """The tenant stayed over its new quota until its next put; its own blocks are now
+    demoted (not lost: they go down a tier) when the quota is set, and no other tenant's."""
+    n = spec.block_nbytes
+    s = open_store(spec, hbm_blocks=8, dram_blocks=8, nvme_blocks=16)
+    keys = {t: s.block_keys(t, spec, tokens(3, spec)) for t in ("a", "b")}
+    for t, k in keys.items():
+        s.put(t, spec, k, make_kv(spec, 3))
+    assert s.stats()["tenants"]["a"]["hbm"] == 3 * n
+    s.set_tenant_policy("a", quota_bytes={"hbm": n})
+    usage = s.stats()["tenants"]
+    assert usage["a"]["hbm"] <= n  # was 3 * n until a's next put
+    assert usage["b"]["hbm"] == 3 * n
+    assert s.lookup("a", spec, keys["a"]).num_blocks == 3  # demoted, still there
