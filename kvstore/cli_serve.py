@@ -57,7 +57,8 @@ def _admin(target: str, token: str, ca_file: Path | None):
 
 
 def _fail(exc: KVStoreError) -> None:
-    Console(stderr=True).print(f"[red]error[/red] ({exc.code}): {escape(str(exc))}")
+    # soft_wrap: an error is one line per problem, not broken at the terminal's width
+    Console(stderr=True).print(f"[red]error[/red] ({exc.code}): {escape(str(exc))}", soft_wrap=True)
     raise typer.Exit(1)
 
 
@@ -106,7 +107,8 @@ def _progress_bars() -> Iterator[Callable[[str, int, int], None]]:
     try:
         yield report
     finally:
-        bar.stop()
+        if bar.live.is_started:  # NOTE: stopping a bar never started prints an empty line
+            bar.stop()
 
 
 # -- tenants --------------------------------------------------------------------------------------

@@ -3,15 +3,54 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvstore.errors import InvalidArgument
-from kvstore.sizes import ByteCount
+from kvstore.sizes import ByteCount, format_size
 from tiers.remote_config import RemoteConfig
 
 GiB = 1 << 30
+#: the most any tier capacity may be (1 PiB): beyond every machine's memory and address space,
+#: and far below the sizes that overflow numpy, torch or LMDB (``"99999999999TiB"`` reached
+#: them as a bare ValueError). A smaller capacity the machine cannot allocate fails at open,
+#: naming the field (:class:`tiers.memory.MemoryTier`, :class:`tiers.nvme.NVMeTier`).
+MAX_CAPACITY = 1 << 50
+
+
+def validation_error(what: str, exc: ValidationError) -> InvalidArgument:
+    """``exc`` as an InvalidArgument of one line per problem, each naming its field
+    (``bad server config: store.policy: ...``), instead of pydantic's multi-line dump with a
+    documentation URL under every problem."""
+    problems = [_problem(err) for err in exc.errors(include_url=False)]
+    if len(problems) == 1:
+        return InvalidArgument(f"{what}: {problems[0]}")
+    return InvalidArgument(f"{what}: {len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def _problem(err: Any) -> str:
+    field = ".".join(str(part) for part in err["loc"])
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    for bound in (err.get("ctx") or {}).values():  # a byte bound for people too
+        if field.endswith("_bytes") and isinstance(bound, int) and bound >= 1 << 10:
+            msg = msg.replace(str(bound), f"{bound} ({format_size(bound)})")
+    value = err.get("input")
+    if (err["type"] != "value_error" and " got " not in msg and isinstance(value, (str, int, float))
+            and len(repr(value)) <= 80):  # a ValueError of ours names the value already
+        msg = f"{msg} (got {value!r})"
+    return msg if not field or msg.startswith(field) else f"{field}: {msg}"
+
+
+def store_policies() -> list[str]:
+    """The registered placement policies a Store can run: all but those that need a next-use
+    oracle (``belady``, the trace replay's offline reference)."""
+    from policy.base import POLICIES, make_policy
+    from policy.registry import OraclePolicy
+
+    make_policy("lru")  # registers every policy
+    return sorted(name for name, factory in POLICIES.items()
+                  if not isinstance(factory(lambda fp: None), OraclePolicy))
 
 
 class StoreConfig(BaseModel):
@@ -20,14 +59,18 @@ class StoreConfig(BaseModel):
     path: Path
     """Store directory: holds the NVMe tier (LMDB), the master key file and the audit log."""
 
-    hbm_bytes: Annotated[ByteCount, Field(ge=0)] = 1 * GiB
-    """Capacity of the HBM tier (device block pool; a CPU arena where there is no GPU). 0 disables it."""
+    hbm_bytes: Annotated[ByteCount, Field(ge=0, le=MAX_CAPACITY)] = 1 * GiB
+    """Capacity of the HBM tier (device block pool; a CPU arena where there is no GPU). 0 disables it;
+    at most 1 PiB (:data:`MAX_CAPACITY`), and the Store refuses to open when the device cannot
+    allocate it."""
 
-    dram_bytes: Annotated[ByteCount, Field(ge=0)] = 4 * GiB
-    """Capacity of the DRAM tier (host slab pool, page-locked when CUDA is present). 0 disables it."""
+    dram_bytes: Annotated[ByteCount, Field(ge=0, le=MAX_CAPACITY)] = 4 * GiB
+    """Capacity of the DRAM tier (host slab pool, page-locked when CUDA is present). 0 disables it;
+    at most 1 PiB, and the Store refuses to open when the host cannot allocate it."""
 
-    nvme_bytes: Annotated[ByteCount, Field(ge=0)] = 64 * GiB
-    """Capacity of the NVMe tier (raw block bytes; LMDB's map is sized with headroom). 0 disables it."""
+    nvme_bytes: Annotated[ByteCount, Field(ge=0, le=MAX_CAPACITY)] = 64 * GiB
+    """Capacity of the NVMe tier (raw block bytes; LMDB's map is sized with headroom). 0 disables it;
+    at most 1 PiB, and the Store refuses to open when LMDB cannot map twice it."""
 
     device: str | None = None
     """Device of the HBM pool (``"cuda"``, ``"cuda:1"``, ``"cpu"``); None = cuda when available."""
@@ -45,7 +88,7 @@ class StoreConfig(BaseModel):
     compression_level: Annotated[int, Field(ge=0, le=22)] = 1
     """zstd level of the NVMe codec; 0 turns compression off."""
 
-    min_compress_ratio: Annotated[float, Field(ge=1.0, le=64.0)] = 1.5
+    min_compress_ratio: Annotated[float, Field(ge=1.0, le=64.0, allow_inf_nan=False)] = 1.5
     """Compression has to pay for itself: the NVMe codec compresses an 8 KiB sample of each
     block first and stores the block uncompressed when the ratio estimated for the whole block
     (raw / stored bytes) is below this; each value's header records the choice, so reading
@@ -73,10 +116,10 @@ class StoreConfig(BaseModel):
     allows, ancestors first), so a restart finds the warm cache. A crash keeps only what was
     already committed."""
 
-    high_watermark: Annotated[float, Field(gt=0, le=1)] = 0.95
+    high_watermark: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.95
     """A tier starts evicting when a new block would take it above this fraction of capacity."""
 
-    low_watermark: Annotated[float, Field(gt=0, le=1)] = 0.85
+    low_watermark: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.85
     """... and evicts down to this fraction."""
 
     policy: str = "cost"
@@ -84,10 +127,13 @@ class StoreConfig(BaseModel):
     baselines). Replayed on the Mooncake trace and four generated workloads at three capacities,
     ``cost`` saved at least as much prefill time as LRU in 14 of 15 cells (the 15th: 0.2 %
     less) and wrote 4–31 % less to NVMe in all (``python bench/replay_bench.py``).
-    Benchmarks of migration paths set ``lru`` to measure the mechanism alone."""
+    Benchmarks of migration paths set ``lru`` to measure the mechanism alone. ``belady`` (the
+    trace replay's offline reference) is refused: it needs to know the future
+    (:func:`store_policies`)."""
 
-    default_ttl_s: Annotated[float, Field(gt=0)] | None = None
-    """TTL of blocks whose tenant has no TTL policy; None = no expiry."""
+    default_ttl_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    """TTL of blocks whose tenant has no TTL policy: finite seconds > 0; None = no expiry
+    (an infinite TTL is written as unset, as everywhere: :func:`kvstore.expiry.check_ttl`)."""
 
     remote: RemoteConfig | None = None
     """The remote tier (Redis/Valkey, standalone or cluster) below the local tiers; None = off.
@@ -114,6 +160,19 @@ class StoreConfig(BaseModel):
         Quantization.parse(v)  # InvalidArgument is a ValueError -> ValidationError
         return v
 
+    @field_validator("policy")
+    @classmethod
+    def _runnable_policy(cls, v: str) -> str:
+        runnable = store_policies()
+        if v in runnable:
+            return v
+        from policy.base import POLICIES
+
+        if v in POLICIES:  # registered, but needs a next-use oracle
+            raise ValueError(f"{v!r} needs to know when each block is next used, which only the trace "
+                             f"replay can tell (it is the offline reference); a Store runs one of {runnable}")
+        raise ValueError(f"unknown policy {v!r}; choose one of {runnable}")
+
     @field_validator("master_key")
     @classmethod
     def _key_len(cls, v: bytes | None) -> bytes | None:
@@ -132,9 +191,7 @@ class StoreConfig(BaseModel):
     @classmethod
     def build(cls, **kwargs: object) -> StoreConfig:
         """Like the constructor, but raises :class:`kvstore.errors.InvalidArgument`."""
-        from pydantic import ValidationError
-
         try:
             return cls(**kwargs)  # type: ignore[arg-type]
         except ValidationError as exc:
-            raise InvalidArgument(f"bad StoreConfig: {exc}") from None
+            raise validation_error("bad StoreConfig", exc) from None

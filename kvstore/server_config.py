@@ -40,7 +40,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvstore.config import StoreConfig
+from kvstore.config import StoreConfig, validation_error
 from kvstore.errors import InvalidArgument
 from kvstore.memtune import NONTEMPORAL_MIN as STREAMING_COPY_MIN
 from kvstore.sizes import ByteCount
@@ -196,12 +196,13 @@ class ServerConfig(BaseModel):
     local_data_plane: bool = True
     """Accept shared-memory region registration from same-host clients."""
 
-    expire_interval_s: Annotated[float, Field(ge=0)] = 30.0
+    expire_interval_s: Annotated[float, Field(ge=0, le=86400, allow_inf_nan=False)] = 30.0
     """Seconds between sweeps that delete expired blocks from every tier (0 = no sweeper;
-    expired blocks are invisible to lookups either way)."""
+    expired blocks are invisible to lookups either way); at most a day."""
 
-    grace_s: Annotated[float, Field(ge=0)] = 5.0
-    """On shutdown, how long in-flight calls may finish."""
+    grace_s: Annotated[float, Field(ge=0, le=3600, allow_inf_nan=False)] = 5.0
+    """On shutdown, how long in-flight calls may finish: finite seconds, at most an hour (an
+    infinite grace made grpc's stop raise OverflowError at SIGINT)."""
 
     @model_validator(mode="after")
     def _streaming_copy_threshold(self) -> ServerConfig:
@@ -238,13 +239,21 @@ def default_data_dir(env: dict[str, str] | None = None, cwd: Path | None = None)
 def build(data: dict[str, Any], *, data_dir: Path | None = None) -> ServerConfig:
     """Validate a config mapping; ``store.path`` defaults to ``data_dir`` or :func:`default_data_dir`."""
     data = dict(data)
-    store = dict(data.get("store") or {})
+    store = data.get("store")
+    if store is None:
+        store = {}
+    elif isinstance(store, StoreConfig):
+        store = store.model_dump()
+    elif not isinstance(store, dict):  # a list of pairs would pass dict(): not a table either
+        raise InvalidArgument(f"bad server config: store: must be a table ([store]), got {type(store).__name__} "
+                              f"{store!r:.80}")
+    store = dict(store)
     store.setdefault("path", str(data_dir or default_data_dir()))
     data["store"] = store
     try:
         return ServerConfig(**data)
     except ValidationError as exc:
-        raise InvalidArgument(f"bad server config: {exc}") from None
+        raise validation_error("bad server config", exc) from None
 
 
 def load(path: str | Path | None = None, *, data_dir: Path | None = None,
@@ -259,6 +268,9 @@ def load(path: str | Path | None = None, *, data_dir: Path | None = None,
             raise InvalidArgument(f"cannot read config {path}: {exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise InvalidArgument(f"bad TOML in {path}: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise InvalidArgument(f"config {path} is not UTF-8 text (TOML must be): byte "
+                                  f"{exc.object[exc.start:exc.start + 1]!r} at offset {exc.start}") from None
     for key, value in (overrides or {}).items():
         if value is not None:
             data[key] = value
