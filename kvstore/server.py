@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -148,7 +149,22 @@ def open_store(config: ServerConfig, clock: Callable[[], float],
 
 
 def _make_data_dir(config: ServerConfig) -> None:
-    config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """The data directory (``store.path``, ``--data-dir``), private; InvalidArgument naming
+    the path when it is not a directory, cannot be made one or cannot be written in (before:
+    a traceback)."""
+    path = config.data_dir
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except FileExistsError:
+        raise InvalidArgument(f"store.path (--data-dir) {str(path)!r} is a file, not a directory") from None
+    except OSError as exc:
+        raise InvalidArgument(f"store.path (--data-dir) {str(path)!r}: cannot create the data directory: "
+                              f"{exc.strerror or exc}") from None
+    try:
+        tempfile.TemporaryFile(dir=path).close()  # NOTE: root passes os.access even on /proc
+    except OSError as exc:
+        raise InvalidArgument(f"store.path (--data-dir) {str(path)!r}: cannot write in the data directory: "
+                              f"{exc.strerror or exc}") from None
 
 
 def bootstrap(config: ServerConfig, *, clock: Callable[[], float] = time.time) -> str | None:
@@ -172,7 +188,7 @@ def create_server(config: ServerConfig, *, store: Any = None, clock: Callable[[]
         raise FailedPrecondition(
             f"refusing to serve metrics on non-loopback address {m.listen!r}: the endpoint has no "
             "authentication and names every tenant; set [metrics] allow_remote = true to allow it")
-    config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _make_data_dir(config)
     registry = AuthRegistry(config.auth_file, clock=clock)
     audit = AuditLog(config.audit_file, clock=clock, fsync=config.audit_fsync)
     if store is None:
