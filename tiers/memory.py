@@ -25,7 +25,8 @@ import torch
 
 from kernels.copy import PAGE_BYTES, copy_bytes, host_copy
 from kvstore.block import Tier
-from kvstore.errors import FailedPrecondition, InvalidArgument
+from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvstore.sizes import format_size
 from tiers.arena import ExtentAllocator
 from tiers.base import BlockRef, TierUsage
 
@@ -38,7 +39,14 @@ class MemoryTier:
         self._alloc = ExtentAllocator(capacity, alignment)
         self.capacity = self._alloc.capacity
         self.pinned = bool(pin and self.device.type == "cpu" and torch.cuda.is_available())
-        self._arena = _arena(self.capacity, self.device, self.pinned)
+        try:
+            self._arena = _arena(self.capacity, self.device, self.pinned)
+        except (MemoryError, RuntimeError) as exc:  # torch's OutOfMemoryError is a RuntimeError
+            why = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise ResourceExhausted(
+                f"cannot allocate the {tier.label} tier: {tier.label}_bytes = {self.capacity} "
+                f"({format_size(self.capacity)}) on {self.device} failed ({why}); "
+                f"lower {tier.label}_bytes", resource=tier.label) from None
         #: the arena as numpy when it is host memory: slicing and copying a numpy view costs
         #: a fraction of a microsecond where a torch slice costs several (per-put overhead).
         self._host: np.ndarray | None = self._arena.numpy() if self.device.type == "cpu" else None

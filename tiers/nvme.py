@@ -46,6 +46,7 @@ import numpy as np
 from kvstore.block import Tier
 from kvstore.errors import IntegrityError, NVMeWriteFailed, ResourceExhausted
 from kvstore.quantization import Quantization
+from kvstore.sizes import format_size
 from kvstore.spec import ModelSpec
 from tiers.base import BlockRef, TierUsage
 from tiers.nvme_ahead import AheadJob, BufferPool, EncodeAhead
@@ -176,10 +177,16 @@ class NVMeTier:
         # pages, no copy at commit) is off by default: LMDB then extends the file to map_size
         # as a sparse file, and a write fault on a full disk is SIGBUS, not an error; on this
         # VM its gain did not stand out of the noise (see bench/RESULTS.md, tiers suite).
-        self._env = lmdb.open(
-            str(self.path), map_size=map_size or max(capacity * 2 + (256 << 20), 1 << 26),
-            max_dbs=8, sync=durable, metasync=durable, readahead=False, lock=True,
-            writemap=writemap, mode=0o600)
+        map_size = map_size or max(capacity * 2 + (256 << 20), 1 << 26)
+        try:
+            self._env = lmdb.open(
+                str(self.path), map_size=map_size, max_dbs=8, sync=durable, metasync=durable,
+                readahead=False, lock=True, writemap=writemap, mode=0o600)
+        except (lmdb.MemoryError, OverflowError) as exc:  # the map does not fit the address space
+            raise ResourceExhausted(
+                f"cannot open the NVMe tier: nvme_bytes = {capacity} ({format_size(capacity)}) needs "
+                f"a map of {format_size(map_size)}, and mapping it failed ({exc}); lower nvme_bytes",
+                resource="nvme") from None
         _check_whole(self._env, self.path)
         self._blocks = self._env.open_db(b"blocks")
         self._meta = self._env.open_db(b"meta")
