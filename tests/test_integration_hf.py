@@ -181,6 +181,14 @@ def test_unsupported_caches_are_refused() -> None:
     sliding = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=16, max_window_layers=0)
     with pytest.raises(InvalidArgument, match="full-attention"):
         spec_from_config(sliding, torch.float32, BLOCK)
+    # Mistral (and Phi-3) say sliding-window attention with sliding_window alone: it was taken
+    # for full attention, and saving the cache generate() builds failed with a ShapeMismatch
+    from transformers import MistralConfig
+
+    with pytest.raises(InvalidArgument, match="full-attention"):
+        spec_from_config(MistralConfig(**TINY, sliding_window=16), torch.float32, BLOCK)
+    spec_from_config(MistralConfig(**TINY, sliding_window=None), torch.float32, BLOCK)  # full
+    spec_from_config(Qwen2Config(**TINY, sliding_window=16, use_sliding_window=False), torch.float32, BLOCK)
     with pytest.raises(InvalidArgument, match="dtype"):
         spec_from_config(LlamaConfig(**TINY), torch.int8, BLOCK)
     model = _build("llama")

@@ -117,6 +117,11 @@ def _rope_description(cfg: Any) -> str:
 
 def _check_full_attention(cfg: Any) -> None:
     kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    # NOTE: Mistral and Phi-3 configs say sliding-window attention with ``sliding_window`` alone
+    # (no layer_types, no use_sliding_window); Qwen2 sets a window and use_sliding_window=False
+    window = getattr(cfg, "sliding_window", None)
+    if window and getattr(cfg, "use_sliding_window", True):
+        kinds.add("sliding_attention")
     if kinds != {"full_attention"} or getattr(cfg, "use_sliding_window", False):
         raise InvalidArgument(f"only full-attention models are supported, got layer types "
                               f"{sorted(kinds)} (sliding-window caches drop old tokens)")
