@@ -107,6 +107,7 @@ __all__ = [
     "KeyUnavailable",
     "NVMeWriteFailed",
     "NotFound",
+    "ParentNotStored",
     "PermissionDenied",
     "ResourceExhausted",
     "ShapeMismatch",
