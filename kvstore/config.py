@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kvstore.errors import InvalidArgument
-from kvstore.sizes import ByteCount, format_size
+from kvstore.sizes import ByteCount
+from kvstore.validation import validation_error
 from tiers.remote_config import RemoteConfig
 
 GiB = 1 << 30
@@ -17,29 +17,6 @@ GiB = 1 << 30
 #: them as a bare ValueError). A smaller capacity the machine cannot allocate fails at open,
 #: naming the field (:class:`tiers.memory.MemoryTier`, :class:`tiers.nvme.NVMeTier`).
 MAX_CAPACITY = 1 << 50
-
-
-def validation_error(what: str, exc: ValidationError) -> InvalidArgument:
-    """``exc`` as an InvalidArgument of one line per problem, each naming its field
-    (``bad server config: store.policy: ...``), instead of pydantic's multi-line dump with a
-    documentation URL under every problem."""
-    problems = [_problem(err) for err in exc.errors(include_url=False)]
-    if len(problems) == 1:
-        return InvalidArgument(f"{what}: {problems[0]}")
-    return InvalidArgument(f"{what}: {len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems))
-
-
-def _problem(err: Any) -> str:
-    field = ".".join(str(part) for part in err["loc"])
-    msg = str(err["msg"]).removeprefix("Value error, ")
-    for bound in (err.get("ctx") or {}).values():  # a byte bound for people too
-        if field.endswith("_bytes") and isinstance(bound, int) and bound >= 1 << 10:
-            msg = msg.replace(str(bound), f"{bound} ({format_size(bound)})")
-    value = err.get("input")
-    if (err["type"] != "value_error" and " got " not in msg and isinstance(value, (str, int, float))
-            and len(repr(value)) <= 80):  # a ValueError of ours names the value already
-        msg = f"{msg} (got {value!r})"
-    return msg if not field or msg.startswith(field) else f"{field}: {msg}"
 
 
 def store_policies() -> list[str]:

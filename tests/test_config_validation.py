@@ -164,3 +164,17 @@ def test_an_nvme_capacity_lmdb_cannot_map_fails_at_open_naming_the_field(tmp_pat
         Store.open(cfg)
     # the directory is not left locked: a sane capacity opens it
     Store.open(StoreConfig(path=tmp_path / "s", hbm_bytes=0, dram_bytes=0, nvme_bytes=64 << 20)).close()
+
+
+def test_remote_config_refuses_an_infinite_ttl_cap_in_one_line():
+    """``ttl_cap_s = inf`` was accepted (no cap is written as unset), and RemoteConfig's
+    errors were pydantic's multi-line dump."""
+    import math
+
+    from tiers.remote_config import RemoteConfig
+
+    for bad in (math.inf, math.nan):
+        with pytest.raises(InvalidArgument) as err:
+            RemoteConfig.build(urls=["redis://127.0.0.1:6379/0"], ttl_cap_s=bad)
+        assert str(err.value).startswith("bad RemoteConfig: ttl_cap_s: ") and "\n" not in str(err.value)
+    assert RemoteConfig.build(urls=["redis://127.0.0.1:6379/0"], ttl_cap_s=None).ttl_cap_s is None

@@ -14,8 +14,8 @@ from pydantic import (
     model_validator,
 )
 
-from kvstore.errors import InvalidArgument
 from kvstore.sizes import ByteCount
+from kvstore.validation import validation_error
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -97,7 +97,7 @@ class RemoteConfig(BaseModel):
     """Raw block bytes this node may keep in the remote tier (its own writes, all tenants);
     the servers' ``maxmemory`` is the hard limit, enforced by Redis eviction (a miss here)."""
 
-    ttl_cap_s: Annotated[float, Field(gt=0)] | None = 7 * 86400.0
+    ttl_cap_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = 7 * 86400.0
     """Redis expiry of blocks put without a TTL, and the longest expiry of any block, so a
     shared Redis is never filled with blocks nobody deletes; None = no cap."""
 
@@ -150,7 +150,7 @@ class RemoteConfig(BaseModel):
         try:
             return cls(**kwargs)  # type: ignore[arg-type]
         except ValidationError as exc:
-            raise InvalidArgument(f"bad RemoteConfig: {exc}") from None
+            raise validation_error("bad RemoteConfig", exc) from None
 
 
 __all__ = ["RemoteConfig"]
