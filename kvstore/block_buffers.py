@@ -29,7 +29,7 @@ def block_views(spec: ModelSpec, bufs: Sequence[Any], n_keys: int, what: str, *,
         # NOTE: a non-contiguous tensor reshapes into a copy: written to, the caller's buffer
         # would stay as it was (and numpy refuses one outright), so neither is taken
         if isinstance(b, torch.Tensor):
-            holding_data(b, f"{what} {i}")
+            b = holding_data(b, f"{what} {i}", writable=writable)
             if not b.is_contiguous():
                 raise InvalidArgument(f"{what} {i} is not contiguous")
             v = b.reshape(-1).view(torch.uint8)

@@ -52,6 +52,10 @@ def as_token_array(token_ids: Any) -> np.ndarray:
 def _encode_extra(extra: ExtraKeys | None) -> bytes:
     if not extra:
         return b""
+    if isinstance(extra, (str, bytes, bytearray)):
+        # NOTE: a bare str was iterated char by char ("img" keyed as ["i", "m", "g"]: a
+        # collision) and bare bytes failed on its ints; either is one item
+        extra = (extra,)
     parts = []
     for item in extra:
         if isinstance(item, str):
@@ -94,8 +98,8 @@ def block_keys(
 ) -> list[bytes]:
     """Keys of every full block of ``token_ids``.
 
-    ``extra_keys``, if given, has one entry per full block (``None`` or a sequence of bytes/str,
-    e.g. multimodal content hashes of the items that block covers). ``parent`` lets a caller
+    ``extra_keys``, if given, has one entry per full block (``None``, one bytes/str item, or a
+    sequence of them, e.g. multimodal content hashes of the items that block covers). ``parent`` lets a caller
     continue a chain from a known key.
     """
     if not isinstance(namespace, str) or not namespace:
@@ -104,6 +108,9 @@ def block_keys(
         raise InvalidArgument(f"parent key must be {KEY_BYTES} bytes")
     arr = as_token_array(token_ids)
     n_blocks = arr.size // block_tokens
+    if isinstance(extra_keys, (str, bytes, bytearray, memoryview)):
+        raise InvalidArgument(f"extra_keys must be a list with one entry per full block (None or "
+                              f"a list of bytes/str), got one {type(extra_keys).__name__}")
     if extra_keys is not None and len(extra_keys) > n_blocks:
         raise InvalidArgument(
             f"extra_keys has {len(extra_keys)} entries but token_ids has only {n_blocks} full blocks"

@@ -234,6 +234,12 @@ class Placement:
                 return False
         return True
 
+    def within_quota(self, tenant: str, tier: Tier, extra: int = 0) -> bool:
+        """Whether ``extra`` more bytes of ``tenant`` fit its quota in ``tier`` as things stand
+        (nothing is evicted for them; see :meth:`fit_quota`)."""
+        quota = self._quota_of(tenant, tier)
+        return quota is None or self.tenant_usage.get((tenant, tier), 0) + extra <= quota
+
     def victims(self, tier: Tier, tenant: str | None = None) -> VictimQueue:
         """The eviction order of ``tier``'s evictable leaves (of one tenant only, if given) for
         one make-room loop; NVMe's includes the NVMe copies of blocks living above."""

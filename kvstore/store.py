@@ -547,7 +547,11 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
     # -- moves (two-phase) --------------------------------------------------------------------
     # -- stats / lifecycle --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Per tier used/capacity bytes and block counts, plus the counters."""
+        """Per tier used/capacity bytes and block counts, per tenant bytes per tier, plus the
+        counters. A tenant's bytes are its blocks' nominal sizes (``spec.block_nbytes``: what
+        quotas are checked against); a tier's ``used_bytes`` is what its allocator holds (the
+        memory tiers round each slot up to 256-byte alignment), so the tenants of a tier can
+        sum to less than its ``used_bytes``."""
         with self._lock:
             tiers = {}
             for t in self.tiers:
@@ -584,7 +588,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
 
     def flush(self, remote_timeout_s: float | None = 30.0, *, progress: Progress | None = None) -> int:
         """Commit an NVMe copy of every block above NVMe that has none, ancestors first, as far
-        as the NVMe tier has room (nothing is evicted for it); returns how many were written.
+        as the NVMe tier has room and each tenant's NVMe quota allows (nothing is evicted for
+        them); returns how many were written.
         Also waits (up to ``remote_timeout_s``) for the remote tier's queued writes.
         ``progress(done, total)``: blocks considered so far (see :data:`Progress`)."""
         if self._remote is not None:
@@ -605,6 +610,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                         continue  # a copy without its ancestors could never be served
                     if not self._nvme.can_fit(m.nbytes):
                         break
+                    if not self._place.within_quota(m.tenant, Tier.NVME, m.nbytes):
+                        continue  # NOTE: a flush wrote past the tenant's NVMe quota
                     ref = self._place.ref(m)
                     if self._place.write(Tier.NVME, ref, m, self._mem[m.tier].host_bytes(ref)):
                         self._index.set_persisted(m, True)

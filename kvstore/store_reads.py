@@ -53,11 +53,19 @@ class ReadPath:
 
     def _chain(self, tenant: str, spec: ModelSpec, keys: list[bytes], now: float,
                parent: bytes = ROOT_KEY) -> list[BlockMeta]:
-        """The usable prefix of ``keys`` (a chain continuing from ``parent``)."""
+        """The usable prefix of ``keys`` (a chain continuing from ``parent``). Caller holds the
+        lock. Blocks past their deadline are dropped first (with their subtrees), and a chain
+        continuing from a ``parent`` that is not usable here (absent, expired, in flight, of
+        another model) has no usable prefix: a block is only useful with all its ancestors."""
         out: list[BlockMeta] = []
         found = out.append
+        self._expire_due(now)
         get = self._index.tenant_blocks(tenant).get
         fp = spec.fingerprint
+        if parent != ROOT_KEY:
+            pm = get(parent)
+            if pm is None or pm.in_flight or pm.fingerprint != fp:
+                return out
         prev = parent
         # NOTE: one tight loop that creates nothing per key: a 128K-token prompt is 8,192 keys
         for key in keys:
@@ -158,8 +166,9 @@ class ReadPath:
             out = torch.empty(want, dtype=spec.torch_dtype, device=dev)
         elif not isinstance(out, torch.Tensor):
             raise InvalidArgument(f"out must be a torch tensor, got {type(out).__name__} (get_into takes buffers)")
-        elif out.device.type == "meta":  # NOTE: filled with nothing, it was returned as served
-            holding_data(out, "out")
+        elif out.device.type == "meta" or out.is_neg() or out.is_conj():
+            # NOTE: a meta tensor, filled with nothing, was returned as served
+            holding_data(out, "out", writable=True)
         elif tuple(out.shape) != want or out.dtype != spec.torch_dtype or not out.is_contiguous():
             raise ShapeMismatch(f"out must be a contiguous {spec.torch_dtype} tensor of shape "
                                 f"{want}, got {out.dtype} {tuple(out.shape)}")

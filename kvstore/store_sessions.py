@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvstore.block import BlockMeta, SessionState, Tier
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, ResourceExhausted
 from kvstore.keys import check_keys
 from kvstore.sessions import Session
 from kvstore.spec import ModelSpec
@@ -77,30 +77,55 @@ class SessionPins:
             blocks = self._turn(tenant, session, pause=True)
             if blocks is None:
                 return 0
-            moved = 0
-            if Tier.HBM in self._mem and Tier.DRAM in self._mem:
-                # The session's blocks are protected while it moves them, so making room in
-                # DRAM for one never pushes an already-moved one further down.
-                idents = [(m.tenant, m.key) for m in blocks]
-                self._place.protected.update(idents)
-                try:
-                    for m in sorted(blocks, key=lambda m: -m.depth):  # leaves first
-                        if m.tier != Tier.HBM or m.pins:
-                            continue
-                        if any(c.tier == Tier.HBM for c in self._index.children(m)):
-                            continue  # a shared prefix another HBM branch still needs
-                        moved += self._place.move(m, Tier.DRAM)
-                finally:
-                    self._place.protected.difference_update(idents)
-            return moved
+            return self._park(blocks)
+
+    def _park(self, blocks: list[BlockMeta]) -> int:
+        """Demote a paused session's unpinned HBM blocks to DRAM, leaves first (a prefix that an
+        HBM branch still needs stays); returns blocks moved. Under the lock."""
+        moved = 0
+        if Tier.HBM in self._mem and Tier.DRAM in self._mem:
+            # The session's blocks are protected while it moves them, so making room in
+            # DRAM for one never pushes an already-moved one further down.
+            idents = [(m.tenant, m.key) for m in blocks]
+            self._place.protected.update(idents)
+            try:
+                for m in sorted(blocks, key=lambda m: -m.depth):  # leaves first
+                    if m.tier != Tier.HBM or m.pins:
+                        continue
+                    if any(c.tier == Tier.HBM for c in self._index.children(m)):
+                        continue  # a shared prefix another HBM branch still needs
+                    moved += self._place.move(m, Tier.DRAM)
+            finally:
+                self._place.protected.difference_update(idents)
+        return moved
 
     def resume_session(self, tenant: str, session: str) -> int:
-        """Pin the session's blocks again and prefetch them to HBM; returns blocks moved."""
+        """Pin the session's blocks again and bring them (with any ancestors they continue
+        from) up to the fastest tier; returns blocks moved. All or nothing: when that tier
+        cannot take them all (it is full of pinned blocks), the session stays PAUSED, what
+        moved goes back down, and ResourceExhausted says so; retry when room is freed."""
         with self._lock, self._batch():
             blocks = self._turn(tenant, session, pause=False)
             if blocks is None:
                 return 0
-            return self._place.promote(sorted(blocks, key=lambda m: m.depth))
+            top = self.tiers[0]
+            chain = {(m.tenant, m.key): m for m in blocks}
+            for m in blocks:  # NOTE: a parent outside the session in a slower tier stopped it all
+                p = self._index.get(m.tenant, m.parent)
+                while p is not None and p.tier > top and (p.tenant, p.key) not in chain:
+                    chain[(p.tenant, p.key)] = p
+                    p = self._index.get(p.tenant, p.parent)
+            moved = self._place.promote(sorted(chain.values(), key=lambda m: m.depth), top)
+            left = sum(m.tier != top for m in blocks)
+            if left:
+                # NOTE: this returned a smaller count and left pinned blocks in DRAM, silently
+                self._turn(tenant, session, pause=True)
+                self._park(blocks)
+                raise ResourceExhausted(
+                    f"session {session!r}: {left} of {len(blocks)} blocks do not fit in "
+                    f"{top.label} (it is full of pinned blocks); the session stays paused, "
+                    f"resume it when room is freed", resource=top.label)
+            return moved
 
     def close_session(self, tenant: str, session: str) -> None:
         """Unpin the session's blocks; they stay as shareable prefix cache under policy."""

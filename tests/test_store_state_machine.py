@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvstore.block import SessionState
 from kvstore.config import StoreConfig
 from kvstore.errors import NVMeWriteFailed, ResourceExhausted
 from kvstore.spec import ModelSpec
@@ -204,9 +205,14 @@ class StoreMachine(RuleBasedStateMachine):
             self.store.pause_session(t, sid)
             self.sessions[(t, sid)] = ("paused", keys)
         elif action == "resume":
-            self.store.resume_session(t, sid)
-            if state == "paused":
-                self.sessions[(t, sid)] = ("resumed", keys)
+            try:
+                self.store.resume_session(t, sid)
+            except ResourceExhausted:  # all or nothing: HBM full of pinned blocks
+                assert state == "paused"
+                assert self.store.session_state(t, sid) == SessionState.PAUSED
+            else:
+                if state == "paused":
+                    self.sessions[(t, sid)] = ("resumed", keys)
         else:
             self.store.close_session(t, sid)
             del self.sessions[(t, sid)]

@@ -237,12 +237,22 @@ def usable_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def holding_data(t: torch.Tensor, what: str) -> torch.Tensor:
+def holding_data(t: torch.Tensor, what: str, *, writable: bool = False) -> torch.Tensor:
     """``t``, or InvalidArgument when it has no memory to read or write: a tensor on the meta
     device (shapes only, e.g. a model built before its weights are loaded). torch refuses it
-    only deep inside a copy, with NotImplementedError, or copies nothing out of it."""
+    only deep inside a copy, with NotImplementedError, or copies nothing out of it.
+
+    A lazily negated or conjugated view (``torch._neg_view``, ``.conj()`` of a complex tensor)
+    does not hold its values in its memory: read from, it comes back resolved (a copy); to be
+    written (``writable``) it is refused, as a write to its bytes would not be what it shows."""
     if t.device.type == "meta":
         raise InvalidArgument(f"{what} is on the meta device: it holds no data")
+    if t.is_neg() or t.is_conj():
+        if writable:
+            # NOTE: raised torch's RuntimeError from a byte view deep in the copy
+            raise InvalidArgument(f"{what} is a lazily negated/conjugated view: its memory does "
+                                  f"not hold its values; pass a plain tensor (e.g. .clone())")
+        return t.resolve_conj().resolve_neg()
     return t
 
 
