@@ -18,6 +18,17 @@ the per-tenant policies set through the Admin service so they survive restarts.
 
 Errors: a missing or unknown token -> ``Unauthenticated``; a role or namespace the caller may not
 use -> ``PermissionDenied``; unknown names -> ``NotFound``; bad names -> ``InvalidArgument``.
+
+Calls that outlive a change of rights: a token is checked when a call starts, but a Put stream
+(or a shared-memory put, or a Get stream) may run on long after. The registry keeps an **auth
+epoch**, advanced by every change of principals (create, token rotation, deletion, grant or
+revoke); :meth:`AuthRegistry.authenticate` stamps it on the principal
+(:attr:`Principal.auth_epoch`). Before a put commits, the service re-validates the principal
+under :meth:`AuthRegistry.holding` (an int comparison while nothing changed): a token rotated
+or a principal deleted since -> ``Unauthenticated``, the namespace written no longer granted ->
+``PermissionDenied``, and nothing of the call is stored. Changes wait for the commits holding
+the registry to end, so once a rotation or revocation has returned, no call authenticated
+before it stores anything. (Before, such a stream committed its blocks after the rotation.)
 """
 
 from __future__ import annotations
@@ -71,6 +82,10 @@ class Principal:
     epoch: int | None = None
     """The Store's ``drop_epoch`` read just before this call's token was checked (set by the
     service): a put that outlives the deletion of its tenant then fails instead of storing."""
+    auth_epoch: int | None = None
+    """The registry's auth epoch read just before this call's token was checked (set by
+    :meth:`AuthRegistry.authenticate`; None: not checked, e.g. built in-process): see
+    :meth:`AuthRegistry.check`."""
 
     @property
     def readable(self) -> frozenset[str]:
@@ -180,6 +195,47 @@ def _load(path: Path) -> dict:
         return json.load(f)
 
 
+class _Gate:
+    """A readers-writer lock that lets a waiting writer in first: calls about to commit hold it
+    shared (briefly), changes of rights exclusive. Not re-entrant: a holder must not take it
+    again (a writer waiting in between would deadlock them)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._writing = False
+        self._waiting = 0
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writing and not self._waiting)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting += 1
+            try:
+                self._cond.wait_for(lambda: not self._writing and not self._readers)
+            finally:
+                self._waiting -= 1
+            self._writing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+
 class AuthRegistry:
     """Principals (with hashed tokens) and tenant policies, persisted in ``path``. Thread-safe."""
 
@@ -189,6 +245,9 @@ class AuthRegistry:
         self._lock = threading.Lock()
         self._principals: dict[str, Principal] = {}
         self._hashes: dict[str, str] = {}  # token hash -> name
+        self._epoch = 0  # the auth epoch: advanced after every change of principals
+        self._token_epoch: dict[str, int] = {}  # name -> the epoch its current token was set at
+        self._gate = _Gate()
         try:
             data = _load(self.path)
             for name, rec in data.get("principals", {}).items():
@@ -239,20 +298,75 @@ class AuthRegistry:
         """A change of principals, tokens or policies: saved when the block ends, or undone in
         memory when it raises or the save fails (a deletion or rotation that memory had made
         and the file had not would bring the old token back at the next start)."""
-        before = (dict(self._principals), dict(self._hashes), dict(self._policies))
+        before = (dict(self._principals), dict(self._hashes), dict(self._policies), dict(self._token_epoch))
         try:
             yield
             self._save()
         except BaseException:
-            self._principals, self._hashes, self._policies = before
+            self._principals, self._hashes, self._policies, self._token_epoch = before
             raise
+
+    @contextmanager
+    def _changing_rights(self) -> Iterator[None]:
+        """A change of principals (tokens, grants, existence): :meth:`_changing`, made while no
+        call holds the registry (:meth:`holding`), and the auth epoch advanced after it.
+
+        NOTE: advanced AFTER the change: :meth:`authenticate` reads the epoch before the token,
+        so a call that read the new epoch finds the new tokens and grants; advanced before, a
+        call could read the new epoch with the old token and pass every later check."""
+        with self._gate.exclusive(), self._lock:
+            with self._changing():
+                yield
+            self._epoch += 1
+
+    @property
+    def epoch(self) -> int:
+        """The auth epoch: advanced after every change of principals, tokens or grants."""
+        return self._epoch
 
     # -- authentication ---------------------------------------------------------------------
     def authenticate(self, token: str) -> Principal:
+        """The principal of ``token``, stamped with the auth epoch read before the token was
+        checked (:attr:`Principal.auth_epoch`)."""
+        epoch = self._epoch  # NOTE: first (see _changing_rights)
         name = self._hashes.get(hash_token(token))
-        if name is None:
+        principal = self._principals.get(name) if name is not None else None
+        if principal is None:  # NOTE: .get: a principal deleted meanwhile was a KeyError (INTERNAL)
             raise Unauthenticated("invalid token")
-        return self._principals[name]
+        return replace(principal, auth_epoch=epoch)
+
+    def check(self, principal: Principal, namespace: str | None = None, *, write: bool = False) -> None:
+        """Raise when ``principal``, authenticated at its ``auth_epoch``, has since lost the
+        right to go on: its token was rotated or it was deleted (``Unauthenticated``), or
+        ``namespace`` is no longer granted to it for reading (or writing, when ``write``)
+        (``PermissionDenied``). A comparison of two ints while nothing changed. For a check
+        that a commit must not outrun, use :meth:`holding`."""
+        if principal.auth_epoch is None or principal.auth_epoch == self._epoch:
+            return
+        name = principal.name
+        tail = ": nothing was stored" if write else ""
+        current = self._principals.get(name)
+        if current is None:
+            raise Unauthenticated(f"principal {name!r} was deleted while this call ran{tail}")
+        if self._token_epoch.get(name, 0) > principal.auth_epoch:
+            raise Unauthenticated(f"the token of {name!r} was rotated or replaced while this call ran{tail}; "
+                                  "call again with the current token")
+        if current.role is not principal.role:
+            raise PermissionDenied(f"the role of {name!r} changed while this call ran{tail}")
+        if namespace is not None and namespace not in (current.writable if write else current.readable):
+            verb = "write" if write else "read"
+            raise PermissionDenied(f"namespace {namespace!r} was revoked from {name!r} for {verb} while this "
+                                   f"call ran{tail}")
+
+    @contextmanager
+    def holding(self, principal: Principal, namespace: str | None = None, *,
+                write: bool = False) -> Iterator[None]:
+        """:meth:`check`, and no change of principals until the block ends: wrap a commit in it
+        so that a rotation or revocation either comes before the check (the call fails) or
+        after the commit. Keep the block short (changes wait for it) and never nest it."""
+        with self._gate.shared():
+            self.check(principal, namespace, write=write)
+            yield
 
     # -- principals ---------------------------------------------------------------------------
     def _check_namespaces(self, role: Role, namespaces: Sequence[str]) -> tuple[str, ...]:
@@ -264,15 +378,17 @@ class AuthRegistry:
 
     def _set_token(self, name: str) -> str:
         token = new_token()
-        self._hashes = {h: n for h, n in self._hashes.items() if n != name}
-        self._hashes[hash_token(token)] = name
+        self._token_epoch[name] = self._epoch + 1  # the epoch _changing_rights advances to
+        hashes = {h: n for h, n in self._hashes.items() if n != name}
+        hashes[hash_token(token)] = name
+        self._hashes = hashes  # NOTE: swapped whole: authenticate reads it without the lock
         return token
 
     def create(self, name: str, role: Role = Role.TENANT, namespaces: Sequence[str] = ()) -> str:
         """Create a principal and return its token (shown once)."""
         check_name(name)
         ns = self._check_namespaces(role, namespaces)
-        with self._lock, self._changing():
+        with self._changing_rights():
             if name in self._principals:
                 raise AlreadyExists(f"principal {name!r} already exists")
             self._principals[name] = Principal(name, role, ns, created=self._clock())
@@ -281,25 +397,26 @@ class AuthRegistry:
 
     def rotate(self, name: str) -> str:
         """Replace a principal's token; the old one stops working at once."""
-        with self._lock, self._changing():
+        with self._changing_rights():
             self.get(name)
             token = self._set_token(name)
         return token
 
     def delete(self, name: str) -> Principal:
-        with self._lock, self._changing():
+        with self._changing_rights():
             p = self.get(name)
             if p.role is Role.ADMIN and sum(q.role is Role.ADMIN for q in self._principals.values()) == 1:
                 raise FailedPrecondition("cannot delete the last admin")
             del self._principals[name]
             self._hashes = {h: n for h, n in self._hashes.items() if n != name}
+            self._token_epoch.pop(name, None)
             self._policies.pop(name, None)
         return p
 
     def grant(self, name: str, namespace: str, *, revoke: bool = False) -> Principal:
         """Add (or remove) a shared namespace to a tenant's read grants / a publisher's list."""
         check_shared(namespace)
-        with self._lock, self._changing():
+        with self._changing_rights():
             p = self.get(name)
             if p.role is Role.ADMIN:
                 raise InvalidArgument("admins have no namespaces")

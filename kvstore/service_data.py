@@ -29,7 +29,7 @@ import numpy as np
 
 from kernels.copy import copy_blocks
 from kvstore.audit import AuditLog, Recorder
-from kvstore.auth import Principal, resolve_namespace
+from kvstore.auth import AuthRegistry, Principal, resolve_namespace
 from kvstore.block import Tier
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, Unavailable
 from kvstore.keys import KEY_BYTES, ROOT_KEY, block_keys
@@ -68,8 +68,12 @@ class DataPlane:
     """Data and session operations; each method raises typed errors from kvstore.errors."""
 
     def __init__(self, store: Any, audit: AuditLog, limits: LimitsConfig, metrics: ServiceMetrics | None = None,
-                 copy_threads: int = 1) -> None:
+                 copy_threads: int = 1, auth: AuthRegistry | None = None) -> None:
         self.store = store
+        #: the registry that re-validates a caller before its put commits (and as a Get stream
+        #: sends): a call that outlives its token's rotation, its principal's deletion or its
+        #: grant's revocation fails. None: not re-validated (the KVStore servicer sets its own).
+        self.auth = auth
         self.audit = audit
         self.limits = limits
         self.metrics = metrics
@@ -135,10 +139,18 @@ class DataPlane:
         return self.store.reserve_put(b.namespace, b.spec, b.keys, parent=b.parent, since=since)
 
     def commit_put(self, b: Blocks, reservation: PutReservation, data: Callable[[int], Any], session: str,
-                   ttl_s: float | None, plane: str = "stream") -> int:
+                   ttl_s: float | None, plane: str = "stream", *, p: Principal | None = None) -> int:
         """Publish a reserved put, all or nothing; ``data(i)``: block i's bytes where the
-        reservation has no slot. The number of blocks written."""
-        self.store.commit_put(reservation, data, session=session or None, ttl_s=ttl_s)
+        reservation has no slot. The number of blocks written. With :attr:`auth` and ``p``, the
+        principal must still be allowed to write ``b.namespace`` (checked under
+        :meth:`AuthRegistry.holding`: a token rotated, a principal deleted or a grant revoked
+        after the call began fails it, and nothing is stored)."""
+        auth = self.auth
+        if auth is not None and p is not None:
+            with auth.holding(p, b.namespace, write=True):
+                self.store.commit_put(reservation, data, session=session or None, ttl_s=ttl_s)
+        else:
+            self.store.commit_put(reservation, data, session=session or None, ttl_s=ttl_s)
         if self.metrics is not None:
             self.metrics.bytes_in.labels(plane=plane).inc(b.spec.block_nbytes * len(b.keys))
         return len(b.keys)
@@ -185,13 +197,16 @@ class DataPlane:
 
     def put_local(self, principal: Principal, b: Blocks, region_id: int, offsets: Sequence[int],
                   session: str, ttl_s: float | None, seq: int = 0) -> int:
+        """Store the blocks in the caller's region slots ``offsets``, all or nothing; the
+        principal is re-validated at the commit (:meth:`commit_put`)."""
         nbytes = b.spec.block_nbytes
         check_slots(offsets, nbytes, len(b.keys))
         with self._slots(principal, region_id, offsets, nbytes, seq) as slots:
             reservation = self.reserve_put(b, principal.epoch)
             try:
                 self._copy([(dst, slots[i]) for i, dst in enumerate(reservation.views) if dst is not None])
-                return self.commit_put(b, reservation, slots.__getitem__, session, ttl_s, plane="shm")
+                return self.commit_put(b, reservation, slots.__getitem__, session, ttl_s, plane="shm",
+                                       p=principal)
             except BaseException:
                 self.abort_put(reservation)
                 raise

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -92,6 +92,16 @@ class RpcRunner:
         finally:
             if self.metrics is not None:
                 self.metrics.observe(name, code, time.perf_counter() - start)
+
+    @staticmethod
+    def relay(context: grpc.ServicerContext, frames: Iterator[Any]) -> Iterator[Any]:
+        """The items of a response stream whose call :meth:`run` already started; a typed error
+        raised while producing them aborts the stream with its status (it ended as UNKNOWN)."""
+        try:
+            yield from frames
+        except KVStoreError as exc:
+            status, message = to_status(exc)
+            context.abort(status, message)
 
 
 def _audit_quietly(audit: Recorder, who: str, code: str, name: str) -> None:

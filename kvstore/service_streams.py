@@ -6,7 +6,10 @@
   one block and the start of the next ones, or, as older clients send, one block's chunk), and
   commits once the whole stream arrived intact; blocks with no slot (already stored, or no
   room above NVMe) go through a reused staging buffer. A cancelled, failed or past-deadline
-  Put is aborted: its slots are freed, nothing was visible.
+  Put is aborted: its slots are freed, nothing was visible. With ``plane.auth`` (the registry), the
+  caller's right to write is checked again as each block starts and, under
+  :meth:`~kvstore.auth.AuthRegistry.holding`, at the commit: a stream opened before its token
+  was rotated, its principal deleted or its grant revoked fails and stores nothing.
   NOTE: keeping the received frames until the commit looks cheaper but is not: grpc allocates
   each message afresh, and holding tens of MiB of them makes every call fault in new pages
   (~2 GB/s) where a copy into warm memory runs at ~10 GB/s and lets grpc reuse the freed
@@ -20,7 +23,8 @@
   reused staging buffers. The lease pins the blocks and keeps their memory from being reused
   until the generator ends, is closed (grpc closes it on cancel) or is dropped, so a slow or
   vanished client never reads bytes that changed under it; the Store's lock is not held while
-  grpc sends.
+  grpc sends. With ``plane.auth``, the caller's right to read is checked again before each frame: a
+  stream whose token was rotated (or grant revoked) meanwhile ends with that error.
 
 Frames are :mod:`kvstore.frames`; the servicer only authenticates and maps errors.
 """
@@ -54,7 +58,8 @@ def _check_size(plane: DataPlane, b: Blocks, *, count_blocks: bool = True) -> in
 
 
 def put_stream(plane: DataPlane, p: Principal, frames: Iterator[Frame], is_active: Callable[[], bool]) -> int:
-    """Receive and commit one Put stream; the number of blocks written."""
+    """Receive and commit one Put stream; the number of blocks written. ``plane.auth``
+    re-validates ``p`` as each block starts and at the commit."""
     first = next(frames, None)
     if first is not None and first.error:
         raise InvalidArgument(first.error)
@@ -66,6 +71,7 @@ def put_stream(plane: DataPlane, p: Principal, frames: Iterator[Frame], is_activ
     b = plane.resolve(p, header.target, write=True)
     total = _check_size(plane, b)
     nbytes = b.spec.block_nbytes
+    auth = plane.auth
     plane.inflight.take(b.namespace, total)
     staged: dict[int, np.ndarray] = {}
     reservation = None
@@ -74,6 +80,8 @@ def put_stream(plane: DataPlane, p: Principal, frames: Iterator[Frame], is_activ
         slots = reservation.views
 
         def destination(i: int) -> Any:
+            if auth is not None:  # NOTE: fails early; the check that counts is at the commit
+                auth.check(p, b.namespace, write=True)
             # a reserved tier slot, else (block already stored, no room above NVMe) staging
             if slots[i] is not None:
                 return slots[i]
@@ -84,7 +92,7 @@ def put_stream(plane: DataPlane, p: Principal, frames: Iterator[Frame], is_activ
         if not is_active():  # cancelled or past its deadline: commit nothing
             raise FailedPrecondition("the Put was cancelled before it completed")
         ttl = header.ttl_s if header.HasField("ttl_s") else None
-        n = plane.commit_put(b, reservation, staged.__getitem__, header.session, ttl)
+        n = plane.commit_put(b, reservation, staged.__getitem__, header.session, ttl, p=p)
         reservation = None
         return n
     finally:
@@ -109,7 +117,8 @@ def get_stream(plane: DataPlane, p: Principal, request: pb.GetRequest) -> tuple[
     blocks' bytes in their tier (one copy). Errors surface here, before any frame is sent.
     The generator holds the lease (and the staging buffers of
     the blocks that had to be decoded or copied off an accelerator) until it ends, is closed
-    (grpc closes it on cancel) or is dropped, started or not."""
+    (grpc closes it on cancel) or is dropped, started or not. ``plane.auth`` re-validates ``p``
+    before each data frame (a typed error raised from the generator)."""
     b = plane.resolve(p, request.target)
     _check_size(plane, b, count_blocks=False)  # bounds what one Get holds (leased or staged)
     nbytes = b.spec.block_nbytes
@@ -132,17 +141,23 @@ def get_stream(plane: DataPlane, p: Principal, request: pb.GetRequest) -> tuple[
     _give_all(plane.staging, unused)
     n = len(lease.views)
     header = encode(pb.GetFrame(header=pb.GetHeader(num_blocks=n, block_nbytes=nbytes)))
-    frames = _chunks(lease, nbytes, chunk, request.pack_blocks, plane.staging, staged)
+    auth = plane.auth
+    check = (lambda: auth.check(p, b.namespace)) if auth is not None else None
+    frames = _chunks(lease, nbytes, chunk, request.pack_blocks, plane.staging, staged, check)
     next(frames)  # NOTE: started, so closing or dropping it runs its finally (an unstarted
     return header, frames  # generator's never runs: a Get cancelled after its header would leak)
 
 
 def _chunks(lease: ReadLease, nbytes: int, chunk: int, pack: bool, staging: StagingPool,
-            staged: list[np.ndarray]) -> Iterator[bytes]:
-    """Data frames of the leased blocks; the first value (b"") only primes the generator."""
+            staged: list[np.ndarray], check: Callable[[], None] | None = None) -> Iterator[bytes]:
+    """Data frames of the leased blocks, ``check()`` before each; the first value (b"") only
+    primes the generator."""
     try:
         yield b""
-        yield from block_frames(pb.GetFrame, lease.views, nbytes, chunk, pack=pack)
+        for frame in block_frames(pb.GetFrame, lease.views, nbytes, chunk, pack=pack):
+            if check is not None:
+                check()
+            yield frame
     finally:
         lease.release()
         _give_all(staging, staged)

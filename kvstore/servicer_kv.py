@@ -41,6 +41,10 @@ def add_kvstore_servicer(servicer: KVStoreServicer, server: grpc.Server) -> None
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, plane: DataPlane, rpc: RpcRunner) -> None:
         self.plane, self.rpc = plane, rpc
+        if plane.auth is None:
+            # NOTE: the registry that authenticates a call also re-validates it before its put
+            # commits: a stream opened before a rotation, deletion or revocation stores nothing
+            plane.auth = rpc.registry
 
     def WhoAmI(self, request, context):
         return self.rpc.run("WhoAmI", context, lambda p: pb.WhoAmIResponse(
@@ -63,14 +67,17 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return self.rpc.run("Lookup", context, call)
 
     def Put(self, request_iterator: Iterator[Frame], context):
+        # NOTE: the registry re-validates the principal as the stream runs and at its commit:
+        # a stream opened before a token rotation, deletion or revocation stores nothing
         return self.rpc.run("Put", context, lambda p: pb.PutResponse(
             blocks_written=put_stream(self.plane, p, request_iterator, context.is_active)))
 
     def Get(self, request, context):
-        # the header is produced inside run(): errors abort before any data is sent
+        # the header is produced inside run(): errors abort before any data is sent; an error
+        # while sending (the caller's right to read gone meanwhile) aborts the stream
         header, chunks = self.rpc.run("Get", context, lambda p: get_stream(self.plane, p, request))
         yield header
-        yield from chunks
+        yield from self.rpc.relay(context, chunks)
 
     def RegisterRegion(self, request, context):
         def call(p: Principal) -> pb.RegisterRegionResponse:
