@@ -34,9 +34,13 @@ def _in_range(what: str, value: int, lo: int, hi: int) -> None:
 class AdminClient:
     """The Admin service (operators' plane); every call needs an admin token."""
 
-    def __init__(self, target: str, token: str, *, timeout: float | None = 30.0, tls: ClientTLS | None = None) -> None:
-        self._inner = Client(target, token, local=False, timeout=timeout, tls=tls)
+    def __init__(self, target: str, token: str, *, timeout: float | None = 30.0, tls: ClientTLS | None = None,
+                 max_message_bytes: int = 4 << 20) -> None:
+        # NOTE: the Admin service streams nothing: chunk_bytes only has to be valid
+        self._inner = Client(target, token, local=False, timeout=timeout, tls=tls, max_message_bytes=max_message_bytes,
+                             chunk_bytes=max(1, min(max_message_bytes - 1024, 1 << 20)))
         self._stub = self._inner._admin
+        self._max_message_bytes = max_message_bytes
 
     def _call(self, name: str, request: Any) -> Any:
         return self._inner._call(getattr(self._stub, name), request)
@@ -83,11 +87,29 @@ class AdminClient:
         return self._call("PurgeModel", req).blocks
 
     def audit(self, since_seq: int = 0, limit: int = 0) -> list[dict[str, Any]]:
+        """Entries after ``since_seq``, oldest first: ``limit`` of them (0: the server's default
+        of 1000), or fewer when the log ends, in as many calls as their size takes."""
         _in_range("since_seq", since_seq, 0, (1 << 64) - 1)
         _in_range("limit", limit, 0, (1 << 32) - 1)
-        r = self._call("ReadAudit", apb.ReadAuditRequest(since_seq=since_seq, limit=limit))
+        want = limit or 1000
+        out: list[dict[str, Any]] = []
+        while True:
+            entries, more = self.audit_page(since_seq, want - len(out))
+            out += entries
+            if not more or not entries or len(out) >= want:
+                return out
+            since_seq = entries[-1]["seq"]
+
+    def audit_page(self, since_seq: int = 0, limit: int = 0) -> tuple[list[dict[str, Any]], bool]:
+        """One ReadAudit: the entries after ``since_seq`` that fit one response (at most
+        ``limit``, 0: the server's default), and whether more follow."""
+        _in_range("since_seq", since_seq, 0, (1 << 64) - 1)
+        _in_range("limit", limit, 0, (1 << 32) - 1)
+        r = self._call("ReadAudit", apb.ReadAuditRequest(since_seq=since_seq, limit=limit,
+                                                         max_bytes=min(self._max_message_bytes, (1 << 32) - 1)))
         return [{"seq": e.seq, "time": e.time, "principal": e.principal, "action": e.action,
-                 "target": e.target, "result": e.result, "detail": e.detail, "ref": e.ref} for e in r.entries]
+                 "target": e.target, "result": e.result, "detail": e.detail, "ref": e.ref}
+                for e in r.entries], r.more
 
     def stats(self) -> dict[str, Any]:
         return json.loads(self._call("Stats", pb.StatsRequest()).json)

@@ -20,6 +20,14 @@ Contract:
   an ``UNKNOWN`` outcome when the log is next opened. Why: the outcome used to be the only
   record, written after the action, so a crash between the two left an action no one could
   see in the log. Read-only actions (``changes=False``) get only their outcome.
+* Every recorded string is bounded (:func:`bounded`): a target or principal to
+  :data:`FIELD_CHARS` characters, a detail to :data:`DETAIL_CHARS`, a longer one cut with a
+  marker giving its length (``"abc…(3145728 bytes)"``), and the target of an unauthenticated
+  call (principal :data:`ANONYMOUS`) to :data:`ANONYMOUS_TARGET_CHARS`. Why: the target is what
+  the caller sent (a name, a namespace), and a caller sending names of megabytes grew the log
+  by megabytes per call, token or not.
+* :meth:`AuditLog.page` reads the entries after a ``seq`` while they fit a byte budget (the
+  Admin ReadAudit response must fit the gRPC message limit) and says whether more follow.
 * An append that cannot be written whole (a full disk, an I/O error) leaves the file as it was
   (a torn line is cut off again: it would stop the next start, which refuses a malformed
   line) and raises :class:`kvstore.errors.FailedPrecondition` saying so.
@@ -45,6 +53,25 @@ GENESIS = "0" * 64
 STARTED = "STARTED"
 #: the outcome given, at the next open, to a STARTED entry left without one
 UNKNOWN = "UNKNOWN"
+#: the principal recorded for a call whose token was missing or not valid
+ANONYMOUS = "?"
+#: the most characters recorded of a target, principal, action or result
+FIELD_CHARS = 256
+#: the most characters recorded of a detail
+DETAIL_CHARS = 1024
+#: the most characters recorded of the target of an unauthenticated call
+ANONYMOUS_TARGET_CHARS = 64
+#: what a cut value may exceed its bound by: the marker (an ellipsis and up to 20 digits). A
+#: value within it is kept whole, so that bounding a bounded value changes nothing.
+_MARKER_CHARS = 32
+
+
+def bounded(value: str, limit: int = FIELD_CHARS) -> str:
+    """``value``, or its first ``limit`` characters and a marker with its length in UTF-8 bytes
+    (``"abc…(3145728 bytes)"``) when it is longer than ``limit`` plus the marker's room."""
+    if len(value) <= limit + _MARKER_CHARS:
+        return value
+    return f"{value[:limit]}…({len(value.encode('utf-8', 'surrogatepass'))} bytes)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,16 +136,19 @@ class AuditLog:
 
     def append(self, principal: str, action: str, target: str, result: str, detail: str = "",
                ref: int = 0) -> AuditEntry:
-        """Append one entry and return it (durable when ``fsync`` is on)."""
+        """Append one entry and return it (durable when ``fsync`` is on); every string is
+        :func:`bounded`."""
+        if principal == ANONYMOUS:
+            target = bounded(target, ANONYMOUS_TARGET_CHARS)
         with self._lock:
             entry = AuditEntry(
                 seq=self._seq + 1,
                 time=self._clock(),
-                principal=principal,
-                action=action,
-                target=target,
-                result=result,
-                detail=detail,
+                principal=bounded(principal),
+                action=bounded(action),
+                target=bounded(target),
+                result=bounded(result),
+                detail=bounded(detail, DETAIL_CHARS),
                 prev=self._prev,
                 ref=ref,
             )
@@ -145,14 +175,22 @@ class AuditLog:
 
     def read(self, since_seq: int = 0, limit: int = 1000) -> list[AuditEntry]:
         """Entries with ``seq > since_seq``, oldest first, at most ``limit``."""
+        return self.page(since_seq, limit)[0]
+
+    def page(self, since_seq: int = 0, limit: int = 1000,
+             fits: Callable[[AuditEntry], bool] | None = None) -> tuple[list[AuditEntry], bool]:
+        """Entries with ``seq > since_seq``, oldest first: at most ``limit``, and while
+        ``fits(entry)`` (which may count each entry against a budget; an entry it refuses is
+        not returned). Also returns whether entries follow the last one returned."""
         out: list[AuditEntry] = []
         with self._lock:
             for entry, _ in self._scan():
-                if entry.seq > since_seq:
-                    out.append(entry)
-                    if len(out) >= limit:
-                        break
-        return out
+                if entry.seq <= since_seq:
+                    continue
+                if len(out) >= limit or (fits is not None and not fits(entry)):
+                    return out, True
+                out.append(entry)
+        return out, False
 
     def verify(self) -> int:
         """Check the hash chain and sequence; return the entry count or raise IntegrityError."""

@@ -20,10 +20,13 @@ class AdminPlane:
     """Operator actions; each raises typed errors from kvstore.errors."""
 
     def __init__(self, store: Any, registry: AuthRegistry, audit: AuditLog,
-                 regions: RegionTable | None = None, metrics: Any = None) -> None:
+                 regions: RegionTable | None = None, metrics: Any = None,
+                 max_message_bytes: int = 4 << 20) -> None:
         self.store, self.registry, self.audit = store, registry, audit
         self.regions = regions
         self.metrics = metrics  # ServiceMetrics: a deleted tenant's series go with it
+        #: the server's gRPC message limit: the audit log is read in responses under it
+        self.max_message_bytes = max_message_bytes
 
     def create_tenant(self, name: str, role: Role, namespaces: list[str]) -> str:
         """Create a principal; returns its token (shown once)."""

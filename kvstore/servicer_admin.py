@@ -3,7 +3,8 @@
 Thin: every method decodes its request, calls :class:`~kvstore.service_admin.AdminPlane`
 through :meth:`RpcRunner.run` (which requires the admin role and writes the audit entry), and
 encodes the result. Reading the audit log and Stats are admin-only but not audited (reading the
-log must not grow it).
+log must not grow it). ReadAudit answers with the entries that fit under the server's message
+limit (and the caller's ``max_bytes``), its ``more`` set when entries follow.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.audit import Recorder
+from kvstore.audit import DETAIL_CHARS, AuditEntry, Recorder, bounded
 from kvstore.auth import Principal, Role, TenantPolicy
-from kvstore.errors import PermissionDenied
+from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.service_admin import AdminPlane
 from kvstore.service_convert import spec_from_pb
 from kvstore.service_rpc import RpcRunner
@@ -24,6 +25,10 @@ from proto.kvstore.v1 import kvstore_pb2 as pb
 
 _ROLE_PB = {Role.TENANT: apb.ROLE_TENANT, Role.PUBLISHER: apb.ROLE_PUBLISHER, Role.ADMIN: apb.ROLE_ADMIN}
 _ROLE_FROM_PB = {v: k for k, v in _ROLE_PB.items()} | {apb.ROLE_UNSPECIFIED: Role.TENANT}
+#: the smallest ``max_bytes`` a ReadAudit may give: room for any one (bounded) entry
+MIN_AUDIT_PAGE_BYTES = 64 * 1024
+#: room kept in a ReadAudit response for its ``more`` field
+_RESPONSE_SLACK = 16
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
@@ -78,10 +83,26 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     def ReadAudit(self, request, context):
         def call(p: Principal) -> apb.ReadAuditResponse:
-            entries = self.plane.audit.read(request.since_seq, request.limit or 1000)
-            return apb.ReadAuditResponse(entries=[apb.AuditEntry(
-                seq=e.seq, time=e.time, principal=e.principal, action=e.action, target=e.target,
-                result=e.result, detail=e.detail, ref=e.ref) for e in entries])
+            if 0 < request.max_bytes < MIN_AUDIT_PAGE_BYTES:
+                raise InvalidArgument(f"max_bytes must be 0 (the server's message limit) or at least "
+                                      f"{MIN_AUDIT_PAGE_BYTES}, got {request.max_bytes}")
+            budget = min(request.max_bytes or self.plane.max_message_bytes, self.plane.max_message_bytes)
+            left = budget - _RESPONSE_SLACK
+            out: list[apb.AuditEntry] = []
+
+            def fits(e: AuditEntry) -> bool:
+                nonlocal left
+                msg = _audit_pb(e)
+                size = msg.ByteSize()
+                cost = 1 + _varint_len(size) + size  # the field's tag, its length, the entry
+                if cost > left:
+                    return False
+                left -= cost
+                out.append(msg)
+                return True
+
+            _, more = self.plane.audit.page(request.since_seq, request.limit or 1000, fits)
+            return apb.ReadAuditResponse(entries=out, more=more)
         return self.rpc.run("Admin.ReadAudit", context, _admin_only(call))
 
     def Stats(self, request, context):
@@ -96,6 +117,18 @@ def _admin_only(fn: Callable[[Principal], Any]) -> Callable[[Principal], Any]:
             raise PermissionDenied(f"{p.name!r} is not an admin")
         return fn(p)
     return call
+
+
+def _audit_pb(e: AuditEntry) -> apb.AuditEntry:
+    """An entry as ReadAudit sends it; its strings bounded again (entries written before they
+    were bounded at append time may hold megabytes)."""
+    return apb.AuditEntry(seq=e.seq, time=e.time, principal=bounded(e.principal), action=bounded(e.action),
+                          target=bounded(e.target), result=bounded(e.result),
+                          detail=bounded(e.detail, DETAIL_CHARS), ref=e.ref)
+
+
+def _varint_len(n: int) -> int:
+    return max(1, (n.bit_length() + 6) // 7)
 
 
 def _tenant_pb(p: Principal) -> apb.TenantInfo:

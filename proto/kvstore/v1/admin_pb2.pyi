@@ -113,12 +113,14 @@ class PurgeModelResponse(_message.Message):
     def __init__(self, blocks: _Optional[int] = ...) -> None: ...
 
 class ReadAuditRequest(_message.Message):
-    __slots__ = ("since_seq", "limit")
+    __slots__ = ("since_seq", "limit", "max_bytes")
     SINCE_SEQ_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     since_seq: int
     limit: int
-    def __init__(self, since_seq: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+    max_bytes: int
+    def __init__(self, since_seq: _Optional[int] = ..., limit: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
 
 class AuditEntry(_message.Message):
     __slots__ = ("seq", "time", "principal", "action", "target", "result", "detail", "ref")
@@ -141,7 +143,9 @@ class AuditEntry(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., time: _Optional[float] = ..., principal: _Optional[str] = ..., action: _Optional[str] = ..., target: _Optional[str] = ..., result: _Optional[str] = ..., detail: _Optional[str] = ..., ref: _Optional[int] = ...) -> None: ...
 
 class ReadAuditResponse(_message.Message):
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "more")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[AuditEntry]
-    def __init__(self, entries: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ...) -> None: ...
+    more: bool
+    def __init__(self, entries: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,110 @@
+"""The admin plane against a hostile caller: bounded audit entries, a ReadAudit that fits the
+message limit, a CLI that prints what callers sent without obeying it, complete audit details,
+metrics that forget a deleted tenant, and listen addresses parsed as written."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from service_harness import start
+
+import kvstore.audit as audit_mod
+from kvstore.audit import AuditLog
+from proto.kvstore.v1 import admin_pb2 as apb
+from proto.kvstore.v1 import admin_pb2_grpc
+
+HUGE = 3 << 20  # a name of 3 MiB: fits the server's 4 MiB message limit
+FIELD_CHARS = 256  # what the log keeps of a target (kvstore.audit.FIELD_CHARS)
+ANONYMOUS_TARGET_CHARS = 64  # ... of an unauthenticated call's target
+
+
+def _stub(sidecar, token: str):
+    channel = grpc.insecure_channel(sidecar.target, options=[("grpc.max_send_message_length", 8 << 20)])
+    return channel, admin_pb2_grpc.AdminStub(channel), (("authorization", f"Bearer {token}"),)
+
+
+def _log_bytes(sidecar) -> int:
+    return sidecar.server.config.audit_file.stat().st_size
+
+
+# -- 3. the audit log and ReadAudit are bounded ------------------------------------------------------
+def test_an_unauthenticated_call_with_a_huge_name_adds_a_small_entry(sidecar):
+    channel, stub, md = _stub(sidecar, "kvs_not-a-token")
+    before = _log_bytes(sidecar)
+    with channel, pytest.raises(grpc.RpcError) as err:
+        stub.RotateToken(apb.TenantName(name="x" * HUGE), metadata=md, timeout=30)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert _log_bytes(sidecar) - before < 1024
+    last = sidecar.admin().audit()[-1]
+    assert (last["principal"], last["action"], last["result"]) == ("?", "tenant.rotate", "UNAUTHENTICATED")
+    assert last["target"] == "x" * ANONYMOUS_TARGET_CHARS + f"…({HUGE} bytes)"
+
+
+def test_an_admin_call_with_a_huge_name_is_recorded_cut_with_its_length(sidecar):
+    channel, stub, md = _stub(sidecar, sidecar.admin_token)
+    before = _log_bytes(sidecar)
+    with channel, pytest.raises(grpc.RpcError):  # a bad name (its code: see the report)
+        stub.CreateTenant(apb.CreateTenantRequest(name="é" * (1 << 20), namespaces=["n" * (1 << 20)]),
+                          metadata=md, timeout=30)
+    assert _log_bytes(sidecar) - before < 16 * 1024  # two entries (STARTED, outcome)
+    entries = sidecar.admin().audit()  # and the log reads back
+    assert [e["result"] for e in entries[-2:]] == ["STARTED", "INVALID_ARGUMENT"]
+    assert all(e["target"] == "é" * FIELD_CHARS + f"…({2 << 20} bytes)" for e in entries[-2:])
+    assert all(len(e["detail"]) < 1100 for e in entries[-2:])
+    assert sidecar.server.audit.verify() == entries[-1]["seq"]
+
+
+def _grow(log: AuditLog, n: int) -> None:
+    """``n`` entries of about 300 bytes each."""
+    for i in range(n):
+        log.append("admin", "policy.set", f"t{i}-" + "p" * FIELD_CHARS, "OK")
+
+
+def test_read_audit_pages_a_log_larger_than_the_message_limit(tmp_path):
+    """ReadAudit answered "message too large" once the entries asked for passed the limit."""
+    sc = start(tmp_path, limits={"max_message_bytes": 64 * 1024, "chunk_bytes": 32 * 1024})
+    try:
+        _grow(sc.server.audit, 600)  # ~180 KiB of entries
+        admin = sc.admin()
+        everything = admin.audit(0, 1000)
+        assert [e["seq"] for e in everything] == list(range(1, 601))
+        page, more = admin.audit_page(0, 1000)
+        assert more and 0 < len(page) < 600
+        assert [e["seq"] for e in page] == list(range(1, len(page) + 1))
+        assert [e["seq"] for e in admin.audit(0, 450)] == list(range(1, 451))
+        assert admin.audit_page(600, 10) == ([], False)
+    finally:
+        sc.stop()
+
+
+def test_read_audit_fits_the_callers_receive_limit(sidecar):
+    """The server's limit (4 MiB) is not the client's: the client says how much it takes."""
+    from kvstore.admin_client import AdminClient
+
+    _grow(sidecar.server.audit, 900)  # ~270 KiB
+    with AdminClient(sidecar.target, sidecar.admin_token, max_message_bytes=128 * 1024) as admin:
+        page, more = admin.audit_page(0, 1000)
+        assert more and len(page) < 900
+        assert len(admin.audit(0, 1000)) == 900
+    channel, stub, md = _stub(sidecar, sidecar.admin_token)
+    with channel, pytest.raises(grpc.RpcError) as err:
+        stub.ReadAudit(apb.ReadAuditRequest(max_bytes=1000), metadata=md, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "at least 65536" in err.value.details()
+
+
+def test_entries_written_unbounded_by_an_earlier_version_are_read_cut(sidecar, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(audit_mod, "bounded", lambda value, limit=0: value)  # as before the bound
+        for _ in range(3):
+            sidecar.server.audit.append("admin", "tenant.rotate", "y" * HUGE, "NOT_FOUND")
+    entries = sidecar.admin().audit()
+    assert len(entries) == 3
+    assert all(e["target"] == "y" * FIELD_CHARS + f"…({HUGE} bytes)" for e in entries)
+
+
+def test_bounded_is_idempotent_and_leaves_short_values():
+    assert audit_mod.bounded("acme") == "acme"
+    cut = audit_mod.bounded("z" * 10_000)
+    assert cut == "z" * FIELD_CHARS + "…(10000 bytes)"
+    assert audit_mod.bounded(cut) == cut
