@@ -1,7 +1,9 @@
 """The admin plane on Python values: operator actions over the auth registry and the Store.
 
 :class:`AdminPlane` knows nothing of gRPC; the Admin servicer authenticates the caller, requires
-the admin role and audits every call (who, what, target, result) around these methods.
+the admin role and audits every call (who, what, target, result) around these methods. The
+``*_detail`` functions word what an entry records of a change beyond its target: the role and
+namespaces a principal was created with, the grants and the policy before and after.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvstore.audit import AuditLog
-from kvstore.auth import SHARED_PREFIX, AuthRegistry, Role, TenantPolicy, check_name, check_shared
+from kvstore.auth import SHARED_PREFIX, AuthRegistry, Principal, Role, TenantPolicy, check_name, check_shared
 from kvstore.block import Tier
 from kvstore.errors import InvalidArgument, KVStoreError, NotFound
 from kvstore.service_resources import RegionTable
@@ -31,6 +33,12 @@ class AdminPlane:
     def create_tenant(self, name: str, role: Role, namespaces: list[str]) -> str:
         """Create a principal; returns its token (shown once)."""
         return self.registry.create(name, role, namespaces)
+
+    def grant(self, tenant: str, namespace: str, *, revoke: bool = False) -> tuple[Principal, tuple[str, ...]]:
+        """Grant (or revoke) a shared namespace; returns the principal as it now is and the
+        namespaces it had before."""
+        before = self.registry.get(tenant).namespaces
+        return self.registry.grant(tenant, namespace, revoke=revoke), before
 
     def rotate(self, name: str) -> str:
         return self.registry.rotate(name)
@@ -127,3 +135,23 @@ class AdminPlane:
         if len(fingerprint) != FINGERPRINT_BYTES:
             raise InvalidArgument(f"fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}")
         return int(self.store.purge_model(fingerprint))
+
+
+def _names(namespaces: Any) -> str:
+    return "[" + ", ".join(namespaces) + "]"
+
+
+def create_detail(role: Role, namespaces: list[str]) -> str:
+    """The audit detail of ``tenant.create``: ``role=tenant namespaces=[shared:a]``."""
+    return f"role={role.value} namespaces={_names(namespaces)}"
+
+
+def grant_detail(before: tuple[str, ...], after: tuple[str, ...]) -> str:
+    """The audit detail of a grant or revoke that was made: ``namespaces [a] -> [a, b]``."""
+    return f"namespaces {_names(before)} -> {_names(after)}"
+
+
+def policy_detail(policy: TenantPolicy) -> str:
+    """``ttl_s=30.0 quota={hbm=1048576} priority=0``, one policy as the audit log words it."""
+    quota = ", ".join(f"{t}={v}" for t, v in sorted(policy.quota_bytes.items()))
+    return f"ttl_s={policy.ttl_s} quota={{{quota}}} priority={policy.priority}"

@@ -3,8 +3,10 @@
 Thin: every method decodes its request, calls :class:`~kvstore.service_admin.AdminPlane`
 through :meth:`RpcRunner.run` (which requires the admin role and writes the audit entry), and
 encodes the result. Reading the audit log and Stats are admin-only but not audited (reading the
-log must not grow it). ReadAudit answers with the entries that fit under the server's message
-limit (and the caller's ``max_bytes``), its ``more`` set when entries follow.
+log must not grow it). A change's entry records what was done beyond its target (``detail``):
+the role and namespaces a principal is created with, the grants and the policy before -> after.
+ReadAudit answers with the entries that fit under the server's message limit (and the caller's
+``max_bytes``), its ``more`` set when entries follow.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 from kvstore.audit import DETAIL_CHARS, AuditEntry, Recorder, bounded
 from kvstore.auth import Principal, Role, TenantPolicy
 from kvstore.errors import InvalidArgument, PermissionDenied
-from kvstore.service_admin import AdminPlane
+from kvstore.service_admin import AdminPlane, create_detail, grant_detail, policy_detail
 from kvstore.service_convert import spec_from_pb
 from kvstore.service_rpc import RpcRunner
 from proto.kvstore.v1 import admin_pb2 as apb
@@ -36,14 +38,16 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.plane, self.rpc = plane, rpc
 
     def _run(self, name: str, action: str, target: str, context, fn: Callable[[Principal], Any],
-             *, changes: bool = True) -> Any:
-        audit = Recorder(self.plane.audit, action, target, changes=changes)
+             *, changes: bool = True, detail: str = "", audit: Recorder | None = None) -> Any:
+        audit = audit or Recorder(self.plane.audit, action, target, detail, changes=changes)
         return self.rpc.run(f"Admin.{name}", context, fn, audit=audit)
 
     def CreateTenant(self, request, context):
         role = _ROLE_FROM_PB.get(request.role, Role.TENANT)
+        namespaces = list(request.namespaces)
         return self._run("CreateTenant", "tenant.create", request.name, context, lambda p: apb.TenantToken(
-            name=request.name, token=self.plane.create_tenant(request.name, role, list(request.namespaces))))
+            name=request.name, token=self.plane.create_tenant(request.name, role, namespaces)),
+            detail=create_detail(role, namespaces))
 
     def RotateToken(self, request, context):
         return self._run("RotateToken", "tenant.rotate", request.name, context, lambda p: apb.TenantToken(
@@ -61,8 +65,13 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     def Grant(self, request, context):
         action = "namespace.revoke" if request.revoke else "namespace.grant"
-        return self._run("Grant", action, f"{request.tenant} {request.namespace}", context, lambda p: _tenant_pb(
-            self.plane.registry.grant(request.tenant, request.namespace, revoke=request.revoke)))
+        audit = Recorder(self.plane.audit, action, f"{request.tenant} {request.namespace}")
+
+        def call(p: Principal) -> apb.TenantInfo:
+            after, before = self.plane.grant(request.tenant, request.namespace, revoke=request.revoke)
+            audit.detail = grant_detail(before, after.namespaces)  # the outcome's entry
+            return _tenant_pb(after)
+        return self._run("Grant", action, "", context, call, audit=audit)
 
     def GetPolicy(self, request, context):
         return self._run("GetPolicy", "policy.get", request.name, context,
@@ -71,8 +80,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     def SetPolicy(self, request, context):
         policy = TenantPolicy(ttl_s=request.ttl_s if request.HasField("ttl_s") else None,
                               quota_bytes=dict(request.quota_bytes), priority=request.priority)
-        return self._run("SetPolicy", "policy.set", request.tenant, context,
-                         lambda p: _policy_pb(request.tenant, self.plane.set_policy(request.tenant, policy)))
+        audit = Recorder(self.plane.audit, "policy.set", request.tenant, f"-> {policy_detail(policy)}")
+
+        def call(p: Principal) -> apb.TenantPolicy:
+            before = self.plane.registry.policy(request.tenant)
+            after = self.plane.set_policy(request.tenant, policy)
+            audit.detail = f"{policy_detail(before)} -> {policy_detail(after)}"  # the outcome's entry
+            return _policy_pb(request.tenant, after)
+        return self._run("SetPolicy", "policy.set", "", context, call, audit=audit)
 
     def PurgeModel(self, request, context):
         def call(p: Principal) -> apb.PurgeModelResponse:

@@ -108,3 +108,21 @@ def test_bounded_is_idempotent_and_leaves_short_values():
     cut = audit_mod.bounded("z" * 10_000)
     assert cut == "z" * FIELD_CHARS + "…(10000 bytes)"
     assert audit_mod.bounded(cut) == cut
+
+
+# -- 6. the audit entries of changes say what was granted ---------------------------------------------
+def test_tenant_create_grant_and_policy_entries_record_what_was_given(sidecar):
+    admin = sidecar.admin()
+    admin.create_tenant("pub", "publisher", ["shared:docs"])
+    admin.create_tenant("reader")
+    admin.grant("reader", "shared:docs")
+    admin.grant("reader", "shared:docs", revoke=True)
+    admin.set_policy("reader", ttl_s=30.0, quota_bytes={"hbm": 1 << 20}, priority=2)
+    details = [(e["action"], e["target"], e["result"], e["detail"]) for e in admin.audit()]
+    assert ("tenant.create", "pub", "OK", "role=publisher namespaces=[shared:docs]") in details
+    assert ("tenant.create", "pub", "STARTED", "role=publisher namespaces=[shared:docs]") in details
+    assert ("tenant.create", "reader", "OK", "role=tenant namespaces=[]") in details
+    assert ("namespace.grant", "reader shared:docs", "OK", "namespaces [] -> [shared:docs]") in details
+    assert ("namespace.revoke", "reader shared:docs", "OK", "namespaces [shared:docs] -> []") in details
+    assert ("policy.set", "reader", "OK",
+            "ttl_s=None quota={} priority=0 -> ttl_s=30.0 quota={hbm=1048576} priority=2") in details
