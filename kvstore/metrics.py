@@ -52,13 +52,26 @@ class ServiceMetrics:
         self.latency.labels(rpc=rpc).observe(seconds)
 
     def forget_tenant(self, tenant: str) -> None:
-        """Drop a deleted tenant's series (a tenant created later under its name started
-        with its counts)."""
+        """Drop every series of a deleted tenant: its lookups and saved tokens, and its quota
+        rejections (``resource="quota:TENANT:TIER"``). A tenant created later under its name
+        started with its counts, and the label stayed on the endpoint for good."""
         for counter in (self.lookup_hits, self.lookup_misses, self.saved_tokens):
             try:
                 counter.remove(tenant)
             except KeyError:
                 pass  # no series yet
+        for resource in self._resources():
+            kind, _, rest = resource.partition(":")
+            if kind == "quota" and rest.rpartition(":")[0] == tenant:
+                try:
+                    self.rejections.remove(resource)
+                except KeyError:
+                    pass  # removed meanwhile
+
+    def _resources(self) -> set[str]:
+        """The ``resource`` labels the rejections counter has series for."""
+        return {sample.labels["resource"] for family in self.rejections.collect()
+                for sample in family.samples if "resource" in sample.labels}
 
     def lookup(self, tenant: str, asked: int, found: int, block_tokens: int) -> None:
         self.lookup_hits.labels(tenant=tenant).inc(found)

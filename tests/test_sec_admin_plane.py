@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from service_harness import start
+from prometheus_client import CollectorRegistry, generate_latest
+from service_harness import SPEC, fresh_tokens, random_kv, start
 
 import kvstore.audit as audit_mod
 from kvstore.audit import AuditLog
+from kvstore.errors import ResourceExhausted
+from kvstore.metrics import ServiceMetrics
 from proto.kvstore.v1 import admin_pb2 as apb
 from proto.kvstore.v1 import admin_pb2_grpc
 
@@ -126,3 +129,28 @@ def test_tenant_create_grant_and_policy_entries_record_what_was_given(sidecar):
     assert ("namespace.revoke", "reader shared:docs", "OK", "namespaces [shared:docs] -> []") in details
     assert ("policy.set", "reader", "OK",
             "ttl_s=None quota={} priority=0 -> ttl_s=30.0 quota={hbm=1048576} priority=2") in details
+
+
+# -- 7. a deleted tenant's quota rejections go with it ------------------------------------------------
+def test_forget_tenant_drops_its_quota_rejection_series_only():
+    m = ServiceMetrics(CollectorRegistry())
+    for resource in ("quota:acme:hbm", "quota:acme:nvme", "quota:acme2:hbm", "quota:shared:acme:hbm", "hbm"):
+        m.rejections.labels(resource=resource).inc()
+    m.forget_tenant("acme")
+    text = generate_latest(m.registry).decode()
+    assert "quota:acme:" not in text
+    for kept in ("quota:acme2:hbm", "quota:shared:acme:hbm", 'resource="hbm"'):
+        assert kept in text
+    m.forget_tenant("shared:acme")
+    assert "quota:shared:acme:" not in generate_latest(m.registry).decode()
+
+
+def test_deleting_a_tenant_drops_its_quota_rejections_from_the_endpoint(sidecar):
+    admin = sidecar.admin()
+    c = sidecar.tenant("capped")
+    admin.set_policy("capped", quota_bytes={"hbm": 1, "dram": 1, "nvme": 1})
+    with pytest.raises(ResourceExhausted):
+        c.put(SPEC, c.block_keys(SPEC, fresh_tokens(1)), random_kv(1))
+    assert 'resource="quota:capped:' in generate_latest(sidecar.server.metrics_registry).decode()
+    admin.delete_tenant("capped")
+    assert "capped" not in generate_latest(sidecar.server.metrics_registry).decode()
