@@ -119,7 +119,10 @@ class StoreCollector(Collector):
 
 
 def serve_metrics(registry: CollectorRegistry, listen: str) -> Any:
-    """Start the HTTP endpoint on ``host:port``; returns the server (``shutdown()`` to stop)."""
-    host, _, port = listen.rpartition(":")
-    server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=registry)
+    """Start the HTTP endpoint on ``host:port`` (an IPv6 host in brackets: ``[::1]:9464``);
+    returns the server (``shutdown()`` to stop)."""
+    from kvstore.server_config import split_host_port
+
+    host, port = split_host_port(listen)
+    server, _thread = start_http_server(port, addr=host, registry=registry)
     return server

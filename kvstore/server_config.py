@@ -26,6 +26,7 @@ there on first start and the server prints the admin token once.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Annotated, Any
@@ -116,25 +117,54 @@ class LimitsConfig(BaseModel):
         return self
 
 
-def _address(value: str | None) -> str | None:
-    """``host:port`` with a port in 0..65535 (grpc would take 99999 modulo 65536 without a
-    word), or ``unix:/path`` (the gRPC address only)."""
-    if value is None or value.startswith("unix:"):
-        return value
+def split_host_port(value: str) -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``, an IPv6 host in brackets (``"[::1]:9464"`` ->
+    ``("::1", 9464)``). InvalidArgument for anything else: a port outside 0..65535 (grpc would
+    take 99999 modulo 65536 without a word), no host, an IPv6 address without brackets."""
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"{value!r} is not host:port with a port in 0..65535 (0 = pick one)")
+        raise InvalidArgument(f"{value!r} is not host:port with a port in 0..65535 (0 = pick one)")
+    if host.startswith("["):
+        inner = host[1:-1] if host.endswith("]") else ""
+        try:
+            ipaddress.IPv6Address(inner)
+        except ValueError:
+            raise InvalidArgument(f"{value!r}: {host!r} is not an IPv6 address in brackets "
+                                  f"(e.g. [::1]:{port})") from None
+        return inner, int(port)
+    if ":" in host or "]" in host:
+        raise InvalidArgument(f"{value!r}: an IPv6 address goes in brackets, e.g. [::1]:{port}")
+    return host, int(port)
+
+
+def _address(value: str | None) -> str | None:
+    """``host:port`` (:func:`split_host_port`), or ``unix:/path`` (the gRPC address only)."""
+    if value is None or value.startswith("unix:"):
+        return value
+    try:
+        split_host_port(value)
+    except InvalidArgument as exc:
+        raise ValueError(str(exc)) from None
     return value
 
 
+def _http_address(value: str | None) -> str | None:
+    """``host:port`` (:func:`split_host_port`): the metrics endpoint is HTTP over TCP."""
+    if value is not None and value.startswith("unix:"):
+        raise ValueError(f"{value!r}: the metrics endpoint listens on host:port, not a unix socket")
+    return _address(value)
+
+
 Address = Annotated[str, AfterValidator(_address)]
+HTTPAddress = Annotated[str, AfterValidator(_http_address)]
 
 
 class MetricsConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    listen: Address | None = "127.0.0.1:9464"
-    """host:port of the Prometheus HTTP endpoint; None (omit in TOML with enabled=false) = off."""
+    listen: HTTPAddress | None = "127.0.0.1:9464"
+    """host:port of the Prometheus HTTP endpoint (an IPv6 host in brackets: ``[::1]:9464``);
+    None (omit in TOML with enabled=false) = off."""
 
     enabled: bool = True
     """Serve metrics over HTTP."""

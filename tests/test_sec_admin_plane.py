@@ -4,15 +4,19 @@ metrics that forget a deleted tenant, and listen addresses parsed as written."""
 
 from __future__ import annotations
 
+import json
+import urllib.request
+
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from service_harness import SPEC, fresh_tokens, random_kv, start
 
 import kvstore.audit as audit_mod
+from kvstore import server_config
 from kvstore.audit import AuditLog
-from kvstore.errors import ResourceExhausted
-from kvstore.metrics import ServiceMetrics
+from kvstore.errors import InvalidArgument, ResourceExhausted
+from kvstore.metrics import ServiceMetrics, serve_metrics
 from proto.kvstore.v1 import admin_pb2 as apb
 from proto.kvstore.v1 import admin_pb2_grpc
 
@@ -154,3 +158,45 @@ def test_deleting_a_tenant_drops_its_quota_rejections_from_the_endpoint(sidecar)
     assert 'resource="quota:capped:' in generate_latest(sidecar.server.metrics_registry).decode()
     admin.delete_tenant("capped")
     assert "capped" not in generate_latest(sidecar.server.metrics_registry).decode()
+
+
+# -- 9. listen addresses: IPv6 in brackets -------------------------------------------------------------
+def test_metrics_serve_on_a_bracketed_ipv6_address():
+    server = serve_metrics(CollectorRegistry(), "[::1]:0")
+    try:
+        port = server.server_address[1]
+        with urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        server.shutdown()
+
+
+def test_a_sidecar_serves_metrics_on_ipv6_loopback(tmp_path):
+    sc = start(tmp_path, metrics={"enabled": True, "listen": "[::1]:0"})
+    try:
+        port = sc.server._metrics_http.server_address[1]
+        with urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=10) as r:
+            assert b"kvstore_store_" in r.read()
+    finally:
+        sc.stop()
+
+
+@pytest.mark.parametrize("listen, says", [
+    ("::1:9400", "an IPv6 address goes in brackets"),
+    ("[::1:9400", "not an IPv6 address in brackets"),
+    ("[nothost]:9400", "not an IPv6 address in brackets"),
+    ("[::1]x:9400", "not an IPv6 address in brackets"),
+    ("unix:/tmp/metrics.sock", "not a unix socket"),
+])
+def test_a_metrics_address_that_cannot_be_served_is_refused_at_load(tmp_path, listen, says):
+    with pytest.raises(InvalidArgument, match="metrics.listen") as err:
+        server_config.build({"metrics": {"listen": listen}}, data_dir=tmp_path)
+    assert says in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_split_host_port():
+    assert server_config.split_host_port("[::1]:9400") == ("::1", 9400)
+    assert server_config.split_host_port("127.0.0.1:0") == ("127.0.0.1", 0)
+    assert server_config.split_host_port("localhost:80") == ("localhost", 80)
+    assert json.dumps(server_config.build({"listen": "[::]:50551"}, data_dir=None).listen) == '"[::]:50551"'
