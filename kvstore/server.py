@@ -31,7 +31,7 @@ from kvstore.audit import AuditLog
 from kvstore.auth import SHARED_PREFIX, AuthRegistry
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.metrics import ServiceMetrics, StoreCollector, serve_metrics
-from kvstore.server_config import ServerConfig
+from kvstore.server_config import ServerConfig, check_certificates, check_key_pair
 from kvstore.service import AdminPlane, DataPlane, RpcRunner, add_services
 from kvstore.shm import is_local_target
 from proto.kvstore.v1 import admin_pb2, kvstore_pb2
@@ -45,9 +45,15 @@ SERVICE_NAMES = (
 
 
 def _credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """The port's TLS credentials, the files checked first: a key that is not the
+    certificate's, or a file that holds no PEM, is an InvalidArgument naming the files (grpc
+    reported it as a failure to bind the port)."""
     tls = config.tls
     if tls is None:
         return None
+    check_key_pair(tls.cert_file, tls.key_file)
+    if tls.client_ca_file is not None:
+        check_certificates(tls.client_ca_file, "tls.client_ca_file")
     try:
         key, cert = tls.key_file.read_bytes(), tls.cert_file.read_bytes()
         ca = tls.client_ca_file.read_bytes() if tls.client_ca_file else None

@@ -66,6 +66,50 @@ class TLSConfig(BaseModel):
     """PEM CA bundle that client certificates must chain to; set = mutual TLS required."""
 
 
+def _read_pem(path: Path, option: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidArgument(f"{option} {str(path)!r}: cannot read it: {exc.strerror or exc}") from None
+
+
+def check_certificates(path: Path, option: str) -> list[Any]:
+    """The PEM certificates in ``path`` (a chain or a CA bundle); InvalidArgument naming
+    ``option`` and the file when it cannot be read or holds none."""
+    from cryptography import x509
+
+    data = _read_pem(path, option)
+    try:
+        return x509.load_pem_x509_certificates(data)
+    except ValueError:
+        raise InvalidArgument(f"{option} {str(path)!r} holds no PEM certificate "
+                              f"(-----BEGIN CERTIFICATE-----)") from None
+
+
+def check_key_pair(cert_file: Path, key_file: Path, *, cert_option: str = "tls.cert_file",
+                   key_option: str = "tls.key_file") -> None:
+    """Check that ``key_file`` is an unencrypted PEM private key and that the first
+    certificate of ``cert_file`` is for it; InvalidArgument naming the options and files
+    otherwise. (grpc reported a mismatched pair as a failure to bind the port.)"""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+
+    cert = check_certificates(cert_file, cert_option)[0]
+    data = _read_pem(key_file, key_option)
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except TypeError:
+        raise InvalidArgument(f"{key_option} {str(key_file)!r} is encrypted: give the key unencrypted "
+                              f"(e.g. openssl pkey -in KEY -out PLAIN.key), readable by this user only") from None
+    except (ValueError, UnsupportedAlgorithm):
+        raise InvalidArgument(f"{key_option} {str(key_file)!r} holds no PEM private key "
+                              f"(-----BEGIN PRIVATE KEY-----)") from None
+    spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    if key.public_key().public_bytes(*spki) != cert.public_key().public_bytes(*spki):
+        raise InvalidArgument(f"{key_option} {str(key_file)!r} is not the key of the certificate in "
+                              f"{cert_option} {str(cert_file)!r}: give the key the certificate was issued for")
+
+
 class LimitsConfig(BaseModel):
     """Bounds on what one call may ask for. Past them: RESOURCE_EXHAUSTED / INVALID_ARGUMENT
     with a message naming the limit."""

@@ -100,3 +100,33 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path, pki):
         _refused(sc.target, token, None)
     finally:
         sc.stop()
+
+
+# -- the server's own key pair is checked before it binds -----------------------------------------------
+def _encrypted_key(pki: Path) -> Path:
+    key = serialization.load_pem_private_key((pki / "server.key").read_bytes(), password=None)
+    path = pki / "encrypted.key"
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.BestAvailableEncryption(b"secret")))
+    return path
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"key_file": "client.key"}, ("tls.key_file '{pki}/client.key' is not the key of the certificate in "
+                                  "tls.cert_file '{pki}/server.pem'")),
+    ({"key_file": "ca.pem"}, "tls.key_file '{pki}/ca.pem' holds no PEM private key"),
+    ({"key_file": "missing.key"}, "tls.key_file '{pki}/missing.key': cannot read it"),
+    ({"key_file": "encrypted.key"}, "tls.key_file '{pki}/encrypted.key' is encrypted"),
+    ({"cert_file": "server.key"}, "tls.cert_file '{pki}/server.key' holds no PEM certificate"),
+    ({"client_ca_file": "client.key"}, "tls.client_ca_file '{pki}/client.key' holds no PEM certificate"),
+])
+def test_a_bad_server_key_pair_is_a_config_error_naming_the_files(tmp_path, pki, change, says):
+    """A key that is not the certificate's was reported as "cannot bind 127.0.0.1:0"."""
+    from kvstore.errors import InvalidArgument
+
+    _encrypted_key(pki)
+    tls = {**_tls(pki, mutual=True), **{k: str(pki / v) for k, v in change.items()}}
+    with pytest.raises(InvalidArgument) as err:
+        start(tmp_path, tls=tls)
+    assert says.format(pki=pki) in str(err.value)
+    assert "bind" not in str(err.value) and "\n" not in str(err.value)
