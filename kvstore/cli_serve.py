@@ -10,7 +10,11 @@
     kvstore audit [--since SEQ] [--limit N]
 
 Admin commands reach a running server: ``--target`` (env ``KVSTORE_TARGET``, default
-``127.0.0.1:50551``) with ``--token`` (env ``KVSTORE_ADMIN_TOKEN``), and ``--ca-file`` for TLS.
+``127.0.0.1:50551``) with ``--token`` (env ``KVSTORE_ADMIN_TOKEN``). TLS: ``--ca-file`` (env
+``KVSTORE_CA_FILE``) the CA bundle the server's certificate chains to, ``--cert-file`` and
+``--key-file`` (env ``KVSTORE_CERT_FILE``, ``KVSTORE_KEY_FILE``) a client certificate for a
+server that requires mutual TLS, ``--server-name`` (env ``KVSTORE_SERVER_NAME``) the name to
+check the server's certificate against when it is not the target's host. Any of them turns TLS on.
 
 Exposed as ``admin_app`` (a ``typer.Typer`` holding every command above) and :func:`register`,
 which adds them to the main ``kvstore`` app; the command functions are plain and importable.
@@ -37,6 +41,13 @@ from kvstore.server_config import DEFAULT_LISTEN
 TargetOpt = Annotated[str, typer.Option("--target", envvar="KVSTORE_TARGET", help="Server address.")]
 TokenOpt = Annotated[str, typer.Option("--token", envvar="KVSTORE_ADMIN_TOKEN", help="Admin bearer token.")]
 CaOpt = Annotated[Path | None, typer.Option("--ca-file", envvar="KVSTORE_CA_FILE", help="CA bundle for TLS.")]
+CertOpt = Annotated[Path | None, typer.Option(
+    "--cert-file", envvar="KVSTORE_CERT_FILE", help="Client certificate (PEM) for mutual TLS; with --key-file.")]
+KeyOpt = Annotated[Path | None, typer.Option(
+    "--key-file", envvar="KVSTORE_KEY_FILE", help="Private key (PEM) of --cert-file.")]
+ServerNameOpt = Annotated[str | None, typer.Option(
+    "--server-name", envvar="KVSTORE_SERVER_NAME",
+    help="Name to check the server's TLS certificate against (default: the target's host).")]
 
 
 def parse_size(text: str) -> int:
@@ -47,13 +58,30 @@ def parse_size(text: str) -> int:
         raise typer.BadParameter(str(exc)) from None
 
 
-def _admin(target: str, token: str, ca_file: Path | None):
+def _admin(target: str, token: str, ca_file: Path | None, cert_file: Path | None = None,
+           key_file: Path | None = None, server_name: str | None = None):
+    """An AdminClient for the connection options; InvalidArgument naming the option when a
+    TLS file cannot be read, holds no PEM, or a client certificate comes without its key."""
     from kvstore.admin_client import AdminClient
     from kvstore.client import ClientTLS
+    from kvstore.server_config import check_certificates, check_key_pair
 
     if not token:
         raise typer.BadParameter("an admin token is required (--token or KVSTORE_ADMIN_TOKEN)")
-    return AdminClient(target, token, tls=ClientTLS(root_cert_file=ca_file) if ca_file else None)
+    if (cert_file is None) != (key_file is None):
+        given, missing = ("--cert-file", "--key-file") if key_file is None else ("--key-file", "--cert-file")
+        raise InvalidArgument(f"{given} needs {missing}: a client certificate (mutual TLS) takes both")
+    if ca_file is not None:
+        check_certificates(ca_file, "--ca-file")
+    if cert_file is not None and key_file is not None:
+        check_key_pair(cert_file, key_file, cert_option="--cert-file", key_option="--key-file")
+    if server_name is not None and not server_name.strip():
+        raise InvalidArgument("--server-name is empty: give the name in the server's certificate, or omit it")
+    if ca_file is None and cert_file is None and not server_name:
+        return AdminClient(target, token)
+    return AdminClient(target, token, tls=ClientTLS(root_cert_file=ca_file, cert_file=cert_file,
+                                                    key_file=key_file, server_name=server_name))
+
 
 
 def _fail(exc: KVStoreError) -> None:
@@ -122,20 +150,24 @@ def tenant_add(
     namespace: Annotated[list[str] | None, typer.Option(
         "--namespace", "-n", help="Shared namespace (shared:NAME) to read (tenant) or publish (publisher).")] = None,
     target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
+    cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
 ) -> None:
     """Create a tenant and print its token (shown once)."""
     try:
-        with _admin(target, token, ca_file) as admin:
+        with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
             typer.echo(admin.create_tenant(name, role, namespace or []))
     except KVStoreError as exc:
         _fail(exc)
 
 
 @tenant_app.command("rotate")
-def tenant_rotate(name: str, target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None) -> None:
+def tenant_rotate(
+    name: str, target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
+    cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
+) -> None:
     """Replace a tenant's token (the old one stops working) and print the new one."""
     try:
-        with _admin(target, token, ca_file) as admin:
+        with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
             typer.echo(admin.rotate_token(name))
     except KVStoreError as exc:
         _fail(exc)
@@ -146,12 +178,13 @@ def tenant_delete(
     name: str,
     yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False,
     target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
+    cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
 ) -> None:
     """Delete a tenant: its token, its data key and its blocks on every tier."""
     if not yes:
         typer.confirm(f"delete tenant {name!r} and destroy all its blocks?", abort=True)
     try:
-        with _admin(target, token, ca_file) as admin:
+        with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
             admin.delete_tenant(name)
         typer.echo(f"deleted {name}")
     except KVStoreError as exc:
@@ -159,10 +192,13 @@ def tenant_delete(
 
 
 @tenant_app.command("list")
-def tenant_list(target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None) -> None:
+def tenant_list(
+    target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
+    cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
+) -> None:
     """List principals with their roles and shared namespaces."""
     try:
-        with _admin(target, token, ca_file) as admin:
+        with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
             rows = admin.list_tenants()
     except KVStoreError as exc:
         _fail(exc)
@@ -177,10 +213,11 @@ def tenant_grant(
     name: str, namespace: str,
     revoke: Annotated[bool, typer.Option("--revoke", help="Remove the grant instead.")] = False,
     target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
+    cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
 ) -> None:
     """Grant (or revoke) a shared namespace to a tenant or publisher."""
     try:
-        with _admin(target, token, ca_file) as admin:
+        with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
             admin.grant(name, namespace, revoke=revoke)
         typer.echo(f"{'revoked' if revoke else 'granted'} {namespace} {'from' if revoke else 'to'} {name}")
     except KVStoreError as exc:
@@ -192,10 +229,13 @@ policy_app = typer.Typer(help="Per-tenant TTL, quotas and priority.", no_args_is
 
 
 @policy_app.command("get")
-def policy_get(name: str, target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None) -> None:
+def policy_get(
+    name: str, target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
+    cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
+) -> None:
     """Print a tenant's policy as JSON."""
     try:
-        with _admin(target, token, ca_file) as admin:
+        with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
             typer.echo(json.dumps(admin.get_policy(name), indent=2, sort_keys=True))
     except KVStoreError as exc:
         _fail(exc)
@@ -208,6 +248,7 @@ def policy_set(
     quota: Annotated[list[str] | None, typer.Option("--quota", help="TIER=SIZE, e.g. hbm=2GiB; repeat.")] = None,
     priority: Annotated[int, typer.Option(help="Eviction priority: when a tier makes room, every block of a lower priority goes first (default 0).")] = 0,
     target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
+    cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
 ) -> None:
     """Replace a tenant's policy (TTL, per-tier quotas, priority)."""
     quotas: dict[str, int] = {}
@@ -217,7 +258,7 @@ def policy_set(
             raise typer.BadParameter(f"--quota {item!r}: use TIER=SIZE")
         quotas[tier.strip()] = parse_size(size)
     try:
-        with _admin(target, token, ca_file) as admin:
+        with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
             typer.echo(json.dumps(admin.set_policy(name, ttl_s=ttl, quota_bytes=quotas, priority=priority),
                                   indent=2, sort_keys=True))
     except KVStoreError as exc:
@@ -225,10 +266,13 @@ def policy_set(
 
 
 # -- stats and audit ------------------------------------------------------------------------------
-def stats(target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None) -> None:
+def stats(
+    target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
+    cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
+) -> None:
     """Print the server's Store statistics as JSON."""
     try:
-        with _admin(target, token, ca_file) as admin:
+        with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
             typer.echo(json.dumps(admin.stats(), indent=2, sort_keys=True))
     except KVStoreError as exc:
         _fail(exc)
@@ -239,10 +283,11 @@ def audit(
     limit: Annotated[int, typer.Option("--limit", help="At most this many entries.")] = 1000,
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines instead of a table.")] = False,
     target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
+    cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
 ) -> None:
     """Read the audit log (who, what, when, result)."""
     try:
-        with _admin(target, token, ca_file) as admin:
+        with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
             entries = admin.audit(since, limit)
     except KVStoreError as exc:
         _fail(exc)

@@ -102,6 +102,57 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path, pki):
         sc.stop()
 
 
+# -- the operators' CLI over (mutual) TLS -------------------------------------------------------------
+def _cli(sc, *args: str):
+    from typer.testing import CliRunner
+
+    from kvstore.cli_serve import admin_app
+
+    return CliRunner().invoke(admin_app, [*args, "--target", sc.target, "--token", sc.admin_token],
+                              env={"COLUMNS": "200"})
+
+
+def test_admin_cli_talks_to_a_mutual_tls_server_with_a_client_certificate(tmp_path, pki):
+    sc = start(tmp_path, tls=_tls(pki, mutual=True))
+    tls = ["--ca-file", str(pki / "ca.pem"), "--cert-file", str(pki / "client.pem"), "--key-file", str(pki / "client.key")]
+    try:
+        added = _cli(sc, "tenant", "add", "mtls-cli", *tls)
+        assert added.exit_code == 0, added.output
+        assert added.output.strip().startswith("kvs_")
+        for args in (["tenant", "rotate", "mtls-cli"], ["policy", "set", "mtls-cli", "--ttl", "60"],
+                     ["policy", "get", "mtls-cli"], ["tenant", "list"], ["stats"], ["audit", "--json"],
+                     ["tenant", "delete", "mtls-cli", "--yes"]):
+            result = _cli(sc, *args, *tls)
+            assert result.exit_code == 0, (args, result.output)
+        assert _cli(sc, "stats", *tls, "--server-name", "localhost").exit_code == 0
+        wrong_name = _cli(sc, "stats", *tls, "--server-name", "not-this-server.example")
+        assert wrong_name.exit_code == 1 and "UNAVAILABLE" in wrong_name.output
+        no_cert = _cli(sc, "stats", "--ca-file", str(pki / "ca.pem"))
+        assert no_cert.exit_code == 1 and "UNAVAILABLE" in no_cert.output
+    finally:
+        sc.stop()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--cert-file", "{pki}/client.pem"], "--cert-file needs --key-file"),
+    (["--key-file", "{pki}/client.key"], "--key-file needs --cert-file"),
+    (["--ca-file", "{pki}/missing.pem"], "--ca-file '{pki}/missing.pem': cannot read it: No such file"),
+    (["--cert-file", "{pki}/missing.pem", "--key-file", "{pki}/client.key"], "--cert-file '{pki}/missing.pem': cannot read it"),
+    (["--cert-file", "{pki}/client.pem", "--key-file", "{pki}/server.key"], "is not the key of the certificate in --cert-file"),
+    (["--cert-file", "{pki}/client.key", "--key-file", "{pki}/client.key"], "holds no PEM certificate"),
+])
+def test_admin_cli_says_which_tls_file_is_wrong(pki, args, says):
+    from typer.testing import CliRunner
+
+    from kvstore.cli_serve import admin_app
+
+    args = [a.format(pki=pki) for a in args]
+    result = CliRunner().invoke(admin_app, ["stats", "--target", "127.0.0.1:1", "--token", "kvs_x", *args],
+                                env={"COLUMNS": "300"})
+    assert result.exit_code == 1, result.output
+    assert "INVALID_ARGUMENT" in result.output and says.format(pki=pki) in result.output
+
+
 # -- the server's own key pair is checked before it binds -----------------------------------------------
 def _encrypted_key(pki: Path) -> Path:
     key = serialization.load_pem_private_key((pki / "server.key").read_bytes(), password=None)
