@@ -16,6 +16,10 @@ Admin commands reach a running server: ``--target`` (env ``KVSTORE_TARGET``, def
 server that requires mutual TLS, ``--server-name`` (env ``KVSTORE_SERVER_NAME``) the name to
 check the server's certificate against when it is not the target's host. Any of them turns TLS on.
 
+What the server sends back (names, audit entries, error messages) is printed with its rich
+markup escaped and its control characters shown as ``\\xNN`` escapes: an audit entry records
+what a caller sent, which must not recolour the table or drive the terminal.
+
 Exposed as ``admin_app`` (a ``typer.Typer`` holding every command above) and :func:`register`,
 which adds them to the main ``kvstore`` app; the command functions are plain and importable.
 """
@@ -23,6 +27,7 @@ which adds them to the main ``kvstore`` app; the command functions are plain and
 from __future__ import annotations
 
 import json
+import unicodedata
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -83,10 +88,19 @@ def _admin(target: str, token: str, ca_file: Path | None, cert_file: Path | None
                                                     key_file=key_file, server_name=server_name))
 
 
+def _shown(value: object) -> str:
+    """``value`` safe to print with rich: markup escaped, control and format characters (ESC,
+    CR, bidi overrides, ...) shown as ``\\xNN`` / ``\\uNNNN`` instead of sent to the terminal."""
+    text = "".join(c if unicodedata.category(c)[0] != "C" else
+                   (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}" if ord(c) < 0x10000
+                    else f"\\U{ord(c):08x}")
+                   for c in str(value))
+    return escape(text)
+
 
 def _fail(exc: KVStoreError) -> None:
     # soft_wrap: an error is one line per problem, not broken at the terminal's width
-    Console(stderr=True).print(f"[red]error[/red] ({exc.code}): {escape(str(exc))}", soft_wrap=True)
+    Console(stderr=True).print(f"[red]error[/red] ({_shown(exc.code)}): {_shown(exc)}", soft_wrap=True)
     raise typer.Exit(1)
 
 
@@ -204,7 +218,7 @@ def tenant_list(
         _fail(exc)
     table = Table("name", "role", "namespaces", "created")
     for r in rows:
-        table.add_row(r["name"], r["role"], ", ".join(r["namespaces"]), _when(r["created"]))
+        table.add_row(_shown(r["name"]), _shown(r["role"]), _shown(", ".join(r["namespaces"])), _when(r["created"]))
     Console().print(table)
 
 
@@ -295,10 +309,11 @@ def audit(
         for e in entries:
             typer.echo(json.dumps(e, sort_keys=True))
         return
-    table = Table("seq", "time", "principal", "action", "target", "result", "ref")
+    table = Table("seq", "time", "principal", "action", "target", "result", "ref", "detail")
     for e in entries:
-        table.add_row(str(e["seq"]), _when(e["time"]), e["principal"], e["action"], e["target"], e["result"],
-                      str(e["ref"] or ""))
+        # NOTE: every field as _shown: a target is what a caller sent ("[red]x", an ESC sequence)
+        table.add_row(str(e["seq"]), _when(e["time"]), *(_shown(e[k]) for k in ("principal", "action", "target",
+                      "result")), str(e["ref"] or ""), _shown(e["detail"]))
     Console().print(table)
 
 

@@ -11,11 +11,13 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from service_harness import SPEC, fresh_tokens, random_kv, start
+from typer.testing import CliRunner
 
 import kvstore.audit as audit_mod
 from kvstore import server_config
 from kvstore.audit import AuditLog
-from kvstore.errors import InvalidArgument, ResourceExhausted
+from kvstore.cli_serve import admin_app
+from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted
 from kvstore.metrics import ServiceMetrics, serve_metrics
 from proto.kvstore.v1 import admin_pb2 as apb
 from proto.kvstore.v1 import admin_pb2_grpc
@@ -115,6 +117,28 @@ def test_bounded_is_idempotent_and_leaves_short_values():
     cut = audit_mod.bounded("z" * 10_000)
     assert cut == "z" * FIELD_CHARS + "…(10000 bytes)"
     assert audit_mod.bounded(cut) == cut
+
+
+# -- 4. the CLI prints audit entries, never obeys them -----------------------------------------------
+def test_cli_audit_table_shows_markup_and_escape_sequences_as_text(sidecar):
+    admin = sidecar.admin()
+    for name in ("[red]x", "evil\x1b[2J\x1b]0;pwned\x07", "rtl\u202eexe.txt"):
+        with pytest.raises(KVStoreError):  # no such (well-formed) name
+            admin.rotate_token(name)
+    result = CliRunner().invoke(admin_app, ["audit", "--target", sidecar.target, "--token", sidecar.admin_token],
+                                env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "[red]x" in out
+    assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
+    assert "evil\\x1b[2J\\x1b]0;pwned\\x07" in out
+    assert "rtl\\u202eexe.txt" in out
+
+
+def test_cli_errors_show_control_characters_escaped():
+    from kvstore.cli_serve import _shown
+
+    assert _shown("a\x1b[31mb\r\n[bold]c") == "a\\x1b[31mb\\x0d\\x0a\\[bold]c"
 
 
 # -- 6. the audit entries of changes say what was granted ---------------------------------------------
