@@ -14,7 +14,8 @@ Primitives and what each guarantees:
   supplies an LMDB-backed one; tests use a dict), and cached unwrapped in memory.
   With ``cache_ttl_s`` a cached key is re-read from the backend once it is that old, so when
   the backend is shared (the remote tier's Redis) a key another server destroyed stops being
-  used here within ``cache_ttl_s`` (injected ``clock``).
+  used here within ``cache_ttl_s`` (injected ``clock``). :meth:`Keyring.cached` answers from the
+  cache alone (the remote tier uses it to send only real backend reads through its breaker).
   :meth:`Keyring.destroy` deletes the wrapped key and the cached copy: every value encrypted
   under it becomes unreadable (crypto-shredding), and ``data_key(tenant, create=False)`` then
   raises :class:`~kvstore.errors.KeyUnavailable`.
@@ -182,7 +183,9 @@ def _check_tenant(tenant: object) -> str:
 class Keyring:
     """Per-tenant AES-256 data keys, wrapped by a master key, persisted in ``backend``.
 
-    Thread-safe: one lock guards the cache and every backend access.
+    Thread-safe: one lock guards the cache, another serialises every backend access, so a key
+    already cached is handed out without waiting on a backend read in progress (a slow or hung
+    remote Redis held every other tenant's cached key before).
     """
 
     def __init__(
@@ -202,8 +205,9 @@ class Keyring:
         self._ttl = cache_ttl_s
         self._clock = clock
         self._cache: dict[str, tuple[bytes, float]] = {}  # tenant -> (key, when it was read)
-        self._lock = threading.Lock()
-        with self._lock:
+        self._lock = threading.Lock()  # the cache
+        self._io = threading.Lock()  # backend access; taken before _lock, never after
+        with self._io:
             check = self._backend.get(_CHECK_NAME)
             if check is None:
                 self._backend[_CHECK_NAME] = self._wrap(_CHECK_NAME, _CHECK_PLAINTEXT)
@@ -238,12 +242,14 @@ class Keyring:
         (never created, or destroyed), :class:`FailedPrecondition` when it does not unwrap.
         """
         tenant = _check_tenant(tenant)
-        with self._lock:
+        key = self.cached(tenant)
+        if key is not None:
+            return key
+        with self._io:
+            key = self.cached(tenant)  # read by another thread while this one waited
+            if key is not None:
+                return key
             now = self._clock()
-            hit = self._cache.get(tenant)
-            if hit is not None and (self._ttl is None or now - hit[1] < self._ttl):
-                return hit[0]
-            self._cache.pop(tenant, None)
             wrapped = self._backend.get(tenant)
             if wrapped is not None:
                 key = self._unwrap(tenant, wrapped)
@@ -252,14 +258,28 @@ class Keyring:
             else:
                 key = _check_key(self._random(KEY_BYTES), "the random generator")
                 self._backend[tenant] = self._wrap(tenant, key)
-            self._cache[tenant] = (key, now)
+            with self._lock:
+                self._cache[tenant] = (key, now)
             return key
+
+    def cached(self, tenant: str) -> bytes | None:
+        """The tenant's key when this keyring holds a copy it still trusts (younger than
+        ``cache_ttl_s``), else None; never touches the backend."""
+        with self._lock:
+            hit = self._cache.get(tenant)
+            if hit is None:
+                return None
+            if self._ttl is not None and self._clock() - hit[1] >= self._ttl:
+                del self._cache[tenant]
+                return None
+            return hit[0]
 
     def destroy(self, tenant: str) -> bool:
         """Crypto-shred: delete the tenant's wrapped and cached key. True if it existed."""
         tenant = _check_tenant(tenant)
-        with self._lock:
-            cached = self._cache.pop(tenant, None)
+        with self._io:
+            with self._lock:
+                cached = self._cache.pop(tenant, None)
             existed = tenant in self._backend
             if existed:
                 del self._backend[tenant]
@@ -267,7 +287,7 @@ class Keyring:
 
     def tenants(self) -> list[str]:
         """Sorted names of tenants that hold a data key."""
-        with self._lock:
+        with self._io:
             return sorted(name for name in self._backend if name != _CHECK_NAME)
 
 
