@@ -124,10 +124,13 @@ class RegionTable:
         self._lock = threading.Lock()
 
     def register(self, owner: str, kind: str, name: str, size: int, handle: bytes = b"",
-                 nonce: bytes | None = None) -> tuple[int, Region]:
-        """Map and register a client's region. ``nonce``: what the client wrote at the head of its
-        region; a region whose head holds anything else is refused (a caller that names another
-        client's region cannot know it), and so is a region another principal registered."""
+                 nonce: bytes = b"") -> tuple[int, Region]:
+        """Map and register a client's region. ``nonce``: what the client read at the head of its
+        region (:attr:`kvstore.shm.ShmRegion.nonce`); a region whose head holds anything else is
+        refused (a caller that only knows the name cannot know it), and so is an empty or
+        all-zero nonce, and a region another principal registered (even with the right nonce:
+        a caller of the same uid can read it). What :func:`~kvstore.shm.attach_region` maps at
+        all: see :mod:`kvstore.shm`."""
         if self._max_per == 0:
             raise FailedPrecondition("the local data plane is disabled on this server")
         if size <= 0 or size > self._max_bytes:
@@ -142,26 +145,34 @@ class RegionTable:
                     f"{owner!r} has limits.max_regions_per_principal={self._max_per} regions",
                     resource="limits.max_regions_per_principal",
                 )
-            if any(r.name == name and o != owner for o, r in self._regions.values()):
-                raise PermissionDenied("that region is registered by another principal")
+            self._check_not_taken(owner, name)
             self._registering[owner] = self._registering.get(owner, 0) + 1
         try:
             region = attach_region(kind, name, size, handle)
-            if nonce is not None and not hmac.compare_digest(getattr(region, "nonce", b""), nonce):
-                region.close()
-                raise PermissionDenied("the region does not hold the nonce given: register a region "
-                                       "this client created")
-            with self._lock:
-                # NOTE: random, never a counter: ids restarting at 1 with the server gave a
-                # client that registered before a restart the id of another client's region
-                # registered after it (same principal): its puts read that region, its gets
-                # wrote into it. A stale id must be unknown (UnknownRegion), so the client
-                # registers again.
-                rid = secrets.randbits(63) or 1
-                while rid in self._regions:
+            try:
+                if not any(nonce):  # NOTE: a zeroed head is common in foreign segments
+                    raise PermissionDenied("an empty or all-zero nonce proves nothing: send the nonce at the "
+                                           "head of the region this client created")
+                if not hmac.compare_digest(getattr(region, "nonce", b""), nonce):
+                    raise PermissionDenied("the region does not hold the nonce given: register a region "
+                                           "this client created")
+                with self._lock:
+                    # NOTE: again, now under the lock that inserts: two principals registering
+                    # the same name at once both passed the first check
+                    self._check_not_taken(owner, name)
+                    # NOTE: random, never a counter: ids restarting at 1 with the server gave a
+                    # client that registered before a restart the id of another client's region
+                    # registered after it (same principal): its puts read that region, its gets
+                    # wrote into it. A stale id must be unknown (UnknownRegion), so the client
+                    # registers again.
                     rid = secrets.randbits(63) or 1
-                self._regions[rid] = (owner, region)
-                self._uses[rid] = SlotUse()
+                    while rid in self._regions:
+                        rid = secrets.randbits(63) or 1
+                    self._regions[rid] = (owner, region)
+                    self._uses[rid] = SlotUse()
+            except BaseException:
+                region.close()
+                raise
         finally:
             with self._lock:
                 left = self._registering[owner] - 1
@@ -170,6 +181,13 @@ class RegionTable:
                 else:
                     del self._registering[owner]
         return rid, region
+
+    def _check_not_taken(self, owner: str, name: str) -> None:
+        """PermissionDenied when another principal registered the region ``name`` (not saying
+        which). Caller holds the lock."""
+        if any(o != owner and r.name == name for o, r in self._regions.values()):
+            raise PermissionDenied("that region is registered by another principal: register the region "
+                                   "this client created")
 
     def get(self, owner: str, region_id: int) -> Region:
         entry = self._regions.get(region_id)
