@@ -177,6 +177,18 @@ def test_spec_from_config_describes_the_cache(model: Any) -> None:
     assert other.fingerprint != spec.fingerprint
 
 
+def test_a_config_built_model_needs_an_explicit_id() -> None:
+    # two models of one architecture with other weights got one fingerprint ("llama")
+    with pytest.raises(InvalidArgument, match="pass model="):
+        spec_from_config(LlamaConfig(**TINY), torch.float32, BLOCK)
+    a = spec_from_config(LlamaConfig(**TINY), torch.float32, BLOCK, model="mine-a")
+    b = spec_from_config(LlamaConfig(**TINY), torch.float32, BLOCK, model="mine-b")
+    assert a.fingerprint != b.fingerprint
+    cfg = LlamaConfig(**TINY)
+    cfg.name_or_path = "org/model"
+    assert spec_from_config(cfg, torch.float32, BLOCK).model == "org/model"
+
+
 def test_unsupported_caches_are_refused() -> None:
     sliding = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=16, max_window_layers=0)
     with pytest.raises(InvalidArgument, match="full-attention"):
@@ -187,14 +199,15 @@ def test_unsupported_caches_are_refused() -> None:
 
     with pytest.raises(InvalidArgument, match="full-attention"):
         spec_from_config(MistralConfig(**TINY, sliding_window=16), torch.float32, BLOCK)
-    spec_from_config(MistralConfig(**TINY, sliding_window=None), torch.float32, BLOCK)  # full
-    spec_from_config(Qwen2Config(**TINY, sliding_window=16, use_sliding_window=False), torch.float32, BLOCK)
+    spec_from_config(MistralConfig(**TINY, sliding_window=None), torch.float32, BLOCK, model="t")  # full
+    spec_from_config(Qwen2Config(**TINY, sliding_window=16, use_sliding_window=False), torch.float32, BLOCK,
+                     model="t")
     with pytest.raises(InvalidArgument, match="dtype"):
         spec_from_config(LlamaConfig(**TINY), torch.int8, BLOCK)
     model = _build("llama")
     cache = _live_cache(model, _prompt(2 * BLOCK, seed=12))
     with pytest.raises(DTypeMismatch):
-        blocks_from_cache(cache, spec_from_config(model.config, torch.float16, BLOCK), 0, 2)
+        blocks_from_cache(cache, spec_from_config(model.config, torch.float16, BLOCK, model="t"), 0, 2)
 
 
 # -- the real model -----------------------------------------------------------------------------

@@ -136,17 +136,24 @@ def spec_from_config(model_config: Any, dtype: Any, block_tokens: int = 16, *,
 
     ``dtype``: the KV dtype (a ``torch.dtype`` or a name such as ``"float16"``): the dtype the
     model computes in, since blocks are stored without casting. ``model``: a stable model id
-    (default: the config's ``name_or_path``, else its ``model_type`` — pass one explicitly when
-    the model was loaded from a local path). Give ``revision`` and ``tokenizer_hash`` so that
-    other weights or tokenizers never share blocks."""
+    (default: the config's ``name_or_path`` — pass one explicitly when the model was loaded
+    from a local path; a model built from a config alone has none, and is refused without
+    one). Give ``revision`` and ``tokenizer_hash`` so that other weights or tokenizers never
+    share blocks."""
     cfg = model_config.get_text_config()
     _check_full_attention(cfg)
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    name = model or getattr(model_config, "name_or_path", "") or cfg.model_type
+    dtype_name = _dtype_name(dtype)
+    name = model or getattr(model_config, "name_or_path", "")
+    if not name:
+        # NOTE: fell back to model_type: every config-built llama was "llama", and one model's
+        # generate() restored another's KV (same fingerprint, other weights)
+        raise InvalidArgument("spec_from_config: the model config has no name_or_path (a model "
+                              "built from a config): pass model= a stable id of these weights")
     return ModelSpec(model=name, revision=revision, num_layers=int(cfg.num_hidden_layers),
-                     num_kv_heads=kv_heads, head_dim=head_dim, dtype=_dtype_name(dtype),
+                     num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype_name,
                      block_tokens=block_tokens, tokenizer_hash=tokenizer_hash,
                      rope_scaling=_rope_description(cfg), adapter=adapter,
                      num_params=num_params, hidden_size=int(cfg.hidden_size))
