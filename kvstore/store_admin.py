@@ -4,8 +4,10 @@ A mixin of :class:`kvstore.store.Store`, like :mod:`kvstore.store_reserve`: it u
 lock, index, placement, session table, keyring, quantization policy and remote tier.
 
 * ``delete``, ``drop_tenant`` and ``purge_model`` remove blocks, with the descendants that depend
-  on them, from every local tier in one NVMe transaction, and their copies from the remote tier;
-  ``drop_tenant`` also forgets the tenant's sessions and rules and destroys its data key.
+  on them, from every local tier in one NVMe transaction, and their copies from the remote tier
+  (``delete``: first, and all or nothing here: Unavailable when the remote tier cannot be
+  reached); ``drop_tenant`` also forgets the tenant's sessions and rules, destroys its data key
+  and leaves a tombstone in the remote tier (no server writes its older blocks there again).
 * ``expire`` drops every local block past its TTL deadline with its subtree (``lookup`` does the
   same first, through ``_expire_due``).
 * ``set_tenant_policy`` sets a tenant's TTL and per-tier quotas (a :class:`TenantPolicy`) and its
@@ -35,19 +37,36 @@ class TenantAdmin:
     """Store methods of tenant and model administration and expiry (see the module docstring)."""
 
     def delete(self, tenant: str, keys: Sequence[bytes]) -> int:
-        """Delete the blocks (and the descendants that depend on them); returns how many."""
+        """Delete the blocks (and the descendants that depend on them); returns how many.
+
+        With a remote tier, the remote copies go first: each key's under every known model, and
+        those of every descendant held here (they were left behind, for another server or this
+        one after a restart to find). When any cannot be reached, :class:`Unavailable` is
+        raised and nothing is deleted here, so a retry deletes the same subtree. A descendant
+        this server never held (put through another server, or only ever remote here) keeps its
+        remote copy until it expires, unreachable from the root once its ancestor is gone."""
         self._check_tenant(tenant)
         keys = check_keys(keys)
         with self._lock, self._batch():
             self._check_open()
+            roots = [m for key in keys if (m := self._index.get(tenant, key)) is not None]
             n = 0
-            for key in keys:
-                m = self._index.get(tenant, key)
-                if m is not None:
+            if self._remote is not None:
+                refs: dict[tuple[bytes, bytes], BlockRef] = {}
+                specs = list(self._specs.values())
+                for key in keys:  # its remote copy, under every known model
+                    for spec in specs:
+                        refs[(key, spec.fingerprint)] = BlockRef(tenant, key, spec)
+                for m in roots:
+                    for d in self._index.subtree(m):
+                        spec = self._specs.get(d.fingerprint)
+                        if spec is not None:
+                            refs[(d.key, d.fingerprint)] = BlockRef(tenant, d.key, spec)
+                # NOTE: raises before anything local goes (it said "ok" and the copies came back)
+                n += self._remote.delete_many(list(refs.values()))
+            for m in roots:
+                if self._index.get(m.tenant, m.key) is m:  # not under a root dropped before
                     n += self._place.drop(m, reason="deleted")
-                if self._remote is not None:  # its remote copy, under every known model
-                    for spec in list(self._specs.values()):
-                        n += self._remote.delete(BlockRef(tenant, key, spec))
             return n
 
     def drop_tenant(self, tenant: str) -> int:

@@ -33,6 +33,7 @@ from kvstore.spec import ModelSpec
 from kvstore.store_reserve import _parent
 from tiers.base import BlockRef
 from tiers.memory import holding_data, usable_device
+from tiers.remote import RemoteInfo
 
 log = logging.getLogger(__name__)
 
@@ -229,15 +230,24 @@ class ReadPath:
                     out: Callable[[int], Any], chain: list[BlockMeta], parent: bytes,
                     now: float, guard: list[Ident]) -> int:
         """Serve ``keys[start:]`` from the remote tier (pipelined) and promote what came back
-        into the local tiers (best effort: a block that finds no room is still served)."""
+        into the local tiers (best effort: a block that finds no room is still served). A
+        promoted block keeps the TTL deadline and creation time its remote copy was written
+        with (it got the tenant's default TTL, and a re-spill the remote cap, before). A chain
+        continuing from a ``parent`` this server does not hold is served only while the remote
+        tier holds that parent (a deleted parent takes its descendants with it)."""
         assert self._remote is not None
         self._register_spec(spec)
+        if (not chain and parent != ROOT_KEY and self._index.get(tenant, parent) is None
+                and not self._remote.contains_many([BlockRef(tenant, parent, spec)])[0]):
+            return 0
         rest = keys[start:]
         outs = [out(start + i) for i in range(len(rest))]
         hosts = [o if isinstance(o, np.ndarray) else
                  (o.numpy() if o.device.type == "cpu" else np.empty(spec.block_nbytes, np.uint8))
                  for o in outs]
-        n = self._remote.get_prefix_into([BlockRef(tenant, k, spec) for k in rest], hosts[:])
+        info: list[RemoteInfo] = []
+        n = self._remote.get_prefix_into([BlockRef(tenant, k, spec) for k in rest], hosts[:],
+                                         info=info)
         for o, h in zip(outs[:n], hosts[:n]):
             if not isinstance(o, np.ndarray) and o.device.type != "cpu":
                 copy_bytes(o, h)
@@ -246,18 +256,26 @@ class ReadPath:
         prev = chain[-1] if chain else self._index.get(tenant, parent)
         if prev is None and parent != ROOT_KEY:
             return n
-        deadline = self._ttl_deadline(tenant, None, now)
+        default = self._ttl_deadline(tenant, None, now)  # for a copy that says nothing
         for i in range(n):
             key, p = rest[i], (rest[i - 1] if i else (prev.key if prev else ROOT_KEY))
             if self._index.get(tenant, key) is not None:
                 break
             depth = (prev.depth + 1) if prev is not None else 0
+            meta = info[i]
             try:
                 prev = self._place.insert_new(
-                    tenant, spec, key, p, depth, hosts[i], now, deadline,
+                    tenant, spec, key, p, depth, hosts[i], now,
+                    meta.deadline if meta.known else default,
                     prev.tier if prev is not None else self.tiers[0], pinned=False)
             except ResourceExhausted:
                 break
+            if meta.created is not None and meta.created < prev.created:
+                # NOTE: its age goes with it: a block made before its tenant was deleted must
+                # not pass for a new one when it is spilled again (see tiers.remote)
+                prev.created = meta.created
+                if self._nvme is not None and (prev.persisted or prev.tier == Tier.NVME):
+                    self._nvme.update_record(self._place.record(prev))
             self._place.protected.add((tenant, key))
             guard.append((tenant, key))
             self.counters.add("promotions_remote")

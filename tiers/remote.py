@@ -2,42 +2,77 @@
 
 Primitives and what each guarantees:
 
-* ``put(ref, data, ttl_deadline=)`` — encode (the tenant's data key, AES-256-GCM; header bound
-  as associated data) and ``SET ... PX``; True when the server stored it. A fault is False.
-* ``submit(ref, data, ttl_deadline=)`` — asynchronous demotion: queued for a background writer
-  and True, or False at once when the queue is full (depth or bytes): never blocks. ``data``
-  then belongs to the tier (the caller must not change it).
+* ``put(ref, data, ttl_deadline=, created=)`` — encode (the tenant's data key, AES-256-GCM;
+  header bound as associated data) and ``SET ... PX``; True when the server stored it. A fault
+  is False. ``created``: when the block was made (its ``BlockMeta.created``), see tombstones.
+* ``submit(ref, data, ttl_deadline=, created=)`` — asynchronous demotion: queued for a
+  background writer and True, or False at once when the queue is full (depth or bytes): never
+  blocks. ``data`` then belongs to the tier (the caller must not change it).
 * ``get_into`` / ``get_many_into`` / ``get_prefix_into`` — decode into the caller's buffers;
   pipelined. Any fault (node down, timeout, MOVED/ASK the client could not follow, evicted or
   expired key, failed authentication of the value, destroyed tenant key) is a *miss* plus a
   counter, never an exception and never other bytes. A value that fails its check is deleted.
+  ``info=`` (a list) receives each served block's :class:`RemoteInfo`: the TTL deadline and
+  creation time it was written with, so a promoted block keeps them.
 * ``contains_many`` — pipelined ``EXISTS`` of a chain's keys, in prefix order.
-* ``delete`` / ``delete_tenant`` / ``delete_model`` — ``UNLINK``; tenant and model deletion
-  ``SCAN`` every primary by key prefix. ``delete_tenant`` also destroys the tenant's data key in
-  the shared keyring first, so a straggler (or a copy the operator kept) is unreadable.
+* ``delete`` / ``delete_many`` / ``delete_tenant`` / ``delete_model`` — ``UNLINK``; tenant and
+  model deletion ``SCAN`` every primary by key prefix. ``delete_many`` (the Store's deletions)
+  also cancels the blocks' queued demotions and raises :class:`~kvstore.errors.Unavailable` when
+  any copy could not be reached (``delete`` answers False then: it is the miss path's).
+  ``delete_tenant`` leaves a tombstone, then destroys the tenant's data key in the shared
+  keyring, so a straggler (or a copy the operator kept) is unreadable.
 * ``usage`` / ``tenant_bytes`` — raw block bytes this node wrote (accounted locally: the
-  server's own eviction shows up as misses, and the accounting forgets those blocks then).
+  server's own eviction shows up as misses, and the accounting forgets those blocks then; a
+  write refused for capacity or quota re-counts them with ``EXISTS``, at most once every
+  ``accounting_resync_s``, so blocks that vanished unseen — a ``FLUSHALL``, a purge by another
+  server — stop counting).
 
 Keys: ``<namespace>:<tenant hash hex>:<fingerprint hex>:<block key hex>`` (no hash tags, so a
-cluster spreads one prefix over every node). Values: :mod:`kvstore.codec` values. The tenants'
-data keys are kept, wrapped by the master key, in the same Redis (``<namespace>:keyring:...``)
-so every node with the same master key reads every other node's blocks; a node with another
-master key fails at open (the keyring's check entry does not unwrap).
+cluster spreads one prefix over every node). Values: a 24-byte envelope of this tier
+(:data:`ENVELOPE`: magic, version, the block's TTL deadline and creation time, NaN = none) then
+a :mod:`kvstore.codec` value. Redis' own expiry (``PX``) is the deadline capped at
+``ttl_cap_s``; the envelope keeps the deadline itself, so a block promoted from here keeps it
+(it got the tenant's default TTL before, and a re-spill then wrote it for the whole cap), and a
+value read at or past its deadline is a miss and is deleted. NOTE: the envelope is not
+authenticated (the codec header is): whoever can write the Redis can move a deadline, as they
+can already put back a value deleted before. A value without the envelope (an older version)
+is read with nothing known (``RemoteInfo.known`` False). The tenants' data keys are kept,
+wrapped by the master key, in the same Redis (``<namespace>:keyring:...``) so every node with
+the same master key reads every other node's blocks; a node with another master key fails at
+open (the keyring's check entry does not unwrap).
+
+Tombstones: ``delete_tenant`` records the deletion time in ``<namespace>:dropped:<hex tenant>``
+(:class:`~tiers.remote_redis.TenantTombstones`, never expiring) before it destroys the key. Every
+server refuses to write a block of that tenant made at or before that time (counted
+``put_tenant_deleted``: another server's local blocks or queue would otherwise re-create the key
+and bring the deleted data back), and reads such a value as a miss and deletes it. Blocks made
+after the deletion (a tenant created again under the name) are written as usual. A server
+re-reads the tombstone whenever it re-reads the tenant's key (after ``key_cache_ttl_s``), so it
+honours a deletion made elsewhere within that time; the times are wall clocks of different
+servers (skew counts). A ``FLUSHALL`` removes the tombstones with everything else.
+
+Quotas and capacity are per server: each server counts the blocks it wrote itself (see
+``RemoteConfig.capacity_bytes``), so servers sharing one Redis together may hold up to their
+number times a tenant's remote quota there.
 
 Faults are tracked per server (per cluster node) by a circuit breaker: after
 ``breaker_failures`` consecutive faults the node is skipped (a miss without network) for a
 backoff period from ``redis.backoff``; the first call after the period is a probe, which closes
-the breaker on success. Command retries are redis-py's ``Retry``. Thread-safe. The client
-(``connect``), the keyring's Redis store and the breaker live in :mod:`tiers.remote_redis`.
+the breaker on success. Keyring and tombstone reads go through the breaker too (a hung Redis
+stalled every write for its timeouts and never opened it). Command retries are redis-py's
+``Retry``. Thread-safe. The client (``connect``), the keyring's Redis store, the tombstones and
+the breaker live in :mod:`tiers.remote_redis`.
 """
 
 from __future__ import annotations
 
+import math
+import struct
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from redis import Redis
@@ -47,7 +82,7 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from kvstore.block import Tier
 from kvstore.codec import Codec, CodecConfig, tenant_hash
-from kvstore.errors import FailedPrecondition, IntegrityError, KeyUnavailable
+from kvstore.errors import FailedPrecondition, IntegrityError, KeyUnavailable, Unavailable
 from kvstore.keyring import Keyring
 from kvstore.quantization import QuantArg
 from tiers.base import BlockRef, TierUsage, as_bytes_view
@@ -57,13 +92,71 @@ from tiers.remote_redis import (
     Clock,
     KeyringRace,
     RedisKeyBackend,
+    TenantTombstones,
     connect,
+    keyring_key,
 )
 
 #: Everything a Redis round trip can raise (RedisClusterException is not a RedisError).
 FAULTS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
 _SKIPPED = object()  # a call not sent because its node's breaker is open
 _STANDALONE = "server"
+
+#: The tier's envelope before each codec value: magic, version, 3 pad bytes, the block's TTL
+#: deadline and its creation time (float seconds since the epoch; NaN = none). The deadline
+#: sits at :data:`_DEADLINE_AT`, where ``update_ttl`` rewrites it in place.
+ENVELOPE = struct.Struct("<4sB3xdd")
+ENVELOPE_MAGIC = b"KVRE"
+ENVELOPE_VERSION = 1
+_DEADLINE_AT = 8
+_NONE = float("nan")
+
+# Moves a block's deadline: its envelope's field and Redis' expiry, together, only when the key
+# holds a value with the envelope (never creates a key). ARGV: magic, packed deadline, PX or ''.
+_UPDATE_TTL = ("if redis.call('GETRANGE', KEYS[1], 0, 3) ~= ARGV[1] then return 0 end "
+               f"redis.call('SETRANGE', KEYS[1], {_DEADLINE_AT}, ARGV[2]) "
+               "if ARGV[3] == '' then redis.call('PERSIST', KEYS[1]) "
+               "else redis.call('PEXPIRE', KEYS[1], ARGV[3]) end return 1")
+
+
+class RemoteInfo(NamedTuple):
+    """What a remote value says of its block: TTL deadline and creation time (None: none).
+    ``known`` is False for a value written without the envelope (nothing known then)."""
+
+    deadline: float | None
+    created: float | None
+    known: bool = True
+
+
+_UNKNOWN = RemoteInfo(None, None, False)
+
+
+class _Held(NamedTuple):
+    """A block this node wrote: raw bytes, local deadline (capped), model, Redis key."""
+
+    nbytes: int
+    deadline: float | None
+    fingerprint: bytes
+    rkey: bytes
+
+
+def _opt(x: float | None) -> float:
+    return _NONE if x is None else float(x)
+
+
+def _unopt(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def _split(value: Any) -> tuple[Any, RemoteInfo]:
+    """(codec value, what the envelope says) of one stored value."""
+    mv = memoryview(value).cast("B")
+    if len(mv) < ENVELOPE.size or mv[:4] != ENVELOPE_MAGIC:
+        return mv, _UNKNOWN
+    _, version, deadline, created = ENVELOPE.unpack_from(mv)
+    if version != ENVELOPE_VERSION:
+        raise IntegrityError(f"remote value envelope version {version} is not {ENVELOPE_VERSION}")
+    return mv[ENVELOPE.size:], RemoteInfo(_unopt(deadline), _unopt(created))
 
 
 class RemoteTier:
@@ -82,22 +175,29 @@ class RemoteTier:
         self._clock = clock
         self._monotonic = monotonic
         self._ns = config.namespace
+        self._tombs = TenantTombstones(client, config.namespace)
         self._counts: Counter[str] = Counter()
-        self._lock = threading.Lock()  # counters, accounting, breakers, tenant epochs
+        self._lock = threading.Lock()  # counters, accounting, breakers, tenant epochs, marks
         self._breakers: dict[str, CircuitBreaker] = {}
-        self._held: dict[tuple[str, bytes], tuple[int, float | None]] = {}
+        self._held: dict[tuple[str, bytes], _Held] = {}
         self._tenant_used: dict[str, int] = {}
         self._used = 0
         self._epochs: dict[str, int] = {}
         self._th: dict[str, str] = {}
+        # tenant -> (deletion time or None, monotonic time it was read)
+        self._marks: dict[str, tuple[float | None, float]] = {}
         self._put_lock = threading.Lock()
         self._put_scratch = np.empty(0, dtype=np.uint8)
         # asynchronous demotion: a bounded deque drained by one writer thread
         self._cond = threading.Condition()
-        self._queue: deque[tuple[BlockRef, np.ndarray, float | None, int, QuantArg]] = deque()
+        self._queue: deque[tuple[BlockRef, np.ndarray, float | None, int, QuantArg, float | None]] = deque()
         self._queued_bytes = 0
         self._tenant_queued: dict[str, int] = {}
         self._pending = 0
+        self._writing: tuple[str, bytes] | None = None  # the block the writer is writing now
+        self._writing_cancelled = False  # ... and deleted meanwhile: unlinked again once written
+        self._resync_due = False
+        self._last_resync = -math.inf
         self._closed = False
         self._worker = threading.Thread(target=self._drain, name="kvstore-remote-demote",
                                         daemon=True)
@@ -145,7 +245,7 @@ class RemoteTier:
             out["queue_blocks"], out["queue_bytes"] = len(self._queue), self._queued_bytes
         return out
 
-    def _node(self, key: bytes) -> str:
+    def _node(self, key: bytes | str) -> str:
         if not isinstance(self._client, RedisCluster):
             return _STANDALONE
         try:
@@ -170,7 +270,7 @@ class RemoteTier:
         if not ok:
             self._count("faults")
 
-    def _call(self, key: bytes, fn: Callable[[], Any]) -> Any:
+    def _call(self, key: bytes | str, fn: Callable[[], Any]) -> Any:
         """Run one command under its node's breaker: the result, or ``_SKIPPED`` / a fault."""
         node = self._node(key)
         if not self._breaker(node).allow():
@@ -223,29 +323,33 @@ class RemoteTier:
         return out
 
     # -- accounting -----------------------------------------------------------------------------
-    def _account(self, ref: BlockRef, deadline: float | None) -> None:
+    def _account(self, ref: BlockRef, deadline: float | None, rkey: bytes) -> None:
         with self._lock:
-            old = self._held.pop(ref.ident, None)
-            if old is not None:
-                self._used -= old[0]
-                self._tenant_used[ref.tenant] -= old[0]
-            self._held[ref.ident] = (ref.nbytes, deadline)
+            self._unheld(ref.ident)
+            self._held[ref.ident] = _Held(ref.nbytes, deadline, ref.spec.fingerprint, rkey)
             self._used += ref.nbytes
             self._tenant_used[ref.tenant] = self._tenant_used.get(ref.tenant, 0) + ref.nbytes
 
+    def _unheld(self, ident: tuple[str, bytes]) -> None:
+        """Forget one block of the accounting. Caller holds ``_lock``."""
+        old = self._held.pop(ident, None)
+        if old is not None:
+            self._used -= old.nbytes
+            left = self._tenant_used.get(ident[0], 0) - old.nbytes
+            if left > 0:
+                self._tenant_used[ident[0]] = left
+            else:
+                self._tenant_used.pop(ident[0], None)
+
     def _forget(self, ident: tuple[str, bytes]) -> None:
         with self._lock:
-            old = self._held.pop(ident, None)
-            if old is not None:
-                self._used -= old[0]
-                self._tenant_used[ident[0]] -= old[0]
+            self._unheld(ident)
 
     def _prune_expired(self) -> None:
         now = self._clock()
         with self._lock:
-            gone = [k for k, (_, d) in self._held.items() if d is not None and now >= d]
-        for k in gone:
-            self._forget(k)
+            for k in [k for k, h in self._held.items() if h.deadline is not None and now >= h.deadline]:
+                self._unheld(k)
 
     def usage(self) -> TierUsage:
         self._prune_expired()
@@ -268,6 +372,97 @@ class RemoteTier:
     def contains(self, ref: BlockRef) -> bool:
         return self.contains_many([ref])[0]
 
+    def _want_resync(self) -> None:
+        """Have the writer re-count this node's blocks (a write was refused for capacity or
+        quota: blocks that vanished unseen may be what fills them), unless one was made less
+        than ``accounting_resync_s`` ago."""
+        now = self._monotonic()
+        with self._cond:
+            if (self._closed or self._resync_due
+                    or now - self._last_resync < self.config.accounting_resync_s):
+                return
+            self._last_resync = now
+            self._resync_due = True
+            self._pending += 1
+            self._cond.notify_all()
+
+    def resync(self) -> int:
+        """Forget every block this node accounted that Redis no longer holds (``EXISTS``,
+        pipelined, under the breakers; a block not reached stays counted); returns how many."""
+        with self._lock:
+            snap = list(self._held.items())
+        gone = 0
+        for i in range(0, len(snap), 1024):
+            part = snap[i:i + 1024]
+            replies = self._batch("EXISTS", [h.rkey for _, h in part])
+            with self._lock:
+                for (ident, h), r in zip(part, replies):
+                    if r == 0 and self._held.get(ident) is h:  # not written again meanwhile
+                        self._unheld(ident)
+                        gone += 1
+        self._count("resyncs")
+        self._count("resync_forgotten", gone)
+        return gone
+
+    # -- tenants: tombstones and data keys -------------------------------------------------------
+    def _dropped_at(self, tenant: str, *, strict: bool) -> float | None:
+        """When ``tenant`` was last deleted (by any server), or None. The copy kept here is
+        re-read when it is ``key_cache_ttl_s`` old and whenever the keyring re-reads the
+        tenant's key — after that key (a deletion writes the tombstone before it destroys the
+        key, so a server that finds the key gone finds the tombstone). Under the breaker; when
+        it cannot be read: ``strict`` raises Unavailable, else the last copy (or None)."""
+        now = self._monotonic()
+        with self._lock:
+            hit = self._marks.get(tenant)
+        key_fresh = self._keyring is None or self._keyring.cached(tenant) is not None
+        if hit is not None and key_fresh and now - hit[1] < self.config.key_cache_ttl_s:
+            return hit[0]
+
+        def read() -> float | None:
+            if not key_fresh:
+                assert self._keyring is not None
+                try:
+                    self._keyring.data_key(tenant, create=False)
+                except (KeyUnavailable, FailedPrecondition):
+                    pass  # no key (made by the write, if it may) or one that does not unwrap
+            return self._tombs.get(tenant)
+
+        res = self._call(self._tombs.key(tenant), read)
+        if res is _SKIPPED or isinstance(res, BaseException):
+            if strict:
+                raise Unavailable(f"remote tier: tenant {tenant!r}'s deletion marker could not be "
+                                  f"read ({'breaker open' if res is _SKIPPED else res})")
+            return hit[0] if hit is not None else None
+        with self._lock:
+            if len(self._marks) > 4096:
+                self._marks.clear()
+            self._marks[tenant] = (res, now)
+        return res
+
+    def _admit(self, tenant: str, created: float | None) -> bool:
+        """Whether a block of ``tenant`` made at ``created`` may be written here (not when the
+        tenant was deleted since: counted ``put_tenant_deleted``), with the tenant's data key
+        ready (made when it has none). Every Redis read goes through the breaker."""
+        try:
+            dropped = self._dropped_at(tenant, strict=True)
+        except Unavailable:
+            return False
+        if dropped is not None and (created is None or created <= dropped):
+            self._count("put_tenant_deleted")
+            return False
+        if self._keyring is None or self._keyring.cached(tenant) is not None:
+            return True
+        keyring = self._keyring
+
+        def make() -> None:
+            try:
+                keyring.data_key(tenant, create=True)
+            except KeyringRace:  # another node made it first: read theirs
+                keyring.data_key(tenant, create=True)
+
+        res = self._call(keyring_key(f"{self._ns}:keyring:", tenant), make)
+        return not (res is _SKIPPED or isinstance(res, BaseException))
+
     # -- put ------------------------------------------------------------------------------------
     def _px(self, deadline: float | None) -> tuple[int | None, float | None]:
         """(Redis expiry in ms or None, local deadline); expiry 0 means already expired."""
@@ -280,60 +475,63 @@ class RemoteTier:
             return 0, now
         return max(1, int(left * 1000)), now + left
 
-    def _ensure_key(self, tenant: str) -> None:
-        if self._keyring is None:
-            return
-        try:
-            self._keyring.data_key(tenant, create=True)
-        except KeyringRace:
-            self._keyring.data_key(tenant, create=True)
-
     def _put_with(self, scratch: np.ndarray, ref: BlockRef, data: np.ndarray,
-                  deadline: float | None, quant: QuantArg = None) -> tuple[bool, np.ndarray]:
+                  deadline: float | None, quant: QuantArg = None,
+                  created: float | None = None) -> tuple[bool, np.ndarray]:
         px, local_deadline = self._px(deadline)
         if px == 0:
             self._count("put_expired")
             return False, scratch
         if not self.can_fit(ref.nbytes):
             self._count("put_refused")
+            self._want_resync()
             return False, scratch
         try:
-            self._ensure_key(ref.tenant)
-            need = self.codec.max_encoded_nbytes(ref.spec)
+            if not self._admit(ref.tenant, created):
+                self._count("put_failures")
+                return False, scratch
+            need = ENVELOPE.size + self.codec.max_encoded_nbytes(ref.spec)
             if scratch.shape[0] < need:
                 scratch = np.empty(need, dtype=np.uint8)
-            n = self.codec.encode_into(ref.tenant, ref.key, ref.spec, data, scratch, quant=quant)
+            n = self.codec.encode_into(ref.tenant, ref.key, ref.spec, data,
+                                       scratch[ENVELOPE.size:], quant=quant)
         except FAULTS + (FailedPrecondition,) as exc:  # keyring unreachable or unusable
             self._count("put_failures")
             self._count("key_errors" if isinstance(exc, FailedPrecondition) else "faults")
             return False, scratch
+        ENVELOPE.pack_into(scratch, 0, ENVELOPE_MAGIC, ENVELOPE_VERSION, _opt(deadline), _opt(created))
         key = self.redis_key(ref)
-        value = memoryview(scratch)[:n]
+        value = memoryview(scratch)[:ENVELOPE.size + n]
         res = self._call(key, lambda: self._client.set(key, value, px=px))
         if res is not True:
             self._count("put_failures")
             return False, scratch
-        self._account(ref, local_deadline)
+        self._account(ref, local_deadline, key)
         self._count("puts")
         self._count("put_bytes", ref.nbytes)
-        self._count("put_stored_bytes", n)
+        self._count("put_stored_bytes", ENVELOPE.size + n)
         return True, scratch
 
     def put(self, ref: BlockRef, data: Any, *, ttl_deadline: float | None = None,
-            quant: QuantArg = None) -> bool:
-        """Encode and store synchronously; False on a fault, a full tier or a past deadline.
-        ``quant``: store a quantized copy (the codec's formats; a get returns it dequantized)."""
+            quant: QuantArg = None, created: float | None = None) -> bool:
+        """Encode and store synchronously; False on a fault, a full tier, a past deadline or a
+        tenant deleted after ``created`` (when the block was made; None = unknown, refused
+        once the tenant was ever deleted). ``quant``: store a quantized copy (the codec's
+        formats; a get returns it dequantized)."""
         view = as_bytes_view(data)
         with self._put_lock:
-            ok, self._put_scratch = self._put_with(self._put_scratch, ref, view, ttl_deadline, quant)
+            ok, self._put_scratch = self._put_with(self._put_scratch, ref, view, ttl_deadline,
+                                                   quant, created)
         return ok
 
     def submit(self, ref: BlockRef, data: Any, *, ttl_deadline: float | None = None,
-               quant: QuantArg = None, quota: int | None = None) -> bool:
+               quant: QuantArg = None, quota: int | None = None,
+               created: float | None = None) -> bool:
         """Queue an asynchronous put; False (nothing queued) when the queue is full or closed,
         or when the tenant's blocks here, written and queued, would pass ``quota`` bytes.
         ``data`` (a buffer of ``ref.nbytes``) is owned by the tier from now on."""
         view = as_bytes_view(data)
+        over = False
         with self._cond:
             if (self._closed or len(self._queue) >= self.config.queue_depth
                     or self._queued_bytes + ref.nbytes > self.config.max_inflight_bytes):
@@ -345,16 +543,20 @@ class RemoteTier:
                 with self._lock:
                     held = self._tenant_used.get(ref.tenant, 0)
                     if ref.ident in self._held:  # written over: its old bytes go
-                        held -= self._held[ref.ident][0]
+                        held -= self._held[ref.ident].nbytes
                     if held + queued + ref.nbytes > quota:
                         self._counts["quota_rejected"] += 1
-                        return False
-            epoch = self._epochs.get(ref.tenant, 0)
-            self._queue.append((ref, view, ttl_deadline, epoch, quant))
-            self._queued_bytes += ref.nbytes
-            self._tenant_queued[ref.tenant] = queued + ref.nbytes
-            self._pending += 1
-            self._cond.notify_all()
+                        over = True
+            if not over:
+                epoch = self._epochs.get(ref.tenant, 0)
+                self._queue.append((ref, view, ttl_deadline, epoch, quant, created))
+                self._queued_bytes += ref.nbytes
+                self._tenant_queued[ref.tenant] = queued + ref.nbytes
+                self._pending += 1
+                self._cond.notify_all()
+        if over:
+            self._want_resync()
+            return False
         self._count("queue_submitted")
         return True
 
@@ -362,17 +564,37 @@ class RemoteTier:
         scratch = np.empty(0, dtype=np.uint8)
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
+                while not self._queue and not self._closed and not self._resync_due:
                     self._cond.wait()
-                if not self._queue:
+                resync = self._resync_due
+                if resync:
+                    self._resync_due = False
+                elif not self._queue:
                     return
-                ref, data, deadline, epoch, quant = self._queue.popleft()
+                else:
+                    ref, data, deadline, epoch, quant, created = self._queue.popleft()
+                    self._writing, self._writing_cancelled = ref.ident, False
+            if resync:
+                try:
+                    self.resync()
+                except Exception:  # noqa: BLE001 - NOTE: counted; the writer must outlive it
+                    self._count("resync_errors")
+                finally:
+                    with self._cond:
+                        self._pending -= 1
+                        self._cond.notify_all()
+                continue
             try:
                 if self._epochs.get(ref.tenant, 0) != epoch:
                     self._count("queue_dropped")  # the tenant was deleted meanwhile
                 else:
-                    ok, scratch = self._put_with(scratch, ref, data, deadline, quant)
+                    ok, scratch = self._put_with(scratch, ref, data, deadline, quant, created)
                     self._count("queue_written" if ok else "queue_failed")
+                    with self._cond:
+                        cancelled = self._writing_cancelled
+                    if ok and cancelled:  # deleted while it was being written
+                        self._unlink(ref)
+                        self._count("queue_cancelled")
             except Exception:  # noqa: BLE001 - NOTE: counted; the writer must outlive any item
                 self._count("queue_failed")
                 self._count("queue_errors")
@@ -380,6 +602,7 @@ class RemoteTier:
                 with self._cond:
                     self._queued_bytes -= ref.nbytes
                     self._unqueue(ref)
+                    self._writing = None
                     self._pending -= 1
                     self._cond.notify_all()
 
@@ -390,22 +613,63 @@ class RemoteTier:
         else:
             self._tenant_queued.pop(ref.tenant, None)
 
+    def _cancel(self, idents: set[tuple[str, bytes]]) -> int:
+        """Take the queued demotions of ``idents`` out of the queue and wait (one write's
+        timeouts at most) for the one being written, if it is one of them (the writer unlinks
+        it again if the wait ends first); returns how many were cancelled."""
+        cfg = self.config
+        with self._cond:
+            keep: deque = deque()
+            n = 0
+            for item in self._queue:
+                ref = item[0]
+                if ref.ident in idents:
+                    self._queued_bytes -= ref.nbytes
+                    self._unqueue(ref)
+                    self._pending -= 1
+                    n += 1
+                else:
+                    keep.append(item)
+            self._queue = keep
+            if self._writing in idents:
+                self._writing_cancelled = True
+                n += 1
+                self._cond.wait_for(lambda: self._writing not in idents,
+                                    (cfg.op_timeout_s + cfg.connect_timeout_s) * (cfg.retries + 1) + 1)
+            self._cond.notify_all()
+        if n:
+            self._count("queue_cancelled", n)
+        return n
+
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued demotion was attempted; False on timeout."""
+        """Wait until every queued demotion (and re-count) was attempted; False on timeout."""
         with self._cond:
             return self._cond.wait_for(lambda: self._pending == 0, timeout)
 
     # -- get ------------------------------------------------------------------------------------
-    def _decode(self, ref: BlockRef, value: Any, out: np.ndarray) -> bool:
-        """One fetched reply -> out; False (and counted) on a miss of any kind."""
+    def _decode(self, ref: BlockRef, value: Any, out: np.ndarray) -> RemoteInfo | None:
+        """One fetched reply -> out; what its envelope says, or None (counted) on a miss."""
         if value is None:
             self._count("misses_absent")  # never written, expired, evicted or deleted
             self._forget(ref.ident)
-            return False
+            return None
         if isinstance(value, BaseException) or value is _SKIPPED:
-            return False
+            return None
         try:
-            self.codec.decode(ref.tenant, ref.key, ref.spec, value, out=out)
+            body, info = _split(value)
+            if info.deadline is not None and self._clock() >= info.deadline:
+                # NOTE: Redis' expiry is the same deadline, but on Redis' clock; this one is
+                # the Store's (and a value whose deadline was moved back may outlive it there)
+                self._count("misses_expired")
+                self._unlink(ref)
+                return None
+            self.codec.decode(ref.tenant, ref.key, ref.spec, body, out=out)
+            dropped = self._dropped_at(ref.tenant, strict=False)
+            if dropped is not None and (info.created is None or info.created <= dropped):
+                out.fill(0)
+                self._count("misses_tenant_deleted")  # written by a server that missed it
+                self._unlink(ref)
+                return None
         except (IntegrityError, FailedPrecondition, *FAULTS) as exc:
             out.fill(0)  # NOTE: decryption may have written unauthenticated bytes there
             if isinstance(exc, KeyUnavailable):
@@ -418,23 +682,28 @@ class RemoteTier:
                 self._count("key_errors")
             else:  # the keyring's own round trip failed
                 self._count("faults")
-            return False
+            return None
         self._count("hits")
         self._count("get_bytes", ref.nbytes)
-        return True
+        return info
 
-    def get_into(self, ref: BlockRef, out: Any) -> bool:
-        """Copy the block into ``out`` (``ref.nbytes``); False on a miss of any kind."""
+    def get_into(self, ref: BlockRef, out: Any, *, info: list[RemoteInfo] | None = None) -> bool:
+        """Copy the block into ``out`` (``ref.nbytes``); False on a miss of any kind.
+        ``info``: a list that receives the block's :class:`RemoteInfo` when served."""
         key = self.redis_key(ref)
         value = self._call(key, lambda: self._client.get(key))
-        ok = self._decode(ref, value, as_bytes_view(out))
+        got = self._decode(ref, value, as_bytes_view(out))
         self._count("gets")
-        if not ok:
+        if got is None:
             self._count("misses")
-        return ok
+        elif info is not None:
+            info.append(got)
+        return got is not None
 
-    def _fetch(self, refs: Sequence[BlockRef], outs: Sequence[Any], stop_at_miss: bool) -> list[bool]:
+    def _fetch(self, refs: Sequence[BlockRef], outs: Sequence[Any], stop_at_miss: bool,
+               info: list[RemoteInfo] | None) -> list[bool]:
         got = [False] * len(refs)
+        infos: list[RemoteInfo] = [_UNKNOWN] * len(refs)
         budget = self.config.max_inflight_bytes
         i = 0
         while i < len(refs):
@@ -444,7 +713,9 @@ class RemoteTier:
                 j += 1
             values = self._batch("GET", [self.redis_key(r) for r in refs[i:j]])
             for k, value in enumerate(values):
-                got[i + k] = self._decode(refs[i + k], value, as_bytes_view(outs[i + k]))
+                one = self._decode(refs[i + k], value, as_bytes_view(outs[i + k]))
+                if one is not None:
+                    got[i + k], infos[i + k] = True, one
                 if stop_at_miss and not got[i + k]:
                     break
             if stop_at_miss and not all(got[i:j]):
@@ -452,16 +723,21 @@ class RemoteTier:
             i = j
         self._count("gets", len(refs))
         self._count("misses", len(refs) - sum(got))
+        if info is not None:
+            info[:] = infos
         return got
 
-    def get_many_into(self, refs: Sequence[BlockRef], outs: Sequence[Any]) -> list[bool]:
-        """Pipelined gets (batches of at most ``max_inflight_bytes``); per block: served?"""
-        return self._fetch(refs, outs, stop_at_miss=False)
+    def get_many_into(self, refs: Sequence[BlockRef], outs: Sequence[Any], *,
+                      info: list[RemoteInfo] | None = None) -> list[bool]:
+        """Pipelined gets (batches of at most ``max_inflight_bytes``); per block: served?
+        ``info``: a list set to one :class:`RemoteInfo` per block (meaningful where served)."""
+        return self._fetch(refs, outs, False, info)
 
-    def get_prefix_into(self, refs: Sequence[BlockRef], outs: Sequence[Any]) -> int:
+    def get_prefix_into(self, refs: Sequence[BlockRef], outs: Sequence[Any], *,
+                        info: list[RemoteInfo] | None = None) -> int:
         """Pipelined gets of a chain; returns how many leading blocks were served (a later
-        block is not decoded once one misses)."""
-        got = self._fetch(refs, outs, stop_at_miss=True)
+        block is not decoded once one misses). ``info``: as for :meth:`get_many_into`."""
+        got = self._fetch(refs, outs, True, info)
         n = 0
         while n < len(got) and got[n]:
             n += 1
@@ -483,27 +759,62 @@ class RemoteTier:
         return n
 
     # -- delete ---------------------------------------------------------------------------------
-    def delete(self, ref: BlockRef) -> bool:
-        """Remove one block; True if the server had it (False also on a fault)."""
+    def _unlink(self, ref: BlockRef) -> Any:
         self._forget(ref.ident)
         key = self.redis_key(ref)
-        res = self._call(key, lambda: self._client.unlink(key))
+        return self._call(key, lambda: self._client.unlink(key))
+
+    def delete(self, ref: BlockRef) -> bool:
+        """Remove one block; True if the server had it (False also on a fault: a caller that
+        must know the copy is gone uses :meth:`delete_many`)."""
+        res = self._unlink(ref)
         self._count("deletes")
         return res == 1
 
+    def delete_many(self, refs: Sequence[BlockRef]) -> int:
+        """Remove blocks (pipelined ``UNLINK``) after cancelling their queued demotions;
+        returns how many the servers had. Raises :class:`Unavailable` when any of them could not
+        be reached (a fault, an open breaker): their copies may survive, so the caller must not
+        report them deleted (it is safe to retry)."""
+        if not refs:
+            return 0
+        self._cancel({r.ident for r in refs})
+        for r in refs:
+            self._forget(r.ident)
+        n = failed = 0
+        why: Any = None
+        for i in range(0, len(refs), 512):
+            part = refs[i:i + 512]
+            for r in self._batch("UNLINK", [self.redis_key(x) for x in part]):
+                if isinstance(r, int):
+                    n += r
+                else:
+                    failed += 1
+                    why = why or r
+        self._count("deletes", len(refs))
+        if failed:
+            self._count("delete_failures", failed)
+            raise Unavailable(
+                f"remote tier (Redis) unreachable ({'breaker open' if why is _SKIPPED else why}): "
+                f"{failed} of {len(refs)} remote copies could not be deleted; retry the delete "
+                f"once the remote tier answers")
+        return n
+
     def update_ttl(self, ref: BlockRef, ttl_deadline: float | None) -> bool:
-        """Move a block's expiry (later only is the Store's business); False on a fault."""
+        """Move a block's deadline (later only is the Store's business): its envelope's and
+        Redis' expiry, together; False on a fault or when the block is not there."""
         px, local = self._px(ttl_deadline)
         if px == 0:
             return self.delete(ref)
         key = self.redis_key(ref)
-        fn = (lambda: self._client.persist(key)) if px is None else \
-            (lambda: self._client.pexpire(key, px))
-        res = self._call(key, fn)
-        if res is True or res == 1:
+        packed = struct.pack("<d", _opt(ttl_deadline))
+        res = self._call(key, lambda: self._client.eval(
+            _UPDATE_TTL, 1, key, ENVELOPE_MAGIC, packed, "" if px is None else str(px)))
+        if res == 1:
             with self._lock:
-                if ref.ident in self._held:
-                    self._held[ref.ident] = (ref.nbytes, local)
+                h = self._held.get(ref.ident)
+                if h is not None:
+                    self._held[ref.ident] = h._replace(deadline=local)
             return True
         return False
 
@@ -526,12 +837,17 @@ class RemoteTier:
         return sum(replies)
 
     def delete_tenant(self, tenant: str) -> int:
-        """Destroy the tenant's data key (shared keyring), drop its queued demotions and
-        ``UNLINK`` every key under its prefix on every primary; returns keys deleted.
-        Raises FailedPrecondition when a server cannot be reached (safe to retry)."""
+        """Leave the tenant's tombstone (see the module docstring), destroy its data key
+        (shared keyring), drop its queued demotions and ``UNLINK`` every key under its prefix
+        on every primary; returns keys deleted. Raises FailedPrecondition when a server cannot
+        be reached (safe to retry)."""
         with self._cond:
             self._epochs[tenant] = self._epochs.get(tenant, 0) + 1
         try:
+            # NOTE: the tombstone first: a server that then finds the key gone finds it too
+            when = self._tombs.mark(tenant, self._clock())
+            with self._lock:
+                self._marks[tenant] = (when, self._monotonic())
             if self._keyring is not None:
                 self._keyring.destroy(tenant)
             th = tenant_hash(tenant).hex()
@@ -541,8 +857,7 @@ class RemoteTier:
                                      f"retry") from None
         with self._lock:
             for ident in [i for i in self._held if i[0] == tenant]:
-                self._used -= self._held.pop(ident)[0]
-            self._tenant_used.pop(tenant, None)
+                self._unheld(ident)
         self._count("tenant_keys_deleted", n)
         return n
 
@@ -553,6 +868,8 @@ class RemoteTier:
         except FAULTS as exc:
             raise FailedPrecondition(f"remote tier: purging a model failed: {exc}") from None
         with self._lock:
+            for ident in [i for i, h in self._held.items() if h.fingerprint == fingerprint]:
+                self._unheld(ident)
             self._counts["model_keys_deleted"] += n
         return n
 
@@ -569,6 +886,9 @@ class RemoteTier:
         with self._cond:
             self._closed = True
             self._pending -= len(self._queue)
+            if self._resync_due:
+                self._resync_due = False
+                self._pending -= 1
             self._queued_bytes -= sum(item[0].nbytes for item in self._queue)
             self._queue.clear()
             self._tenant_queued.clear()
@@ -580,4 +900,4 @@ class RemoteTier:
         self._client.close()
 
 
-__all__ = ["FAULTS", "RemoteTier"]
+__all__ = ["ENVELOPE", "FAULTS", "RemoteInfo", "RemoteTier"]

@@ -95,7 +95,18 @@ class RemoteConfig(BaseModel):
 
     capacity_bytes: Annotated[ByteCount, Field(ge=0)] = 1024 * GiB
     """Raw block bytes this node may keep in the remote tier (its own writes, all tenants);
-    the servers' ``maxmemory`` is the hard limit, enforced by Redis eviction (a miss here)."""
+    the servers' ``maxmemory`` is the hard limit, enforced by Redis eviction (a miss here).
+
+    Per server, like a tenant's ``"remote"`` quota (``Store.set_tenant_policy``): each server
+    counts only the blocks it wrote itself, so N servers sharing one Redis may together hold up
+    to N times this capacity, and a tenant N times its remote quota, there. Size ``maxmemory``
+    for that (a shared, cluster-wide budget is not implemented)."""
+
+    accounting_resync_s: Annotated[float, Field(ge=0, le=86400, allow_inf_nan=False)] = 10.0
+    """Least time between two re-counts of this server's remote blocks (an ``EXISTS`` of each
+    one, in the background writer). A re-count is made when a write is refused for capacity or
+    quota, so blocks that vanished without this server's knowledge (Redis eviction, a
+    ``FLUSHALL``, a purge by another server) stop counting against them."""
 
     ttl_cap_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = 7 * 86400.0
     """Redis expiry of blocks put without a TTL, and the longest expiry of any block, so a

@@ -14,6 +14,11 @@ Primitives and what each guarantees:
   propagate to the caller.
 * ``KeyringRace`` — a :class:`kvstore.errors.FailedPrecondition`: lost creation race, resolved
   by reading the key again.
+* ``TenantTombstones(client, namespace)`` — ``<namespace>:dropped:<hex(tenant)>`` -> the wall-clock
+  time a tenant was last deleted (``mark`` keeps the latest time: a Lua script, one key, so it
+  works on a cluster too). The markers never expire: a server that still holds blocks of the
+  tenant made before its deletion (its own local tiers, its queue) must find the marker whenever
+  it would write them. Redis faults propagate to the caller.
 * ``CircuitBreaker(failures, backoff, clock)`` — consecutive-fault breaker of one server:
   ``failures`` faults in a row open it for ``backoff.compute(trips)`` seconds of ``clock``;
   ``allow()`` is False while open; after the period the first fault reopens it at once (for a
@@ -66,6 +71,11 @@ def connect(config: RemoteConfig) -> Redis | RedisCluster:
     return RedisCluster(startup_nodes=nodes, require_full_coverage=False, **kw)
 
 
+def keyring_key(prefix: str, tenant: str) -> str:
+    """The Redis key of ``tenant``'s wrapped data key under ``prefix`` (``<ns>:keyring:``)."""
+    return prefix + tenant.encode().hex()
+
+
 class KeyringRace(FailedPrecondition):
     """Another node created the same tenant's data key first; reading it again resolves it."""
 
@@ -81,7 +91,7 @@ class RedisKeyBackend(MutableMapping[str, bytes]):
         self._prefix = f"{namespace}:keyring:"
 
     def _k(self, tenant: str) -> str:
-        return self._prefix + tenant.encode().hex()
+        return keyring_key(self._prefix, tenant)
 
     def __getitem__(self, tenant: str) -> bytes:
         v = self._client.get(self._k(tenant))
@@ -105,6 +115,32 @@ class RedisKeyBackend(MutableMapping[str, bytes]):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+class TenantTombstones:
+    """Deletion markers of tenants, shared by every server on the Redis (see the module doc)."""
+
+    # NOTE: keeps the later of the stored and the given time (a server whose clock lags must
+    # not move a deletion back); returns the time now stored
+    _MARK = ("local v = redis.call('GET', KEYS[1]) "
+             "if (not v) or tonumber(v) < tonumber(ARGV[1]) then "
+             "redis.call('SET', KEYS[1], ARGV[1]) return ARGV[1] end return v")
+
+    def __init__(self, client: Redis | RedisCluster, namespace: str) -> None:
+        self._client = client
+        self._prefix = f"{namespace}:dropped:"
+
+    def key(self, tenant: str) -> str:
+        return self._prefix + tenant.encode().hex()
+
+    def get(self, tenant: str) -> float | None:
+        """When ``tenant`` was last deleted (seconds since the epoch), or None: never."""
+        v = self._client.get(self.key(tenant))
+        return None if v is None else float(v)
+
+    def mark(self, tenant: str, when: float) -> float:
+        """Record a deletion of ``tenant`` at ``when``; returns the time now recorded."""
+        return float(self._client.eval(self._MARK, 1, self.key(tenant), repr(float(when))))
 
 
 class CircuitBreaker:
@@ -145,4 +181,5 @@ class CircuitBreaker:
             return True
 
 
-__all__ = ["CircuitBreaker", "Clock", "KeyringRace", "RedisKeyBackend", "connect"]
+__all__ = ["CircuitBreaker", "Clock", "KeyringRace", "RedisKeyBackend", "TenantTombstones", "connect",
+           "keyring_key"]
