@@ -70,6 +70,9 @@ class Placement:
         #: blocks a running operation holds (its chain): never eviction candidates meanwhile
         self.protected: set[Ident] = set()
         self.tenant_usage: dict[tuple[str, Tier], int] = {}
+        #: the tenant whose quota is making room now (:meth:`fit_quota`): the blocks it pushes
+        #: down find room in lower tiers from free space and that tenant's blocks only
+        self._quota_scope: str | None = None
 
     def ref(self, meta: BlockMeta) -> BlockRef:
         return BlockRef(meta.tenant, meta.key, self._specs[meta.fingerprint])
@@ -209,6 +212,14 @@ class Placement:
         cap = backend.capacity
         if need > cap:
             return False
+        if self._quota_scope is not None and self._quota_scope == meta.tenant:
+            # NOTE: a block demoted by its own tenant's quota made room here with the store-wide
+            # victims: a tenant over quota pushed another tenant's blocks out of DRAM/NVMe
+            own = self.victims(tier, meta.tenant)
+            while not (backend.used_bytes + need <= cap and backend.can_fit(meta.nbytes)):
+                if not self.evict_some(tier, own):
+                    return False
+            return True
         high, low = self.config.high_watermark * cap, self.config.low_watermark * cap
         if backend.used_bytes + need <= high and backend.can_fit(meta.nbytes):
             return True
@@ -221,17 +232,23 @@ class Placement:
 
     def fit_quota(self, tenant: str, tier: Tier, extra: int = 0) -> bool:
         """Evict ``tenant``'s own blocks from ``tier`` until ``extra`` more bytes fit within its
-        quota there (none: True); False (counted) when they cannot."""
+        quota there (none: True); False (counted) when they cannot. A block it demotes finds
+        room below in free space or by pushing down the same tenant's blocks, else is dropped:
+        never by evicting another tenant's."""
         quota = self._quota_of(tenant, tier)
         if quota is None:
             return True
         if extra > quota:
             return False
         own = self.victims(tier, tenant)
-        while self.tenant_usage.get((tenant, tier), 0) + extra > quota:
-            if not self.evict_some(tier, own):
-                self.counters.add("quota_rejections")
-                return False
+        scope, self._quota_scope = self._quota_scope, tenant
+        try:
+            while self.tenant_usage.get((tenant, tier), 0) + extra > quota:
+                if not self.evict_some(tier, own):
+                    self.counters.add("quota_rejections")
+                    return False
+        finally:
+            self._quota_scope = scope
         return True
 
     def within_quota(self, tenant: str, tier: Tier, extra: int = 0) -> bool:

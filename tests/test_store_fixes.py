@@ -153,3 +153,29 @@ def test_a_bare_str_or_bytes_extra_key_is_one_item(spec):
     assert key(np.uint8(1).tobytes()) == key([b"\x01"])
     with pytest.raises(InvalidArgument, match="one entry per full block"):
         block_keys("a", fp, spec.block_tokens, toks, extra_keys="img")
+
+
+@pytest.mark.parametrize("policy", ["lru", "gdsf", "cost"])
+@pytest.mark.parametrize("how", ["put", "lower-quota"])
+def test_a_tenant_over_quota_never_pushes_out_another_tenants_blocks(open_store, spec, clock, policy, how):
+    # the blocks its quota demotes made room in DRAM with the store-wide victims: another
+    # tenant's DRAM blocks were evicted (dropped, with no NVMe) while HBM was 10-20 % used
+    n = spec.block_nbytes
+    s = open_store(spec, hbm_blocks=10, dram_blocks=3, nvme_blocks=0, policy=policy)
+    s.set_tenant_policy("b", quota_bytes={"hbm": 0})  # b's blocks live in DRAM
+    kb = s.block_keys("b", spec, tokens(2, spec, start=100))
+    kv_b = make_kv(spec, 2, seed=3)
+    s.put("b", spec, kb, kv_b)
+    clock.advance(1)
+    if how == "put":
+        s.set_tenant_policy("a", quota_bytes={"hbm": 2 * n})
+        s.put("a", spec, s.block_keys("a", spec, tokens(2, spec)), make_kv(spec, 2))
+        clock.advance(1)
+        s.put("a", spec, s.block_keys("a", spec, tokens(2, spec, start=500)), make_kv(spec, 2))
+    else:
+        s.put("a", spec, s.block_keys("a", spec, tokens(3, spec)), make_kv(spec, 3))
+        clock.advance(1)
+        s.set_tenant_policy("a", quota_bytes={"hbm": n})
+    assert s.lookup("b", spec, kb).tiers == ["dram", "dram"]
+    assert torch.equal(s.get("b", spec, kb), kv_b)
+    assert s.stats()["tenants"]["a"]["hbm"] <= 2 * n
