@@ -124,8 +124,10 @@ class TenantPolicy:
 def check_name(name: str) -> str:
     """Validate a principal name (lower-case, digits, ``_.-``, at most 63 characters)."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
+        shown = repr(name[:80]) + (f"…({len(name)} chars)" if len(name) > 80 else "") \
+            if isinstance(name, str) else type(name).__name__
         raise InvalidArgument(
-            f"bad name {name!r}: use 1-63 characters of a-z 0-9 _ . - starting with a letter or digit"
+            f"bad name {shown}: use 1-63 characters of a-z 0-9 _ . - starting with a letter or digit"
         )
     return name
 

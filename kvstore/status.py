@@ -40,6 +40,12 @@ def status_code(name: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
 
 
+#: the most characters of an error message sent as a status's details: they travel in HTTP/2
+#: trailers, which grpc limits (8 KiB by default); a longer one failed the call with
+#: RESOURCE_EXHAUSTED "Stream removed" in place of its own status
+MAX_DETAILS = 1024
+
+
 def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """Status code and message to send for ``exc``."""
     if isinstance(exc, errors.KVStoreError):
@@ -47,6 +53,8 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         resource = getattr(exc, "resource", "")
         if resource and resource not in message:
             message = f"{message} (limit: {resource})"
+        if len(message) > MAX_DETAILS:
+            message = f"{message[: MAX_DETAILS - 40]}…({len(message)} chars)"
         return status_code(exc.code), message
     return grpc.StatusCode.INTERNAL, "internal error"
 
