@@ -203,7 +203,7 @@ def create_server(config: ServerConfig, *, store: Any = None, clock: Callable[[]
     metrics = ServiceMetrics(metrics_registry)
     metrics_registry.register(StoreCollector(store.stats))
     limits = config.limits
-    data = DataPlane(store, audit, limits, metrics, copy_threads=config.copy_threads)
+    data = DataPlane(store, audit, limits, metrics, copy_threads=config.copy_threads, auth=registry)
     admin = AdminPlane(store, registry, audit, data.regions, metrics, limits.max_message_bytes)
     admin.apply_policies()
     rpc = RpcRunner(registry, metrics, lambda: store.drop_epoch)
