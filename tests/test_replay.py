@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from kvstore.errors import InvalidArgument
 from kvstore.replay import ReplayConfig, make_replay_policy, replay_spec, run_replay
-from kvstore.workloads import TraceRequest, generate, load_trace, write_trace
+from kvstore.workloads import TraceRequest, WorkloadConfig, generate, load_trace, write_trace
 from policy.cost_model import CostModelConfig
 
 # A tiny model so the arithmetic is easy: block = 4 tokens, 32 bytes.
@@ -186,6 +186,40 @@ def test_cli_replay_writes_json(tmp_path):
     assert "net saved time" in res.stdout
     bad = CliRunner().invoke(app, ["replay", str(path), "--hbm-blocks", "50", "--policy", "nope"])
     assert bad.exit_code == 2
+
+
+@pytest.mark.parametrize("kind", ["chat", "agent", "tenants"])
+@pytest.mark.parametrize("n", [1000, 4000])
+def test_generated_sessions_keep_arriving_to_the_end_of_the_trace(kind, n):
+    # sessions stopped starting once 1.2 x n requests were generated: the last tenth of an
+    # agent trace held 0.41-0.47 of the requests of a tenth before it (tenants 0.27-0.34)
+    trace = generate(kind, seed=0, cfg=WorkloadConfig(requests=n))
+    assert len(trace) == n
+    end = trace[-1].timestamp_ms
+    tenths = [0] * 10
+    for r in trace:
+        tenths[min(9, int(10 * r.timestamp_ms / end))] += 1
+    assert tenths[9] >= 0.75 * max(tenths[5:9]), tenths
+
+
+def test_the_results_table_reads_whole_at_80_columns(tmp_path):
+    # ten figure columns were cut to "0.52…" on an 80-column terminal
+    import io
+
+    from rich.console import Console
+
+    from kvstore.cli_replay import results_table
+
+    path = tmp_path / "t.jsonl"
+    write_trace(path, generate("agent", seed=1)[:100])
+    results = [replay(load_trace(path), p, 20, 60, 200) for p in ("lru", "belady")]
+    buf = io.StringIO()
+    Console(file=buf, width=80).print(results_table(results))
+    text = buf.getvalue()
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80
+    for r in results:
+        assert f"{r.net_saved_time_fraction:.4f}" in text
+        assert f"{r.evictions_by_tier['hbm']}/{r.evictions_by_tier['dram']}/{r.evictions_by_tier['nvme']}" in text
 
 
 def test_oracle_reuse_reference_by_hand():
