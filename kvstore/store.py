@@ -124,6 +124,9 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         # drop_tenant calls so far, and the count at each tenant's last drop (see drop_epoch)
         self._drop_epoch = 0
         self._dropped_at: dict[str, int] = {}
+        # delete / drop_tenant / purge_model calls so far: a get promotes what it fetched from
+        # the remote tier (with the lock released) only when none ran meanwhile (store_reads)
+        self._removals = 0
         self.counters = Counters()
         self.policy = make_policy(config.policy, self._specs.get)
 

@@ -49,6 +49,7 @@ class TenantAdmin:
         keys = check_keys(keys)
         with self._lock, self._batch():
             self._check_open()
+            self._removals += 1  # a get fetching from the remote tier now promotes nothing
             roots = [m for key in keys if (m := self._index.get(tenant, key)) is not None]
             n = 0
             if self._remote is not None:
@@ -75,6 +76,7 @@ class TenantAdmin:
         with self._lock, self._batch():
             self._check_open()
             self._drop_epoch += 1  # NOTE: first: a reservation made before fails its commit
+            self._removals += 1
             self._dropped_at[tenant] = self._drop_epoch
             n = 0
             for m in sorted(self._index.of_tenant(tenant), key=lambda m: -m.depth):
@@ -101,6 +103,7 @@ class TenantAdmin:
         """Remove every block of a model fingerprint (e.g. after a rollout)."""
         with self._lock, self._batch():
             self._check_open()
+            self._removals += 1
             victims = sorted((m for m in self._index if m.fingerprint == fingerprint),
                              key=lambda m: -m.depth)
             for m in victims:

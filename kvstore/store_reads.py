@@ -6,10 +6,20 @@ lock, clock, index, placement, tiers, remote tier, device and counters, its help
 ``_expire_due`` of :mod:`kvstore.store_admin`.
 
 * ``lookup`` answers the longest usable prefix and the tier of each block by bisection over the
-  chain (:meth:`ReadPath._usable_len`), continuing into the remote tier where the local chain ends.
+  chain (:meth:`ReadPath._usable_len`), continuing into the remote tier where the local chain ends
+  (a chain continuing from a ``parent`` held neither here nor remotely has no remote part: as get).
 * ``get`` and ``get_into`` walk the chain link by link (:meth:`ReadPath._chain`, which the
   sessions and read leases use too), serve each block from its tier (promoting it), then serve
   the rest from the remote tier and promote what came back (:meth:`ReadPath._get_remote`).
+
+Remote I/O runs without the Store's lock (a Redis that hangs must not stall every other call:
+a local HBM get of another tenant waited out the remote timeouts): ``lookup`` asks the remote
+tier after it let go of the lock; ``get`` serves the local prefix under the lock, fetches the
+continuation into the caller's buffers without it, and takes it again to promote what came back,
+checking again what it saw before (:meth:`ReadPath._remote_promote`). A get racing a delete,
+drop_tenant or purge_model may return the blocks or not (each block served is exactly the bytes
+put under its key, read while it existed), but never promotes them after the removal.
+The read lease (:mod:`kvstore.store_lease`) still fetches under the lock (:meth:`_get_remote`).
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ from __future__ import annotations
 import logging
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -92,6 +102,8 @@ class ReadPath:
         fingerprint are checked; blocks between probes are taken on the chain's word, so a
         list that is not a key chain (keys spliced from different prompts) may be answered
         longer than it is usable. :meth:`get` checks every link and serves only what is.
+        The remote tier is asked with the lock released; a chain continuing from a ``parent``
+        this server does not hold continues there only while the remote tier holds the parent.
         """
         self._check_tenant(tenant)
         self._check_spec(spec)
@@ -113,10 +125,19 @@ class ReadPath:
                 end = bisect_right(range(n), tier, lo=start, key=tier_of)
                 tiers += [_LABELS[tier]] * (end - start)
                 start = end
-            if self._remote is not None and n < len(keys):
-                rest = keys[n:]
-                tiers += ["remote"] * self._remote.prefix_len([BlockRef(tenant, k, spec) for k in rest])
-            return LookupResult(len(tiers), tiers)
+            remote = self._remote
+            # as get: a chain continuing from a parent this server does not hold continues
+            # remotely only while the remote tier holds that parent
+            via_parent = not n and parent0 != ROOT_KEY and blocks.get(parent0) is None
+        if remote is not None and n < len(keys):
+            # NOTE: outside the lock: a lookup stuck on a hung Redis held every other call
+            refs = [BlockRef(tenant, k, spec) for k in keys[n:]]
+            if via_parent:
+                more = max(0, remote.prefix_len([BlockRef(tenant, parent0, spec), *refs]) - 1)
+            else:
+                more = remote.prefix_len(refs)
+            tiers += ["remote"] * more
+        return LookupResult(len(tiers), tiers)
 
     @staticmethod
     def _usable_len(blocks: dict[bytes, BlockMeta], spec: ModelSpec, keys: Sequence[bytes],
@@ -190,22 +211,54 @@ class ReadPath:
 
     def _get(self, tenant: str, spec: ModelSpec, keys: list[bytes],
              out: Callable[[int], Any], parent: bytes) -> int:
+        """Serve the local prefix under the lock, then the remote continuation with the lock
+        released (the fetch writes only into the caller's buffers), then promote what came back
+        under the lock again (:meth:`_remote_promote` re-validates what the first part saw)."""
         self._check_tenant(tenant)
-        served: list[int] = []
+        local: list[tuple[int, _RemoteRead | None]] = []
         try:
             with self._lock, self._batch():
-                served.append(self._get_locked(tenant, spec, keys, out, parent))
+                local.append(self._get_local(tenant, spec, keys, out, parent))
         except NVMeWriteFailed as exc:
             # NOTE: the blocks served are in the caller's buffers; a commit that failed after
             # (blocks pushed down to NVMe to make room for promotions: dropped, counted) does
             # not undo the read
-            if not served:
+            if not local:
                 raise
-            log.warning("get served %d blocks, but %s", served[0], exc)
-        return served[0]
+            log.warning("get served %d blocks, but %s", local[0][0], exc)
+        served, plan = local[0]
+        if plan is None:
+            return served
+        # NOTE: no lock here: a get or lookup stuck on a hung Redis held every other call
+        # (a local HBM get of another tenant waited out the remote timeouts and retries)
+        try:
+            self._remote_fetch(plan)
+        except Exception:
+            if not self._closed:
+                raise
+            plan.n = 0  # the store closed (and the remote tier with it) under the fetch: a miss
+        n = served + plan.n
+        with self._lock:
+            self.counters.add("hits", n)
+            self.counters.add("misses", len(keys) - n)
+            self.counters.add("hits_remote", plan.n)
+            if self._closed:  # closed meanwhile: what was served stands, nothing is promoted
+                return n
+            promoted: list[Ident] = []
+            try:
+                with self._batch():
+                    self._remote_promote(plan, promoted)
+            except NVMeWriteFailed as exc:
+                log.warning("get served %d blocks, but %s", n, exc)
+            finally:
+                self._place.protected.difference_update(promoted)
+        return n
 
-    def _get_locked(self, tenant: str, spec: ModelSpec, keys: list[bytes],
-                    out: Callable[[int], Any], parent: bytes) -> int:
+    def _get_local(self, tenant: str, spec: ModelSpec, keys: list[bytes],
+                   out: Callable[[int], Any], parent: bytes) -> tuple[int, _RemoteRead | None]:
+        """The local part of a get (lock held): the blocks served, and the remote continuation
+        to fetch once the lock is released (None when there is none; the counters are then
+        counted here, else by the caller once the continuation is done)."""
         self._check_open()
         now = self._clock()
         chain = self._chain(tenant, spec, keys, now, parent)
@@ -217,66 +270,139 @@ class ReadPath:
                 if not self._place.serve(m, out(served), now):
                     break
                 served += 1
-            if self._remote is not None and served == len(chain) < len(keys):
-                served += self._get_remote(tenant, spec, keys, served, out, chain, parent,
-                                           now, idents)
         finally:
             self._place.protected.difference_update(idents)
+        if self._remote is not None and served == len(chain) < len(keys):
+            return served, self._remote_plan(tenant, spec, keys, served, out, chain, parent)
         self.counters.add("hits", served)
         self.counters.add("misses", len(keys) - served)
-        return served
+        return served, None
 
     def _get_remote(self, tenant: str, spec: ModelSpec, keys: list[bytes], start: int,
                     out: Callable[[int], Any], chain: list[BlockMeta], parent: bytes,
                     now: float, guard: list[Ident]) -> int:
-        """Serve ``keys[start:]`` from the remote tier (pipelined) and promote what came back
-        into the local tiers (best effort: a block that finds no room is still served). A
-        promoted block keeps the TTL deadline and creation time its remote copy was written
-        with (it got the tenant's default TTL, and a re-spill the remote cap, before). A chain
-        continuing from a ``parent`` this server does not hold is served only while the remote
-        tier holds that parent (a deleted parent takes its descendants with it)."""
+        """Serve ``keys[start:]`` from the remote tier and promote what came back, all under the
+        lock the caller holds (the read lease's path; :meth:`_get` releases the lock for the
+        fetch); ``guard``: idents the caller unprotects when it ends (promoted blocks are added).
+        See :meth:`_remote_plan`, :meth:`_remote_fetch` and :meth:`_remote_promote`."""
+        del now  # the promotion reads the clock itself
+        plan = self._remote_plan(tenant, spec, keys, start, out, chain, parent)
+        self._remote_fetch(plan)
+        self.counters.add("hits_remote", plan.n)
+        self._remote_promote(plan, guard)
+        return plan.n
+
+    def _remote_plan(self, tenant: str, spec: ModelSpec, keys: list[bytes], start: int,
+                     out: Callable[[int], Any], chain: list[BlockMeta],
+                     parent: bytes) -> _RemoteRead:
+        """The remote continuation of a get whose local prefix is ``chain`` (lock held)."""
         assert self._remote is not None
         self._register_spec(spec)
-        if (not chain and parent != ROOT_KEY and self._index.get(tenant, parent) is None
-                and not self._remote.contains_many([BlockRef(tenant, parent, spec)])[0]):
-            return 0
         rest = keys[start:]
         outs = [out(start + i) for i in range(len(rest))]
         hosts = [o if isinstance(o, np.ndarray) else
                  (o.numpy() if o.device.type == "cpu" else np.empty(spec.block_nbytes, np.uint8))
                  for o in outs]
-        info: list[RemoteInfo] = []
-        n = self._remote.get_prefix_into([BlockRef(tenant, k, spec) for k in rest], hosts[:],
-                                         info=info)
-        for o, h in zip(outs[:n], hosts[:n]):
+        # a chain continuing from a parent this server does not hold is served only while the
+        # remote tier holds that parent (a deleted parent takes its descendants with it)
+        check = not chain and parent != ROOT_KEY and self._index.get(tenant, parent) is None
+        return _RemoteRead(tenant, spec, rest, outs, hosts, chain, parent, check, self._removals)
+
+    def _remote_fetch(self, plan: _RemoteRead) -> None:
+        """Fetch ``plan``'s blocks into the caller's buffers (no lock needed: it reads no Store
+        state and writes none). Any fault of the remote tier is a miss."""
+        remote = self._remote
+        assert remote is not None
+        tenant, spec = plan.tenant, plan.spec
+        if plan.check_parent and not remote.contains_many([BlockRef(tenant, plan.parent, spec)])[0]:
+            return
+        n = remote.get_prefix_into([BlockRef(tenant, k, spec) for k in plan.rest], plan.hosts[:],
+                                   info=plan.info)
+        for o, h in zip(plan.outs[:n], plan.hosts[:n]):
             if not isinstance(o, np.ndarray) and o.device.type != "cpu":
                 copy_bytes(o, h)
-        self.counters.add("hits_remote", n)
+        plan.n = n
+
+    def _remote_promote(self, plan: _RemoteRead, guard: list[Ident]) -> None:
+        """Promote the fetched blocks into the local tiers (lock held, store open; best effort:
+        a block that finds no room is still served). A promoted block keeps the TTL deadline
+        and creation time its remote copy was written with (it got the tenant's default TTL,
+        and a re-spill the remote cap, before); ``guard`` receives the promoted blocks, which
+        stay protected until the caller lets them go.
+
+        The lock may have been released since the plan was made, so what it saw is checked
+        again: nothing is promoted when a delete, drop_tenant or purge_model ran meanwhile (it
+        may have removed these very blocks, remote copies included: promoting them would bring
+        them back), nor under a parent that is no longer usable here (evicted, deleted,
+        expired, in flight); promotion stops at a block a concurrent put or get stored first.
+        The bytes fetched are still served: a get racing a delete returns either result, and
+        each block was read, authenticated under its key, while it existed."""
+        n = plan.n
+        if not n or self._removals != plan.removals:
+            return
+        tenant, spec, rest, info = plan.tenant, plan.spec, plan.rest, plan.info
+        now = self._clock()
         # promotion: only under a parent that is resident here, so the tree stays whole
-        prev = chain[-1] if chain else self._index.get(tenant, parent)
-        if prev is None and parent != ROOT_KEY:
-            return n
-        default = self._ttl_deadline(tenant, None, now)  # for a copy that says nothing
-        for i in range(n):
-            key, p = rest[i], (rest[i - 1] if i else (prev.key if prev else ROOT_KEY))
-            if self._index.get(tenant, key) is not None:
-                break
-            depth = (prev.depth + 1) if prev is not None else 0
-            meta = info[i]
-            try:
-                prev = self._place.insert_new(
-                    tenant, spec, key, p, depth, hosts[i], now,
-                    meta.deadline if meta.known else default,
-                    prev.tier if prev is not None else self.tiers[0], pinned=False)
-            except ResourceExhausted:
-                break
-            if meta.created is not None and meta.created < prev.created:
-                # NOTE: its age goes with it: a block made before its tenant was deleted must
-                # not pass for a new one when it is spilled again (see tiers.remote)
-                prev.created = meta.created
-                if self._nvme is not None and (prev.persisted or prev.tier == Tier.NVME):
-                    self._nvme.update_record(self._place.record(prev))
-            self._place.protected.add((tenant, key))
-            guard.append((tenant, key))
-            self.counters.add("promotions_remote")
-        return n
+        prev: BlockMeta | None
+        if plan.chain:
+            prev = plan.chain[-1]
+            if self._index.get(tenant, prev.key) is not prev:
+                return
+        elif plan.parent != ROOT_KEY:
+            prev = self._index.get(tenant, plan.parent)
+            if prev is None or prev.fingerprint != spec.fingerprint:
+                return
+        else:
+            prev = None
+        if prev is not None and (prev.in_flight or self._place.expired(prev, now)):
+            return
+        protected = self._place.protected
+        # the local prefix stays put while room is made for the promotions
+        held = [(m.tenant, m.key) for m in (plan.chain or ([prev] if prev is not None else []))
+                if (m.tenant, m.key) not in protected]
+        protected.update(held)
+        try:
+            default = self._ttl_deadline(tenant, None, now)  # for a copy that says nothing
+            for i in range(n):
+                key, p = rest[i], (rest[i - 1] if i else (prev.key if prev else ROOT_KEY))
+                if self._index.get(tenant, key) is not None:
+                    break
+                depth = (prev.depth + 1) if prev is not None else 0
+                meta = info[i]
+                try:
+                    prev = self._place.insert_new(
+                        tenant, spec, key, p, depth, plan.hosts[i], now,
+                        meta.deadline if meta.known else default,
+                        prev.tier if prev is not None else self.tiers[0], pinned=False)
+                except ResourceExhausted:
+                    break
+                if meta.created is not None and meta.created < prev.created:
+                    # NOTE: its age goes with it: a block made before its tenant was deleted
+                    # must not pass for a new one when it is spilled again (see tiers.remote)
+                    prev.created = meta.created
+                    if self._nvme is not None and (prev.persisted or prev.tier == Tier.NVME):
+                        self._nvme.update_record(self._place.record(prev))
+                if (tenant, key) not in protected:
+                    protected.add((tenant, key))
+                    guard.append((tenant, key))
+                self.counters.add("promotions_remote")
+        finally:
+            protected.difference_update(held)
+
+
+@dataclass(slots=True)
+class _RemoteRead:
+    """A get's remote continuation: planned under the Store's lock, fetched outside it,
+    promoted under it again (see :meth:`ReadPath._remote_promote`)."""
+
+    tenant: str
+    spec: ModelSpec
+    rest: list[bytes]  # the keys to fetch
+    outs: list[Any]  # the caller's buffer of each
+    hosts: list[np.ndarray]  # ... or a host buffer in front of a device one
+    chain: list[BlockMeta]  # the local prefix served before
+    parent: bytes  # the parent of the whole chain
+    check_parent: bool  # serve only while the remote tier holds ``parent``
+    removals: int  # the Store's removal count when planned
+    n: int = 0  # how many leading blocks were fetched
+    info: list[RemoteInfo] = field(default_factory=list)
