@@ -25,16 +25,20 @@ and to end the lease, never while the reader reads.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Self
 
 import numpy as np
 
 from kvstore.block import BlockMeta
+from kvstore.errors import NVMeWriteFailed
 from kvstore.keys import check_keys
 from kvstore.spec import ModelSpec
 from kvstore.store_reserve import _parent
 from tiers.memory import MemoryTier
+
+log = logging.getLogger(__name__)
 
 
 class ReadLease:
@@ -81,6 +85,8 @@ class LeasedGets:
         keys = check_keys(keys)
         parent0 = _parent(parent)
         lease = ReadLease(self)
+        plan = None
+        outs: dict[int, np.ndarray] = {}
         with self._lock, self._batch():
             self._check_open()
             now = self._clock()
@@ -101,22 +107,49 @@ class LeasedGets:
                     self._place.touch(m, now)
                     views.append(view)
                 if self._remote is not None and len(views) == len(chain) < len(keys):
-                    start, outs = len(views), {}
 
                     def out(i: int) -> np.ndarray:
                         outs[i] = _staged(stage, i, spec)
                         return outs[i]
 
-                    n = self._get_remote(tenant, spec, keys, start, out, chain, parent0, now, idents)
-                    views += [outs[start + i] for i in range(n)]
+                    plan = self._remote_plan(tenant, spec, keys, len(views), out, chain, parent0)
             except BaseException:
                 self._end_lease(lease)
                 raise
             finally:
                 protected.difference_update(idents)
-            self.counters.add("hits", len(views))
-            self.counters.add("misses", len(keys) - len(views))
-            return lease
+            if plan is None:
+                self.counters.add("hits", len(views))
+                self.counters.add("misses", len(keys) - len(views))
+                return lease
+        # NOTE: the remote continuation is fetched with the lock released, as get's is (a
+        # service Get stuck on a hung Redis held every other call); the leased blocks stay
+        # pinned meanwhile, and the staged ones are the caller's buffers
+        start = len(lease.views)
+        try:
+            self._remote_fetch(plan)
+        except Exception:
+            if not self._closed:
+                self._end_lease(lease)
+                raise
+            plan.n = 0  # the store closed (and the remote tier with it) under the fetch: a miss
+        lease.views += [outs[start + i] for i in range(plan.n)]
+        n = len(lease.views)
+        with self._lock:
+            self.counters.add("hits", n)
+            self.counters.add("misses", len(keys) - n)
+            self.counters.add("hits_remote", plan.n)
+            if self._closed:
+                return lease
+            promoted: list[tuple[str, bytes]] = []
+            try:
+                with self._batch():
+                    self._remote_promote(plan, promoted)
+            except NVMeWriteFailed as exc:
+                log.warning("lease served %d blocks, but %s", n, exc)
+            finally:
+                self._place.protected.difference_update(promoted)
+        return lease
 
     def _lease_block(self, lease: ReadLease, meta: BlockMeta) -> np.ndarray | None:
         """Lease ``meta``'s bytes in place (lock held); None when its tier is not host memory."""

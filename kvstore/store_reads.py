@@ -10,7 +10,9 @@ lock, clock, index, placement, tiers, remote tier, device and counters, its help
   (a chain continuing from a ``parent`` held neither here nor remotely has no remote part: as get).
 * ``get`` and ``get_into`` walk the chain link by link (:meth:`ReadPath._chain`, which the
   sessions and read leases use too), serve each block from its tier (promoting it), then serve
-  the rest from the remote tier and promote what came back (:meth:`ReadPath._get_remote`).
+  the rest from the remote tier and promote what came back (:meth:`ReadPath._remote_plan`,
+  :meth:`ReadPath._remote_fetch`, :meth:`ReadPath._remote_promote`; the read lease of
+  :mod:`kvstore.store_lease` uses the same three steps).
 
 Remote I/O runs without the Store's lock (a Redis that hangs must not stall every other call:
 a local HBM get of another tenant waited out the remote timeouts): ``lookup`` asks the remote
@@ -19,7 +21,6 @@ continuation into the caller's buffers without it, and takes it again to promote
 checking again what it saw before (:meth:`ReadPath._remote_promote`). A get racing a delete,
 drop_tenant or purge_model may return the blocks or not (each block served is exactly the bytes
 put under its key, read while it existed), but never promotes them after the removal.
-The read lease (:mod:`kvstore.store_lease`) still fetches under the lock (:meth:`_get_remote`).
 """
 
 from __future__ import annotations
@@ -277,20 +278,6 @@ class ReadPath:
         self.counters.add("hits", served)
         self.counters.add("misses", len(keys) - served)
         return served, None
-
-    def _get_remote(self, tenant: str, spec: ModelSpec, keys: list[bytes], start: int,
-                    out: Callable[[int], Any], chain: list[BlockMeta], parent: bytes,
-                    now: float, guard: list[Ident]) -> int:
-        """Serve ``keys[start:]`` from the remote tier and promote what came back, all under the
-        lock the caller holds (the read lease's path; :meth:`_get` releases the lock for the
-        fetch); ``guard``: idents the caller unprotects when it ends (promoted blocks are added).
-        See :meth:`_remote_plan`, :meth:`_remote_fetch` and :meth:`_remote_promote`."""
-        del now  # the promotion reads the clock itself
-        plan = self._remote_plan(tenant, spec, keys, start, out, chain, parent)
-        self._remote_fetch(plan)
-        self.counters.add("hits_remote", plan.n)
-        self._remote_promote(plan, guard)
-        return plan.n
 
     def _remote_plan(self, tenant: str, spec: ModelSpec, keys: list[bytes], start: int,
                      out: Callable[[int], Any], chain: list[BlockMeta],

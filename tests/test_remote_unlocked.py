@@ -102,8 +102,12 @@ def _during_fetch(s: Store, action: Callable[[], None]) -> list[bool]:
     return held
 
 
+def _lease(s: Store, tenant: str, keys: list[bytes], **kw: Any) -> Any:
+    return s.lease_prefix(tenant, SPEC, keys, lambda i: np.empty(N, np.uint8), **kw)
+
+
 # -- 1. a hung Redis does not stall local reads ----------------------------------------------------
-@pytest.mark.parametrize("call", ["get", "get_into", "get_parent", "lookup", "lookup_parent"])
+@pytest.mark.parametrize("call", ["get", "get_into", "get_parent", "lookup", "lookup_parent", "lease"])
 def test_a_local_get_is_not_blocked_while_redis_hangs(tmp_path: Path, private_redis: PrivateRedis,
                                                       call: str) -> None:
     """Tenant b's read waits on a paused Redis (remote op timeout 30 s); tenant a's HBM get
@@ -132,6 +136,7 @@ def test_a_local_get_is_not_blocked_while_redis_hangs(tmp_path: Path, private_re
             "get_parent": lambda: s.get("b", SPEC, keys_b[1:], parent=keys_b[0]),
             "lookup": lambda: s.lookup("b", SPEC, keys_b),
             "lookup_parent": lambda: s.lookup("b", SPEC, keys_b[1:], parent=keys_b[0]),
+            "lease": lambda: _lease(s, "b", keys_b).release(),  # the service's in-band Get
         }
         remote = threading.Thread(target=reads[call], daemon=True)
         got: list[torch.Tensor] = []
@@ -175,6 +180,28 @@ def test_the_remote_fetch_runs_without_the_lock_and_promotes_after(servers) -> N
     assert b.lookup("acme", SPEC, keys).tiers == ["hbm"] * 4  # promoted as before
     assert b.counters.get("promotions_remote") == 4 and b.counters.get("hits_remote") == 4
     assert not b._place.protected  # nothing left protected
+
+
+def test_a_read_lease_fetches_without_the_lock_and_promotes_after(servers) -> None:
+    b, keys, kv = _two_servers(servers)
+    held = _during_fetch(b, lambda: None)
+    with _lease(b, "acme", keys) as lease:
+        assert held == [False]  # was True: the service's Get fetched under the Store's lock
+        flat = kv.view(torch.uint8).reshape(len(keys), -1).numpy()
+        assert len(lease.views) == 4
+        assert all(np.array_equal(v, flat[i]) for i, v in enumerate(lease.views))
+    assert b.lookup("acme", SPEC, keys).tiers == ["hbm"] * 4
+    assert not b._place.protected
+
+
+def test_a_read_lease_racing_a_delete_promotes_nothing(servers) -> None:
+    b, keys, kv = _two_servers(servers)
+    _during_fetch(b, lambda: b.delete("acme", [keys[1]]))
+    with _lease(b, "acme", keys) as lease:
+        flat = kv.view(torch.uint8).reshape(len(keys), -1).numpy()
+        assert all(np.array_equal(v, flat[i]) for i, v in enumerate(lease.views))
+    assert [b._index.get("acme", k) for k in keys[1:]] == [None, None, None]
+    assert not b._place.protected
 
 
 def test_a_parent_deleted_during_the_fetch_gets_no_promoted_children(servers) -> None:
