@@ -25,20 +25,16 @@ and to end the lease, never while the reader reads.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Self
 
 import numpy as np
 
 from kvstore.block import BlockMeta
-from kvstore.errors import NVMeWriteFailed
 from kvstore.keys import check_keys
 from kvstore.spec import ModelSpec
 from kvstore.store_reserve import _parent
 from tiers.memory import MemoryTier
-
-log = logging.getLogger(__name__)
 
 
 class ReadLease:
@@ -127,28 +123,11 @@ class LeasedGets:
         # pinned meanwhile, and the staged ones are the caller's buffers
         start = len(lease.views)
         try:
-            self._remote_fetch(plan)
-        except Exception:
-            if not self._closed:
-                self._end_lease(lease)
-                raise
-            plan.n = 0  # the store closed (and the remote tier with it) under the fetch: a miss
-        lease.views += [outs[start + i] for i in range(plan.n)]
-        n = len(lease.views)
-        with self._lock:
-            self.counters.add("hits", n)
-            self.counters.add("misses", len(keys) - n)
-            self.counters.add("hits_remote", plan.n)
-            if self._closed:
-                return lease
-            promoted: list[tuple[str, bytes]] = []
-            try:
-                with self._batch():
-                    self._remote_promote(plan, promoted)
-            except NVMeWriteFailed as exc:
-                log.warning("lease served %d blocks, but %s", n, exc)
-            finally:
-                self._place.protected.difference_update(promoted)
+            got = self._remote_continue(plan, start, len(keys), "lease")
+        except BaseException:
+            self._end_lease(lease)
+            raise
+        lease.views += [outs[start + i] for i in range(got)]
         return lease
 
     def _lease_block(self, lease: ReadLease, meta: BlockMeta) -> np.ndarray | None:

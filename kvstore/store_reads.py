@@ -232,6 +232,12 @@ class ReadPath:
             return served
         # NOTE: no lock here: a get or lookup stuck on a hung Redis held every other call
         # (a local HBM get of another tenant waited out the remote timeouts and retries)
+        return served + self._remote_continue(plan, served, len(keys), "get")
+
+    def _remote_continue(self, plan: _RemoteRead, served: int, n_keys: int, what: str) -> int:
+        """Fetch ``plan`` with the lock released, then count the read (``served`` local blocks
+        of ``n_keys``) and promote what came back under the lock; the remote blocks served.
+        A store closed under the fetch makes it a miss, and promotes nothing."""
         try:
             self._remote_fetch(plan)
         except Exception:
@@ -241,19 +247,19 @@ class ReadPath:
         n = served + plan.n
         with self._lock:
             self.counters.add("hits", n)
-            self.counters.add("misses", len(keys) - n)
+            self.counters.add("misses", n_keys - n)
             self.counters.add("hits_remote", plan.n)
             if self._closed:  # closed meanwhile: what was served stands, nothing is promoted
-                return n
+                return plan.n
             promoted: list[Ident] = []
             try:
                 with self._batch():
                     self._remote_promote(plan, promoted)
             except NVMeWriteFailed as exc:
-                log.warning("get served %d blocks, but %s", n, exc)
+                log.warning("%s served %d blocks, but %s", what, n, exc)
             finally:
                 self._place.protected.difference_update(promoted)
-        return n
+        return plan.n
 
     def _get_local(self, tenant: str, spec: ModelSpec, keys: list[bytes],
                    out: Callable[[int], Any], parent: bytes) -> tuple[int, _RemoteRead | None]:
