@@ -90,3 +90,44 @@ def redis_ns(tmp_path: Path) -> Iterator[tuple[str, str]]:
 
 
 os.environ.setdefault("KVSTORE_TEST", "1")
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[object]:
+    """A redis-server of this test alone (``remote_harness.PrivateRedis``): pause/resume/raw."""
+    from remote_harness import PrivateRedis
+
+    r = PrivateRedis(tmp_path)
+    try:
+        yield r
+    finally:
+        r.resume()  # NOTE: never leave a stopped process behind
+        r.procs.stop()
+
+
+@pytest.fixture
+def servers(tmp_path: Path, redis_ns: tuple[str, str]) -> Iterator[Callable[..., Store]]:
+    """``servers(name, hbm=, remote={...}, **config)``: Stores of the small spec sharing one
+    Redis namespace (write-through by default) and one FakeClock (``servers.clock``)."""
+    from tiers.remote_config import RemoteConfig
+
+    url, ns = redis_ns
+    clock = FakeClock()
+    n = ModelSpec(model="m", revision="r1", num_layers=2, num_kv_heads=2, head_dim=8,
+                  dtype="float16", block_tokens=4).block_nbytes
+    opened: list[Store] = []
+
+    def _open(name: str, *, hbm: int = 16, remote: dict | None = None, **kw: object) -> Store:
+        kw.setdefault("remote_write", "through")
+        cfg = StoreConfig(path=tmp_path / name, hbm_bytes=hbm * n, dram_bytes=0, nvme_bytes=0,
+                          master_key=MASTER,
+                          remote=RemoteConfig(urls=[url], namespace=ns, **(remote or {})), **kw)
+        s = Store.open(cfg, clock=clock)
+        opened.append(s)
+        return s
+
+    _open.clock = clock  # type: ignore[attr-defined]
+    _open.url, _open.ns = url, ns  # type: ignore[attr-defined]
+    yield _open
+    for s in opened:
+        s.close()

@@ -210,3 +210,23 @@ def redis_namespace(tmp: Path) -> Iterator[tuple[str, str]]:
         finally:
             raw.close()
             procs.stop()
+
+
+class PrivateRedis:
+    """A redis-server of one test alone: it may be flushed, paused (SIGSTOP) and resumed."""
+
+    def __init__(self, tmp: Path) -> None:
+        require_redis()
+        self.procs = Procs()
+        self.port = _free_port(set())
+        self.procs.start(self.port, tmp / f"redis-{self.port}")
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def raw(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url, socket_timeout=5)
+
+    def pause(self) -> None:
+        self.procs.procs[self.port].send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.procs.procs[self.port].send_signal(signal.SIGCONT)

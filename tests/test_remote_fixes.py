@@ -9,10 +9,8 @@ injected clock; nothing sleeps.
 
 from __future__ import annotations
 
-import signal
 import threading
 import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +18,7 @@ import pytest
 import redis
 import torch
 from conftest import MASTER, FakeClock, make_kv, tokens
-from remote_harness import Procs, _free_port, require_redis
+from remote_harness import PrivateRedis
 
 from kvstore.config import StoreConfig
 from kvstore.errors import Unavailable
@@ -34,59 +32,6 @@ from tiers.remote_config import RemoteConfig
 SPEC = ModelSpec(model="m", revision="r1", num_layers=2, num_kv_heads=2, head_dim=8,
                  dtype="float16", block_tokens=4)
 N = SPEC.block_nbytes
-
-
-class PrivateRedis:
-    """A redis-server of this test alone: it may be flushed, paused (SIGSTOP) and resumed."""
-
-    def __init__(self, tmp: Path) -> None:
-        require_redis()
-        self.procs = Procs()
-        self.port = _free_port(set())
-        self.procs.start(self.port, tmp / f"redis-{self.port}")
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def raw(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url, socket_timeout=5)
-
-    def pause(self) -> None:
-        self.procs.procs[self.port].send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        self.procs.procs[self.port].send_signal(signal.SIGCONT)
-
-
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
-    r = PrivateRedis(tmp_path)
-    try:
-        yield r
-    finally:
-        r.resume()  # NOTE: never leave a stopped process behind
-        r.procs.stop()
-
-
-@pytest.fixture
-def servers(tmp_path: Path, redis_ns) -> Iterator[Callable[..., Store]]:
-    """``server(name, **config)``: Stores sharing one Redis namespace and one FakeClock."""
-    url, ns = redis_ns
-    clock = FakeClock()
-    opened: list[Store] = []
-
-    def _open(name: str, *, hbm: int = 16, remote: dict | None = None, **kw: object) -> Store:
-        kw.setdefault("remote_write", "through")
-        cfg = StoreConfig(path=tmp_path / name, hbm_bytes=hbm * N, dram_bytes=0, nvme_bytes=0,
-                          master_key=MASTER,
-                          remote=RemoteConfig(urls=[url], namespace=ns, **(remote or {})), **kw)
-        s = Store.open(cfg, clock=clock)
-        opened.append(s)
-        return s
-
-    _open.clock = clock  # type: ignore[attr-defined]
-    _open.url, _open.ns = url, ns  # type: ignore[attr-defined]
-    yield _open
-    for s in opened:
-        s.close()
 
 
 def _refs(tenant: str, keys: list[bytes]) -> list[BlockRef]:

@@ -16,9 +16,8 @@ join of 5 s against a remote op timeout of 30 s.
 
 from __future__ import annotations
 
-import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import MASTER, FakeClock, make_kv, tokens
-from remote_harness import Procs, _free_port, require_redis
+from remote_harness import PrivateRedis
 
 from kvstore.config import StoreConfig
 from kvstore.spec import ModelSpec
@@ -37,53 +36,6 @@ from tiers.remote_config import RemoteConfig
 SPEC = ModelSpec(model="m", revision="r1", num_layers=2, num_kv_heads=2, head_dim=8,
                  dtype="float16", block_tokens=4)
 N = SPEC.block_nbytes
-
-
-class PrivateRedis:
-    """A redis-server of this test alone: it may be paused (SIGSTOP) and resumed."""
-
-    def __init__(self, tmp: Path) -> None:
-        require_redis()
-        self.procs = Procs()
-        self.port = _free_port(set())
-        self.procs.start(self.port, tmp / f"redis-{self.port}")
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def pause(self) -> None:
-        self.procs.procs[self.port].send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        self.procs.procs[self.port].send_signal(signal.SIGCONT)
-
-
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
-    r = PrivateRedis(tmp_path)
-    try:
-        yield r
-    finally:
-        r.resume()  # NOTE: never leave a stopped process behind
-        r.procs.stop()
-
-
-@pytest.fixture
-def servers(tmp_path: Path, redis_ns) -> Iterator[Callable[..., Store]]:
-    """``server(name)``: Stores sharing one Redis namespace (write-through) and one FakeClock."""
-    url, ns = redis_ns
-    clock = FakeClock()
-    opened: list[Store] = []
-
-    def _open(name: str, *, hbm: int = 16) -> Store:
-        cfg = StoreConfig(path=tmp_path / name, hbm_bytes=hbm * N, dram_bytes=0, nvme_bytes=0,
-                          master_key=MASTER, remote_write="through",
-                          remote=RemoteConfig(urls=[url], namespace=ns))
-        s = Store.open(cfg, clock=clock)
-        opened.append(s)
-        return s
-
-    yield _open
-    for s in opened:
-        s.close()
 
 
 def _during_fetch(s: Store, action: Callable[[], None]) -> list[bool]:
