@@ -14,7 +14,7 @@ import grpc
 import pytest
 import torch
 import xxhash
-from service_harness import SPEC, fresh_tokens, random_kv, start
+from service_harness import SPEC, fresh_tokens, random_kv
 
 from kvstore import service_data, service_streams
 from kvstore.auth import AuthRegistry, Role
@@ -26,13 +26,6 @@ from proto.kvstore.v1 import kvstore_pb2_grpc
 torch.set_num_threads(1)
 N = 3  # blocks per put
 WAIT = 20  # seconds any event may take before the test gives up (never a timing assertion)
-
-
-@pytest.fixture
-def sidecar(tmp_path):
-    sc = start(tmp_path)
-    yield sc
-    sc.stop()
 
 
 @pytest.fixture

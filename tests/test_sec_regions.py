@@ -14,7 +14,7 @@ from multiprocessing import shared_memory
 import grpc
 import pytest
 import torch
-from service_harness import SPEC, fresh_tokens, random_kv, start
+from service_harness import SPEC, fresh_tokens, random_kv
 
 import kvstore.service_resources as res
 from kvstore.client import spec_to_pb
@@ -27,13 +27,6 @@ from proto.kvstore.v1 import kvstore_pb2_grpc
 torch.set_num_threads(1)
 DENIED = grpc.StatusCode.PERMISSION_DENIED
 USABLE = 2 * SPEC.block_nbytes
-
-
-@pytest.fixture
-def sidecar(tmp_path):
-    sc = start(tmp_path)
-    yield sc
-    sc.stop()
 
 
 @pytest.fixture
