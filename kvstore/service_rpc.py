@@ -24,7 +24,7 @@ from google.protobuf.message_factory import GetMessageClass
 
 from kvstore.audit import Recorder
 from kvstore.auth import AuthRegistry, Principal, Role, bearer_token
-from kvstore.errors import FailedPrecondition, KVStoreError, PermissionDenied, ResourceExhausted
+from kvstore.errors import FailedPrecondition, KVStoreError, PermissionDenied, ResourceExhausted, Unauthenticated
 from kvstore.metrics import ServiceMetrics
 from kvstore.status import to_status
 
@@ -46,7 +46,11 @@ class RpcRunner:
         # NOTE: the epoch is read BEFORE the token is checked: a tenant deleted after this
         # point fails the call's put (Store.reserve_put since=), one deleted before fails here
         epoch = self._drop_epoch() if self._drop_epoch is not None else None
-        principal = self.registry.authenticate(bearer_token(context.invocation_metadata()))
+        metadata = context.invocation_metadata() or ()
+        if sum(1 for key, _ in metadata if key.lower() == "authorization") > 1:
+            # NOTE: which one counts is up to each proxy on the way: refuse the ambiguity
+            raise Unauthenticated("more than one authorization header")
+        principal = self.registry.authenticate(bearer_token(metadata))
         return replace(principal, epoch=epoch)
 
     def run(self, name: str, context: grpc.ServicerContext, fn: Callable[[Principal], Any],
