@@ -17,8 +17,10 @@
 * :func:`get_stream` — takes a read lease on the served prefix (``Store.lease_prefix``: errors
   surface here, before any frame is sent) and returns the header frame plus a generator of data
   frames built straight from the blocks' bytes in their memory tier: one copy, into the frame
-  grpc sends. Frames are packed across blocks (each up to the chunk size) only when the request
-  sets ``pack_blocks``; otherwise each frame holds part of one block, the layout older clients
+  grpc sends. The chunk size is the request's ``chunk_bytes`` kept within [min(64 KiB,
+  ``limits.chunk_bytes``), ``limits.chunk_bytes``] (:func:`get_chunk_bytes`: a tiny chunk made
+  a frame, with its checksum, per byte). Frames are packed across blocks (each up to the chunk
+  size) only when the request sets ``pack_blocks``; otherwise each frame holds part of one block, the layout older clients
   expect. Blocks that must be decoded (NVMe, remote) or live on an accelerator go through
   reused staging buffers. The lease pins the blocks and keeps their memory from being reused
   until the generator ends, is closed (grpc closes it on cancel) or is dropped, so a slow or
@@ -43,6 +45,17 @@ from kvstore.service_data import Blocks, DataPlane
 from kvstore.service_resources import StagingPool
 from kvstore.store_lease import ReadLease
 from proto.kvstore.v1 import kvstore_pb2 as pb
+
+#: the smallest payload per Get frame: a smaller ``chunk_bytes`` is raised to it (to the server's
+#: ``limits.chunk_bytes`` when that is smaller). Every frame costs a checksum, a message and a
+#: trip through grpc: at ``chunk_bytes=1`` one 1 MiB block took over 30 s of a worker thread.
+MIN_CHUNK_BYTES = 64 * 1024
+
+
+def get_chunk_bytes(limit: int, requested: int) -> int:
+    """The payload per frame of a Get asking for ``requested`` (0 = the server's default):
+    ``limit`` (``limits.chunk_bytes``) at most, :data:`MIN_CHUNK_BYTES` (or ``limit``) at least."""
+    return max(min(requested or limit, limit), min(MIN_CHUNK_BYTES, limit))
 
 
 def _check_size(plane: DataPlane, b: Blocks, *, count_blocks: bool = True) -> int:
@@ -122,8 +135,7 @@ def get_stream(plane: DataPlane, p: Principal, request: pb.GetRequest) -> tuple[
     b = plane.resolve(p, request.target)
     _check_size(plane, b, count_blocks=False)  # bounds what one Get holds (leased or staged)
     nbytes = b.spec.block_nbytes
-    limit = plane.limits.chunk_bytes
-    chunk = min(request.chunk_bytes or limit, limit)
+    chunk = get_chunk_bytes(plane.limits.chunk_bytes, request.chunk_bytes)
     staged: list[np.ndarray] = []
 
     def stage(_: int) -> np.ndarray:

@@ -382,6 +382,7 @@ def test_small_blocks_stream_bit_exact_several_to_a_frame(sidecar, monkeypatch, 
     import kvstore.client as client_mod
     import kvstore.service_streams as streams
 
+    monkeypatch.setattr(streams, "MIN_CHUNK_BYTES", 1)  # the layouts of chunks below the Get floor
     seen: dict[str, list[tuple[int, int, int]]] = {"put": [], "get": []}
 
     def spying(real, name):
@@ -455,9 +456,12 @@ def test_put_still_accepts_one_block_frames(sidecar):
     assert torch.equal(c.get(SPEC, keys).view(torch.int16), kv.view(torch.int16))
 
 
-def test_get_packs_blocks_into_frames_only_when_asked(sidecar):
+def test_get_packs_blocks_into_frames_only_when_asked(sidecar, monkeypatch):
     """An older client (no pack_blocks) still gets frames that each hold part of one block;
     with pack_blocks every frame is filled up to chunk_bytes across blocks."""
+    import kvstore.service_streams as streams
+
+    monkeypatch.setattr(streams, "MIN_CHUNK_BYTES", 1)  # the layouts of chunks below the Get floor
     c, _, get, md = _frames_stub(sidecar, "get-pack")
     nbytes, n = SPEC.block_nbytes, 5
     keys = c.block_keys(SPEC, fresh_tokens(n))

@@ -1,4 +1,5 @@
-"""One caller cannot hang or confuse the sidecar: one authorization header per call."""
+"""One caller cannot hang or confuse the sidecar: a floor under a Get's ``chunk_bytes``, and one
+authorization header per call."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from service_harness import SPEC
+import torch
+from service_harness import SPEC, fresh_tokens, start
 
 from kvstore.frames import decoder, encode
 from kvstore.service_convert import spec_to_pb
@@ -60,6 +62,60 @@ def _details(fut: grpc.Future) -> tuple[grpc.StatusCode, str]:
     exc = fut.exception()
     assert exc is not None, "the call succeeded"
     return exc.code(), exc.details()
+
+
+# -- the Get chunk floor ------------------------------------------------------------------------
+@pytest.mark.parametrize("pack", [True, False])
+def test_a_get_asking_for_tiny_frames_gets_frames_of_64_kib(sidecar, pack):
+    """GetRequest.chunk_bytes=1 made one checksummed frame per byte (a 1 MiB block streamed for
+    over 30 s); a chunk below 64 KiB is raised to it."""
+    token = sidecar.admin().create_tenant("tiny")
+    c = sidecar.client(token, local=False)
+    a = Raw(sidecar, token)
+    keys = c.block_keys(BIG, fresh_tokens(2, BIG))
+    kv = torch.randint(-999, 999, (2, *BIG.block_shape), dtype=torch.int16).view(BIG.torch_dtype)
+    c.put(BIG, keys, kv)
+    req = pb.GetRequest(target=pb.Target(spec=spec_to_pb(BIG), keys=b"".join(keys)), chunk_bytes=1, pack_blocks=pack)
+    stream = a.get(req, metadata=a.md, timeout=WAIT)
+    frames = []
+    for frame in stream:
+        frames.append(frame)
+        if len(frames) > 64:  # the old server's 1-byte frames: stop reading
+            stream.cancel()
+            break
+    sizes = [len(f.data) for f in frames[1:]]
+    assert sizes == [64 * 1024] * (2 * BIG.block_nbytes // (64 * 1024))
+    assert b"".join(bytes(f.data) for f in frames[1:]) == kv.view(torch.uint8).numpy().tobytes()
+
+
+def test_the_get_floor_never_passes_the_servers_chunk_limit(tmp_path):
+    """With ``limits.chunk_bytes`` below 64 KiB the floor is that limit."""
+    from kvstore.service_streams import get_chunk_bytes
+
+    assert get_chunk_bytes(2 << 20, 0) == 2 << 20
+    assert get_chunk_bytes(2 << 20, 1) == 64 * 1024
+    assert get_chunk_bytes(2 << 20, 100_000) == 100_000
+    assert get_chunk_bytes(2 << 20, 8 << 20) == 2 << 20
+    assert get_chunk_bytes(16 * 1024, 1) == 16 * 1024
+    sc = start(tmp_path, limits={"chunk_bytes": 16 * 1024})
+    try:
+        token = sc.admin().create_tenant("small")
+        c = sc.client(token, local=False)
+        a = Raw(sc, token)
+        keys = c.block_keys(BIG, fresh_tokens(1, BIG))
+        c.put(BIG, keys, torch.zeros((1, *BIG.block_shape), dtype=BIG.torch_dtype))
+        req = pb.GetRequest(target=pb.Target(spec=spec_to_pb(BIG), keys=b"".join(keys)), chunk_bytes=1,
+                            pack_blocks=True)
+        stream = a.get(req, metadata=a.md, timeout=WAIT)
+        sizes = []
+        for frame in stream:
+            sizes.append(len(frame.data))
+            if len(sizes) > 64:
+                stream.cancel()
+                break
+        assert sizes[1:] == [16 * 1024] * (BIG.block_nbytes // (16 * 1024))
+    finally:
+        sc.stop()
 
 
 # -- one authorization header -------------------------------------------------------------------
