@@ -10,6 +10,13 @@
 
 Transport security: with ``[tls]`` the port is TLS (mutual TLS when ``client_ca_file`` is set).
 Without it the server refuses to bind a non-loopback address unless ``allow_insecure_remote``.
+
+Concurrency: ``workers`` threads serve the calls, each holding one while it runs. One tenant
+cannot take them all (``limits.max_calls_per_principal``, ``max_streams_per_principal``; the
+tenants together leave ``admin_workers`` to the admin and health checks), a stream that moves
+nothing for ``limits.stream_idle_s`` is cancelled, and past ``workers + max_queued_calls`` calls
+grpc refuses new ones with RESOURCE_EXHAUSTED instead of queueing them (see
+:class:`kvstore.service_rpc.RpcRunner`).
 """
 
 from __future__ import annotations
@@ -70,9 +77,10 @@ class SidecarServer:
 
     def __init__(self, grpc_server: grpc.Server, store: Any, registry: AuthRegistry, audit: AuditLog,
                  data: DataPlane, health_servicer: health.HealthServicer, metrics_registry: CollectorRegistry,
-                 config: ServerConfig) -> None:
+                 config: ServerConfig, rpc: RpcRunner | None = None) -> None:
         self.grpc_server = grpc_server
         self.store, self.registry, self.audit, self.data = store, registry, audit, data
+        self.rpc = rpc  # its limiter counts the calls running (limits.max_calls_per_principal, ...)
         self.health = health_servicer
         self.metrics_registry = metrics_registry
         self.config = config
@@ -206,7 +214,8 @@ def create_server(config: ServerConfig, *, store: Any = None, clock: Callable[[]
     data = DataPlane(store, audit, limits, metrics, copy_threads=config.copy_threads, auth=registry)
     admin = AdminPlane(store, registry, audit, data.regions, metrics, limits.max_message_bytes)
     admin.apply_policies()
-    rpc = RpcRunner(registry, metrics, lambda: store.drop_epoch)
+    calls = config.call_limits
+    rpc = RpcRunner(registry, metrics, lambda: store.drop_epoch, calls=calls)
 
     options = [
         ("grpc.max_receive_message_length", limits.max_message_bytes),
@@ -215,8 +224,10 @@ def create_server(config: ServerConfig, *, store: Any = None, clock: Callable[[]
     ]
     from concurrent import futures
 
+    # NOTE: past workers + limits.max_queued_calls calls at once grpc refuses new ones with
+    # RESOURCE_EXHAUSTED; without a bound they queued for ever behind calls that never ended
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvstore-rpc"),
-                         options=options)
+                         options=options, maximum_concurrent_rpcs=calls.max_concurrent_rpcs)
     add_services(server, data, admin, rpc)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -230,7 +241,8 @@ def create_server(config: ServerConfig, *, store: Any = None, clock: Callable[[]
         store.close()
         audit.close()
         raise FailedPrecondition(f"cannot bind {config.listen!r}: {exc}") from None
-    return SidecarServer(server, store, registry, audit, data, health_servicer, metrics_registry, config), port
+    return SidecarServer(server, store, registry, audit, data, health_servicer, metrics_registry, config,
+                         rpc), port
 
 
 def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,

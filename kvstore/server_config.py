@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -154,11 +155,58 @@ class LimitsConfig(BaseModel):
     staging_cache_bytes: Annotated[ByteCount, Field(ge=0)] = 256 * MiB
     """Block buffers of the in-band streams kept for reuse between calls (0 = allocate per call)."""
 
+    max_calls_per_principal: Annotated[int, Field(ge=1, le=1024)] | None = None
+    """Calls one principal may have running at once, streams included; past it the call is
+    refused with RESOURCE_EXHAUSTED naming this limit (the client may retry). None = half the
+    ``workers`` (8 of 16). The admin principal is not counted. At most ``workers -
+    admin_workers``: each running call holds one worker thread."""
+
+    max_streams_per_principal: Annotated[int, Field(ge=1, le=1024)] | None = None
+    """In-band Put and Get streams one principal may have running at once (they count as calls
+    too); past it RESOURCE_EXHAUSTED naming this limit. None = a quarter of the ``workers``
+    (4 of 16). At most ``max_calls_per_principal``. Engines with many ranks on one token that
+    stream in-band: raise ``workers`` and these two together."""
+
+    admin_workers: Annotated[int, Field(ge=0, le=1024)] | None = None
+    """Worker threads kept for the admin principal and health checks: the calls of all tenants
+    together may hold at most ``workers - admin_workers`` of them (past that: RESOURCE_EXHAUSTED
+    naming this limit). None = an eighth of the ``workers``, at least 1 (2 of 16; 0 with one
+    worker). Below ``workers``."""
+
+    max_queued_calls: Annotated[int, Field(ge=0, le=65536)] | None = None
+    """Calls accepted while every worker is busy, waiting for one; past ``workers +
+    max_queued_calls`` calls at once, grpc refuses new ones at once with RESOURCE_EXHAUSTED
+    ("Concurrent RPC limit exceeded") instead of queueing them without end. None = as many as
+    ``workers``."""
+
+    stream_idle_s: Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)] = 30.0
+    """A Put stream that receives no message, or a Get stream whose client takes no message,
+    for this many seconds is cancelled (the client sees CANCELLED; a Put stores nothing) and
+    gives its worker back. Checked every ``stream_idle_s / 2``: a stalled stream ends within
+    1.5 × this. Finite, at most a day."""
+
     @model_validator(mode="after")
     def _chunk_fits(self) -> LimitsConfig:
         if self.chunk_bytes > self.max_message_bytes - 1024:
             raise ValueError("limits.chunk_bytes must be at least 1 KiB below max_message_bytes")
         return self
+
+
+@dataclass(frozen=True)
+class CallLimits:
+    """How many calls may run at once, resolved from ``workers`` and ``[limits]``
+    (:attr:`ServerConfig.call_limits`); :class:`kvstore.service_rpc.RpcRunner` enforces them."""
+
+    calls_per_principal: int
+    """Calls of one (non-admin) principal running at once, streams included."""
+    streams_per_principal: int
+    """In-band Put/Get streams of one (non-admin) principal running at once."""
+    tenant_calls: int
+    """Calls of all non-admin principals together (``workers - admin_workers``)."""
+    max_concurrent_rpcs: int
+    """grpc's own bound: calls running or queued for a worker (``workers + max_queued_calls``)."""
+    stream_idle_s: float
+    """A stream that moves no message for this long is cancelled."""
 
 
 def split_host_port(value: str) -> tuple[str, int]:
@@ -284,6 +332,34 @@ class ServerConfig(BaseModel):
             raise ValueError(f"streaming_copy_bytes must be 0 or at least {STREAMING_COPY_MIN} "
                              f"(glibc's minimum)")
         return self
+
+    @model_validator(mode="after")
+    def _call_limits_fit(self) -> ServerConfig:
+        limits, workers = self.limits, self.workers
+        if limits.admin_workers is not None and limits.admin_workers >= workers:
+            raise ValueError(f"limits.admin_workers={limits.admin_workers} must be below workers={workers}")
+        c = self.call_limits
+        if limits.max_calls_per_principal is not None and c.calls_per_principal > c.tenant_calls:
+            raise ValueError(f"limits.max_calls_per_principal={c.calls_per_principal} must be at most workers - "
+                             f"admin_workers = {c.tenant_calls}")
+        if limits.max_streams_per_principal is not None and c.streams_per_principal > c.calls_per_principal:
+            raise ValueError(f"limits.max_streams_per_principal={c.streams_per_principal} must be at most "
+                             f"max_calls_per_principal={c.calls_per_principal}")
+        return self
+
+    @property
+    def call_limits(self) -> CallLimits:
+        """The ``limits`` on concurrent calls, their defaults worked out from ``workers``."""
+        limits, workers = self.limits, self.workers
+        admin = limits.admin_workers
+        if admin is None:
+            admin = 0 if workers == 1 else max(1, workers // 8)
+        tenants = max(1, workers - admin)
+        calls = limits.max_calls_per_principal or min(tenants, max(1, workers // 2))
+        streams = limits.max_streams_per_principal or min(calls, max(1, workers // 4))
+        queued = workers if limits.max_queued_calls is None else limits.max_queued_calls
+        return CallLimits(calls_per_principal=calls, streams_per_principal=streams, tenant_calls=tenants,
+                          max_concurrent_rpcs=workers + queued, stream_idle_s=limits.stream_idle_s)
 
     @property
     def data_dir(self) -> Path:
