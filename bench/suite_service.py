@@ -45,11 +45,15 @@ def _server(workdir: Path) -> tuple[subprocess.Popen, str, str]:
 
     cfg = workdir / "conc.toml"
     cfg.write_text(
-        f'listen = "127.0.0.1:0"\naudit_fsync = false\nexpire_interval_s = 0\n'
+        # NOTE: 16 clients share one tenant token here: the per-principal limits (a half and a
+        # quarter of 16 workers by default) would refuse most of them, as they would an engine
+        # with many ranks on one token: more workers, and the limits raised with them
+        f'listen = "127.0.0.1:0"\naudit_fsync = false\nexpire_interval_s = 0\nworkers = 48\n'
         f'[store]\npath = "{workdir}/conc-data"\nhbm_bytes = {1024 * MiB}\n'
         f'dram_bytes = {256 * MiB}\nnvme_bytes = {512 * MiB}\ndurable = false\n'
         f'persist_on_close = false\n[metrics]\nenabled = false\n'
-        f'[limits]\nmax_stream_bytes = {1 << 30}\n')
+        f'[limits]\nmax_stream_bytes = {1 << 30}\nmax_calls_per_principal = 32\n'
+        f'max_streams_per_principal = 32\n')
     proc, lines = _start_child(["-c", "from kvstore.cli_serve import admin_app; admin_app()",
                                 "serve", "--config", str(cfg)])
     port = int(next(ln for ln in lines if "serving on" in ln).rsplit(":", 1)[1])
