@@ -62,6 +62,9 @@ class Blocks:
     keys: Sequence[bytes]  # a list, or PackedKeys from resolve(packed=True)
     computed: bool  # keys were computed from token ids
     parent: bytes | None = None
+    #: the call's ``is_active`` (its gRPC context): a shared-memory put commits only while it is
+    #: true, as the Put stream does (None: not checked)
+    active: Callable[[], bool] | None = None
 
 
 class DataPlane:
@@ -198,13 +201,19 @@ class DataPlane:
     def put_local(self, principal: Principal, b: Blocks, region_id: int, offsets: Sequence[int],
                   session: str, ttl_s: float | None, seq: int = 0) -> int:
         """Store the blocks in the caller's region slots ``offsets``, all or nothing; the
-        principal is re-validated at the commit (:meth:`commit_put`)."""
+        principal is re-validated at the commit (:meth:`commit_put`), and nothing is committed
+        once the call is no longer active (``b.active``: cancelled, past its deadline)."""
         nbytes = b.spec.block_nbytes
         check_slots(offsets, nbytes, len(b.keys))
         with self._slots(principal, region_id, offsets, nbytes, seq) as slots:
             reservation = self.reserve_put(b, principal.epoch)
             try:
                 self._copy([(dst, slots[i]) for i, dst in enumerate(reservation.views) if dst is not None])
+                if b.active is not None and not b.active():
+                    # NOTE: as the Put stream: a caller told DEADLINE_EXCEEDED/CANCELLED must not
+                    # find the blocks stored
+                    raise FailedPrecondition("the PutLocal was cancelled or passed its deadline before it "
+                                             "completed: nothing was stored")
                 return self.commit_put(b, reservation, slots.__getitem__, session, ttl_s, plane="shm",
                                        p=principal)
             except BaseException:

@@ -100,6 +100,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def PutLocal(self, request, context):
         def call(p: Principal) -> pb.PutResponse:
             b = self.plane.resolve(p, request.target, write=True)
+            b.active = context.is_active  # NOTE: as the Put stream: no commit after a deadline/cancel
             ttl = request.ttl_s if request.HasField("ttl_s") else None
             n = self.plane.put_local(p, b, request.region_id, request.offsets, request.session, ttl, request.seq)
             return pb.PutResponse(blocks_written=n)
