@@ -124,7 +124,7 @@ class ClientTLS:
     server_name: str | None = None
 
 
-__all__ = ["Client", "ClientTLS", "LocalBlocks", "LookupResult", "spec_to_pb"]
+__all__ = ["Client", "ClientTLS", "LocalBlocks", "LookupResult", "check_text", "spec_to_pb"]
 
 _METHOD = f"/{pb.DESCRIPTOR.services_by_name['KVStore'].full_name}/"
 
@@ -193,6 +193,21 @@ def _close_plane_in(pid: int, plane: LocalPlane) -> None:
     which the server would then drop, failing every later shared-memory call of the parent."""
     if os.getpid() == pid:
         plane.close()
+
+
+def check_text(what: str, value: Any) -> str:
+    """``value`` if it is a str that UTF-8 can encode (what a protobuf string field takes);
+    else InvalidArgument naming ``what``, before anything is sent. Why: a lone surrogate (e.g.
+    ``'\\ud800'``, what ``surrogateescape`` decoding leaves) failed inside protobuf with a raw
+    UnicodeEncodeError."""
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{what} must be a str, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(f"{what} {value[:80]!r} holds {value[exc.start]!r} at position {exc.start}, which "
+                              "is not text UTF-8 can encode (a lone surrogate)") from None
+    return value
 
 
 def _bearer_token(token: str) -> str:
@@ -395,7 +410,7 @@ class Client:
         """Fill the request's own ``target`` in place (NOTE: ``Request(target=t)`` would copy
         the packed keys once more: 256 KiB for a 128K-token prompt)."""
         t.spec.CopyFrom(spec_to_pb(spec))
-        t.namespace = namespace
+        t.namespace = check_text("namespace", namespace)
         t.parent = parent or b""
         if token_ids is not None:
             ids = as_token_array(token_ids)
@@ -411,10 +426,11 @@ class Client:
     def block_keys(self, spec: ModelSpec, token_ids: Any, extra_keys: Sequence[Sequence[bytes] | None] | None = None,
                    *, namespace: str = "") -> list[bytes]:
         """Chained keys of every full block, computed by the server in the caller's namespace."""
-        req = pb.BlockKeysRequest(spec=spec_to_pb(spec), namespace=namespace)
+        req = pb.BlockKeysRequest(spec=spec_to_pb(spec), namespace=check_text("namespace", namespace))
         req.tokens.ids.extend(as_token_array(token_ids).tolist())
         for extra in extra_keys or ():
-            req.tokens.extra.add(items=[e.encode() if isinstance(e, str) else bytes(e) for e in extra or ()])
+            req.tokens.extra.add(items=[check_text("an extra key", e).encode() if isinstance(e, str) else bytes(e)
+                                        for e in extra or ()])
         packed = self._call(self._kv.BlockKeys, req).keys
         return [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
 
@@ -460,7 +476,7 @@ class Client:
         else:
             rows = [v.cpu().numpy() if isinstance(v, torch.Tensor) else v
                     for v in block_views(spec, blocks, len(keys), "buffer")]
-        put = _Put(spec, keys, session or "", ttl_s, namespace)
+        put = _Put(spec, keys, check_text("session", session or ""), ttl_s, check_text("namespace", namespace))
         lp = self._plane()
         if lp is not None:
             with lp.in_use():
@@ -640,16 +656,16 @@ class Client:
 
     # -- sessions, prefetch, delete, stats -----------------------------------------------------
     def open_session(self, session_id: str) -> None:
-        self._call(self._kv.OpenSession, pb.SessionRequest(session_id=session_id))
+        self._call(self._kv.OpenSession, pb.SessionRequest(session_id=check_text("session_id", session_id)))
 
     def pause_session(self, session_id: str) -> None:
-        self._call(self._kv.PauseSession, pb.SessionRequest(session_id=session_id))
+        self._call(self._kv.PauseSession, pb.SessionRequest(session_id=check_text("session_id", session_id)))
 
     def resume_session(self, session_id: str) -> None:
-        self._call(self._kv.ResumeSession, pb.SessionRequest(session_id=session_id))
+        self._call(self._kv.ResumeSession, pb.SessionRequest(session_id=check_text("session_id", session_id)))
 
     def close_session(self, session_id: str) -> None:
-        self._call(self._kv.CloseSession, pb.SessionRequest(session_id=session_id))
+        self._call(self._kv.CloseSession, pb.SessionRequest(session_id=check_text("session_id", session_id)))
 
     def prefetch(self, spec: ModelSpec, keys: Sequence[bytes], tier: str | Tier = "hbm", *,
                  namespace: str = "", parent: bytes | None = None) -> int:
@@ -658,7 +674,8 @@ class Client:
         return self._call(self._kv.Prefetch, req).blocks
 
     def delete(self, keys: Sequence[bytes], *, namespace: str = "") -> int:
-        return self._call(self._kv.Delete, pb.DeleteRequest(namespace=namespace, keys=_pack(keys))).deleted
+        return self._call(self._kv.Delete, pb.DeleteRequest(namespace=check_text("namespace", namespace),
+                                                             keys=_pack(keys))).deleted
 
     def stats(self) -> dict[str, Any]:
         return json.loads(self._call(self._kv.Stats, pb.StatsRequest()).json)

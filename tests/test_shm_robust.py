@@ -27,7 +27,7 @@ import grpc
 import pytest
 from service_harness import SPEC, fresh_tokens, random_kv, start
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.spec import ModelSpec
 from proto.kvstore.v1 import kvstore_pb2 as pb
 from proto.kvstore.v1 import kvstore_pb2_grpc
@@ -162,3 +162,18 @@ def test_a_put_local_whose_client_saw_its_deadline_stores_nothing(tmp_path, monk
         assert c.lookup(SPEC, keys).num_blocks == 0  # was 2: stored after the client gave up
     finally:
         sc.stop()
+
+
+# -- names the client cannot send ----------------------------------------------------------------
+def test_names_with_a_lone_surrogate_are_refused_in_the_client(sidecar):
+    c = sidecar.tenant("surrogates", local=False)
+    keys = c.block_keys(SPEC, fresh_tokens(1))
+    for call in (lambda: c.open_session("\ud800x"), lambda: c.close_session("a\udfffb"),
+                 lambda: c.put(SPEC, keys, random_kv(1), session="\ud800"),
+                 lambda: c.get(SPEC, keys, namespace="\ud800"),
+                 lambda: c.block_keys(SPEC, fresh_tokens(1), namespace="x\ud800"),
+                 lambda: c.block_keys(SPEC, fresh_tokens(1), [["\udc80"]])):
+        with pytest.raises(InvalidArgument, match="surrogate"):
+            call()
+    assert c.lookup(SPEC, keys).num_blocks == 0
+    c.open_session("fine")
