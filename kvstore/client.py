@@ -306,25 +306,40 @@ class Client:
             raise from_rpc_error(err) from None
 
     def _register(self, required: bool) -> None:
-        """Create the shared-memory region and register it. When the server cannot be reached
-        (down, not started yet, not answering) and ``required`` is false, the client goes on
-        with streams and tries again :data:`REGISTER_RETRY_S` later, from its next put or get:
-        an engine may start before its sidecar does."""
-        region = ShmRegion.create(self._region_bytes)
-        try:
-            region_id = self._register_region(region)
-        except KVStoreError as exc:
-            region.close()
-            if required:
-                raise
-            transient = exc.code in _UNREACHABLE
-            self._retry_register_at = time.monotonic() + REGISTER_RETRY_S if transient else None
+        """Create the shared-memory region and register it: a sealed memfd, else (a server that
+        cannot open it: another pid namespace, an older server) a ``/dev/shm`` segment, whose
+        pages are reserved as it is made (a ``/dev/shm`` too small for it is an error here, not
+        a SIGBUS later). When the server cannot be reached (down, not started yet, not
+        answering) and ``required`` is false, the client goes on with streams and tries again
+        :data:`REGISTER_RETRY_S` later, from its next put or get: an engine may start before its
+        sidecar does. Any other failure leaves it on streams (``required``: raised)."""
+        failure: KVStoreError | None = None
+        for memfd in (True, False):
+            try:
+                region = ShmRegion.create(self._region_bytes, memfd=memfd)
+            except KVStoreError as exc:
+                failure = exc
+                continue
+            try:
+                region_id = self._register_region(region)
+            except KVStoreError as exc:
+                region.close()
+                failure = exc
+                if exc.code in _UNREACHABLE or exc.code == "RESOURCE_EXHAUSTED":
+                    break  # NOTE: the other kind of region would fare no better
+                continue
+            self._retry_register_at = None
+            self._local = LocalPlane(region, region_id)
+            # a client never closed still unlinks its region when collected or at exit (else the
+            # resource tracker does, warning of a leak); the server drops regions of clients
+            # that are gone
+            self._unlink = weakref.finalize(self, _close_plane_in, self._pid, self._local)
             return
-        self._retry_register_at = None
-        self._local = LocalPlane(region, region_id)
-        # a client never closed still unlinks its region when collected or at exit (else the
-        # resource tracker does, warning of a leak); the server drops regions whose name is gone
-        self._unlink = weakref.finalize(self, _close_plane_in, self._pid, self._local)
+        assert failure is not None
+        if required:
+            raise failure
+        transient = failure.code in _UNREACHABLE
+        self._retry_register_at = time.monotonic() + REGISTER_RETRY_S if transient else None
 
     def _plane(self) -> LocalPlane | None:
         """The shared-memory plane, registered now if an earlier attempt could not reach the

@@ -10,10 +10,12 @@ every Store call below passes it on.
 
 Shared-memory Put and Get copy outside the Store's lock: a Get takes a read lease on the prefix
 (its memory-tier blocks stay in place, pinned, while they are copied into the client's slots;
-NVMe blocks are decoded straight into the slots under the lock), a Put reserves tier slots,
-copies into them and commits, all or nothing (:mod:`kvstore.store_lease`,
-:mod:`kvstore.store_reserve`). The copies of one call are spread over ``copy_threads``
-(:func:`kernels.copy.copy_blocks`).
+NVMe blocks are decoded under the lock straight into the slots of a mapped region, else into
+staging), a Put reserves tier slots, copies into them and commits, all or nothing
+(:mod:`kvstore.store_lease`, :mod:`kvstore.store_reserve`). The region does the copies on its
+side (:class:`kvstore.shm.AttachedRegion`: memcpy on a sealed memfd, preadv/pwritev on a
+``/dev/shm`` segment, so that no client and no tmpfs shortage can SIGBUS the server). The
+copies of one call are spread over ``copy_threads``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kernels.copy import copy_blocks
+from kernels.copy import copy_bytes
 from kvstore.audit import AuditLog, Recorder
 from kvstore.auth import AuthRegistry, Principal, resolve_namespace
 from kvstore.block import Tier
@@ -43,6 +45,7 @@ from kvstore.service_convert import (
     split_keys,
 )
 from kvstore.service_resources import InflightBudget, RegionTable, StagingPool
+from kvstore.shm import Region
 from kvstore.spec import ModelSpec
 from proto.kvstore.v1 import kvstore_pb2 as pb
 
@@ -65,6 +68,15 @@ class Blocks:
     #: the call's ``is_active`` (its gRPC context): a shared-memory put commits only while it is
     #: true, as the Put stream does (None: not checked)
     active: Callable[[], bool] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RegionSlot:
+    """Block bytes at ``offset`` of a registered region: one side of a :meth:`DataPlane._copy`
+    pair, copied by the region itself (never through a mapping that could SIGBUS)."""
+
+    region: Region
+    offset: int
 
 
 class DataPlane:
@@ -94,7 +106,25 @@ class DataPlane:
         self.regions.close()
 
     def _copy(self, pairs: Sequence[tuple[Any, Any]]) -> None:
-        copy_blocks(pairs, self._copy_pool, self.copy_threads)
+        """Copy each ``(dst, src)`` pair: buffers (:func:`kernels.copy.copy_bytes`), or a
+        :class:`RegionSlot` on one side. Spread over ``copy_threads`` in contiguous parts (slots
+        next to each other in a region go in one system call); the first error is raised once
+        every part is done."""
+        parts = min(self.copy_threads, len(pairs)) if self._copy_pool is not None else 1
+        if parts <= 1:
+            _copy_part(pairs)
+            return
+        size = -(-len(pairs) // parts)
+        chunks = [pairs[k : k + size] for k in range(0, len(pairs), size)]
+        assert self._copy_pool is not None
+        futures = [self._copy_pool.submit(_copy_part, c) for c in chunks[1:]]
+        try:
+            _copy_part(chunks[0])
+        finally:
+            errors = [f.exception() for f in futures]  # waits for every part
+        for err in errors:
+            if err is not None:
+                raise err
 
     # -- targets ------------------------------------------------------------------------------
     def keys_for(self, principal: Principal, spec: ModelSpec, namespace: str, token_ids: Sequence[int],
@@ -174,22 +204,29 @@ class DataPlane:
         return lease
 
     @contextmanager
-    def _slots(self, principal: Principal, region_id: int, offsets: Sequence[int],
-               nbytes: int, seq: int) -> Iterator[list[np.ndarray]]:
-        """The caller's region slots as flat uint8 arrays, for the duration of the block (call
-        ``seq`` of the client: see :class:`~kvstore.service_resources.SlotUse`)."""
+    def _region(self, principal: Principal, region_id: int, offsets: Sequence[int], nbytes: int,
+                seq: int) -> Iterator[Region]:
+        """The caller's region, its slots at ``offsets`` checked, for the duration of the block
+        (call ``seq`` of the client: see :class:`~kvstore.service_resources.SlotUse`)."""
         with self.regions.using(principal.name, region_id, seq) as region:
-            views = [region.view(off, nbytes) for off in offsets]
-            slots = [np.frombuffer(v, dtype=np.uint8) for v in views]
-            try:
-                yield slots
-            finally:
-                slots.clear()
-                for v in views:
-                    try:
-                        v.release()
-                    except BufferError:  # an array of it still lives (an error's traceback):
-                        pass  # it goes with that array; the region keeps its mapping until then
+            for off in offsets:
+                region.check(off, nbytes)
+            yield region
+
+    def _stage(self, namespace: str, nbytes: int, staged: list[np.ndarray]) -> np.ndarray:
+        """A staging buffer for a block that cannot go straight between the region and a tier
+        (a region read through its fd, a device tier), counted in the tenant's in-flight bytes
+        (:meth:`_unstage` gives them back)."""
+        self.inflight.take(namespace, nbytes)
+        buf = self.staging.take(nbytes)
+        staged.append(buf)
+        return buf
+
+    def _unstage(self, namespace: str, staged: list[np.ndarray]) -> None:
+        for buf in staged:
+            self.inflight.give(namespace, buf.nbytes)
+            self.staging.give(buf)
+        staged.clear()
 
     def fence(self, principal: Principal, region_id: int, seq: int, timeout: float | None) -> None:
         """Return once the client's call ``seq`` on its region is not running and never will."""
@@ -202,36 +239,85 @@ class DataPlane:
                   session: str, ttl_s: float | None, seq: int = 0) -> int:
         """Store the blocks in the caller's region slots ``offsets``, all or nothing; the
         principal is re-validated at the commit (:meth:`commit_put`), and nothing is committed
-        once the call is no longer active (``b.active``: cancelled, past its deadline)."""
+        once the call is no longer active (``b.active``: cancelled, past its deadline).
+
+        Each block is read from the region straight into its reserved tier slot; blocks without
+        a host slot (a device tier, none reserved) go through a staging buffer where the region
+        cannot be mapped safely (:meth:`kvstore.shm.AttachedRegion.host_view`)."""
         nbytes = b.spec.block_nbytes
         check_slots(offsets, nbytes, len(b.keys))
-        with self._slots(principal, region_id, offsets, nbytes, seq) as slots:
+        with self._region(principal, region_id, offsets, nbytes, seq) as region:
             reservation = self.reserve_put(b, principal.epoch)
+            staged: list[np.ndarray] = []
             try:
-                self._copy([(dst, slots[i]) for i, dst in enumerate(reservation.views) if dst is not None])
+                pairs: list[tuple[Any, Any]] = []
+                data: dict[int, Any] = {}
+                through: list[tuple[Any, np.ndarray]] = []  # (device slot, staged bytes)
+                for i, dst in enumerate(reservation.views):
+                    off = offsets[i]
+                    if isinstance(dst, np.ndarray):
+                        pairs.append((dst, RegionSlot(region, off)))
+                        continue
+                    mapped = region.host_view(off, nbytes)
+                    if mapped is not None:
+                        if dst is None:
+                            data[i] = mapped  # read by the commit, as the caller's own bytes
+                        else:
+                            pairs.append((dst, mapped))  # a device slot, from the mapping
+                        continue
+                    buf = self._stage(b.namespace, nbytes, staged)
+                    pairs.append((buf, RegionSlot(region, off)))
+                    if dst is None:
+                        data[i] = buf
+                    else:
+                        through.append((dst, buf))
+                self._copy(pairs)
+                for dst, buf in through:
+                    copy_bytes(dst, buf)
                 if b.active is not None and not b.active():
                     # NOTE: as the Put stream: a caller told DEADLINE_EXCEEDED/CANCELLED must not
                     # find the blocks stored
                     raise FailedPrecondition("the PutLocal was cancelled or passed its deadline before it "
                                              "completed: nothing was stored")
-                return self.commit_put(b, reservation, slots.__getitem__, session, ttl_s, plane="shm",
+                return self.commit_put(b, reservation, data.__getitem__, session, ttl_s, plane="shm",
                                        p=principal)
             except BaseException:
                 self.abort_put(reservation)
                 raise
+            finally:
+                self._unstage(b.namespace, staged)
 
     def get_local(self, principal: Principal, b: Blocks, region_id: int, offsets: Sequence[int],
                   seq: int = 0) -> int:
+        """Copy the longest available prefix into the caller's region slots ``offsets``; the
+        number of blocks. Blocks in host memory tiers are written from their tier slot; the
+        others are decoded straight into the slot where the region is mapped, else into a
+        staging buffer written from there."""
         nbytes = b.spec.block_nbytes
         check_slots(offsets, nbytes, len(b.keys))
-        with self._slots(principal, region_id, offsets, nbytes, seq) as slots:
-            lease = self.lease(b, slots.__getitem__, plane="shm")
+        with self._region(principal, region_id, offsets, nbytes, seq) as region:
+            staged: list[np.ndarray] = []
+            mapped: dict[int, np.ndarray] = {}
+
+            def stage(i: int) -> np.ndarray:
+                view = region.host_view(offsets[i], nbytes)
+                if view is not None:
+                    mapped[i] = view
+                    return view
+                return self._stage(b.namespace, nbytes, staged)
+
             try:
-                # blocks leased in place are copied here; the others were decoded into their slot
-                self._copy([(slots[i], src) for i, src in enumerate(lease.views) if src is not slots[i]])
-                return len(lease.views)
+                lease = self.lease(b, stage, plane="shm")
+                try:
+                    # blocks leased in place are copied here; the others were decoded into their
+                    # slot, or into staging
+                    self._copy([(RegionSlot(region, offsets[i]), src) for i, src in enumerate(lease.views)
+                                if src is not mapped.get(i)])
+                    return len(lease.views)
+                finally:
+                    lease.release()
             finally:
-                lease.release()
+                self._unstage(b.namespace, staged)
 
     def session(self, principal: Principal, verb: str, session_id: str) -> None:
         """``verb`` is one of open, pause, resume, close."""
@@ -277,6 +363,22 @@ class DataPlane:
 
     def stats(self, principal: Principal) -> dict[str, Any]:
         return scope_stats(self.store.stats(), principal.readable)
+
+
+def _copy_part(pairs: Sequence[tuple[Any, Any]]) -> None:
+    reads: dict[int, tuple[Region, list[tuple[int, Any]]]] = {}
+    writes: dict[int, tuple[Region, list[tuple[int, Any]]]] = {}
+    for dst, src in pairs:
+        if isinstance(src, RegionSlot):
+            reads.setdefault(id(src.region), (src.region, []))[1].append((src.offset, dst))
+        elif isinstance(dst, RegionSlot):
+            writes.setdefault(id(dst.region), (dst.region, []))[1].append((dst.offset, src))
+        else:
+            copy_bytes(dst, src)
+    for region, items in reads.values():
+        region.read_into(items)
+    for region, items in writes.values():
+        region.write_from(items)
 
 
 def scope_stats(stats: dict[str, Any], readable: frozenset[str] | None) -> dict[str, Any]:

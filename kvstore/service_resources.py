@@ -15,9 +15,11 @@ from __future__ import annotations
 import hmac
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -113,13 +115,29 @@ class SlotUse:
             return True
 
 
-class RegionTable:
-    """Shared-memory regions registered by principals (at most ``max_per_principal`` each)."""
+@dataclass(slots=True, eq=False)
+class _Entry:
+    """A registered region: its principal, the calls using it, when it was last used."""
 
-    def __init__(self, max_per_principal: int, max_bytes: int) -> None:
+    owner: str
+    region: Region
+    use: SlotUse
+    last_used: float
+    active: int = 0  # calls using its slots now
+    dropped: bool = False  # out of the table while a call used it: its last call closes it
+
+
+class RegionTable:
+    """Shared-memory regions registered by principals (at most ``max_per_principal`` each).
+
+    A region is closed only once no call uses it (dropped meanwhile: by the call that ends
+    last), so that no copy runs on a closed file or mapping."""
+
+    def __init__(self, max_per_principal: int, max_bytes: int, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._max_per, self._max_bytes = max_per_principal, max_bytes
-        self._regions: dict[int, tuple[str, Region]] = {}
-        self._uses: dict[int, SlotUse] = {}
+        self._clock = clock
+        self._regions: dict[int, _Entry] = {}
         self._registering: dict[str, int] = {}  # registrations under way, per principal
         self._lock = threading.Lock()
 
@@ -139,7 +157,7 @@ class RegionTable:
         with self._lock:
             # NOTE: registrations under way count too: checked here and inserted after the
             # region is mapped, concurrent registrations all passed the check (5 of limit 2)
-            held = sum(o == owner for o, _ in self._regions.values()) + self._registering.get(owner, 0)
+            held = sum(e.owner == owner for e in self._regions.values()) + self._registering.get(owner, 0)
             if held >= self._max_per:
                 raise ResourceExhausted(
                     f"{owner!r} has limits.max_regions_per_principal={self._max_per} regions",
@@ -158,8 +176,9 @@ class RegionTable:
                                            "this client created")
                 with self._lock:
                     # NOTE: again, now under the lock that inserts: two principals registering
-                    # the same name at once both passed the first check
-                    self._check_not_taken(owner, name)
+                    # the same name at once both passed the first check (and the same file may
+                    # go by two names: a memfd in two processes)
+                    self._check_not_taken(owner, name, getattr(region, "ident", None))
                     # NOTE: random, never a counter: ids restarting at 1 with the server gave a
                     # client that registered before a restart the id of another client's region
                     # registered after it (same principal): its puts read that region, its gets
@@ -168,8 +187,7 @@ class RegionTable:
                     rid = secrets.randbits(63) or 1
                     while rid in self._regions:
                         rid = secrets.randbits(63) or 1
-                    self._regions[rid] = (owner, region)
-                    self._uses[rid] = SlotUse()
+                    self._regions[rid] = _Entry(owner, region, SlotUse(), self._clock())
             except BaseException:
                 region.close()
                 raise
@@ -182,43 +200,56 @@ class RegionTable:
                     del self._registering[owner]
         return rid, region
 
-    def _check_not_taken(self, owner: str, name: str) -> None:
-        """PermissionDenied when another principal registered the region ``name`` (not saying
-        which). Caller holds the lock."""
-        if any(o != owner and r.name == name for o, r in self._regions.values()):
-            raise PermissionDenied("that region is registered by another principal: register the region "
-                                   "this client created")
+    def _check_not_taken(self, owner: str, name: str, ident: object = None) -> None:
+        """PermissionDenied when another principal registered the region ``name`` (or the file
+        ``ident``), not saying which. Caller holds the lock."""
+        for e in self._regions.values():
+            if e.owner != owner and (e.region.name == name
+                                     or (ident is not None and getattr(e.region, "ident", None) == ident)):
+                raise PermissionDenied("that region is registered by another principal: register the region "
+                                       "this client created")
 
-    def get(self, owner: str, region_id: int) -> Region:
+    def _entry(self, owner: str, region_id: int) -> _Entry:
         entry = self._regions.get(region_id)
-        if entry is None or entry[0] != owner:
+        if entry is None or entry.owner != owner:
             raise UnknownRegion(f"{UnknownRegion.PREFIX} {region_id}: not registered by this caller "
                                 "(a server restart forgets every region)")
-        return entry[1]
+        return entry
+
+    def get(self, owner: str, region_id: int) -> Region:
+        return self._entry(owner, region_id).region
 
     @contextmanager
     def using(self, owner: str, region_id: int, seq: int) -> Iterator[Region]:
-        """The caller's region, for the duration of one call ``seq`` using its slots."""
+        """The caller's region, for the duration of one call ``seq`` using its slots (it stays
+        open until the call ends, even if it is dropped meanwhile)."""
         with self._lock:
-            region = self.get(owner, region_id)
-            use = self._uses[region_id]
-        with use.using(seq):
-            yield region
+            entry = self._entry(owner, region_id)
+            entry.active += 1
+            entry.last_used = self._clock()
+        try:
+            with entry.use.using(seq):
+                yield entry.region
+        finally:
+            with self._lock:
+                entry.active -= 1
+                entry.last_used = self._clock()
+                close = entry.dropped and not entry.active
+            if close:
+                entry.region.close()
 
     def fence(self, owner: str, region_id: int, seq: int, timeout: float | None) -> bool:
         """:meth:`SlotUse.fence` of the caller's region (UnknownRegion for a region this
         server does not know: a restarted server runs none of the calls of before)."""
         with self._lock:
-            self.get(owner, region_id)
-            use = self._uses[region_id]
+            use = self._entry(owner, region_id).use
         return use.fence(seq, timeout)
 
     def unregister(self, owner: str, region_id: int) -> None:
         with self._lock:
-            self.get(owner, region_id)
-            _, region = self._regions.pop(region_id)
-            self._uses.pop(region_id, None)
-        region.close()
+            self._entry(owner, region_id)
+            entry = self._regions.pop(region_id)
+        self._close([entry])
 
     def prune(self, owner: str | None = None) -> int:
         """Drop the regions (of ``owner``, or everyone's) whose client is gone: closed without
@@ -234,21 +265,27 @@ class RegionTable:
     def _drop(self, doomed: Callable[[str, Region], bool]) -> int:
         with self._lock:
             entries = list(self._regions.items())
-        ids = [rid for rid, (o, r) in entries if doomed(o, r)]  # NOTE: alive() outside the lock
+        ids = [rid for rid, e in entries if doomed(e.owner, e.region)]  # NOTE: alive() outside the lock
         with self._lock:
-            dropped = [e[1] for rid in ids if (e := self._regions.pop(rid, None)) is not None]
-            for rid in ids:
-                self._uses.pop(rid, None)
-        for region in dropped:
-            region.close()
+            dropped = [e for rid in ids if (e := self._regions.pop(rid, None)) is not None]
+        self._close(dropped)
         return len(dropped)
+
+    def _close(self, entries: list[_Entry]) -> None:
+        """Close the regions of ``entries`` (out of the table) now, or as their last call ends."""
+        now = []
+        with self._lock:
+            for e in entries:
+                e.dropped = True
+                if not e.active:
+                    now.append(e)
+        for e in now:
+            e.region.close()
 
     def close(self) -> None:
         with self._lock:
-            regions, self._regions = list(self._regions.values()), {}
-            self._uses.clear()
-        for _, region in regions:
-            region.close()
+            entries, self._regions = list(self._regions.values()), {}
+        self._close(entries)
 
 
 class StagingPool:

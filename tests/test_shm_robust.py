@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,9 +26,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from service_harness import SPEC, fresh_tokens, random_kv, start
 
+from kvstore.client import Client, spec_to_pb
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.shm import ShmRegion
 from kvstore.spec import ModelSpec
 from proto.kvstore.v1 import kvstore_pb2 as pb
 from proto.kvstore.v1 import kvstore_pb2_grpc
@@ -177,3 +181,169 @@ def test_names_with_a_lone_surrogate_are_refused_in_the_client(sidecar):
             call()
     assert c.lookup(SPEC, keys).num_blocks == 0
     c.open_session("fine")
+
+
+# -- SIGBUS --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("call", ["PutLocal", "GetLocal"])
+def test_a_region_truncated_by_its_tenant_fails_that_call_and_not_the_server(served, call):
+    """(a) The tenant registers its own segment, shrinks it to 4 KiB and names a slot at 64 KiB:
+    the server answered with SIGBUS (exit -7). Now that call fails, FAILED_PRECONDITION naming
+    the region, and the server goes on serving every tenant."""
+    s = served()
+    other = Client(s.target, s.tenant("bystander"), local=False)
+    keys = other.block_keys(SPEC, fresh_tokens(2))
+    kv = random_kv(2, seed=1)
+    other.put(SPEC, keys, kv)
+    token = s.tenant("mallory")
+    ch, stub, md = _stub(s.target, token)
+    region = ShmRegion.create(1 << 20)  # a /dev/shm segment
+    try:
+        rid = _register(stub, md, region)
+        mine = Client(s.target, token, local=False)
+        stored = mine.block_keys(SPEC, fresh_tokens(1))
+        mine.put(SPEC, stored, random_kv(1, seed=2))
+        fd = os.open(f"/dev/shm/{region.name}", os.O_RDWR)
+        os.ftruncate(fd, 4096)
+        os.close(fd)
+        target = pb.Target(spec=spec_to_pb(SPEC), keys=os.urandom(32) if call == "PutLocal" else stored[0])
+        req = (pb.PutLocalRequest(target=target, region_id=rid, offsets=[64 << 10], seq=1) if call == "PutLocal"
+               else pb.GetLocalRequest(target=target, region_id=rid, offsets=[64 << 10], seq=1))
+        with pytest.raises(grpc.RpcError) as err:
+            getattr(stub, call)(req, metadata=md, timeout=30)
+        assert s.alive(), f"the server died (exit {s.proc.returncode}): {s.stderr()[-2000:]}"
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+        assert region.name in err.value.details() and "truncated" in err.value.details()
+        assert os.fstat(os.open(f"/dev/shm/{region.name}", os.O_RDONLY)).st_size == 4096  # not grown back
+        assert torch.equal(other.get(SPEC, keys).view(torch.int16), kv.view(torch.int16))
+        mine.close()
+        other.close()
+    finally:
+        ch.close()
+        region.close()
+
+
+def test_a_default_client_region_cannot_be_shrunk_under_the_server(served):
+    """A default client's region is a memfd sealed against shrinking, which the server maps:
+    truncating it is refused by the kernel, so the server's memcpy can never fault."""
+    s = served()
+    c = Client(s.target, s.tenant("sealed"), local=True)
+    try:
+        region = c._local.region
+        assert "@" in region.name  # a memfd region: kvs_<hex>@<pid>:<fd>
+        fd = int(region.name.rsplit(":", 1)[1])
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 4096)
+        keys = c.block_keys(SPEC, fresh_tokens(3))
+        kv = random_kv(3, seed=3)
+        c.put(SPEC, keys, kv)
+        assert torch.equal(c.get(SPEC, keys).view(torch.int16), kv.view(torch.int16))
+        assert s.alive()
+    finally:
+        c.close()
+
+
+def test_an_unsealed_or_foreign_memfd_is_refused(served):
+    """The server maps a memfd only when it carries F_SEAL_SHRINK (else its owner could shrink
+    it under the server) and its /proc link names a kvstore memfd."""
+    import fcntl
+    import mmap
+    import secrets
+
+    from kvstore.shm import HEADER_BYTES, MAGIC, NONCE_OFFSET
+
+    s = served()
+    ch, stub, md = _stub(s.target, s.tenant("unsealed"))
+    base = "kvs_" + secrets.token_hex(12)
+    fd = os.memfd_create(base, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    other = os.memfd_create("not-kvstore", os.MFD_CLOEXEC)
+    try:
+        size = HEADER_BYTES + (1 << 20)
+        os.ftruncate(fd, size)
+        nonce = secrets.token_bytes(16)
+        with mmap.mmap(fd, size) as mm:
+            mm[NONCE_OFFSET : NONCE_OFFSET + 16] = nonce
+            mm[: len(MAGIC)] = MAGIC
+        for name in (f"{base}@{os.getpid()}:{fd}", f"{base}@{os.getpid()}:{other}"):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.RegisterRegion(pb.RegisterRegionRequest(kind=pb.REGION_KIND_POSIX_SHM, name=name,
+                                                             size=1 << 20, nonce=nonce), metadata=md, timeout=30)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        ok = stub.RegisterRegion(pb.RegisterRegionRequest(kind=pb.REGION_KIND_POSIX_SHM,
+                                                          name=f"{base}@{os.getpid()}:{fd}", size=1 << 20,
+                                                          nonce=nonce), metadata=md, timeout=30)
+        assert ok.nonce == nonce
+    finally:
+        os.close(fd)
+        os.close(other)
+        ch.close()
+    assert s.alive()
+
+
+_SMALL_SHM = textwrap.dedent("""\
+    import os, sys
+    sys.path[:0] = [{tests!r}, {repo!r}]
+    import torch
+    from test_shm_robust import BIG, Served
+    from pathlib import Path
+    from kvstore.client import Client
+    from kvstore.shm import ShmRegion
+    from kvstore.errors import KVStoreError
+    import kvstore.client as client_mod
+
+    s = Served(Path({home!r}), dram_bytes=256 << 20)
+    try:
+        token = s.tenant("t1")
+        w = Client(s.target, token, local=False)
+        keys = w.block_keys(BIG, list(range(16 * 80)))
+        kv = torch.randn((80, *BIG.block_shape)).to(BIG.torch_dtype)
+        for i in range(0, 80, 16):
+            w.put(BIG, keys[i:i + 16], kv[i:i + 16], parent=keys[i - 1] if i else None)
+        w.close()
+        for kind in ("default", "segment"):
+            if kind == "segment":  # a server that cannot open the memfd: a /dev/shm segment, or streams
+                real = ShmRegion.create
+                client_mod.ShmRegion.create = lambda size, **kw: real(size)
+            c = Client(s.target, token)  # 256 MiB region, in a 64 MiB /dev/shm
+            print(kind, "shm", c.uses_shared_memory, flush=True)
+            got = c.get(BIG, keys)
+            print(kind, "get", got.shape[0], bool(torch.equal(got.view(torch.int16), kv.view(torch.int16))), flush=True)
+            more = c.block_keys(BIG, list(range(10**6 + 16 * 80 * (kind == "segment"), 10**6 + 16 * 80 * (1 + (kind == "segment")))))
+            c.put(BIG, more, kv)
+            print(kind, "put", c.lookup(BIG, more).num_blocks, flush=True)
+            c.close()
+        try:
+            ShmRegion.create(256 << 20).close()
+            print("create ok")
+        except KVStoreError as exc:
+            print("create", exc.code, str(exc).replace(chr(10), " "))
+        print("server alive", s.alive(), s.proc.returncode, flush=True)
+    finally:
+        s.stop()
+""")
+
+
+def test_a_small_dev_shm_neither_crashes_the_server_nor_the_client(tmp_path):
+    """(b) In a container whose /dev/shm is 64 MiB (docker's default), the client's 256 MiB
+    sparse region could not be backed: an 80 MiB get made the server write pages tmpfs could not
+    back (SIGBUS in the server), an 80 MiB put did the same to the client. Now a default client
+    uses a memfd (no /dev/shm space at all), and a client that has to use a /dev/shm segment
+    reserves its pages when it creates it: too big, it says so (RESOURCE_EXHAUSTED naming
+    /dev/shm) and the client goes on with streams."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a private /dev/shm needs root and unshare")
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                            "mount -t tmpfs -o size=64m tmpfs /dev/shm"], check=False, capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a private /dev/shm here: {probe.stderr.decode()[:200]}")
+    script = tmp_path / "small_shm.py"
+    script.write_text(_SMALL_SHM.format(tests=str(TESTS), repo=str(REPO), home=str(tmp_path / "srv")))
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                           f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} {script}"],
+                          check=False, capture_output=True, text=True, timeout=900)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr[-3000:]
+    assert "server alive True None" in out, out + done.stderr[-3000:]
+    assert "default shm True" in out and "default get 80 True" in out and "default put 80" in out, out
+    assert "segment shm False" in out and "segment get 80 True" in out and "segment put 80" in out, out
+    assert "create RESOURCE_EXHAUSTED" in out and "/dev/shm" in out, out
