@@ -18,7 +18,8 @@ Primitives and what each guarantees:
   cache alone (the remote tier uses it to send only real backend reads through its breaker).
   :meth:`Keyring.destroy` deletes the wrapped key and the cached copy: every value encrypted
   under it becomes unreadable (crypto-shredding), and ``data_key(tenant, create=False)`` then
-  raises :class:`~kvstore.errors.KeyUnavailable`.
+  raises :class:`~kvstore.errors.KeyUnavailable`. It is idempotent: a key already gone (another
+  server sharing the backend destroyed it first) is no error.
 * A wrong master key is detected when the keyring opens (a check entry under the reserved name
   ``""`` is stored in the backend on first use) and when a wrapped key fails to unwrap; both raise
   :class:`~kvstore.errors.FailedPrecondition` — deliberately NOT an IntegrityError, so a store
@@ -275,14 +276,18 @@ class Keyring:
             return hit[0]
 
     def destroy(self, tenant: str) -> bool:
-        """Crypto-shred: delete the tenant's wrapped and cached key. True if it existed."""
+        """Crypto-shred: delete the tenant's wrapped and cached key. True if it existed here.
+        Idempotent: a key the backend no longer holds (another keyring sharing it destroyed
+        it between the check and the deletion) is already destroyed, not an error."""
         tenant = _check_tenant(tenant)
         with self._io:
             with self._lock:
                 cached = self._cache.pop(tenant, None)
-            existed = tenant in self._backend
-            if existed:
+            try:
                 del self._backend[tenant]
+                existed = True
+            except KeyError:
+                existed = False
             return existed or cached is not None
 
     def tenants(self) -> list[str]:
