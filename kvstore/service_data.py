@@ -54,6 +54,9 @@ if TYPE_CHECKING:
     from kvstore.store_reserve import PutReservation
 
 log = logging.getLogger(__name__)
+#: seconds a principal's region must go unused before a registration over
+#: ``limits.max_regions_per_principal`` may drop it (``limits.region_idle_evict_s`` where set)
+REGION_IDLE_EVICT_S = 60.0
 
 
 @dataclass(slots=True)
@@ -93,7 +96,11 @@ class DataPlane:
         self.limits = limits
         self.metrics = metrics
         self.inflight = InflightBudget(limits.max_inflight_bytes_per_tenant)
-        self.regions = RegionTable(limits.max_regions_per_principal, limits.max_region_bytes)
+        # NOTE: getattr: the setting is read where the server's config has it
+        self.regions = RegionTable(limits.max_regions_per_principal, limits.max_region_bytes,
+                                   idle_evict_s=getattr(limits, "region_idle_evict_s", REGION_IDLE_EVICT_S))
+        if limits.max_regions_per_principal:
+            self.regions.sweep()  # segments left by clients killed before this server started
         self.staging = StagingPool(limits.staging_cache_bytes)
         self.copy_threads = copy_threads
         self._copy_pool = (ThreadPoolExecutor(copy_threads - 1, thread_name_prefix="kvstore-copy")

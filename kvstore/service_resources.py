@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import hmac
+import logging
 import secrets
 import threading
 import time
@@ -30,7 +31,9 @@ from kvstore.errors import (
     ResourceExhausted,
     UnknownRegion,
 )
-from kvstore.shm import Region, attach_region
+from kvstore.shm import Region, attach_region, sweep_dead_segments
+
+log = logging.getLogger(__name__)
 
 
 class InflightBudget:
@@ -131,15 +134,24 @@ class RegionTable:
     """Shared-memory regions registered by principals (at most ``max_per_principal`` each).
 
     A region is closed only once no call uses it (dropped meanwhile: by the call that ends
-    last), so that no copy runs on a closed file or mapping."""
+    last), so that no copy runs on a closed file or mapping. Regions of clients that are gone
+    are dropped (:meth:`prune`) and their ``/dev/shm`` segments unlinked when their creator is
+    known to be gone; at the limit, the principal's least recently used region that no call
+    uses and that has been idle for ``idle_evict_s`` seconds makes room for a new one (a live
+    client registers it again at its next call). See :mod:`kvstore.shm` for the rules."""
 
-    def __init__(self, max_per_principal: int, max_bytes: int, *,
+    #: seconds between two sweeps of ``/dev/shm`` for segments of clients that are gone
+    SWEEP_EVERY_S = 60.0
+
+    def __init__(self, max_per_principal: int, max_bytes: int, *, idle_evict_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._max_per, self._max_bytes = max_per_principal, max_bytes
+        self.idle_evict_s = idle_evict_s
         self._clock = clock
         self._regions: dict[int, _Entry] = {}
         self._registering: dict[str, int] = {}  # registrations under way, per principal
         self._lock = threading.Lock()
+        self._swept_at: float | None = None
 
     def register(self, owner: str, kind: str, name: str, size: int, handle: bytes = b"",
                  nonce: bytes = b"") -> tuple[int, Region]:
@@ -154,17 +166,23 @@ class RegionTable:
         if size <= 0 or size > self._max_bytes:
             raise InvalidArgument(f"region size {size} must be in (0, limits.max_region_bytes={self._max_bytes}]")
         self.prune(owner)  # regions of this principal's clients that are gone
+        evicted = None
         with self._lock:
             # NOTE: registrations under way count too: checked here and inserted after the
             # region is mapped, concurrent registrations all passed the check (5 of limit 2)
-            held = sum(e.owner == owner for e in self._regions.values()) + self._registering.get(owner, 0)
-            if held >= self._max_per:
-                raise ResourceExhausted(
-                    f"{owner!r} has limits.max_regions_per_principal={self._max_per} regions",
-                    resource="limits.max_regions_per_principal",
-                )
+            mine = [(rid, e) for rid, e in self._regions.items() if e.owner == owner]
+            if len(mine) + self._registering.get(owner, 0) >= self._max_per:
+                evicted = self._evict_idle(mine)
+                if evicted is None:
+                    raise ResourceExhausted(
+                        f"{owner!r} has limits.max_regions_per_principal={self._max_per} regions, none of "
+                        f"them idle for {self.idle_evict_s:g} s",
+                        resource="limits.max_regions_per_principal",
+                    )
             self._check_not_taken(owner, name)
             self._registering[owner] = self._registering.get(owner, 0) + 1
+        if evicted is not None:
+            evicted.region.close()
         try:
             region = attach_region(kind, name, size, handle)
             try:
@@ -200,6 +218,22 @@ class RegionTable:
                     del self._registering[owner]
         return rid, region
 
+    def _evict_idle(self, mine: list[tuple[int, _Entry]]) -> _Entry | None:
+        """Take out of the table the least recently used of ``mine`` that no call uses and that
+        has been idle for :attr:`idle_evict_s`; None when there is none. Caller holds the lock
+        (and closes the entry's region after it let go of it)."""
+        now = self._clock()
+        idle = [(e.last_used, rid) for rid, e in mine if not e.active and now - e.last_used >= self.idle_evict_s]
+        if not idle:
+            return None
+        _, rid = min(idle)
+        entry = self._regions.pop(rid)
+        entry.dropped = True
+        log.info("region %s of %r idle for %.0f s: dropped to make room for a new one (its client registers "
+                 "it again if it is still there)", getattr(entry.region, "name", rid), entry.owner,
+                 now - entry.last_used)
+        return entry
+
     def _check_not_taken(self, owner: str, name: str, ident: object = None) -> None:
         """PermissionDenied when another principal registered the region ``name`` (or the file
         ``ident``), not saying which. Caller holds the lock."""
@@ -213,7 +247,8 @@ class RegionTable:
         entry = self._regions.get(region_id)
         if entry is None or entry.owner != owner:
             raise UnknownRegion(f"{UnknownRegion.PREFIX} {region_id}: not registered by this caller "
-                                "(a server restart forgets every region)")
+                                "(a server restart forgets every region, and an idle one may be dropped "
+                                "to make room: register it again)")
         return entry
 
     def get(self, owner: str, region_id: int) -> Region:
@@ -253,21 +288,42 @@ class RegionTable:
 
     def prune(self, owner: str | None = None) -> int:
         """Drop the regions (of ``owner``, or everyone's) whose client is gone: closed without
-        unregistering, or dead (``Region.alive``). Without this, a client that crashed kept
-        its region mapped here, and one that crashed ``max_regions_per_principal`` times locked
-        its principal out of the local data plane until the server restarted. The number dropped."""
-        return self._drop(lambda o, r: (owner is None or o == owner) and not r.alive())
+        unregistering, or dead (``Region.alive``); a ``/dev/shm`` segment whose creator is known
+        to be gone is unlinked too. Without this, a client that crashed kept its region here,
+        and one that crashed ``max_regions_per_principal`` times locked its principal out of
+        the local data plane until the server restarted. Everyone's (the server's periodic
+        sweep) also sweeps ``/dev/shm`` at most every :data:`SWEEP_EVERY_S`. The number dropped."""
+        if owner is None:
+            now = self._clock()
+            if self._swept_at is None or now - self._swept_at >= self.SWEEP_EVERY_S:
+                self.sweep()
+        return self._drop(lambda o, r: (owner is None or o == owner) and not r.alive(), unlink=True)
+
+    def sweep(self) -> list[str]:
+        """Unlink the ``/dev/shm`` segments of clients known to be gone, registered or not
+        (:func:`kvstore.shm.sweep_dead_segments`; the server runs it at start)."""
+        self._swept_at = self._clock()
+        swept = sweep_dead_segments()
+        if swept:
+            log.info("unlinked %d shared-memory segments of clients that are gone: %s", len(swept),
+                     ", ".join(swept[:8]) + (" ..." if len(swept) > 8 else ""))
+        return swept
 
     def drop_owner(self, owner: str) -> int:
         """Forget every region of ``owner`` (a deleted principal); the number dropped."""
         return self._drop(lambda o, _: o == owner)
 
-    def _drop(self, doomed: Callable[[str, Region], bool]) -> int:
+    def _drop(self, doomed: Callable[[str, Region], bool], unlink: bool = False) -> int:
         with self._lock:
             entries = list(self._regions.items())
         ids = [rid for rid, e in entries if doomed(e.owner, e.region)]  # NOTE: alive() outside the lock
         with self._lock:
             dropped = [e for rid in ids if (e := self._regions.pop(rid, None)) is not None]
+        for e in dropped:
+            if unlink:
+                gone = getattr(e.region, "unlink_if_gone", None)
+                if gone is not None and gone():
+                    log.info("unlinked shared-memory region %s of %r: its client is gone", e.region.name, e.owner)
         self._close(dropped)
         return len(dropped)
 

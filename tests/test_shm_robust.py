@@ -347,3 +347,144 @@ def test_a_small_dev_shm_neither_crashes_the_server_nor_the_client(tmp_path):
     assert "default shm True" in out and "default get 80 True" in out and "default put 80" in out, out
     assert "segment shm False" in out and "segment get 80 True" in out and "segment put 80" in out, out
     assert "create RESOURCE_EXHAUSTED" in out and "/dev/shm" in out, out
+
+
+# -- regions of clients that are gone ------------------------------------------------------------
+_CHILD = ("import sys, time\n"
+          "sys.path.insert(0, {repo!r})\n"
+          "import kvstore.client as client_mod\n"
+          "from kvstore.client import Client\n"
+          "real = client_mod.ShmRegion.create\n"
+          "client_mod.ShmRegion.create = lambda size, **kw: real(size)  # a /dev/shm segment\n"
+          "c = Client({target!r}, {token!r}, local=True, region_bytes=1 << 20)\n"
+          "print(c._local.region.name, flush=True)\n"
+          "time.sleep(600)\n")
+
+
+def _kill_group(target: str, token: str) -> str:
+    """A client in its own process group that registers a /dev/shm segment, killed with its
+    whole group (its resource tracker too): the segment's name."""
+    child = subprocess.Popen([sys.executable, "-c", _CHILD.format(repo=str(REPO), target=target, token=token)],
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    name = child.stdout.readline().strip()
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+    assert name.startswith("kvs_"), "the child registered no region"
+    return name
+
+
+def test_regions_of_clients_killed_with_their_process_group_are_dropped_and_unlinked(served):
+    s = served(limits="max_regions_per_principal = 2")
+    token = s.tenant("engine")
+    names = [_kill_group(s.target, token) for _ in range(3)]
+    # the third child registered: the first two were dropped at its registration
+    assert not any(Path("/dev/shm", n).exists() for n in names[:2])
+    c = Client(s.target, token, local=True, region_bytes=1 << 20)  # was RESOURCE_EXHAUSTED
+    d = Client(s.target, token, local=True, region_bytes=1 << 20)
+    try:
+        assert c.uses_shared_memory and d.uses_shared_memory
+        assert not Path("/dev/shm", names[2]).exists()
+        keys = c.block_keys(SPEC, fresh_tokens(2))
+        kv = random_kv(2, seed=5)
+        c.put(SPEC, keys, kv)
+        assert torch.equal(d.get(SPEC, keys).view(torch.int16), kv.view(torch.int16))
+    finally:
+        c.close()
+        d.close()
+    assert s.alive()
+
+
+def test_segments_of_clients_that_died_before_the_server_started_are_swept_at_start(served):
+    first = served()
+    token = first.tenant("engine")
+    name = _kill_group(first.target, token)
+    assert first.stop() == 0
+    assert Path("/dev/shm", name).exists()  # nobody left to unlink it
+    served()
+    assert not Path("/dev/shm", name).exists()
+
+
+def test_a_live_clients_region_is_never_unlinked_and_one_of_another_namespace_is_kept(sidecar):
+    """The server unlinks only what a creator known to be gone left: not the region of a live
+    client, nor one whose creator it cannot judge (another pid namespace)."""
+    from kvstore.shm import OWNER_OFFSET, Owner
+
+    c = sidecar.tenant("live", local=True)
+    regions = sidecar.server.data.regions
+    assert regions.prune() == 0 and c._local.region.alive()
+    seg = ShmRegion.create(1 << 20)
+    try:
+        me = Owner.current()
+        elsewhere = Owner(pid=1 << 22, start=me.start, pidns=me.pidns + 1, boot=me.boot)  # another namespace
+        seg._buf[OWNER_OFFSET : OWNER_OFFSET + len(elsewhere.pack())] = elsewhere.pack()
+        assert not elsewhere.gone()
+        assert regions.sweep() == [] and Path("/dev/shm", seg.name).exists()
+        gone = Owner(pid=me.pid, start=me.start + 1, pidns=me.pidns, boot=me.boot)  # the pid, reused
+        assert gone.gone() and not me.gone()
+    finally:
+        seg.close()
+    keys = c.block_keys(SPEC, fresh_tokens(1))
+    c.put(SPEC, keys, random_kv(1))
+    assert c.lookup(SPEC, keys).num_blocks == 1
+
+
+def test_at_the_limit_an_idle_region_makes_room_and_its_live_client_registers_again(tmp_path):
+    """Clients the server cannot judge (another pid namespace) or that just went quiet: at
+    max_regions_per_principal, the least recently used region idle for region_idle_evict_s is
+    dropped (not unlinked) for the new one, instead of refusing it; its client, still there,
+    is told UNKNOWN region at its next call and registers it again."""
+    sc = start(tmp_path, limits={"max_regions_per_principal": 1})
+    try:
+        token = sc.admin().create_tenant("quiet")
+        a = sc.client(token, local=True, region_bytes=1 << 20)
+        sc.server.data.regions.idle_evict_s = 0.0  # every region not in a call counts as idle
+        b = sc.client(token, local=True, region_bytes=1 << 20)  # was RESOURCE_EXHAUSTED
+        assert a.uses_shared_memory and b.uses_shared_memory
+        assert a._local.region.alive()  # dropped, never unlinked
+        for c, seed in ((a, 1), (b, 2), (a, 3)):
+            keys = c.block_keys(SPEC, fresh_tokens(2))
+            kv = random_kv(2, seed=seed)
+            c.put(SPEC, keys, kv)
+            assert torch.equal(c.get(SPEC, keys).view(torch.int16), kv.view(torch.int16))
+    finally:
+        sc.stop()
+
+
+def test_a_region_in_use_is_never_evicted():
+    """A region whose call is running is not idle, whatever its last use."""
+    import kvstore.service_resources as res
+    from kvstore.errors import ResourceExhausted
+    from kvstore.service_resources import RegionTable
+
+    class Fake:
+        nonce = b"n"
+
+        def __init__(self, name: str) -> None:
+            self.name, self.closed = name, False
+
+        def alive(self) -> bool:
+            return True
+
+        def close(self) -> None:
+            self.closed = True
+
+    made: dict[str, Fake] = {}
+    orig = res.attach_region
+    res.attach_region = lambda kind, name, size, handle: made.setdefault(name, Fake(name))
+    try:
+        now = [0.0]
+        table = RegionTable(max_per_principal=1, max_bytes=1 << 20, idle_evict_s=10, clock=lambda: now[0])
+        rid, _ = table.register("t", "posix_shm", "kvs_a", 4096, nonce=b"n")
+        with table.using("t", rid, 1):
+            now[0] = 100.0
+            with pytest.raises(ResourceExhausted):
+                table.register("t", "posix_shm", "kvs_b", 4096, nonce=b"n")
+        assert not made["kvs_a"].closed
+        now[0] = 105.0
+        with pytest.raises(ResourceExhausted):  # used 5 s ago
+            table.register("t", "posix_shm", "kvs_b", 4096, nonce=b"n")
+        now[0] = 111.0
+        table.register("t", "posix_shm", "kvs_b", 4096, nonce=b"n")
+        assert made["kvs_a"].closed
+    finally:
+        res.attach_region = orig
