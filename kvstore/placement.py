@@ -406,7 +406,8 @@ class Placement:
         # ignored: a tenant with a 256-byte remote quota held 1,536 bytes there)
         ok = self.remote.submit(ref, host, ttl_deadline=meta.ttl_deadline,
                                 quant=self.quant_policy.for_block(ref.tenant, ref.spec),
-                                quota=self._quota_of(meta.tenant, Tier.REMOTE), created=meta.created)
+                                quota=self._quota_of(meta.tenant, Tier.REMOTE), created=meta.created,
+                                parent=meta.parent)
         self.counters.add("demotions_remote" if ok else "remote_queue_full")
         return ok
 

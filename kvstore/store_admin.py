@@ -6,7 +6,8 @@ lock, index, placement, session table, keyring, quantization policy and remote t
 * ``delete``, ``drop_tenant`` and ``purge_model`` remove blocks, with the descendants that depend
   on them, from every local tier in one NVMe transaction, and their copies from the remote tier
   (``delete``: first, and all or nothing here: Unavailable when the remote tier cannot be
-  reached); ``drop_tenant`` also forgets the tenant's sessions and rules, destroys its data key
+  reached; every remote descendant, whichever server wrote it, through the remote tier's
+  children sets); ``drop_tenant`` also forgets the tenant's sessions and rules, destroys its data key
   and leaves a tombstone in the remote tier (no server writes its older blocks there again).
 * ``expire`` drops every local block past its TTL deadline with its subtree (``lookup`` does the
   same first, through ``_expire_due``).
@@ -24,7 +25,6 @@ from kvstore.block import Tier
 from kvstore.errors import InvalidArgument
 from kvstore.expiry import check_ttl
 from kvstore.keys import check_keys
-from tiers.base import BlockRef
 
 
 @dataclass(slots=True)
@@ -39,12 +39,12 @@ class TenantAdmin:
     def delete(self, tenant: str, keys: Sequence[bytes]) -> int:
         """Delete the blocks (and the descendants that depend on them); returns how many.
 
-        With a remote tier, the remote copies go first: each key's under every known model, and
-        those of every descendant held here (they were left behind, for another server or this
-        one after a restart to find). When any cannot be reached, :class:`Unavailable` is
-        raised and nothing is deleted here, so a retry deletes the same subtree. A descendant
-        this server never held (put through another server, or only ever remote here) keeps its
-        remote copy until it expires, unreachable from the root once its ancestor is gone."""
+        With a remote tier, the remote copies go first: each key's under every known model,
+        and every block written under them by any server (:meth:`RemoteTier.delete_subtrees`
+        follows the children sets each remote write records; the subtree held here is passed
+        too, for copies an older version wrote without them). When any cannot be reached,
+        :class:`Unavailable` is raised and nothing is deleted here, so a retry deletes the same
+        subtree. Costs one pipelined round trip per level of the remote subtree."""
         self._check_tenant(tenant)
         keys = check_keys(keys)
         with self._lock, self._batch():
@@ -53,18 +53,12 @@ class TenantAdmin:
             roots = [m for key in keys if (m := self._index.get(tenant, key)) is not None]
             n = 0
             if self._remote is not None:
-                refs: dict[tuple[bytes, bytes], BlockRef] = {}
-                specs = list(self._specs.values())
-                for key in keys:  # its remote copy, under every known model
-                    for spec in specs:
-                        refs[(key, spec.fingerprint)] = BlockRef(tenant, key, spec)
+                start = {(key, fp): None for key in keys for fp in self._specs}
                 for m in roots:
                     for d in self._index.subtree(m):
-                        spec = self._specs.get(d.fingerprint)
-                        if spec is not None:
-                            refs[(d.key, d.fingerprint)] = BlockRef(tenant, d.key, spec)
+                        start[(d.key, d.fingerprint)] = None
                 # NOTE: raises before anything local goes (it said "ok" and the copies came back)
-                n += self._remote.delete_many(list(refs.values()))
+                n += len(self._remote.delete_subtrees(tenant, list(start)))
             for m in roots:
                 if self._index.get(m.tenant, m.key) is m:  # not under a root dropped before
                     n += self._place.drop(m, reason="deleted")

@@ -123,8 +123,8 @@ def test_delete_removes_the_descendants_remote_copies(servers) -> None:
 
 
 def test_a_continuation_of_a_deleted_parent_is_not_served_from_remote(servers) -> None:
-    """Blocks B put under A's block: A's delete of that block cannot see them, but a server
-    that does not hold the parent no longer serves them as its continuation."""
+    """Blocks B put under A's block: A's delete of that block finds them (B's writes recorded
+    them in their parent's children set in Redis), and no server serves them after it."""
     a, b, d = servers("a"), servers("b"), servers("d")
     keys = a.block_keys("acme", SPEC, tokens(4, SPEC))
     kv = make_kv(SPEC, 4)
@@ -133,8 +133,8 @@ def test_a_continuation_of_a_deleted_parent_is_not_served_from_remote(servers) -
     assert b.get("acme", SPEC, keys[:2]).shape[0] == 2  # B holds the parent now
     b.put("acme", SPEC, keys[2:], kv[2:], parent=keys[1])
     b.flush()
-    a.delete("acme", [keys[1]])  # A never held keys[2:]: their remote copies stay
-    assert a._remote.contains_many(_refs("acme", keys[2:])) == [True, True]
+    a.delete("acme", [keys[1]])  # A never held keys[2:]: their remote copies go too
+    assert a._remote.contains_many(_refs("acme", keys[2:])) == [False, False]
     assert d.get("acme", SPEC, keys[2:], parent=keys[1]).shape[0] == 0  # was 2
 
 

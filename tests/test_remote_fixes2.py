@@ -10,6 +10,7 @@ FakeClock); tests that pause Redis use ``private_redis``. Nothing sleeps.
 from __future__ import annotations
 
 import redis
+import torch
 from conftest import make_kv, tokens
 
 from kvstore.spec import ModelSpec
@@ -58,3 +59,102 @@ def test_a_tenant_key_deleted_by_another_server_meanwhile_is_no_error(servers, m
     a.drop_tenant("acme")  # raised KeyError
     assert _values(servers) == []
     assert a.get("acme", SPEC, keys).shape[0] == 0
+
+
+# -- p5: a delete removes every remote descendant, whoever wrote it --------------------------------
+def _evicted_chain(servers, name: str = "a", n: int = 4):
+    """A server (write-back: ``remote_write="demote"``) whose chain of ``n`` blocks was evicted,
+    leaf first, to the remote tier: it holds none of them locally any more."""
+    s = servers(name, hbm=n, remote_write="demote")
+    keys = s.block_keys("acme", SPEC, tokens(n, SPEC))
+    kv = make_kv(SPEC, n)
+    s.put("acme", SPEC, keys, kv)
+    s.put("acme", SPEC, s.block_keys("acme", SPEC, tokens(n, SPEC, start=7_000)), make_kv(SPEC, n, 3))
+    assert s._remote.flush(10)
+    assert all(s._index.get("acme", k) is None for k in keys)
+    return s, keys, kv
+
+
+def test_delete_removes_remote_descendants_the_server_no_longer_holds(servers) -> None:
+    """The chain was evicted to Redis: delete(keys[0]) found no local descendant, removed only
+    keys[0]'s copy, and the three below it were still served as a continuation of keys[1]."""
+    a, keys, kv = _evicted_chain(servers)
+    b = servers("b")
+    assert torch.equal(b.get("acme", SPEC, keys[2:], parent=keys[1]), kv[2:])  # before: served
+    b.put("acme", SPEC, keys[:2], kv[:2])  # b holds the first two now (and writes them through)
+    assert a.delete("acme", [keys[0]]) >= 1
+    assert a._remote.contains_many(_refs("acme", keys)) == [False] * 4
+    for s in (a, b):
+        assert s.get("acme", SPEC, keys[2:], parent=keys[1]).shape[0] == 0
+        assert s.lookup("acme", SPEC, keys[2:], parent=keys[1]).num_blocks == 0
+        assert s.get("acme", SPEC, keys[3:], parent=keys[2]).shape[0] == 0
+    # b's own copies of keys[:2] are b's (a delete is per server, with the shared remote tier);
+    # what lay below them remotely is gone
+    assert b.get("acme", SPEC, keys).shape[0] == 2
+
+
+def test_delete_cancels_queued_demotions_of_descendants(servers) -> None:
+    """Demotions still queued (children queued before their parents, leaf first) were written
+    after the delete of their ancestor: back in Redis under a deleted block."""
+    import threading
+
+    a = servers("a", hbm=4, remote_write="demote")
+    t = a._remote
+    entered, release = threading.Event(), threading.Event()
+    real = t._put_with
+    stopper = BlockRef("other", b"\x07" * 32, SPEC)
+
+    def slow(scratch, ref, *args):
+        if ref.key == stopper.key:
+            entered.set()
+            release.wait(10)
+        return real(scratch, ref, *args)
+
+    t._put_with = slow  # type: ignore[method-assign]
+    try:
+        assert t.submit(stopper, torch.zeros(N, dtype=torch.uint8).numpy())
+        assert entered.wait(10)  # the writer is busy: what follows stays queued
+        keys = a.block_keys("acme", SPEC, tokens(4, SPEC))
+        a.put("acme", SPEC, keys, make_kv(SPEC, 4))
+        a.put("acme", SPEC, a.block_keys("acme", SPEC, tokens(4, SPEC, start=7_000)), make_kv(SPEC, 4, 3))
+        assert all(a._index.get("acme", k) is None for k in keys)  # evicted: queued only
+        a.delete("acme", [keys[0]])
+    finally:
+        release.set()
+    assert t.flush(10)
+    assert t.contains_many(_refs("acme", keys)) == [False] * 4
+
+
+def test_children_sets_and_subtree_deletion_on_a_cluster(tmp_path) -> None:
+    """The children set is written in the same pipeline as the value (an EVAL routed by its own
+    key), and a subtree spread over three masters is found and deleted."""
+    import uuid
+
+    import numpy as np
+    from remote_harness import LocalCluster, require_redis
+
+    from kvstore.keys import ROOT_KEY
+    from tiers.remote import RemoteTier
+    from tiers.remote_config import RemoteConfig
+
+    require_redis()
+    c = LocalCluster(tmp_path / "cluster").start()
+    try:
+        cfg = RemoteConfig(urls=c.urls, cluster=True, namespace=f"c-{uuid.uuid4().hex[:8]}",
+                           retries=0, connect_timeout_s=0.5, op_timeout_s=1.0)
+        t = RemoteTier.open(cfg, bytes(range(32)))
+        try:
+            keys = [i.to_bytes(4, "little") * 8 for i in range(1, 13)]
+            data = np.arange(N, dtype=np.uint8)
+            parent = ROOT_KEY
+            for k in keys[:8]:  # a chain ...
+                assert t.put(BlockRef("acme", k, SPEC), data, parent=parent)
+                parent = k
+            for k in keys[8:]:  # ... and four siblings under its third block
+                assert t.put(BlockRef("acme", k, SPEC), data, parent=keys[2])
+            assert t.delete_subtrees("acme", [(keys[1], SPEC.fingerprint)]) == set(keys[1:])
+            assert t.contains_many(_refs("acme", keys)) == [True] + [False] * 11
+        finally:
+            t.close()
+    finally:
+        c.stop()

@@ -15,10 +15,12 @@ Primitives and what each guarantees:
   ``info=`` (a list) receives each served block's :class:`RemoteInfo`: the TTL deadline and
   creation time it was written with, so a promoted block keeps them.
 * ``contains_many`` — pipelined ``EXISTS`` of a chain's keys, in prefix order.
-* ``delete`` / ``delete_many`` / ``delete_tenant`` / ``delete_model`` — ``UNLINK``; tenant and
-  model deletion ``SCAN`` every primary by key prefix. ``delete_many`` (the Store's deletions)
+* ``delete`` / ``delete_many`` / ``delete_subtrees`` / ``delete_tenant`` / ``delete_model`` —
+  ``UNLINK``; tenant and model deletion ``SCAN`` every primary by key prefix. ``delete_many``
   also cancels the blocks' queued demotions and raises :class:`~kvstore.errors.Unavailable` when
   any copy could not be reached (``delete`` answers False then: it is the miss path's).
+  ``delete_subtrees`` (the Store's ``delete``) does the same for blocks and every block written
+  under them by any server, found through the children sets (below).
   ``delete_tenant`` leaves a tombstone, then destroys the tenant's data key in the shared
   keyring, so a straggler (or a copy the operator kept) is unreadable.
 * ``usage`` / ``tenant_bytes`` — raw block bytes this node wrote (accounted locally: the
@@ -28,7 +30,16 @@ Primitives and what each guarantees:
   server — stop counting).
 
 Keys: ``<namespace>:<tenant hash hex>:<fingerprint hex>:<block key hex>`` (no hash tags, so a
-cluster spreads one prefix over every node). Values: a 24-byte envelope of this tier
+cluster spreads one prefix over every node). Children sets: a write that knows the block's parent
+(``parent=``: the Store always passes it) adds the block's key to the Redis set
+``<parent's key>:c`` in the same pipelined round trip (a Lua script that keeps the set alive at
+least as long as its longest-lived member; a write whose set could not be updated is taken back),
+so a deletion finds every descendant written by any server without a ``SCAN``: one pipelined
+``SMEMBERS`` round trip per level of the subtree. Costs: one more command per write (same round
+trip), about 40 bytes of Redis memory per non-root block, and a deletion as many round trips as
+the deleted subtree has levels (a 1,000-block chain: 1,000 round trips). A queued demotion of a
+block under a block being deleted is dropped. Blocks written before this (no children set) are
+found only through the local subtree the deleting server passes. Values: a 24-byte envelope of this tier
 (:data:`ENVELOPE`: magic, version, the block's TTL deadline and creation time, NaN = none) then
 a :mod:`kvstore.codec` value. Redis' own expiry (``PX``) is the deadline capped at
 ``ttl_cap_s``; the envelope keeps the deadline itself, so a block promoted from here keeps it
@@ -84,6 +95,7 @@ from kvstore.block import Tier
 from kvstore.codec import Codec, CodecConfig, tenant_hash
 from kvstore.errors import FailedPrecondition, IntegrityError, KeyUnavailable, Unavailable
 from kvstore.keyring import Keyring
+from kvstore.keys import ROOT_KEY
 from kvstore.quantization import QuantArg
 from tiers.base import BlockRef, TierUsage, as_bytes_view
 from tiers.remote_config import RemoteConfig
@@ -118,6 +130,17 @@ _UPDATE_TTL = ("if redis.call('GETRANGE', KEYS[1], 0, 3) ~= ARGV[1] then return 
                "if ARGV[3] == '' then redis.call('PERSIST', KEYS[1]) "
                "else redis.call('PEXPIRE', KEYS[1], ARGV[3]) end return 1")
 
+# Records a child in its parent's children set and makes the set outlive it: a new set gets the
+# child's expiry, a set that expires sooner is extended to it, a child without one makes the set
+# persistent. KEYS: the set; ARGV: the child's block key, its expiry in ms or ''.
+_ADD_CHILD = ("local new = redis.call('EXISTS', KEYS[1]) == 0 "
+              "redis.call('SADD', KEYS[1], ARGV[1]) "
+              "if ARGV[2] == '' then redis.call('PERSIST', KEYS[1]) return 1 end "
+              "local t = redis.call('PTTL', KEYS[1]) "
+              "if new or (t >= 0 and t < tonumber(ARGV[2])) then "
+              "redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 1")
+_CHILDREN = b"c"  # last segment of a children set's key
+
 
 class RemoteInfo(NamedTuple):
     """What a remote value says of its block: TTL deadline and creation time (None: none).
@@ -129,6 +152,24 @@ class RemoteInfo(NamedTuple):
 
 
 _UNKNOWN = RemoteInfo(None, None, False)
+
+
+class _Job(NamedTuple):
+    """One queued demotion: the block, its bytes (owned by the tier), TTL deadline, the tenant's
+    epoch when queued, quantization, creation time and parent key (None: not known)."""
+
+    ref: BlockRef
+    data: np.ndarray
+    deadline: float | None
+    epoch: int
+    quant: QuantArg
+    created: float | None
+    parent: bytes | None
+
+
+def _ok(reply: Any) -> bool:
+    """Whether one pipelined reply is a success (not a fault, not skipped by a breaker)."""
+    return reply is not _SKIPPED and not isinstance(reply, BaseException)
 
 
 class _Held(NamedTuple):
@@ -190,12 +231,15 @@ class RemoteTier:
         self._put_scratch = np.empty(0, dtype=np.uint8)
         # asynchronous demotion: a bounded deque drained by one writer thread
         self._cond = threading.Condition()
-        self._queue: deque[tuple[BlockRef, np.ndarray, float | None, int, QuantArg, float | None]] = deque()
+        self._queue: deque[_Job] = deque()
         self._queued_bytes = 0
         self._tenant_queued: dict[str, int] = {}
         self._pending = 0
-        self._writing: tuple[str, bytes] | None = None  # the block the writer is writing now
+        self._writing: _Job | None = None  # the block the writer is writing now
         self._writing_cancelled = False  # ... and deleted meanwhile: unlinked again once written
+        # tenant -> block keys a delete_subtrees is removing now: the writer drops a queued
+        # block that is one of them or a child of one (and adds it), so none lands behind it
+        self._doomed: dict[str, set[bytes]] = {}
         self._resync_due = False
         self._last_resync = -math.inf
         self._closed = False
@@ -223,14 +267,24 @@ class RemoteTier:
         return cls(config, client, codec, keyring=keyring, clock=clock, monotonic=monotonic)
 
     # -- keys, counters, breakers -------------------------------------------------------------
-    def redis_key(self, ref: BlockRef) -> bytes:
-        """The Redis key of ``ref`` (namespaced by tenant hash and model fingerprint)."""
-        th = self._th.get(ref.tenant)
+    def _tenant_hex(self, tenant: str) -> str:
+        th = self._th.get(tenant)
         if th is None:
             if len(self._th) > 4096:
                 self._th.clear()
-            th = self._th[ref.tenant] = tenant_hash(ref.tenant).hex()
-        return f"{self._ns}:{th}:{ref.spec.fingerprint.hex()}:{ref.key.hex()}".encode()
+            th = self._th[tenant] = tenant_hash(tenant).hex()
+        return th
+
+    def _value_key(self, tenant: str, fingerprint: bytes, key: bytes) -> bytes:
+        return f"{self._ns}:{self._tenant_hex(tenant)}:{fingerprint.hex()}:{key.hex()}".encode()
+
+    def _children_key(self, tenant: str, fingerprint: bytes, key: bytes) -> bytes:
+        """The Redis set of the keys of the blocks written under ``key`` (its children)."""
+        return self._value_key(tenant, fingerprint, key) + b":" + _CHILDREN
+
+    def redis_key(self, ref: BlockRef) -> bytes:
+        """The Redis key of ``ref`` (namespaced by tenant hash and model fingerprint)."""
+        return self._value_key(ref.tenant, ref.spec.fingerprint, ref.key)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -286,10 +340,16 @@ class RemoteTier:
 
     def _batch(self, cmd: str, keys: Sequence[bytes], *args: Any) -> list[Any]:
         """``cmd key *args`` for every key, pipelined; per key: the reply, a fault, or
-        ``_SKIPPED``. In cluster mode a pipeline that fails as a whole (a node unreachable) is
-        replayed one command at a time, so the live nodes still answer."""
-        nodes = [self._node(k) for k in keys]
-        out: list[Any] = [_SKIPPED] * len(keys)
+        ``_SKIPPED`` (see :meth:`_multi`)."""
+        return self._multi([(k, (cmd, k, *args)) for k in keys])
+
+    def _multi(self, cmds: Sequence[tuple[bytes | str, tuple[Any, ...]]]) -> list[Any]:
+        """Commands ``(routing key, (name, *args))``, pipelined (not a transaction; in order on
+        each node); per command: the reply, a fault, or ``_SKIPPED``. In cluster mode a pipeline
+        that fails as a whole (a node unreachable) is replayed one command at a time, so the
+        live nodes still answer."""
+        nodes = [self._node(k) for k, _ in cmds]
+        out: list[Any] = [_SKIPPED] * len(cmds)
         send = []
         for i, n in enumerate(nodes):
             if self._breaker(n).allow():
@@ -301,7 +361,7 @@ class RemoteTier:
         try:
             pipe = self._client.pipeline(transaction=False)
             for i in send:
-                pipe.execute_command(cmd, keys[i], *args)
+                pipe.execute_command(*cmds[i][1])
             replies = pipe.execute(raise_on_error=False)
         except FAULTS as exc:
             if not isinstance(self._client, RedisCluster):
@@ -310,8 +370,7 @@ class RemoteTier:
                     out[i] = exc
                 return out
             for i in send:
-                out[i] = self._call(keys[i], lambda i=i: self._client.execute_command(
-                    cmd, keys[i], *args))
+                out[i] = self._call(cmds[i][0], lambda i=i: self._client.execute_command(*cmds[i][1]))
             return out
         failed: set[str] = set()
         for i, r in zip(send, replies):
@@ -477,7 +536,8 @@ class RemoteTier:
 
     def _put_with(self, scratch: np.ndarray, ref: BlockRef, data: np.ndarray,
                   deadline: float | None, quant: QuantArg = None,
-                  created: float | None = None) -> tuple[bool, np.ndarray]:
+                  created: float | None = None,
+                  parent: bytes | None = None) -> tuple[bool, np.ndarray]:
         px, local_deadline = self._px(deadline)
         if px == 0:
             self._count("put_expired")
@@ -502,8 +562,20 @@ class RemoteTier:
         ENVELOPE.pack_into(scratch, 0, ENVELOPE_MAGIC, ENVELOPE_VERSION, _opt(deadline), _opt(created))
         key = self.redis_key(ref)
         value = memoryview(scratch)[:ENVELOPE.size + n]
-        res = self._call(key, lambda: self._client.set(key, value, px=px))
-        if res is not True:
+        cmds: list[tuple[bytes | str, tuple[Any, ...]]] = []
+        if parent is not None and parent != ROOT_KEY:
+            # NOTE: the child goes into its parent's children set (in the same round trip), so
+            # a delete of any ancestor finds it (see delete_subtrees)
+            ckey = self._children_key(ref.tenant, ref.spec.fingerprint, parent)
+            cmds.append((ckey, ("EVAL", _ADD_CHILD, 1, ckey, ref.key, "" if px is None else str(px))))
+        cmds.append((key, ("SET", key, value) if px is None else ("SET", key, value, "PX", px)))
+        replies = self._multi(cmds)
+        if replies[-1] is not True:
+            self._count("put_failures")
+            return False, scratch
+        if not all(_ok(r) for r in replies[:-1]):
+            # stored, but not where a delete of an ancestor would find it: take it back
+            self._call(key, lambda: self._client.unlink(key))
             self._count("put_failures")
             return False, scratch
         self._account(ref, local_deadline, key)
@@ -513,23 +585,27 @@ class RemoteTier:
         return True, scratch
 
     def put(self, ref: BlockRef, data: Any, *, ttl_deadline: float | None = None,
-            quant: QuantArg = None, created: float | None = None) -> bool:
+            quant: QuantArg = None, created: float | None = None,
+            parent: bytes | None = None) -> bool:
         """Encode and store synchronously; False on a fault, a full tier, a past deadline or a
         tenant deleted after ``created`` (when the block was made; None = unknown, refused
         once the tenant was ever deleted). ``quant``: store a quantized copy (the codec's
-        formats; a get returns it dequantized)."""
+        formats; a get returns it dequantized). ``parent``: the key of the block's parent
+        (``ROOT_KEY`` for a first block): recorded in the parent's children set, so deleting
+        any ancestor deletes this copy too (:meth:`delete_subtrees`); None = not recorded."""
         view = as_bytes_view(data)
         with self._put_lock:
             ok, self._put_scratch = self._put_with(self._put_scratch, ref, view, ttl_deadline,
-                                                   quant, created)
+                                                   quant, created, parent)
         return ok
 
     def submit(self, ref: BlockRef, data: Any, *, ttl_deadline: float | None = None,
                quant: QuantArg = None, quota: int | None = None,
-               created: float | None = None) -> bool:
+               created: float | None = None, parent: bytes | None = None) -> bool:
         """Queue an asynchronous put; False (nothing queued) when the queue is full or closed,
         or when the tenant's blocks here, written and queued, would pass ``quota`` bytes.
-        ``data`` (a buffer of ``ref.nbytes``) is owned by the tier from now on."""
+        ``data`` (a buffer of ``ref.nbytes``) is owned by the tier from now on. ``parent``:
+        as for :meth:`put`."""
         view = as_bytes_view(data)
         over = False
         with self._cond:
@@ -549,7 +625,7 @@ class RemoteTier:
                         over = True
             if not over:
                 epoch = self._epochs.get(ref.tenant, 0)
-                self._queue.append((ref, view, ttl_deadline, epoch, quant, created))
+                self._queue.append(_Job(ref, view, ttl_deadline, epoch, quant, created, parent))
                 self._queued_bytes += ref.nbytes
                 self._tenant_queued[ref.tenant] = queued + ref.nbytes
                 self._pending += 1
@@ -572,8 +648,11 @@ class RemoteTier:
                 elif not self._queue:
                     return
                 else:
-                    ref, data, deadline, epoch, quant, created = self._queue.popleft()
-                    self._writing, self._writing_cancelled = ref.ident, False
+                    job = self._queue.popleft()
+                    ref = job.ref
+                    self._writing, self._writing_cancelled = job, False
+                    if self._is_doomed(job):  # its block or an ancestor is being deleted
+                        self._writing_cancelled = True
             if resync:
                 try:
                     self.resync()
@@ -585,10 +664,13 @@ class RemoteTier:
                         self._cond.notify_all()
                 continue
             try:
-                if self._epochs.get(ref.tenant, 0) != epoch:
+                if self._epochs.get(ref.tenant, 0) != job.epoch:
                     self._count("queue_dropped")  # the tenant was deleted meanwhile
+                elif self._writing_cancelled:
+                    self._count("queue_cancelled")
                 else:
-                    ok, scratch = self._put_with(scratch, ref, data, deadline, quant, created)
+                    ok, scratch = self._put_with(scratch, ref, job.data, job.deadline, job.quant,
+                                                 job.created, job.parent)
                     self._count("queue_written" if ok else "queue_failed")
                     with self._cond:
                         cancelled = self._writing_cancelled
@@ -613,33 +695,74 @@ class RemoteTier:
         else:
             self._tenant_queued.pop(ref.tenant, None)
 
+    def _is_doomed(self, job: _Job) -> bool:
+        """Whether a delete_subtrees running now removes ``job``'s block: it is one of the
+        blocks being deleted or a child of one (then it is one too, from now on). Caller holds
+        ``_cond``."""
+        doomed = self._doomed.get(job.ref.tenant)
+        if doomed is None or not (job.ref.key in doomed or job.parent in doomed):
+            return False
+        doomed.add(job.ref.key)
+        return True
+
+    def _wait_writing(self, hit: Callable[[_Job], bool]) -> bool:
+        """When the block being written satisfies ``hit``: mark it cancelled (the writer unlinks
+        it once written) and wait for it (one write's timeouts at most). Caller holds ``_cond``."""
+        job = self._writing
+        if job is None or not hit(job):
+            return False
+        self._writing_cancelled = True
+        cfg = self.config
+        self._cond.wait_for(lambda: self._writing is not job,
+                            (cfg.op_timeout_s + cfg.connect_timeout_s) * (cfg.retries + 1) + 1)
+        return True
+
+    def _drop_queued(self, hit: Callable[[_Job], bool]) -> list[_Job]:
+        """Take the queued demotions that satisfy ``hit`` out of the queue. Caller holds ``_cond``."""
+        keep: deque[_Job] = deque()
+        out: list[_Job] = []
+        for job in self._queue:
+            if hit(job):
+                self._queued_bytes -= job.ref.nbytes
+                self._unqueue(job.ref)
+                self._pending -= 1
+                out.append(job)
+            else:
+                keep.append(job)
+        self._queue = keep
+        return out
+
     def _cancel(self, idents: set[tuple[str, bytes]]) -> int:
         """Take the queued demotions of ``idents`` out of the queue and wait (one write's
         timeouts at most) for the one being written, if it is one of them (the writer unlinks
         it again if the wait ends first); returns how many were cancelled."""
-        cfg = self.config
         with self._cond:
-            keep: deque = deque()
-            n = 0
-            for item in self._queue:
-                ref = item[0]
-                if ref.ident in idents:
-                    self._queued_bytes -= ref.nbytes
-                    self._unqueue(ref)
-                    self._pending -= 1
-                    n += 1
-                else:
-                    keep.append(item)
-            self._queue = keep
-            if self._writing in idents:
-                self._writing_cancelled = True
-                n += 1
-                self._cond.wait_for(lambda: self._writing not in idents,
-                                    (cfg.op_timeout_s + cfg.connect_timeout_s) * (cfg.retries + 1) + 1)
+            n = len(self._drop_queued(lambda job: job.ref.ident in idents))
+            n += self._wait_writing(lambda job: job.ref.ident in idents)
             self._cond.notify_all()
         if n:
             self._count("queue_cancelled", n)
         return n
+
+    def _cancel_doomed(self, tenant: str) -> set[bytes]:
+        """Cancel every queued (or in-flight) demotion of ``tenant`` that a running
+        delete_subtrees removes (see :meth:`_is_doomed`: a child queued before its parent is
+        found once its parent is); returns their keys."""
+        out: set[bytes] = set()
+        with self._cond:
+            while True:
+                jobs = self._drop_queued(lambda job: job.ref.tenant == tenant and self._is_doomed(job))
+                out.update(job.ref.key for job in jobs)
+                if not jobs:
+                    break
+            writing = self._writing
+            if self._wait_writing(lambda job: job.ref.tenant == tenant and self._is_doomed(job)):
+                assert writing is not None
+                out.add(writing.ref.key)
+            self._cond.notify_all()
+        if out:
+            self._count("queue_cancelled", len(out))
+        return out
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued demotion (and re-count) was attempted; False on timeout."""
@@ -800,6 +923,70 @@ class RemoteTier:
                 f"once the remote tier answers")
         return n
 
+    def delete_subtrees(self, tenant: str, roots: Sequence[tuple[bytes, bytes]]) -> set[bytes]:
+        """Remove the blocks ``roots`` (``(block key, model fingerprint)`` pairs) of ``tenant``
+        and every block written under them, by any server: each write recorded the block in its
+        parent's children set, so the subtree is found level by level (one pipelined round trip
+        per level: ``SMEMBERS``), then its values are unlinked, then the children sets.
+        Queued demotions of these blocks or of children of them are cancelled (the one being
+        written is waited for, and unlinked again once written). Returns the keys of the blocks
+        removed (a value found, or a demotion cancelled). Raises :class:`Unavailable` when any
+        part could not be reached: a retry finds what is left (the sets go last).
+
+        Blocks written by an older version recorded no children: the caller passes the ones it
+        knows (its local subtree) among ``roots``."""
+        roots = list(dict.fromkeys(roots))
+        if not roots:
+            return set()
+        with self._cond:
+            doomed = self._doomed.setdefault(tenant, set())
+            doomed.update(k for k, _ in roots)
+        try:
+            gone = self._cancel_doomed(tenant)
+            found = set(roots)
+            level = roots
+            while level:  # breadth-first: one round trip per level
+                replies = self._checked(self._batch(
+                    "SMEMBERS", [self._children_key(tenant, fp, k) for k, fp in level]),
+                    len(level), "its descendants could not be listed")
+                nxt = [(bytes(c), fp) for (_, fp), r in zip(level, replies) for c in r]
+                level = [x for x in dict.fromkeys(nxt) if x not in found]
+                found.update(level)
+                with self._cond:
+                    doomed.update(k for k, _ in level)
+                gone |= self._cancel_doomed(tenant)
+            found_list = list(found)
+            with self._lock:
+                for k, _ in found_list:
+                    self._unheld((tenant, k))
+            for i in range(0, len(found_list), 512):
+                part = found_list[i:i + 512]
+                replies = self._checked(self._batch(
+                    "UNLINK", [self._value_key(tenant, fp, k) for k, fp in part]),
+                    len(found_list), "remote copies could not be deleted")
+                gone.update(k for (k, _), r in zip(part, replies) if r)
+            for i in range(0, len(found_list), 512):  # NOTE: last: a retry walks them again
+                self._checked(self._batch(
+                    "UNLINK", [self._children_key(tenant, fp, k) for k, fp in found_list[i:i + 512]]),
+                    len(found_list), "children sets could not be deleted")
+        finally:
+            with self._cond:
+                if self._doomed.get(tenant) is doomed:
+                    del self._doomed[tenant]
+        self._count("deletes", len(found))
+        self._count("subtree_blocks_deleted", len(gone))
+        return gone
+
+    def _checked(self, replies: list[Any], total: int, what: str) -> list[Any]:
+        """``replies`` when every one is a success, else Unavailable (counted)."""
+        bad = [r for r in replies if not _ok(r)]
+        if not bad:
+            return replies
+        self._count("delete_failures", len(bad))
+        raise Unavailable(
+            f"remote tier (Redis) unreachable ({'breaker open' if bad[0] is _SKIPPED else bad[0]}): "
+            f"{len(bad)} of {total} blocks' {what}; retry the delete once the remote tier answers")
+
     def update_ttl(self, ref: BlockRef, ttl_deadline: float | None) -> bool:
         """Move a block's deadline (later only is the Store's business): its envelope's and
         Redis' expiry, together; False on a fault or when the block is not there."""
@@ -889,7 +1076,7 @@ class RemoteTier:
             if self._resync_due:
                 self._resync_due = False
                 self._pending -= 1
-            self._queued_bytes -= sum(item[0].nbytes for item in self._queue)
+            self._queued_bytes -= sum(job.ref.nbytes for job in self._queue)
             self._queue.clear()
             self._tenant_queued.clear()
             self._cond.notify_all()
