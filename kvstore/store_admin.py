@@ -7,7 +7,8 @@ lock, index, placement, session table, keyring, quantization policy and remote t
   on them, from every local tier in one NVMe transaction, and their copies from the remote tier
   (``delete``: first, and all or nothing here: Unavailable when the remote tier cannot be
   reached; every remote descendant, whichever server wrote it, through the remote tier's
-  children sets); ``drop_tenant`` also forgets the tenant's sessions and rules, destroys its data key
+  children sets; ``drop_tenant`` and ``purge_model`` likewise: remote first, and nothing here
+  when it fails); ``drop_tenant`` also forgets the tenant's sessions and rules, destroys its data key
   and leaves a tombstone in the remote tier (no server writes its older blocks there again).
 * ``expire`` drops every local block past its TTL deadline with its subtree (``lookup`` does the
   same first, through ``_expire_due``).
@@ -65,14 +66,22 @@ class TenantAdmin:
             return n
 
     def drop_tenant(self, tenant: str) -> int:
-        """Remove every block of ``tenant`` from every tier and destroy its data key."""
+        """Remove every block of ``tenant`` from every tier and destroy its data key.
+
+        With a remote tier, the remote part goes first (its tombstone, its shared data key,
+        its values): when the remote tier cannot be reached, :class:`Unavailable` is raised
+        and nothing is deleted here (before, the local blocks and key went first, and the
+        tenant's remote copies were served and promoted again until a retry); a retry deletes
+        it all."""
         self._check_tenant(tenant)
         with self._lock, self._batch():
             self._check_open()
-            self._drop_epoch += 1  # NOTE: first: a reservation made before fails its commit
-            self._removals += 1
-            self._dropped_at[tenant] = self._drop_epoch
+            self._removals += 1  # a get fetching from the remote tier now promotes nothing
             n = 0
+            if self._remote is not None:  # destroys its shared data key, then its values
+                n += self._remote.delete_tenant(tenant)
+            self._drop_epoch += 1  # NOTE: a reservation made before fails its commit
+            self._dropped_at[tenant] = self._drop_epoch
             for m in sorted(self._index.of_tenant(tenant), key=lambda m: -m.depth):
                 if self._index.get(m.tenant, m.key) is m:
                     self._place.remove(m)
@@ -88,25 +97,24 @@ class TenantAdmin:
                 if self._nvme is not None:
                     self._nvme.commit_now()
                 self.keyring.destroy(tenant)
-            if self._remote is not None:  # destroys its shared data key, then its values
-                n += self._remote.delete_tenant(tenant)
             self.counters.add("deleted", n)
             return n
 
     def purge_model(self, fingerprint: bytes) -> int:
-        """Remove every block of a model fingerprint (e.g. after a rollout)."""
+        """Remove every block of a model fingerprint (e.g. after a rollout). The remote copies
+        go first: :class:`Unavailable` (nothing deleted here) when they cannot be reached."""
         with self._lock, self._batch():
             self._check_open()
             self._removals += 1
+            n = 0
+            if self._remote is not None:
+                n += self._remote.delete_model(fingerprint)
             victims = sorted((m for m in self._index if m.fingerprint == fingerprint),
                              key=lambda m: -m.depth)
             for m in victims:
                 self._place.remove(m)
             self.counters.add("deleted", len(victims))
-            n = len(victims)
-            if self._remote is not None:
-                n += self._remote.delete_model(fingerprint)
-            return n
+            return n + len(victims)
 
     def set_tenant_policy(self, tenant: str, ttl_s: float | None = None,
                           quota_bytes: dict[str, int] | None = None,

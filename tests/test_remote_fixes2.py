@@ -9,12 +9,20 @@ FakeClock); tests that pause Redis use ``private_redis``. Nothing sleeps.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import redis
 import torch
-from conftest import make_kv, tokens
+from conftest import MASTER, FakeClock, make_kv, tokens
+from remote_harness import PrivateRedis
 
+from kvstore.config import StoreConfig
+from kvstore.errors import Unavailable
 from kvstore.spec import ModelSpec
+from kvstore.store import Store
 from tiers.base import BlockRef
+from tiers.remote_config import RemoteConfig
 from tiers.remote_redis import RedisKeyBackend
 
 SPEC = ModelSpec(model="m", revision="r1", num_layers=2, num_kv_heads=2, head_dim=8,
@@ -158,3 +166,66 @@ def test_children_sets_and_subtree_deletion_on_a_cluster(tmp_path) -> None:
             t.close()
     finally:
         c.stop()
+
+
+# -- p15: drop_tenant that cannot reach Redis deletes nothing --------------------------------------
+def _paused_store(tmp_path: Path, private_redis: PrivateRedis, **kw: object) -> Store:
+    cfg = StoreConfig(path=tmp_path / "s", hbm_bytes=16 * N, dram_bytes=0, nvme_bytes=16 * N,
+                      master_key=MASTER, remote_write="through",
+                      remote=RemoteConfig(urls=[private_redis.url], op_timeout_s=0.2, retries=0,
+                                          connect_timeout_s=0.2), **kw)
+    return Store.open(cfg, clock=FakeClock())
+
+
+def test_drop_tenant_that_cannot_reach_redis_fails_and_deletes_nothing(
+        tmp_path: Path, private_redis: PrivateRedis) -> None:
+    """drop_tenant deleted the local blocks and key first, then failed (FailedPrecondition):
+    once Redis answered again a get served the tenant's remote copies and promoted them."""
+    s = _paused_store(tmp_path, private_redis)
+    try:
+        keys = s.block_keys("acme", SPEC, tokens(3, SPEC))
+        kv = make_kv(SPEC, 3)
+        s.put("acme", SPEC, keys, kv)
+        s.flush()
+        private_redis.pause()
+        try:
+            with pytest.raises(Unavailable, match="retry"):
+                s.drop_tenant("acme")
+        finally:
+            private_redis.resume()
+        assert len(s._index.of_tenant("acme")) == 3  # nothing deleted here
+        assert "acme" in s.keyring.tenants()
+        s._remote._breakers.clear()  # the open period is over
+        assert torch.equal(s.get("acme", SPEC, keys), kv)  # still the tenant's: not deleted
+        s.drop_tenant("acme")  # the retry deletes it all
+        assert s.get("acme", SPEC, keys).shape[0] == 0
+        assert s._remote.contains_many(_refs("acme", keys)) == [False] * 3
+        assert "acme" not in s.keyring.tenants()
+    finally:
+        s.close()
+
+
+def test_drop_tenant_failing_half_way_in_redis_keeps_the_local_blocks(
+        tmp_path: Path, private_redis: PrivateRedis, monkeypatch) -> None:
+    """The tombstone and key are gone from Redis but the values could not be deleted: the call
+    fails, the local blocks stay (the caller retries), and no server serves the old remote
+    copies meanwhile (the tombstone)."""
+    s = _paused_store(tmp_path, private_redis)
+    try:
+        keys = s.block_keys("acme", SPEC, tokens(2, SPEC))
+        s.put("acme", SPEC, keys, make_kv(SPEC, 2))
+        s.flush()
+
+        def down(pattern):
+            raise redis.ConnectionError("node down")
+
+        monkeypatch.setattr(s._remote, "_purge", down)
+        with pytest.raises(Unavailable):
+            s.drop_tenant("acme")
+        assert len(s._index.of_tenant("acme")) == 2
+        monkeypatch.undo()
+        s.drop_tenant("acme")
+        assert s._index.of_tenant("acme") == []
+        assert s._remote.contains_many(_refs("acme", keys)) == [False] * 2
+    finally:
+        s.close()

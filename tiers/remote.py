@@ -1005,29 +1005,41 @@ class RemoteTier:
             return True
         return False
 
-    def _purge(self, pattern: str) -> int:
-        n = 0
+    def _purge(self, pattern: str) -> set[tuple[str, bytes]]:
+        """``UNLINK`` every key matching ``pattern`` (``SCAN`` on every primary); returns the
+        blocks removed, as (tenant hash hex, block key) (children sets are not blocks)."""
+        gone: set[tuple[str, bytes]] = set()
         batch: list[bytes] = []
         for k in self._client.scan_iter(match=pattern, count=1000):
-            batch.append(k)
+            batch.append(bytes(k))
             if len(batch) >= 512:
-                n += self._unlink_all(batch)
+                gone |= self._unlink_all(batch)
                 batch = []
-        return n + (self._unlink_all(batch) if batch else 0)
+        return gone | (self._unlink_all(batch) if batch else set())
 
-    def _unlink_all(self, keys: list[bytes]) -> int:
+    def _unlink_all(self, keys: list[bytes]) -> set[tuple[str, bytes]]:
         replies = self._batch("UNLINK", keys)
         bad = [r for r in replies if not isinstance(r, int)]
         if bad:
-            raise FailedPrecondition(f"remote tier: {len(bad)} keys could not be deleted "
-                                     f"({bad[0]!r}); retry the deletion")
-        return sum(replies)
+            raise Unavailable(f"remote tier: {len(bad)} keys could not be deleted "
+                              f"({bad[0]!r}); retry the deletion")
+        gone = set()
+        for k, r in zip(keys, replies):
+            parts = k.split(b":")
+            if r and len(parts) == 4:  # <ns>:<tenant hash>:<fingerprint>:<block key>
+                gone.add((parts[1].decode(), bytes.fromhex(parts[3].decode())))
+        return gone
 
     def delete_tenant(self, tenant: str) -> int:
+        """:meth:`purge_tenant`; returns how many blocks it removed."""
+        return len(self.purge_tenant(tenant))
+
+    def purge_tenant(self, tenant: str) -> set[bytes]:
         """Leave the tenant's tombstone (see the module docstring), destroy its data key
         (shared keyring), drop its queued demotions and ``UNLINK`` every key under its prefix
-        on every primary; returns keys deleted. Raises FailedPrecondition when a server cannot
-        be reached (safe to retry)."""
+        on every primary; returns the keys of the blocks removed. Raises
+        :class:`~kvstore.errors.Unavailable` when a server cannot be reached (safe to retry;
+        once the tombstone is written every server refuses the tenant's older copies)."""
         with self._cond:
             self._epochs[tenant] = self._epochs.get(tenant, 0) + 1
         try:
@@ -1038,27 +1050,35 @@ class RemoteTier:
             if self._keyring is not None:
                 self._keyring.destroy(tenant)
             th = tenant_hash(tenant).hex()
-            n = self._purge(f"{self._ns}:{th}:*")
+            gone = self._purge(f"{self._ns}:{th}:*")
+            n = len(gone)
         except FAULTS as exc:
-            raise FailedPrecondition(f"remote tier: deleting tenant {tenant!r} failed: {exc}; "
-                                     f"retry") from None
+            raise Unavailable(f"remote tier (Redis) unreachable: deleting tenant {tenant!r} failed "
+                              f"({exc}); retry once the remote tier answers") from None
         with self._lock:
             for ident in [i for i in self._held if i[0] == tenant]:
                 self._unheld(ident)
         self._count("tenant_keys_deleted", n)
-        return n
+        return {key for _, key in gone}
 
     def delete_model(self, fingerprint: bytes) -> int:
-        """``UNLINK`` every block of a model fingerprint (all tenants); returns keys deleted."""
+        """:meth:`purge_model`; returns how many blocks it removed."""
+        return len(self.purge_model(fingerprint))
+
+    def purge_model(self, fingerprint: bytes) -> set[tuple[str, bytes]]:
+        """``UNLINK`` every block of a model fingerprint (all tenants); returns the blocks
+        removed as (tenant hash hex, block key). Raises :class:`~kvstore.errors.Unavailable`
+        when a server cannot be reached (safe to retry)."""
         try:
-            n = self._purge(f"{self._ns}:*:{fingerprint.hex()}:*")
+            gone = self._purge(f"{self._ns}:*:{fingerprint.hex()}:*")
         except FAULTS as exc:
-            raise FailedPrecondition(f"remote tier: purging a model failed: {exc}") from None
+            raise Unavailable(f"remote tier (Redis) unreachable: purging a model failed ({exc}); "
+                              f"retry once the remote tier answers") from None
         with self._lock:
             for ident in [i for i, h in self._held.items() if h.fingerprint == fingerprint]:
                 self._unheld(ident)
-            self._counts["model_keys_deleted"] += n
-        return n
+            self._counts["model_keys_deleted"] += len(gone)
+        return gone
 
     # -- lifecycle ------------------------------------------------------------------------------
     def ping(self) -> bool:
