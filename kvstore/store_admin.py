@@ -40,8 +40,8 @@ class TenantAdmin:
     def delete(self, tenant: str, keys: Sequence[bytes]) -> int:
         """Delete the blocks (and the descendants that depend on them); returns how many.
 
-        With a remote tier, the remote copies go first: each key's under every known model,
-        and every block written under them by any server (:meth:`RemoteTier.delete_subtrees`
+        With a remote tier, the remote copies go first: each key's under every model written
+        there (by any server), and every block written under them by any server (:meth:`RemoteTier.delete_subtrees`
         follows the children sets each remote write records; the subtree held here is passed
         too, for copies an older version wrote without them). When any cannot be reached,
         :class:`Unavailable` is raised and nothing is deleted here, so a retry deletes the same
@@ -54,7 +54,10 @@ class TenantAdmin:
             roots = [m for key in keys if (m := self._index.get(tenant, key)) is not None]
             n = 0
             if self._remote is not None:
-                start = {(key, fp): None for key in keys for fp in self._specs}
+                # every model written to the remote tier, by any server: this one may never
+                # have seen the model (restarted, another replica; the service's Delete says none)
+                fps = set(self._specs) | self._remote.models()
+                start = {(key, fp): None for key in keys for fp in fps}
                 for m in roots:
                     for d in self._index.subtree(m):
                         start[(d.key, d.fingerprint)] = None

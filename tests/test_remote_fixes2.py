@@ -229,3 +229,20 @@ def test_drop_tenant_failing_half_way_in_redis_keeps_the_local_blocks(
         assert s._remote.contains_many(_refs("acme", keys)) == [False] * 2
     finally:
         s.close()
+
+
+# -- p14: a server that never saw the model deletes its blocks -------------------------------------
+def test_delete_on_a_server_that_never_saw_the_model(servers) -> None:
+    """A fresh server (restarted, another replica: the service's Delete carries no model)
+    deleted no remote copy, returned 0, and the chain stayed served."""
+    a = servers("a")
+    keys = a.block_keys("acme", SPEC, tokens(3, SPEC))
+    kv = make_kv(SPEC, 3)
+    a.put("acme", SPEC, keys, kv)
+    a.flush()
+    a.close()
+    b = servers("b")
+    assert b._specs == {}
+    assert b.delete("acme", [keys[1]]) >= 2
+    assert b.get("acme", SPEC, keys).shape[0] == 1
+    assert b._remote.contains_many(_refs("acme", keys)) == [True, False, False]

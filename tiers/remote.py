@@ -30,7 +30,10 @@ Primitives and what each guarantees:
   server — stop counting).
 
 Keys: ``<namespace>:<tenant hash hex>:<fingerprint hex>:<block key hex>`` (no hash tags, so a
-cluster spreads one prefix over every node). Children sets: a write that knows the block's parent
+cluster spreads one prefix over every node). ``<namespace>:models``: the fingerprints of every
+model written (each server adds one the first time it writes a block of it), so a server that
+never saw a model (restarted, another replica; a service Delete carries keys, no model) deletes
+its blocks too. Children sets: a write that knows the block's parent
 (``parent=``: the Store always passes it) adds the block's key to the Redis set
 ``<parent's key>:c`` in the same pipelined round trip (a Lua script that keeps the set alive at
 least as long as its longest-lived member; a write whose set could not be updated is taken back),
@@ -240,6 +243,8 @@ class RemoteTier:
         # tenant -> block keys a delete_subtrees is removing now: the writer drops a queued
         # block that is one of them or a child of one (and adds it), so none lands behind it
         self._doomed: dict[str, set[bytes]] = {}
+        self._models_key = f"{config.namespace}:models"
+        self._models_seen: set[bytes] = set()  # fingerprints this server has added there
         self._resync_due = False
         self._last_resync = -math.inf
         self._closed = False
@@ -568,6 +573,10 @@ class RemoteTier:
             # a delete of any ancestor finds it (see delete_subtrees)
             ckey = self._children_key(ref.tenant, ref.spec.fingerprint, parent)
             cmds.append((ckey, ("EVAL", _ADD_CHILD, 1, ckey, ref.key, "" if px is None else str(px))))
+        fp = ref.spec.fingerprint
+        new_model = fp not in self._models_seen
+        if new_model:  # NOTE: so a server that never saw the model can delete its blocks
+            cmds.append((self._models_key, ("SADD", self._models_key, fp)))
         cmds.append((key, ("SET", key, value) if px is None else ("SET", key, value, "PX", px)))
         replies = self._multi(cmds)
         if replies[-1] is not True:
@@ -578,6 +587,9 @@ class RemoteTier:
             self._call(key, lambda: self._client.unlink(key))
             self._count("put_failures")
             return False, scratch
+        if new_model:
+            with self._lock:
+                self._models_seen.add(fp)
         self._account(ref, local_deadline, key)
         self._count("puts")
         self._count("put_bytes", ref.nbytes)
@@ -922,6 +934,17 @@ class RemoteTier:
                 f"{failed} of {len(refs)} remote copies could not be deleted; retry the delete "
                 f"once the remote tier answers")
         return n
+
+    def models(self) -> set[bytes]:
+        """The fingerprints of every model any server sharing this namespace has written a
+        block of (the set ``<namespace>:models``, never expiring: a handful of entries).
+        Raises :class:`Unavailable` when it cannot be read."""
+        res = self._call(self._models_key, lambda: self._client.smembers(self._models_key))
+        if not _ok(res):
+            raise Unavailable(f"remote tier (Redis) unreachable "
+                              f"({'breaker open' if res is _SKIPPED else res}): the models written "
+                              f"there could not be listed; retry once the remote tier answers")
+        return {bytes(fp) for fp in res}
 
     def delete_subtrees(self, tenant: str, roots: Sequence[tuple[bytes, bytes]]) -> set[bytes]:
         """Remove the blocks ``roots`` (``(block key, model fingerprint)`` pairs) of ``tenant``
