@@ -943,7 +943,7 @@ class RemoteTier:
         if not _ok(res):
             raise Unavailable(f"remote tier (Redis) unreachable "
                               f"({'breaker open' if res is _SKIPPED else res}): the models written "
-                              f"there could not be listed; retry once the remote tier answers")
+                              f"there could not be listed; retry the delete once the remote tier answers")
         return {bytes(fp) for fp in res}
 
     def delete_subtrees(self, tenant: str, roots: Sequence[tuple[bytes, bytes]]) -> set[bytes]:
