@@ -468,6 +468,10 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                             # NOTE: its NVMe record too: a restart read the old deadline there
                             # and dropped the block before the one it had been given
                             self._nvme.update_record(self._place.record(m))
+                        if self._remote is not None:
+                            # NOTE: and its remote copy (queued, behind a queued write of it):
+                            # another server read the old deadline there and deleted it
+                            self._remote.submit_ttl(self._place.ref(m), later, parent=m.parent)
                 if sess is not None:
                     for m in held:
                         self._session_add(sess, m)

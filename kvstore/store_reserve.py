@@ -203,6 +203,8 @@ class ReservedPuts:
                     for sub in self._index.subtree(m):
                         self._place.remove(sub)
             for m, deadline in timed:
+                if m.ttl_deadline != deadline and self._remote is not None:
+                    self._remote.submit_ttl(self._place.ref(m), deadline, parent=m.parent)
                 m.ttl_deadline = deadline
             raise
 

@@ -246,3 +246,28 @@ def test_delete_on_a_server_that_never_saw_the_model(servers) -> None:
     assert b.delete("acme", [keys[1]]) >= 2
     assert b.get("acme", SPEC, keys).shape[0] == 1
     assert b._remote.contains_many(_refs("acme", keys)) == [True, False, False]
+
+
+# -- p1: a TTL moved by a later put reaches the remote copy ----------------------------------------
+def test_a_deadline_moved_by_a_later_put_reaches_the_remote_copy(servers) -> None:
+    """The second put moved the deadline locally (and on NVMe) but not in Redis: another
+    server read the old deadline there, missed the blocks and deleted them."""
+    a, b = servers("a"), servers("b")
+    keys = a.block_keys("acme", SPEC, tokens(2, SPEC))
+    kv = make_kv(SPEC, 2)
+    a.put("acme", SPEC, keys, kv, ttl_s=10.0)
+    a.flush()
+    a.put("acme", SPEC, keys, kv, ttl_s=100.0)  # moves the deadline
+    a.flush()
+    servers.clock.advance(20.0)
+    assert torch.equal(b.get("acme", SPEC, keys), kv)
+    assert [b._index.get("acme", k).ttl_deadline for k in keys] == [servers.clock() + 80.0] * 2
+    raw = redis.Redis.from_url(servers.url)
+    try:  # Redis' own expiry moved too (the cap is 7 days): 80 s left, not none
+        assert 70_000 < raw.pttl(a._remote.redis_key(_refs("acme", keys)[1])) <= 100_000
+        children = a._remote._children_key("acme", SPEC.fingerprint, keys[0])
+        assert 70_000 < raw.pttl(children) <= 100_000  # keys[1]'s parent's children set
+    finally:
+        raw.close()
+    servers.clock.advance(80.0)
+    assert b.get("acme", SPEC, keys).shape[0] == 0

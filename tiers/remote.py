@@ -158,16 +158,22 @@ _UNKNOWN = RemoteInfo(None, None, False)
 
 
 class _Job(NamedTuple):
-    """One queued demotion: the block, its bytes (owned by the tier), TTL deadline, the tenant's
-    epoch when queued, quantization, creation time and parent key (None: not known)."""
+    """One queued item: a demotion — the block, its bytes (owned by the tier), TTL deadline, the
+    tenant's epoch when queued, quantization, creation time and parent key (None: not known) —
+    or a move of a block's deadline (``data`` None: :meth:`RemoteTier.submit_ttl`)."""
 
     ref: BlockRef
-    data: np.ndarray
+    data: np.ndarray | None
     deadline: float | None
     epoch: int
     quant: QuantArg
     created: float | None
     parent: bytes | None
+
+    @property
+    def nbytes(self) -> int:
+        """Raw bytes it holds in the queue (0 for a deadline move)."""
+        return 0 if self.data is None else self.ref.nbytes
 
 
 def _ok(reply: Any) -> bool:
@@ -648,6 +654,23 @@ class RemoteTier:
         self._count("queue_submitted")
         return True
 
+    def submit_ttl(self, ref: BlockRef, ttl_deadline: float | None, *,
+                   parent: bytes | None = None) -> bool:
+        """Queue a move of the block's deadline (:meth:`update_ttl`, by the background writer,
+        after every demotion queued before it: a queued copy of the block is written first);
+        False (nothing queued, counted ``ttl_rejected``) when the queue is full or closed."""
+        with self._cond:
+            if self._closed or len(self._queue) >= self.config.queue_depth:
+                with self._lock:
+                    self._counts["ttl_rejected"] += 1
+                return False
+            self._queue.append(_Job(ref, None, ttl_deadline, self._epochs.get(ref.tenant, 0),
+                                    None, None, parent))
+            self._pending += 1
+            self._cond.notify_all()
+        self._count("ttl_submitted")
+        return True
+
     def _drain(self) -> None:
         scratch = np.empty(0, dtype=np.uint8)
         while True:
@@ -680,6 +703,9 @@ class RemoteTier:
                     self._count("queue_dropped")  # the tenant was deleted meanwhile
                 elif self._writing_cancelled:
                     self._count("queue_cancelled")
+                elif job.data is None:
+                    ok = self.update_ttl(ref, job.deadline, parent=job.parent)
+                    self._count("ttl_moved" if ok else "ttl_not_moved")
                 else:
                     ok, scratch = self._put_with(scratch, ref, job.data, job.deadline, job.quant,
                                                  job.created, job.parent)
@@ -694,14 +720,18 @@ class RemoteTier:
                 self._count("queue_errors")
             finally:
                 with self._cond:
-                    self._queued_bytes -= ref.nbytes
-                    self._unqueue(ref)
+                    self._unqueue(job)
                     self._writing = None
                     self._pending -= 1
                     self._cond.notify_all()
 
-    def _unqueue(self, ref: BlockRef) -> None:
-        left = self._tenant_queued.get(ref.tenant, 0) - ref.nbytes
+    def _unqueue(self, job: _Job) -> None:
+        """Take ``job``'s bytes off the queue's counts. Caller holds ``_cond``."""
+        if not job.nbytes:
+            return
+        ref = job.ref
+        self._queued_bytes -= job.nbytes
+        left = self._tenant_queued.get(ref.tenant, 0) - job.nbytes
         if left > 0:
             self._tenant_queued[ref.tenant] = left
         else:
@@ -735,8 +765,7 @@ class RemoteTier:
         out: list[_Job] = []
         for job in self._queue:
             if hit(job):
-                self._queued_bytes -= job.ref.nbytes
-                self._unqueue(job.ref)
+                self._unqueue(job)
                 self._pending -= 1
                 out.append(job)
             else:
@@ -764,13 +793,14 @@ class RemoteTier:
         with self._cond:
             while True:
                 jobs = self._drop_queued(lambda job: job.ref.tenant == tenant and self._is_doomed(job))
-                out.update(job.ref.key for job in jobs)
+                out.update(job.ref.key for job in jobs if job.data is not None)
                 if not jobs:
                     break
             writing = self._writing
             if self._wait_writing(lambda job: job.ref.tenant == tenant and self._is_doomed(job)):
                 assert writing is not None
-                out.add(writing.ref.key)
+                if writing.data is not None:
+                    out.add(writing.ref.key)
             self._cond.notify_all()
         if out:
             self._count("queue_cancelled", len(out))
@@ -1010,16 +1040,23 @@ class RemoteTier:
             f"remote tier (Redis) unreachable ({'breaker open' if bad[0] is _SKIPPED else bad[0]}): "
             f"{len(bad)} of {total} blocks' {what}; retry the delete once the remote tier answers")
 
-    def update_ttl(self, ref: BlockRef, ttl_deadline: float | None) -> bool:
+    def update_ttl(self, ref: BlockRef, ttl_deadline: float | None, *,
+                   parent: bytes | None = None) -> bool:
         """Move a block's deadline (later only is the Store's business): its envelope's and
-        Redis' expiry, together; False on a fault or when the block is not there."""
+        Redis' expiry, together; False on a fault or when the block is not there. ``parent``:
+        its parent's children set is kept alive as long (see :meth:`put`)."""
         px, local = self._px(ttl_deadline)
         if px == 0:
             return self.delete(ref)
         key = self.redis_key(ref)
         packed = struct.pack("<d", _opt(ttl_deadline))
-        res = self._call(key, lambda: self._client.eval(
-            _UPDATE_TTL, 1, key, ENVELOPE_MAGIC, packed, "" if px is None else str(px)))
+        pxarg = "" if px is None else str(px)
+        cmds: list[tuple[bytes | str, tuple[Any, ...]]] = [
+            (key, ("EVAL", _UPDATE_TTL, 1, key, ENVELOPE_MAGIC, packed, pxarg))]
+        if parent is not None and parent != ROOT_KEY:
+            ckey = self._children_key(ref.tenant, ref.spec.fingerprint, parent)
+            cmds.append((ckey, ("EVAL", _ADD_CHILD, 1, ckey, ref.key, pxarg)))
+        res = self._multi(cmds)[0]
         if res == 1:
             with self._lock:
                 h = self._held.get(ref.ident)
@@ -1119,7 +1156,7 @@ class RemoteTier:
             if self._resync_due:
                 self._resync_due = False
                 self._pending -= 1
-            self._queued_bytes -= sum(job.ref.nbytes for job in self._queue)
+            self._queued_bytes -= sum(job.nbytes for job in self._queue)
             self._queue.clear()
             self._tenant_queued.clear()
             self._cond.notify_all()
