@@ -20,6 +20,11 @@ Primitives and what each guarantees:
   under it becomes unreadable (crypto-shredding), and ``data_key(tenant, create=False)`` then
   raises :class:`~kvstore.errors.KeyUnavailable`. It is idempotent: a key already gone (another
   server sharing the backend destroyed it first) is no error.
+* Every data key has a **key id** (:func:`key_id`: 8 bytes of a hash of its wrapped form, which
+  is public anyway): :meth:`Keyring.key_id` answers it for the cached copy, so a reader can tell
+  a value written under another key (a tenant deleted and created again: a server with the old
+  key cached) from a damaged one, and :meth:`Keyring.forget` drops the cached copy so the next
+  read goes to the backend.
 * A wrong master key is detected when the keyring opens (a check entry under the reserved name
   ``""`` is stored in the backend on first use) and when a wrapped key fails to unwrap; both raise
   :class:`~kvstore.errors.FailedPrecondition` — deliberately NOT an IntegrityError, so a store
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import os
 import stat
 import threading
@@ -58,6 +64,14 @@ _CHECK_NAME = ""
 _CHECK_PLAINTEXT = b"kvstore master key check v1".ljust(KEY_BYTES, b"\x00")
 
 RandomBytes = Callable[[int], bytes]
+KEY_ID_BYTES = 8
+
+
+def key_id(wrapped: bytes) -> bytes:
+    """The id of a data key: 8 bytes of BLAKE2b of its wrapped form (what the backend stores;
+    it says nothing of the key itself). Two keys of one tenant get different ids (the wrapping
+    nonce alone differs), so a value can carry the id of the key it was written under."""
+    return hashlib.blake2b(bytes(wrapped), digest_size=KEY_ID_BYTES, person=b"kvstore-keyid").digest()
 
 
 # -- master key -------------------------------------------------------------------------------
@@ -205,7 +219,8 @@ class Keyring:
         self._random = random_bytes
         self._ttl = cache_ttl_s
         self._clock = clock
-        self._cache: dict[str, tuple[bytes, float]] = {}  # tenant -> (key, when it was read)
+        # tenant -> (key, when it was read, key id)
+        self._cache: dict[str, tuple[bytes, float, bytes]] = {}
         self._lock = threading.Lock()  # the cache
         self._io = threading.Lock()  # backend access; taken before _lock, never after
         with self._io:
@@ -258,14 +273,13 @@ class Keyring:
                 raise KeyUnavailable(f"tenant {tenant!r} has no data key (deleted or never written)")
             else:
                 key = _check_key(self._random(KEY_BYTES), "the random generator")
-                self._backend[tenant] = self._wrap(tenant, key)
+                wrapped = self._wrap(tenant, key)
+                self._backend[tenant] = wrapped
             with self._lock:
-                self._cache[tenant] = (key, now)
+                self._cache[tenant] = (key, now, key_id(wrapped))
             return key
 
-    def cached(self, tenant: str) -> bytes | None:
-        """The tenant's key when this keyring holds a copy it still trusts (younger than
-        ``cache_ttl_s``), else None; never touches the backend."""
+    def _entry(self, tenant: str) -> tuple[bytes, float, bytes] | None:
         with self._lock:
             hit = self._cache.get(tenant)
             if hit is None:
@@ -273,7 +287,24 @@ class Keyring:
             if self._ttl is not None and self._clock() - hit[1] >= self._ttl:
                 del self._cache[tenant]
                 return None
-            return hit[0]
+            return hit
+
+    def cached(self, tenant: str) -> bytes | None:
+        """The tenant's key when this keyring holds a copy it still trusts (younger than
+        ``cache_ttl_s``), else None; never touches the backend."""
+        hit = self._entry(tenant)
+        return None if hit is None else hit[0]
+
+    def key_id(self, tenant: str) -> bytes | None:
+        """The :func:`key_id` of the tenant's key when a trusted copy is cached (as
+        :meth:`cached`), else None; never touches the backend."""
+        hit = self._entry(tenant)
+        return None if hit is None else hit[2]
+
+    def forget(self, tenant: str) -> None:
+        """Drop the cached copy of the tenant's key: the next :meth:`data_key` reads the backend."""
+        with self._lock:
+            self._cache.pop(tenant, None)
 
     def destroy(self, tenant: str) -> bool:
         """Crypto-shred: delete the tenant's wrapped and cached key. True if it existed here.
@@ -296,4 +327,4 @@ class Keyring:
             return sorted(name for name in self._backend if name != _CHECK_NAME)
 
 
-__all__ = ["DEFAULT_ENV_VAR", "KEY_BYTES", "Keyring", "load_master_key"]
+__all__ = ["DEFAULT_ENV_VAR", "KEY_BYTES", "KEY_ID_BYTES", "Keyring", "key_id", "load_master_key"]

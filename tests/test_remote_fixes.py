@@ -26,7 +26,7 @@ from kvstore.keyring import Keyring
 from kvstore.spec import ModelSpec
 from kvstore.store import Store
 from tiers.base import BlockRef
-from tiers.remote import RemoteTier
+from tiers.remote import ENVELOPE, RemoteTier
 from tiers.remote_config import RemoteConfig
 
 SPEC = ModelSpec(model="m", revision="r1", num_layers=2, num_kv_heads=2, head_dim=8,
@@ -96,12 +96,12 @@ def test_respill_and_update_ttl_keep_the_deadline_in_the_value(servers) -> None:
         other = BlockRef("acme", bytes(range(1, 33)), SPEC)
         assert t.put(other, data)
         value = raw.get(t.redis_key(other))
-        raw.set(t.redis_key(other), value[24:])  # as an older version wrote it
+        raw.set(t.redis_key(other), value[ENVELOPE.size:])  # as an older version wrote it
         info.clear()
         assert t.get_into(other, out, info=info) and not info[0].known
         assert np.array_equal(out, data)
         assert not t.update_ttl(other, clock() + 5.0)  # never rewrites a value it cannot parse
-        assert raw.get(t.redis_key(other)) == value[24:]
+        assert raw.get(t.redis_key(other)) == value[ENVELOPE.size:]
     finally:
         raw.close()
 

@@ -271,3 +271,67 @@ def test_a_deadline_moved_by_a_later_put_reaches_the_remote_copy(servers) -> Non
         raw.close()
     servers.clock.advance(80.0)
     assert b.get("acme", SPEC, keys).shape[0] == 0
+
+
+# -- p2: a tenant deleted and created again, seen by a server with the old key cached --------------
+def _recreated(servers):
+    """B read the tenant's blocks (its data key is cached there); A deleted the tenant, and a
+    put created it again (a new data key) with a new chain."""
+    a, b = servers("a"), servers("b")
+    old = a.block_keys("acme", SPEC, tokens(2, SPEC))
+    a.put("acme", SPEC, old, make_kv(SPEC, 2))
+    a.flush()
+    assert b.get("acme", SPEC, old).shape[0] == 2  # the old key is cached in B now
+    a.drop_tenant("acme")
+    servers.clock.advance(1.0)
+    new = a.block_keys("acme", SPEC, tokens(2, SPEC, start=1_000))
+    kv = make_kv(SPEC, 2, seed=5)
+    a.put("acme", SPEC, new, kv)
+    a.flush()
+    return a, b, new, kv
+
+
+def test_a_reader_with_a_stale_key_rereads_it_and_deletes_nothing(servers) -> None:
+    """B decrypted the new blocks with the destroyed key it had cached: integrity failures,
+    and it DELETED them (valid blocks, for every server)."""
+    a, b, new, kv = _recreated(servers)
+    assert torch.equal(b.get("acme", SPEC, new), kv)
+    assert b._remote.metrics().get("integrity_failures", 0) == 0
+    assert b._remote.metrics()["key_rereads"] == 1
+    assert a._remote.contains_many(_refs("acme", new)) == [True, True]
+
+
+def test_a_writer_with_a_stale_key_writes_with_the_tenants_new_key(servers) -> None:
+    """B wrote its new blocks with the destroyed key it had cached: nobody could read them
+    (A took them for damaged and deleted them)."""
+    a, b, _, _ = _recreated(servers)
+    mine = b.block_keys("acme", SPEC, tokens(1, SPEC, start=5_000))
+    kv = make_kv(SPEC, 1, seed=9)
+    b.put("acme", SPEC, mine, kv)
+    b.flush()
+    assert b._remote.metrics()["put_stale_key"] == 1  # found out, taken back, written again
+    assert torch.equal(a.get("acme", SPEC, mine), kv)
+    assert a._remote.metrics().get("integrity_failures", 0) == 0
+
+
+def test_a_value_under_a_destroyed_key_is_a_miss_and_is_deleted(servers) -> None:
+    """A copy made with the tenant's old key (kept by the operator, or written by a server
+    that missed the deletion) is read as what it is: under a key the tenant no longer has."""
+    a, b = servers("a"), servers("b")
+    keys = a.block_keys("acme", SPEC, tokens(1, SPEC))
+    a.put("acme", SPEC, keys, make_kv(SPEC, 1))
+    a.flush()
+    raw = redis.Redis.from_url(servers.url)
+    try:
+        rkey = a._remote.redis_key(_refs("acme", keys)[0])
+        straggler = raw.get(rkey)
+        a.drop_tenant("acme")
+        servers.clock.advance(1.0)
+        a.put("acme", SPEC, a.block_keys("acme", SPEC, tokens(1, SPEC, start=99)), make_kv(SPEC, 1))
+        a.flush()  # the tenant has a new key
+        raw.set(rkey, straggler)
+        assert b.get("acme", SPEC, keys).shape[0] == 0
+        assert b._remote.metrics()["misses_foreign_key"] == 1
+        assert raw.get(rkey) is None
+    finally:
+        raw.close()

@@ -42,9 +42,10 @@ so a deletion finds every descendant written by any server without a ``SCAN``: o
 trip), about 40 bytes of Redis memory per non-root block, and a deletion as many round trips as
 the deleted subtree has levels (a 1,000-block chain: 1,000 round trips). A queued demotion of a
 block under a block being deleted is dropped. Blocks written before this (no children set) are
-found only through the local subtree the deleting server passes. Values: a 24-byte envelope of this tier
-(:data:`ENVELOPE`: magic, version, the block's TTL deadline and creation time, NaN = none) then
-a :mod:`kvstore.codec` value. Redis' own expiry (``PX``) is the deadline capped at
+found only through the local subtree the deleting server passes. Values: a 32-byte envelope of this tier
+(:data:`ENVELOPE`: magic, version, the block's TTL deadline and creation time, NaN = none, and
+the id of the tenant data key it was encrypted with) then a :mod:`kvstore.codec` value (the
+24-byte version 1, without the key id, is still read). Redis' own expiry (``PX``) is the deadline capped at
 ``ttl_cap_s``; the envelope keeps the deadline itself, so a block promoted from here keeps it
 (it got the tenant's default TTL before, and a re-spill then wrote it for the whole cap), and a
 value read at or past its deadline is a miss and is deleted. NOTE: the envelope is not
@@ -54,6 +55,17 @@ is read with nothing known (``RemoteInfo.known`` False). The tenants' data keys 
 wrapped by the master key, in the same Redis (``<namespace>:keyring:...``) so every node with
 the same master key reads every other node's blocks; a node with another master key fails at
 open (the keyring's check entry does not unwrap).
+
+Key ids (a tenant deleted and created again under its name gets a new data key, while other
+servers may hold the old one cached for ``key_cache_ttl_s``): a reader that finds a value whose
+key id is not its cached key's re-reads the key from Redis once (under the breaker, at most once
+every :data:`KEY_REFRESH_S` per tenant) before anything else: the value then decodes, or is
+under a key the tenant no longer has (a miss, deleted: nobody can read it), or — not confirmed
+— a miss that deletes nothing. Only a value whose key id matches and still fails its check is
+damaged (deleted, ``integrity_failures``). A writer reads the tenant's wrapped key in the same
+pipelined round trip as its ``SET``: when it is not the key it encrypted with, it takes the
+value back, forgets the key and the tombstone it had cached, and writes once more with what it
+reads then (``put_stale_key``), so no value is left under a destroyed key.
 
 Tombstones: ``delete_tenant`` records the deletion time in ``<namespace>:dropped:<hex tenant>``
 (:class:`~tiers.remote_redis.TenantTombstones`, never expiring) before it destroys the key. Every
@@ -97,7 +109,7 @@ from redis.exceptions import RedisClusterException, RedisError
 from kvstore.block import Tier
 from kvstore.codec import Codec, CodecConfig, tenant_hash
 from kvstore.errors import FailedPrecondition, IntegrityError, KeyUnavailable, Unavailable
-from kvstore.keyring import Keyring
+from kvstore.keyring import KEY_ID_BYTES, Keyring, key_id
 from kvstore.keys import ROOT_KEY
 from kvstore.quantization import QuantArg
 from tiers.base import BlockRef, TierUsage, as_bytes_view
@@ -115,15 +127,23 @@ from tiers.remote_redis import (
 #: Everything a Redis round trip can raise (RedisClusterException is not a RedisError).
 FAULTS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
 _SKIPPED = object()  # a call not sent because its node's breaker is open
+_STALE = object()  # a write made with a data key that is not the tenant's any more
 _STANDALONE = "server"
 
 #: The tier's envelope before each codec value: magic, version, 3 pad bytes, the block's TTL
-#: deadline and its creation time (float seconds since the epoch; NaN = none). The deadline
-#: sits at :data:`_DEADLINE_AT`, where ``update_ttl`` rewrites it in place.
-ENVELOPE = struct.Struct("<4sB3xdd")
+#: deadline and its creation time (float seconds since the epoch; NaN = none), and the id of the
+#: tenant data key it was encrypted with (:func:`kvstore.keyring.key_id`; zeros = none). The
+#: deadline sits at :data:`_DEADLINE_AT`, where ``update_ttl`` rewrites it in place. Version 1
+#: (:data:`ENVELOPE_V1`, no key id) is still read.
+ENVELOPE = struct.Struct("<4sB3xdd8s")
+ENVELOPE_V1 = struct.Struct("<4sB3xdd")
 ENVELOPE_MAGIC = b"KVRE"
-ENVELOPE_VERSION = 1
+ENVELOPE_VERSION = 2
 _DEADLINE_AT = 8
+_NO_KID = bytes(KEY_ID_BYTES)
+#: least time between two forced re-reads of one tenant's data key (a value under a key id
+#: other than the cached key's): a flood of such values must not become a flood of reads
+KEY_REFRESH_S = 1.0
 _NONE = float("nan")
 
 # Moves a block's deadline: its envelope's field and Redis' expiry, together, only when the key
@@ -147,11 +167,13 @@ _CHILDREN = b"c"  # last segment of a children set's key
 
 class RemoteInfo(NamedTuple):
     """What a remote value says of its block: TTL deadline and creation time (None: none).
-    ``known`` is False for a value written without the envelope (nothing known then)."""
+    ``known`` is False for a value written without the envelope (nothing known then).
+    ``kid``: the id of the data key it was written under (None: not recorded)."""
 
     deadline: float | None
     created: float | None
     known: bool = True
+    kid: bytes | None = None
 
 
 _UNKNOWN = RemoteInfo(None, None, False)
@@ -201,12 +223,17 @@ def _unopt(x: float) -> float | None:
 def _split(value: Any) -> tuple[Any, RemoteInfo]:
     """(codec value, what the envelope says) of one stored value."""
     mv = memoryview(value).cast("B")
-    if len(mv) < ENVELOPE.size or mv[:4] != ENVELOPE_MAGIC:
+    if len(mv) < ENVELOPE_V1.size or mv[:4] != ENVELOPE_MAGIC:
         return mv, _UNKNOWN
-    _, version, deadline, created = ENVELOPE.unpack_from(mv)
-    if version != ENVELOPE_VERSION:
+    version = mv[4]
+    if version == 1:
+        _, _, deadline, created = ENVELOPE_V1.unpack_from(mv)
+        return mv[ENVELOPE_V1.size:], RemoteInfo(_unopt(deadline), _unopt(created))
+    if version != ENVELOPE_VERSION or len(mv) < ENVELOPE.size:
         raise IntegrityError(f"remote value envelope version {version} is not {ENVELOPE_VERSION}")
-    return mv[ENVELOPE.size:], RemoteInfo(_unopt(deadline), _unopt(created))
+    _, _, deadline, created, kid = ENVELOPE.unpack_from(mv)
+    return mv[ENVELOPE.size:], RemoteInfo(_unopt(deadline), _unopt(created), True,
+                                          None if kid == _NO_KID else kid)
 
 
 class RemoteTier:
@@ -236,6 +263,7 @@ class RemoteTier:
         self._th: dict[str, str] = {}
         # tenant -> (deletion time or None, monotonic time it was read)
         self._marks: dict[str, tuple[float | None, float]] = {}
+        self._key_reads: dict[str, float] = {}  # tenant -> monotonic time of the last forced re-read
         self._put_lock = threading.Lock()
         self._put_scratch = np.empty(0, dtype=np.uint8)
         # asynchronous demotion: a bounded deque drained by one writer thread
@@ -557,50 +585,93 @@ class RemoteTier:
             self._count("put_refused")
             self._want_resync()
             return False, scratch
+        for _ in range(2):  # NOTE: again (once) after finding the data key cached here stale
+            res, scratch = self._put_once(scratch, ref, data, deadline, quant, created, parent, px)
+            if res is not _STALE:
+                break
+        else:
+            self._count("put_failures")
+            return False, scratch
+        if not res:
+            return False, scratch
+        self._account(ref, local_deadline, self.redis_key(ref))
+        self._count("puts")
+        self._count("put_bytes", ref.nbytes)
+        self._count("put_stored_bytes", res)
+        return True, scratch
+
+    def _put_once(self, scratch: np.ndarray, ref: BlockRef, data: np.ndarray,
+                  deadline: float | None, quant: QuantArg, created: float | None,
+                  parent: bytes | None, px: int | None) -> tuple[Any, np.ndarray]:
+        """One write of :meth:`_put_with`: the bytes stored (> 0), 0 (failed, counted), or
+        ``_STALE``: the tenant's data key cached here is not the one in Redis any more (the
+        tenant was deleted, maybe created again): nothing is left written, the cached key and
+        tombstone are forgotten, and a second try reads both again."""
+        tenant = ref.tenant
+        keyring = self._keyring
         try:
-            if not self._admit(ref.tenant, created):
+            if not self._admit(tenant, created):
                 self._count("put_failures")
-                return False, scratch
+                return 0, scratch
+            kid = keyring.key_id(tenant) if keyring is not None else _NO_KID
+            if kid is None:  # the copy _admit made sure of expired meanwhile
+                return _STALE, scratch
             need = ENVELOPE.size + self.codec.max_encoded_nbytes(ref.spec)
             if scratch.shape[0] < need:
                 scratch = np.empty(need, dtype=np.uint8)
-            n = self.codec.encode_into(ref.tenant, ref.key, ref.spec, data,
+            n = self.codec.encode_into(tenant, ref.key, ref.spec, data,
                                        scratch[ENVELOPE.size:], quant=quant)
         except FAULTS + (FailedPrecondition,) as exc:  # keyring unreachable or unusable
             self._count("put_failures")
             self._count("key_errors" if isinstance(exc, FailedPrecondition) else "faults")
-            return False, scratch
-        ENVELOPE.pack_into(scratch, 0, ENVELOPE_MAGIC, ENVELOPE_VERSION, _opt(deadline), _opt(created))
+            return 0, scratch
+        if keyring is not None and keyring.key_id(tenant) not in (None, kid):
+            return _STALE, scratch  # re-read while encoding: which key the codec used is unsure
+        ENVELOPE.pack_into(scratch, 0, ENVELOPE_MAGIC, ENVELOPE_VERSION, _opt(deadline),
+                           _opt(created), kid)
         key = self.redis_key(ref)
         value = memoryview(scratch)[:ENVELOPE.size + n]
         cmds: list[tuple[bytes | str, tuple[Any, ...]]] = []
         if parent is not None and parent != ROOT_KEY:
             # NOTE: the child goes into its parent's children set (in the same round trip), so
             # a delete of any ancestor finds it (see delete_subtrees)
-            ckey = self._children_key(ref.tenant, ref.spec.fingerprint, parent)
+            ckey = self._children_key(tenant, ref.spec.fingerprint, parent)
             cmds.append((ckey, ("EVAL", _ADD_CHILD, 1, ckey, ref.key, "" if px is None else str(px))))
         fp = ref.spec.fingerprint
         new_model = fp not in self._models_seen
         if new_model:  # NOTE: so a server that never saw the model can delete its blocks
             cmds.append((self._models_key, ("SADD", self._models_key, fp)))
+        at = len(cmds)
         cmds.append((key, ("SET", key, value) if px is None else ("SET", key, value, "PX", px)))
+        if keyring is not None:
+            # NOTE: the tenant's key as Redis holds it now, in the same round trip: a key cached
+            # here may have been destroyed (the tenant deleted, maybe created again) by another
+            # server since; a value written with it would be unreadable (and, before key ids,
+            # was read as damaged and deleted by every server that had the new key)
+            kkey = keyring_key(f"{self._ns}:keyring:", tenant)
+            cmds.append((kkey, ("GET", kkey)))
         replies = self._multi(cmds)
-        if replies[-1] is not True:
+        if replies[at] is not True:
             self._count("put_failures")
-            return False, scratch
-        if not all(_ok(r) for r in replies[:-1]):
-            # stored, but not where a delete of an ancestor would find it: take it back
+            return 0, scratch
+        stale = keyring is not None and (not _ok(replies[-1]) or replies[-1] is None
+                                         or key_id(replies[-1]) != kid)
+        if stale or not all(_ok(r) for r in replies[:at]):
+            # stored, but with a key that is not the tenant's any more, or not where a delete
+            # of an ancestor would find it: take it back
             self._call(key, lambda: self._client.unlink(key))
+            if stale and _ok(replies[-1]):
+                self._count("put_stale_key")
+                keyring.forget(tenant)  # type: ignore[union-attr]
+                with self._lock:
+                    self._marks.pop(tenant, None)
+                return _STALE, scratch
             self._count("put_failures")
-            return False, scratch
+            return 0, scratch
         if new_model:
             with self._lock:
                 self._models_seen.add(fp)
-        self._account(ref, local_deadline, key)
-        self._count("puts")
-        self._count("put_bytes", ref.nbytes)
-        self._count("put_stored_bytes", ENVELOPE.size + n)
-        return True, scratch
+        return ENVELOPE.size + n, scratch
 
     def put(self, ref: BlockRef, data: Any, *, ttl_deadline: float | None = None,
             quant: QuantArg = None, created: float | None = None,
@@ -828,6 +899,15 @@ class RemoteTier:
                 self._count("misses_expired")
                 self._unlink(ref)
                 return None
+            if info.kid is not None and self._keyring is not None:
+                verdict = self._key_matches(ref.tenant, info.kid)
+                if verdict is not True:
+                    if verdict is None:  # the key here may be stale: a miss, nothing deleted
+                        self._count("misses_key_unconfirmed")
+                    else:  # under a key the tenant no longer has: nobody can read it
+                        self._count("misses_foreign_key")
+                        self._unlink(ref)
+                    return None
             self.codec.decode(ref.tenant, ref.key, ref.spec, body, out=out)
             dropped = self._dropped_at(ref.tenant, strict=False)
             if dropped is not None and (info.created is None or info.created <= dropped):
@@ -851,6 +931,37 @@ class RemoteTier:
         self._count("hits")
         self._count("get_bytes", ref.nbytes)
         return info
+
+    def _key_matches(self, tenant: str, kid: bytes) -> bool | None:
+        """Whether ``kid`` (a value's key id) is the id of ``tenant``'s data key: True; False
+        when it is not the key Redis holds (read just now); None when that could not be
+        confirmed (Redis not reached, or the key re-read less than :data:`KEY_REFRESH_S` ago).
+        A key id other than the cached key's makes one re-read of the key (under the breaker):
+        the cached copy may be the key of a tenant deleted and created again since. Raises
+        KeyUnavailable when the tenant has no key (FailedPrecondition: it does not unwrap)."""
+        keyring = self._keyring
+        assert keyring is not None
+        cur = keyring.key_id(tenant)
+        if cur == kid:
+            return True
+        if cur is not None:
+            now = self._monotonic()
+            with self._lock:
+                last = self._key_reads.get(tenant)
+                if last is not None and now - last < KEY_REFRESH_S:
+                    return None
+                if len(self._key_reads) > 4096:
+                    self._key_reads.clear()
+                self._key_reads[tenant] = now
+                self._marks.pop(tenant, None)  # a new key: the tenant was deleted meanwhile
+            keyring.forget(tenant)
+            self._count("key_rereads")
+        res = self._call(keyring_key(f"{self._ns}:keyring:", tenant),
+                         lambda: keyring.data_key(tenant, create=False))
+        if not _ok(res):
+            return None
+        cur = keyring.key_id(tenant)
+        return None if cur is None else cur == kid
 
     def get_into(self, ref: BlockRef, out: Any, *, info: list[RemoteInfo] | None = None) -> bool:
         """Copy the block into ``out`` (``ref.nbytes``); False on a miss of any kind.
