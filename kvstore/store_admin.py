@@ -38,7 +38,8 @@ class TenantAdmin:
     """Store methods of tenant and model administration and expiry (see the module docstring)."""
 
     def delete(self, tenant: str, keys: Sequence[bytes]) -> int:
-        """Delete the blocks (and the descendants that depend on them); returns how many.
+        """Delete the blocks (and the descendants that depend on them); returns how many
+        blocks were removed (each once, whether it had a local copy, a remote one or both).
 
         With a remote tier, the remote copies go first: each key's under every model written
         there (by any server), and every block written under them by any server (:meth:`RemoteTier.delete_subtrees`
@@ -52,24 +53,26 @@ class TenantAdmin:
             self._check_open()
             self._removals += 1  # a get fetching from the remote tier now promotes nothing
             roots = [m for key in keys if (m := self._index.get(tenant, key)) is not None]
-            n = 0
+            local = {d.key: d for m in roots for d in self._index.subtree(m)}
+            gone: set[bytes] = set()
             if self._remote is not None:
                 # every model written to the remote tier, by any server: this one may never
                 # have seen the model (restarted, another replica; the service's Delete says none)
                 fps = set(self._specs) | self._remote.models()
                 start = {(key, fp): None for key in keys for fp in fps}
-                for m in roots:
-                    for d in self._index.subtree(m):
-                        start[(d.key, d.fingerprint)] = None
+                for d in local.values():
+                    start[(d.key, d.fingerprint)] = None
                 # NOTE: raises before anything local goes (it said "ok" and the copies came back)
-                n += len(self._remote.delete_subtrees(tenant, list(start)))
+                gone = self._remote.delete_subtrees(tenant, list(start))
             for m in roots:
                 if self._index.get(m.tenant, m.key) is m:  # not under a root dropped before
-                    n += self._place.drop(m, reason="deleted")
-            return n
+                    self._place.drop(m, reason="deleted")
+            # NOTE: blocks, not copies: a block with a remote copy counted twice
+            return len(gone.union(local))
 
     def drop_tenant(self, tenant: str) -> int:
-        """Remove every block of ``tenant`` from every tier and destroy its data key.
+        """Remove every block of ``tenant`` from every tier and destroy its data key; returns how
+        many blocks were removed (each once, whatever copies it had).
 
         With a remote tier, the remote part goes first (its tombstone, its shared data key,
         its values): when the remote tier cannot be reached, :class:`Unavailable` is raised
@@ -80,15 +83,16 @@ class TenantAdmin:
         with self._lock, self._batch():
             self._check_open()
             self._removals += 1  # a get fetching from the remote tier now promotes nothing
-            n = 0
+            gone: set[bytes] = set()
             if self._remote is not None:  # destroys its shared data key, then its values
-                n += self._remote.delete_tenant(tenant)
+                gone = self._remote.purge_tenant(tenant)
             self._drop_epoch += 1  # NOTE: a reservation made before fails its commit
             self._dropped_at[tenant] = self._drop_epoch
             for m in sorted(self._index.of_tenant(tenant), key=lambda m: -m.depth):
                 if self._index.get(m.tenant, m.key) is m:
                     self._place.remove(m)
-                    n += 1
+                    gone.add(m.key)
+            n = len(gone)
             self._sessions.drop_tenant(tenant)
             self._tenant_policy.pop(tenant, None)
             self._place.priorities.pop(tenant, None)
@@ -104,20 +108,27 @@ class TenantAdmin:
             return n
 
     def purge_model(self, fingerprint: bytes) -> int:
-        """Remove every block of a model fingerprint (e.g. after a rollout). The remote copies
-        go first: :class:`Unavailable` (nothing deleted here) when they cannot be reached."""
+        """Remove every block of a model fingerprint (e.g. after a rollout); returns how many
+        blocks were removed (each once). The remote copies go first: :class:`Unavailable`
+        (nothing deleted here) when they cannot be reached."""
+        from kvstore.codec import tenant_hash
+
         with self._lock, self._batch():
             self._check_open()
             self._removals += 1
-            n = 0
+            gone: set[tuple[str, bytes]] = set()
             if self._remote is not None:
-                n += self._remote.delete_model(fingerprint)
+                gone = self._remote.purge_model(fingerprint)
             victims = sorted((m for m in self._index if m.fingerprint == fingerprint),
                              key=lambda m: -m.depth)
             for m in victims:
                 self._place.remove(m)
             self.counters.add("deleted", len(victims))
-            return n + len(victims)
+            hashes: dict[str, str] = {}
+            for m in victims:
+                th = hashes.get(m.tenant) or hashes.setdefault(m.tenant, tenant_hash(m.tenant).hex())
+                gone.add((th, m.key))
+            return len(gone)
 
     def set_tenant_policy(self, tenant: str, ttl_s: float | None = None,
                           quota_bytes: dict[str, int] | None = None,

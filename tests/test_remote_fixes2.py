@@ -335,3 +335,21 @@ def test_a_value_under_a_destroyed_key_is_a_miss_and_is_deleted(servers) -> None
         assert raw.get(rkey) is None
     finally:
         raw.close()
+
+
+# -- p8/p12: deletions count blocks, not copies ----------------------------------------------------
+def test_deletions_count_each_block_once(servers) -> None:
+    """A block with a local and a remote copy was counted twice: delete of a 3-block chain
+    answered 6, drop_tenant and purge_model summed the tiers too."""
+    a = servers("a")
+    for tenant in ("acme", "globex", "initech"):
+        keys = a.block_keys(tenant, SPEC, tokens(3, SPEC))
+        a.put(tenant, SPEC, keys, make_kv(SPEC, 3))
+    a.flush()
+    assert a.delete("acme", [a.block_keys("acme", SPEC, tokens(3, SPEC))[0]]) == 3
+    assert a.drop_tenant("globex") == 3
+    assert a.purge_model(SPEC.fingerprint) == 3  # initech's
+    b = servers("b", remote_write="demote")  # no remote copies: the same answers
+    keys = b.block_keys("acme", SPEC, tokens(3, SPEC))
+    b.put("acme", SPEC, keys, make_kv(SPEC, 3))
+    assert b.delete("acme", [keys[0]]) == 3
