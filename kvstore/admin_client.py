@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, Self
 
-from kvstore.client import Client, ClientTLS, spec_to_pb
+from kvstore.client import Client, ClientTLS, check_text, spec_to_pb
 from kvstore.errors import InvalidArgument
 from kvstore.spec import ModelSpec
 from proto.kvstore.v1 import admin_pb2 as apb
@@ -49,14 +49,15 @@ class AdminClient:
         if role not in _ROLES:
             raise InvalidArgument(f"role must be one of {', '.join(_ROLES)}, got {role!r}")
         r = self._call("CreateTenant", apb.CreateTenantRequest(
-            name=name, role=apb.Role.Value(f"ROLE_{role.upper()}"), namespaces=list(namespaces)))
+            name=check_text("tenant name", name), role=apb.Role.Value(f"ROLE_{role.upper()}"),
+            namespaces=[check_text("namespace", ns) for ns in namespaces]))
         return r.token
 
     def rotate_token(self, name: str) -> str:
-        return self._call("RotateToken", apb.TenantName(name=name)).token
+        return self._call("RotateToken", apb.TenantName(name=check_text("tenant name", name))).token
 
     def delete_tenant(self, name: str) -> None:
-        self._call("DeleteTenant", apb.TenantName(name=name))
+        self._call("DeleteTenant", apb.TenantName(name=check_text("tenant name", name)))
 
     def list_tenants(self) -> list[dict[str, Any]]:
         r = self._call("ListTenants", apb.ListTenantsRequest())
@@ -64,17 +65,19 @@ class AdminClient:
                  "created": t.created} for t in r.tenants]
 
     def grant(self, tenant: str, namespace: str, *, revoke: bool = False) -> None:
-        self._call("Grant", apb.GrantRequest(tenant=tenant, namespace=namespace, revoke=revoke))
+        self._call("Grant", apb.GrantRequest(tenant=check_text("tenant name", tenant),
+                                             namespace=check_text("namespace", namespace), revoke=revoke))
 
     def get_policy(self, tenant: str) -> dict[str, Any]:
-        return _policy_dict(self._call("GetPolicy", apb.TenantName(name=tenant)))
+        return _policy_dict(self._call("GetPolicy", apb.TenantName(name=check_text("tenant name", tenant))))
 
     def set_policy(self, tenant: str, *, ttl_s: float | None = None, quota_bytes: dict[str, int] | None = None,
                    priority: int = 0) -> dict[str, Any]:
         _in_range("priority", priority, -(1 << 31), (1 << 31) - 1)
         for tier, size in (quota_bytes or {}).items():
             _in_range(f"the quota for {tier}", size, 0, (1 << 64) - 1)
-        msg = apb.TenantPolicy(tenant=tenant, quota_bytes=quota_bytes or {}, priority=priority)
+        msg = apb.TenantPolicy(tenant=check_text("tenant name", tenant), quota_bytes=quota_bytes or {},
+                               priority=priority)
         if ttl_s is not None:
             msg.ttl_s = ttl_s
         return _policy_dict(self._call("SetPolicy", msg))

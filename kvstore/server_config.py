@@ -149,6 +149,12 @@ class LimitsConfig(BaseModel):
     max_regions_per_principal: Annotated[int, Field(ge=0)] = 64
     """Shared-memory regions one principal may have registered at once (0 disables the local plane)."""
 
+    region_idle_evict_s: Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)] = 60.0
+    """At ``max_regions_per_principal``, a new registration drops that principal's least
+    recently used region that no call is using and that has been idle this many seconds (its
+    live client registers it again at its next call) instead of being refused. Finite, at
+    most a day."""
+
     max_region_bytes: Annotated[ByteCount, Field(ge=1)] = 64 * GiB
     """Largest shared-memory region the server will map."""
 

@@ -54,9 +54,6 @@ if TYPE_CHECKING:
     from kvstore.store_reserve import PutReservation
 
 log = logging.getLogger(__name__)
-#: seconds a principal's region must go unused before a registration over
-#: ``limits.max_regions_per_principal`` may drop it (``limits.region_idle_evict_s`` where set)
-REGION_IDLE_EVICT_S = 60.0
 
 
 @dataclass(slots=True)
@@ -98,7 +95,7 @@ class DataPlane:
         self.inflight = InflightBudget(limits.max_inflight_bytes_per_tenant)
         # NOTE: getattr: the setting is read where the server's config has it
         self.regions = RegionTable(limits.max_regions_per_principal, limits.max_region_bytes,
-                                   idle_evict_s=getattr(limits, "region_idle_evict_s", REGION_IDLE_EVICT_S))
+                                   idle_evict_s=limits.region_idle_evict_s)
         if limits.max_regions_per_principal:
             self.regions.sweep()  # segments left by clients killed before this server started
         self.staging = StagingPool(limits.staging_cache_bytes)

@@ -183,6 +183,17 @@ def test_names_with_a_lone_surrogate_are_refused_in_the_client(sidecar):
     c.open_session("fine")
 
 
+def test_admin_names_with_a_lone_surrogate_are_refused_in_the_client(sidecar):
+    admin = sidecar.admin()
+    for call in (lambda: admin.create_tenant("\ud800x"), lambda: admin.rotate_token("a\udfff"),
+                 lambda: admin.delete_tenant("\ud800"), lambda: admin.grant("t", "shared:\ud800"),
+                 lambda: admin.create_tenant("ok", namespaces=["shared:\udc80"]),
+                 lambda: admin.get_policy("\ud800"), lambda: admin.set_policy("\ud800", ttl_s=5.0)):
+        with pytest.raises(InvalidArgument, match="surrogate"):
+            call()
+    assert "ok" not in [t["name"] for t in admin.list_tenants()]
+
+
 # -- SIGBUS --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("call", ["PutLocal", "GetLocal"])
 def test_a_region_truncated_by_its_tenant_fails_that_call_and_not_the_server(served, call):
@@ -446,6 +457,20 @@ def test_at_the_limit_an_idle_region_makes_room_and_its_live_client_registers_ag
             kv = random_kv(2, seed=seed)
             c.put(SPEC, keys, kv)
             assert torch.equal(c.get(SPEC, keys).view(torch.int16), kv.view(torch.int16))
+    finally:
+        sc.stop()
+
+
+def test_the_region_idle_time_is_a_config_field(tmp_path):
+    from kvstore import server_config
+
+    assert server_config.build({}, data_dir=tmp_path).limits.region_idle_evict_s == 60.0
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(InvalidArgument, match=r"limits\.region_idle_evict_s"):
+            server_config.build({"limits": {"region_idle_evict_s": bad}}, data_dir=tmp_path)
+    sc = start(tmp_path / "s", limits={"region_idle_evict_s": 5.0})
+    try:
+        assert sc.server.data.regions.idle_evict_s == 5.0
     finally:
         sc.stop()
 
