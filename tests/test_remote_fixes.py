@@ -60,7 +60,7 @@ def test_a_block_promoted_from_remote_keeps_its_deadline(servers) -> None:
 
 def test_an_expired_remote_copy_is_a_miss_and_is_deleted(servers) -> None:
     """Redis expires a copy on its own clock; a copy read at or past the deadline it was
-    written with (the Store's clock) is a miss, and is deleted."""
+    written with (the Store's clock) is a miss, and is deleted once ``skew_grace_s`` past it."""
     a, b = servers("a"), servers("b")
     keys = a.block_keys("acme", SPEC, tokens(2, SPEC))
     a.put("acme", SPEC, keys, make_kv(SPEC, 2), ttl_s=50.0)
@@ -68,7 +68,16 @@ def test_an_expired_remote_copy_is_a_miss_and_is_deleted(servers) -> None:
     servers.clock.advance(50.0)
     assert b.get("acme", SPEC, keys).shape[0] == 0
     assert b._remote.metrics()["misses_expired"] == 1
-    assert a._remote.contains_many(_refs("acme", keys)) == [False, True]  # the first is gone
+    raw = redis.Redis.from_url(servers.url)
+    try:
+        rkeys = [a._remote.redis_key(r) for r in _refs("acme", keys)]
+        assert [raw.exists(k) for k in rkeys] == [1, 1]  # within the grace: kept
+        assert a._remote.contains_many(_refs("acme", keys)) == [False, False]  # but expired
+        servers.clock.advance(60.0)
+        assert b.get("acme", SPEC, keys).shape[0] == 0
+        assert [raw.exists(k) for k in rkeys] == [0, 1]  # the first is gone
+    finally:
+        raw.close()
     assert b._index.get("acme", keys[0]) is None
 
 

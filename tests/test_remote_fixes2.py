@@ -34,6 +34,15 @@ def _refs(tenant: str, keys: list[bytes], spec: ModelSpec = SPEC) -> list[BlockR
     return [BlockRef(tenant, k, spec) for k in keys]
 
 
+def _in_redis(url: str, store: Store, tenant: str, keys: list[bytes]) -> list[bool]:
+    """Whether Redis holds each block's value (expired on some clock or not)."""
+    raw = redis.Redis.from_url(url)
+    try:
+        return [bool(raw.exists(store._remote.redis_key(r))) for r in _refs(tenant, keys)]
+    finally:
+        raw.close()
+
+
 def _values(servers) -> list[bytes]:
     """The block values (``<ns>:<tenant>:<model>:<key>``) in the servers' namespace."""
     raw = redis.Redis.from_url(servers.url)
@@ -353,3 +362,33 @@ def test_deletions_count_each_block_once(servers) -> None:
     keys = b.block_keys("acme", SPEC, tokens(3, SPEC))
     b.put("acme", SPEC, keys, make_kv(SPEC, 3))
     assert b.delete("acme", [keys[0]]) == 3
+
+
+# -- p16: clock skew -------------------------------------------------------------------------------
+def test_a_server_whose_clock_runs_ahead_does_not_delete_valid_copies(tmp_path, redis_ns) -> None:
+    """B's clock is 40 s ahead of A's: B read A's copies (30 s TTL) as expired and deleted
+    them, though A (and Redis) still had 30 s to serve them."""
+    url, ns = redis_ns
+    clocks = {"a": FakeClock(1_000_000.0), "b": FakeClock(1_000_040.0)}
+    stores = {name: Store.open(StoreConfig(
+        path=tmp_path / name, hbm_bytes=16 * N, dram_bytes=0, nvme_bytes=0, master_key=MASTER,
+        remote_write="through", remote=RemoteConfig(urls=[url], namespace=ns)), clock=clock)
+        for name, clock in clocks.items()}
+    a, b = stores["a"], stores["b"]
+    try:
+        keys = a.block_keys("acme", SPEC, tokens(2, SPEC))
+        kv = make_kv(SPEC, 2)
+        a.put("acme", SPEC, keys, kv, ttl_s=30.0)
+        a.flush()
+        assert b.get("acme", SPEC, keys).shape[0] == 0  # expired on B's clock: a miss there
+        assert _in_redis(url, a, "acme", keys) == [True, True]  # kept
+        # A drops its local copies (as eviction would)
+        for m in sorted(a._index.of_tenant("acme"), key=lambda m: -m.depth):
+            a._place.drop(m, reason="test")
+        assert torch.equal(a.get("acme", SPEC, keys), kv)  # A serves them from Redis
+        clocks["b"].advance(60.0)  # past the deadline by more than the grace on B's clock too
+        assert b.get("acme", SPEC, keys).shape[0] == 0
+        assert _in_redis(url, b, "acme", keys) == [False, True]  # the first is deleted
+    finally:
+        for s in stores.values():
+            s.close()

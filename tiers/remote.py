@@ -48,7 +48,8 @@ the id of the tenant data key it was encrypted with) then a :mod:`kvstore.codec`
 24-byte version 1, without the key id, is still read). Redis' own expiry (``PX``) is the deadline capped at
 ``ttl_cap_s``; the envelope keeps the deadline itself, so a block promoted from here keeps it
 (it got the tenant's default TTL before, and a re-spill then wrote it for the whole cap), and a
-value read at or past its deadline is a miss and is deleted. NOTE: the envelope is not
+value read at or past its deadline is a miss, and is deleted once ``skew_grace_s`` past it
+(the servers' clocks differ). NOTE: the envelope is not
 authenticated (the codec header is): whoever can write the Redis can move a deadline, as they
 can already put back a value deleted before. A value without the envelope (an older version)
 is read with nothing known (``RemoteInfo.known`` False). The tenants' data keys are kept,
@@ -893,11 +894,15 @@ class RemoteTier:
             return None
         try:
             body, info = _split(value)
-            if info.deadline is not None and self._clock() >= info.deadline:
+            now = self._clock()
+            if info.deadline is not None and now >= info.deadline:
                 # NOTE: Redis' expiry is the same deadline, but on Redis' clock; this one is
-                # the Store's (and a value whose deadline was moved back may outlive it there)
+                # the Store's (and a value whose deadline was moved back may outlive it there).
+                # Deleted only past the skew grace: a server whose clock runs ahead deleted
+                # copies the others still served
                 self._count("misses_expired")
-                self._unlink(ref)
+                if now >= info.deadline + self.config.skew_grace_s:
+                    self._unlink(ref)
                 return None
             if info.kid is not None and self._keyring is not None:
                 verdict = self._key_matches(ref.tenant, info.kid)
@@ -1020,10 +1025,22 @@ class RemoteTier:
         return n
 
     def contains_many(self, refs: Sequence[BlockRef]) -> list[bool]:
-        """Pipelined existence checks in the given (prefix) order; a fault reads as absent."""
-        replies = self._batch("EXISTS", [self.redis_key(r) for r in refs])
+        """Pipelined existence checks in the given (prefix) order; a fault reads as absent,
+        and so does a copy past its deadline (on this server's clock: each reply is the value's
+        envelope, ``GETRANGE``, not the whole value), as a get would find it."""
+        replies = self._batch("GETRANGE", [self.redis_key(r) for r in refs], 0, ENVELOPE.size - 1)
         self._count("exists_checks", len(refs))
-        return [r == 1 for r in replies]
+        now = self._clock()
+        out = []
+        for r in replies:
+            if not _ok(r) or not r:
+                out.append(False)
+            elif len(r) < ENVELOPE_V1.size or r[:4] != ENVELOPE_MAGIC:
+                out.append(True)  # an older version's value: nothing known
+            else:
+                deadline = _unopt(struct.unpack_from("<d", r, _DEADLINE_AT)[0])
+                out.append(deadline is None or now < deadline)
+        return out
 
     def prefix_len(self, refs: Sequence[BlockRef]) -> int:
         """How many leading blocks of the chain ``refs`` exist remotely."""

@@ -112,6 +112,12 @@ class RemoteConfig(BaseModel):
     """Redis expiry of blocks put without a TTL, and the longest expiry of any block, so a
     shared Redis is never filled with blocks nobody deletes; None = no cap."""
 
+    skew_grace_s: Annotated[float, Field(ge=0, le=86400, allow_inf_nan=False)] = 60.0
+    """A copy read past its TTL deadline (on this server's clock) is a miss at once, but is
+    deleted from Redis only once it is this much past it: the servers' clocks differ, and one
+    running ahead deleted copies still valid for the others (Redis' own expiry removes it in
+    any case). Set it to the clock skew the servers may have."""
+
     encrypt: bool = True
     """AES-256-GCM with the tenant's data key (the Redis operator cannot read prompts)."""
 
