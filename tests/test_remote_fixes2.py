@@ -392,3 +392,28 @@ def test_a_server_whose_clock_runs_ahead_does_not_delete_valid_copies(tmp_path, 
     finally:
         for s in stores.values():
             s.close()
+
+
+def test_a_key_lost_without_a_tombstone_is_not_replaced(servers) -> None:
+    """The tenant's wrapped key vanished from Redis with no deletion (a cluster node lost, a
+    flush): a writer holding it goes on writing with it (its blocks stay readable to the
+    servers that hold it) instead of replacing it and orphaning every block already written."""
+    a = servers("a")
+    old = a.block_keys("acme", SPEC, tokens(2, SPEC))
+    kv = make_kv(SPEC, 2)
+    a.put("acme", SPEC, old, kv)
+    a.flush()
+    raw = redis.Redis.from_url(servers.url)
+    try:
+        raw.delete(f"{servers.ns}:keyring:" + b"acme".hex())
+    finally:
+        raw.close()
+    new = a.block_keys("acme", SPEC, tokens(1, SPEC, start=500))
+    a.put("acme", SPEC, new, kv[:1])
+    a.flush()
+    assert a._remote.metrics()["put_key_absent"] == 1
+    assert a._remote.contains_many(_refs("acme", old + new)) == [True] * 3
+    for m in sorted(a._index.of_tenant("acme"), key=lambda m: -m.depth):
+        a._place.drop(m, reason="test")
+    assert torch.equal(a.get("acme", SPEC, old), kv)
+    assert torch.equal(a.get("acme", SPEC, new), kv[:1])

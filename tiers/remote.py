@@ -63,10 +63,13 @@ key id is not its cached key's re-reads the key from Redis once (under the break
 every :data:`KEY_REFRESH_S` per tenant) before anything else: the value then decodes, or is
 under a key the tenant no longer has (a miss, deleted: nobody can read it), or — not confirmed
 — a miss that deletes nothing. Only a value whose key id matches and still fails its check is
-damaged (deleted, ``integrity_failures``). A writer reads the tenant's wrapped key in the same
-pipelined round trip as its ``SET``: when it is not the key it encrypted with, it takes the
-value back, forgets the key and the tombstone it had cached, and writes once more with what it
-reads then (``put_stale_key``), so no value is left under a destroyed key.
+damaged (deleted, ``integrity_failures``). A writer reads the tenant's wrapped key and tombstone
+in the same pipelined round trip as its ``SET``: when the key is not the one it encrypted with
+(or is gone and a tombstone says the tenant was deleted), it takes the value back, forgets the
+key and the tombstone it had cached, and writes once more with what it reads then
+(``put_stale_key``), so no value is left under a destroyed key. A key gone without a tombstone
+(lost with a cluster node, a flush) is not replaced: the cached copy goes on being used, as
+before.
 
 Tombstones: ``delete_tenant`` records the deletion time in ``<namespace>:dropped:<hex tenant>``
 (:class:`~tiers.remote_redis.TenantTombstones`, never expiring) before it destroys the key. Every
@@ -649,19 +652,30 @@ class RemoteTier:
             # here may have been destroyed (the tenant deleted, maybe created again) by another
             # server since; a value written with it would be unreadable (and, before key ids,
             # was read as damaged and deleted by every server that had the new key)
-            kkey = keyring_key(f"{self._ns}:keyring:", tenant)
-            cmds.append((kkey, ("GET", kkey)))
+            kkey, tkey = keyring_key(f"{self._ns}:keyring:", tenant), self._tombs.key(tenant)
+            cmds += [(kkey, ("GET", kkey)), (tkey, ("GET", tkey))]
         replies = self._multi(cmds)
         if replies[at] is not True:
             self._count("put_failures")
             return 0, scratch
-        stale = keyring is not None and (not _ok(replies[-1]) or replies[-1] is None
-                                         or key_id(replies[-1]) != kid)
-        if stale or not all(_ok(r) for r in replies[:at]):
+        unsure = not all(_ok(r) for i, r in enumerate(replies) if i != at)
+        stale = False
+        if keyring is not None and not unsure:
+            wrapped, tomb = replies[at + 1:]
+            if wrapped is not None:
+                stale = key_id(wrapped) != kid
+            else:
+                # NOTE: no key in Redis: destroyed by a tenant deletion (which writes its
+                # tombstone first), or lost with a node or a flush: then the copy cached here
+                # is the only one, and the blocks written with it stay readable to the servers
+                # holding it, as before key ids
+                stale = tomb is not None
+                self._count("put_key_absent")
+        if stale or unsure:
             # stored, but with a key that is not the tenant's any more, or not where a delete
-            # of an ancestor would find it: take it back
+            # of an ancestor would find it (or that could not be made sure of): take it back
             self._call(key, lambda: self._client.unlink(key))
-            if stale and _ok(replies[-1]):
+            if stale:
                 self._count("put_stale_key")
                 keyring.forget(tenant)  # type: ignore[union-attr]
                 with self._lock:
@@ -1120,6 +1134,8 @@ class RemoteTier:
         if not roots:
             return set()
         with self._cond:
+            # NOTE: one set per tenant: two deletions of one tenant at once (the Store runs one
+            # at a time) share it, and the first to end stops the writer's filter for both
             doomed = self._doomed.setdefault(tenant, set())
             doomed.update(k for k, _ in roots)
         try:
