@@ -99,3 +99,47 @@ def fresh_tokens(n_blocks: int, spec: ModelSpec = SPEC, tail: int = 3) -> list[i
 def random_kv(n: int, spec: ModelSpec = SPEC, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn((n, *spec.block_shape), generator=g).to(spec.torch_dtype)
+
+
+class HeldPut:
+    """``client.put(spec, keys, kv)`` in a thread, held on the server after it reserved its
+    blocks (authenticated, before the commit) until :meth:`finish`: the test changes something
+    meanwhile (rotates the token, deletes the tenant). Patches ``DataPlane.reserve_put`` through
+    ``monkeypatch``; ``real`` is the unpatched method."""
+
+    def __init__(self, monkeypatch: Any, client: Client, spec: ModelSpec, keys: Any,
+                 kv: torch.Tensor, wait: float = 10.0) -> None:
+        import threading
+
+        from kvstore import service_data
+
+        self.wait = wait
+        self.go = threading.Event()
+        reserved = threading.Event()
+        self.real = real = service_data.DataPlane.reserve_put
+
+        def reserve_then_wait(plane: Any, *args: Any) -> Any:
+            res = real(plane, *args)
+            reserved.set()
+            assert self.go.wait(wait)
+            return res
+
+        monkeypatch.setattr(service_data.DataPlane, "reserve_put", reserve_then_wait)
+        self.outcome: list[BaseException | None] = []
+
+        def put() -> None:
+            try:
+                client.put(spec, keys, kv)
+                self.outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+                self.outcome.append(exc)
+
+        self.thread = threading.Thread(target=put)
+        self.thread.start()
+        assert reserved.wait(wait)
+
+    def finish(self) -> BaseException | None:
+        """Let the put go on; what it raised (None: it returned)."""
+        self.go.set()
+        self.thread.join(self.wait)
+        return self.outcome[0]

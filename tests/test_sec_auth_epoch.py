@@ -14,9 +14,9 @@ import grpc
 import pytest
 import torch
 import xxhash
-from service_harness import SPEC, fresh_tokens, random_kv
+from service_harness import SPEC, HeldPut, fresh_tokens, random_kv
 
-from kvstore import service_data, service_streams
+from kvstore import service_streams
 from kvstore.auth import AuthRegistry, Role
 from kvstore.client import Client, spec_to_pb
 from kvstore.errors import PermissionDenied, Unauthenticated
@@ -155,32 +155,10 @@ def test_a_shared_memory_put_whose_token_is_rotated_before_its_commit_stores_not
     assert c.uses_shared_memory
     keys = c.block_keys(SPEC, fresh_tokens(N))
     kv = random_kv(N, seed=5)
-    reserved, rotated = threading.Event(), threading.Event()
-    real = service_data.DataPlane.reserve_put
-
-    def reserve_then_wait(self, *args):  # the token is rotated between auth and commit
-        res = real(self, *args)
-        reserved.set()
-        assert rotated.wait(WAIT)
-        return res
-
-    monkeypatch.setattr(service_data.DataPlane, "reserve_put", reserve_then_wait)
-    outcome: list[BaseException | None] = []
-
-    def put() -> None:
-        try:
-            c.put(SPEC, keys, kv)
-            outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
-            outcome.append(exc)
-
-    t = threading.Thread(target=put)
-    t.start()
-    assert reserved.wait(WAIT)
+    held = HeldPut(monkeypatch, c, SPEC, keys, kv, WAIT)  # the token is rotated between auth and commit
     new = admin.rotate_token("shm-rot")
-    rotated.set()
-    t.join(WAIT)
-    assert isinstance(outcome[0], Unauthenticated), outcome
+    outcome = held.finish()
+    assert isinstance(outcome, Unauthenticated), outcome
     monkeypatch.undo()
     fresh = Client(sidecar.target, new, local=True)
     try:

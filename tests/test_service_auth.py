@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from service_harness import SPEC, fresh_tokens, random_kv
+from service_harness import SPEC, HeldPut, fresh_tokens, random_kv
 
 from kvstore.admin_client import AdminClient
 from kvstore.audit import AuditLog
@@ -407,41 +407,15 @@ def test_a_tenant_deletion_that_fails_half_way_can_be_run_again(sidecar, monkeyp
 def test_a_put_under_way_when_its_tenant_is_deleted_stores_nothing(sidecar, monkeypatch, local):
     """A Put authenticated before its tenant was deleted committed after the deletion: the
     blocks stayed, and a tenant created later under the same name (same keys) read them."""
-    import threading
-
-    from kvstore import service_data
-
     admin = sidecar.admin()
     c = sidecar.tenant("eve", local=local)
     keys = c.block_keys(SPEC, fresh_tokens(3))
     kv = random_kv(3, seed=21)
-    reserved, deleted = threading.Event(), threading.Event()
-    real = service_data.DataPlane.reserve_put
-
-    def reserve_then_wait(self, *args):  # the tenant is deleted between auth and commit
-        res = real(self, *args)
-        reserved.set()
-        assert deleted.wait(10)
-        return res
-
-    monkeypatch.setattr(service_data.DataPlane, "reserve_put", reserve_then_wait)
-    outcome: list[BaseException | None] = []
-
-    def put() -> None:
-        try:
-            c.put(SPEC, keys, kv)
-            outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
-            outcome.append(exc)
-
-    t = threading.Thread(target=put)
-    t.start()
-    assert reserved.wait(10)
+    held = HeldPut(monkeypatch, c, SPEC, keys, kv)  # the tenant is deleted between auth and commit
     admin.delete_tenant("eve")
-    deleted.set()
-    t.join(10)
-    assert isinstance(outcome[0], Unauthenticated) and "deleted while this call ran" in str(outcome[0])
-    monkeypatch.setattr(service_data.DataPlane, "reserve_put", real)
+    outcome = held.finish()
+    assert isinstance(outcome, Unauthenticated) and "deleted while this call ran" in str(outcome)
+    monkeypatch.undo()
     assert "eve" not in sidecar.server.store.stats()["tenants"]
     again = Client(sidecar.target, admin.create_tenant("eve"), local=local)
     try:
