@@ -243,7 +243,7 @@ class Placement:
         own = self.victims(tier, tenant)
         scope, self._quota_scope = self._quota_scope, tenant
         try:
-            while self.tenant_usage.get((tenant, tier), 0) + extra > quota:
+            while not self.within_quota(tenant, tier, extra):
                 if not self.evict_some(tier, own):
                     self.counters.add("quota_rejections")
                     return False
