@@ -80,12 +80,11 @@ class ReadPath:
                 return out
         prev = parent
         # NOTE: one tight loop that creates nothing per key: a 128K-token prompt is 8,192 keys
+        # (no deadline check per key: _expire_due above dropped every block due, as lookup's
+        # probes rely on too)
         for key in keys:
             m = get(key)
             if m is None or m.in_flight or m.fingerprint != fp or m.parent != prev:
-                break
-            if m.ttl_deadline is not None and now >= m.ttl_deadline:
-                self._place.drop(m, reason="expired")
                 break
             found(m)
             prev = key
