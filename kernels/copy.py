@@ -18,7 +18,7 @@ threshold 1 MiB; ``python -m bench.copy_bench --alias``): see that module's docs
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -59,24 +59,34 @@ def host_copy(dst: np.ndarray, src: np.ndarray) -> None:
 
 
 def copy_blocks(pairs: Sequence[tuple[Any, Any]], pool: Executor | None = None,
-                threads: int = 1) -> None:
-    """:func:`copy_bytes` of every ``(dst, src)`` pair. With a ``pool`` and ``threads`` > 1, the
-    pairs are dealt round-robin to ``threads`` parts: ``threads - 1`` on the pool, one on the
-    caller's thread (numpy lets go of the GIL while it copies, so they run in parallel). Returns
-    when every part is done; the first error is raised then."""
+                threads: int = 1, *, part: Callable[[Sequence[tuple[Any, Any]]], None] | None = None) -> None:
+    """Copy every ``(dst, src)`` pair. With a ``pool`` and ``threads`` > 1, the pairs are cut
+    into ``threads`` contiguous parts: ``threads - 1`` on the pool, one on the caller's thread
+    (numpy and system calls let go of the GIL while they copy, so they run in parallel).
+    ``part`` copies one part (default: :func:`copy_bytes` of each pair; neighbouring pairs stay
+    in one part, so a ``part`` may batch them, e.g. in one system call). Returns when every
+    part is done; the first error is raised then."""
+    run = part if part is not None else _copy_each
     parts = min(threads, len(pairs)) if pool is not None else 1
     if parts <= 1:
-        for dst, src in pairs:
-            copy_bytes(dst, src)
+        run(pairs)
         return
-    futures = [pool.submit(copy_blocks, pairs[k::parts]) for k in range(1, parts)]
+    assert pool is not None
+    size = -(-len(pairs) // parts)
+    chunks = [pairs[k : k + size] for k in range(0, len(pairs), size)]
+    futures = [pool.submit(run, c) for c in chunks[1:]]
     try:
-        copy_blocks(pairs[0::parts])
+        run(chunks[0])
     finally:
         errors = [f.exception() for f in futures]  # waits for every part
     for err in errors:
         if err is not None:
             raise err
+
+
+def _copy_each(pairs: Sequence[tuple[Any, Any]]) -> None:
+    for dst, src in pairs:
+        copy_bytes(dst, src)
 
 
 def copy_bytes(dst: Any, src: Any) -> None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kernels.copy import copy_bytes
+from kernels.copy import copy_blocks, copy_bytes
 from kvstore.audit import AuditLog, Recorder
 from kvstore.auth import AuthRegistry, Principal, resolve_namespace
 from kvstore.block import Tier
@@ -93,7 +93,6 @@ class DataPlane:
         self.limits = limits
         self.metrics = metrics
         self.inflight = InflightBudget(limits.max_inflight_bytes_per_tenant)
-        # NOTE: getattr: the setting is read where the server's config has it
         self.regions = RegionTable(limits.max_regions_per_principal, limits.max_region_bytes,
                                    idle_evict_s=limits.region_idle_evict_s)
         if limits.max_regions_per_principal:
@@ -114,21 +113,7 @@ class DataPlane:
         :class:`RegionSlot` on one side. Spread over ``copy_threads`` in contiguous parts (slots
         next to each other in a region go in one system call); the first error is raised once
         every part is done."""
-        parts = min(self.copy_threads, len(pairs)) if self._copy_pool is not None else 1
-        if parts <= 1:
-            _copy_part(pairs)
-            return
-        size = -(-len(pairs) // parts)
-        chunks = [pairs[k : k + size] for k in range(0, len(pairs), size)]
-        assert self._copy_pool is not None
-        futures = [self._copy_pool.submit(_copy_part, c) for c in chunks[1:]]
-        try:
-            _copy_part(chunks[0])
-        finally:
-            errors = [f.exception() for f in futures]  # waits for every part
-        for err in errors:
-            if err is not None:
-                raise err
+        copy_blocks(pairs, self._copy_pool, self.copy_threads, part=_copy_part)
 
     # -- targets ------------------------------------------------------------------------------
     def keys_for(self, principal: Principal, spec: ModelSpec, namespace: str, token_ids: Sequence[int],
