@@ -97,7 +97,6 @@ the breaker live in :mod:`tiers.remote_redis`.
 from __future__ import annotations
 
 import math
-import struct
 import threading
 import time
 from collections import Counter, deque
@@ -113,11 +112,24 @@ from redis.exceptions import RedisClusterException, RedisError
 from kvstore.block import Tier
 from kvstore.codec import Codec, CodecConfig, tenant_hash
 from kvstore.errors import FailedPrecondition, IntegrityError, KeyUnavailable, Unavailable
-from kvstore.keyring import KEY_ID_BYTES, Keyring, key_id
+from kvstore.keyring import Keyring, key_id
 from kvstore.keys import ROOT_KEY
 from kvstore.quantization import QuantArg
 from tiers.base import BlockRef, TierUsage, as_bytes_view
 from tiers.remote_config import RemoteConfig
+from tiers.remote_envelope import (
+    ENVELOPE,
+    ENVELOPE_MAGIC,
+    ENVELOPE_V1,
+    ENVELOPE_VERSION,
+    NO_KID,
+    UNKNOWN,
+    RemoteInfo,
+    live_at,
+    pack_envelope,
+    split_value,
+    update_ttl_command,
+)
 from tiers.remote_redis import (
     CircuitBreaker,
     Clock,
@@ -134,28 +146,9 @@ _SKIPPED = object()  # a call not sent because its node's breaker is open
 _STALE = object()  # a write made with a data key that is not the tenant's any more
 _STANDALONE = "server"
 
-#: The tier's envelope before each codec value: magic, version, 3 pad bytes, the block's TTL
-#: deadline and its creation time (float seconds since the epoch; NaN = none), and the id of the
-#: tenant data key it was encrypted with (:func:`kvstore.keyring.key_id`; zeros = none). The
-#: deadline sits at :data:`_DEADLINE_AT`, where ``update_ttl`` rewrites it in place. Version 1
-#: (:data:`ENVELOPE_V1`, no key id) is still read.
-ENVELOPE = struct.Struct("<4sB3xdd8s")
-ENVELOPE_V1 = struct.Struct("<4sB3xdd")
-ENVELOPE_MAGIC = b"KVRE"
-ENVELOPE_VERSION = 2
-_DEADLINE_AT = 8
-_NO_KID = bytes(KEY_ID_BYTES)
 #: least time between two forced re-reads of one tenant's data key (a value under a key id
 #: other than the cached key's): a flood of such values must not become a flood of reads
 KEY_REFRESH_S = 1.0
-_NONE = float("nan")
-
-# Moves a block's deadline: its envelope's field and Redis' expiry, together, only when the key
-# holds a value with the envelope (never creates a key). ARGV: magic, packed deadline, PX or ''.
-_UPDATE_TTL = ("if redis.call('GETRANGE', KEYS[1], 0, 3) ~= ARGV[1] then return 0 end "
-               f"redis.call('SETRANGE', KEYS[1], {_DEADLINE_AT}, ARGV[2]) "
-               "if ARGV[3] == '' then redis.call('PERSIST', KEYS[1]) "
-               "else redis.call('PEXPIRE', KEYS[1], ARGV[3]) end return 1")
 
 # Records a child in its parent's children set and makes the set outlive it: a new set gets the
 # child's expiry, a set that expires sooner is extended to it, a child without one makes the set
@@ -167,20 +160,6 @@ _ADD_CHILD = ("local new = redis.call('EXISTS', KEYS[1]) == 0 "
               "if new or (t >= 0 and t < tonumber(ARGV[2])) then "
               "redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 1")
 _CHILDREN = b"c"  # last segment of a children set's key
-
-
-class RemoteInfo(NamedTuple):
-    """What a remote value says of its block: TTL deadline and creation time (None: none).
-    ``known`` is False for a value written without the envelope (nothing known then).
-    ``kid``: the id of the data key it was written under (None: not recorded)."""
-
-    deadline: float | None
-    created: float | None
-    known: bool = True
-    kid: bytes | None = None
-
-
-_UNKNOWN = RemoteInfo(None, None, False)
 
 
 class _Job(NamedTuple):
@@ -214,30 +193,6 @@ class _Held(NamedTuple):
     deadline: float | None
     fingerprint: bytes
     rkey: bytes
-
-
-def _opt(x: float | None) -> float:
-    return _NONE if x is None else float(x)
-
-
-def _unopt(x: float) -> float | None:
-    return None if math.isnan(x) else x
-
-
-def _split(value: Any) -> tuple[Any, RemoteInfo]:
-    """(codec value, what the envelope says) of one stored value."""
-    mv = memoryview(value).cast("B")
-    if len(mv) < ENVELOPE_V1.size or mv[:4] != ENVELOPE_MAGIC:
-        return mv, _UNKNOWN
-    version = mv[4]
-    if version == 1:
-        _, _, deadline, created = ENVELOPE_V1.unpack_from(mv)
-        return mv[ENVELOPE_V1.size:], RemoteInfo(_unopt(deadline), _unopt(created))
-    if version != ENVELOPE_VERSION or len(mv) < ENVELOPE.size:
-        raise IntegrityError(f"remote value envelope version {version} is not {ENVELOPE_VERSION}")
-    _, _, deadline, created, kid = ENVELOPE.unpack_from(mv)
-    return mv[ENVELOPE.size:], RemoteInfo(_unopt(deadline), _unopt(created), True,
-                                          None if kid == _NO_KID else kid)
 
 
 class RemoteTier:
@@ -617,7 +572,7 @@ class RemoteTier:
             if not self._admit(tenant, created):
                 self._count("put_failures")
                 return 0, scratch
-            kid = keyring.key_id(tenant) if keyring is not None else _NO_KID
+            kid = keyring.key_id(tenant) if keyring is not None else NO_KID
             if kid is None:  # the copy _admit made sure of expired meanwhile
                 return _STALE, scratch
             need = ENVELOPE.size + self.codec.max_encoded_nbytes(ref.spec)
@@ -631,8 +586,7 @@ class RemoteTier:
             return 0, scratch
         if keyring is not None and keyring.key_id(tenant) not in (None, kid):
             return _STALE, scratch  # re-read while encoding: which key the codec used is unsure
-        ENVELOPE.pack_into(scratch, 0, ENVELOPE_MAGIC, ENVELOPE_VERSION, _opt(deadline),
-                           _opt(created), kid)
+        pack_envelope(scratch, deadline, created, kid)
         key = self.redis_key(ref)
         value = memoryview(scratch)[:ENVELOPE.size + n]
         cmds: list[tuple[bytes | str, tuple[Any, ...]]] = []
@@ -907,7 +861,7 @@ class RemoteTier:
         if isinstance(value, BaseException) or value is _SKIPPED:
             return None
         try:
-            body, info = _split(value)
+            body, info = split_value(value)
             now = self._clock()
             if info.deadline is not None and now >= info.deadline:
                 # NOTE: Redis' expiry is the same deadline, but on Redis' clock; this one is
@@ -998,7 +952,7 @@ class RemoteTier:
     def _fetch(self, refs: Sequence[BlockRef], outs: Sequence[Any], stop_at_miss: bool,
                info: list[RemoteInfo] | None) -> list[bool]:
         got = [False] * len(refs)
-        infos: list[RemoteInfo] = [_UNKNOWN] * len(refs)
+        infos: list[RemoteInfo] = [UNKNOWN] * len(refs)
         budget = self.config.max_inflight_bytes
         i = 0
         while i < len(refs):
@@ -1045,16 +999,7 @@ class RemoteTier:
         replies = self._batch("GETRANGE", [self.redis_key(r) for r in refs], 0, ENVELOPE.size - 1)
         self._count("exists_checks", len(refs))
         now = self._clock()
-        out = []
-        for r in replies:
-            if not _ok(r) or not r:
-                out.append(False)
-            elif len(r) < ENVELOPE_V1.size or r[:4] != ENVELOPE_MAGIC:
-                out.append(True)  # an older version's value: nothing known
-            else:
-                deadline = _unopt(struct.unpack_from("<d", r, _DEADLINE_AT)[0])
-                out.append(deadline is None or now < deadline)
-        return out
+        return [_ok(r) and bool(r) and live_at(r, now) for r in replies]
 
     def prefix_len(self, refs: Sequence[BlockRef]) -> int:
         """How many leading blocks of the chain ``refs`` exist remotely."""
@@ -1193,10 +1138,8 @@ class RemoteTier:
         if px == 0:
             return self.delete(ref)
         key = self.redis_key(ref)
-        packed = struct.pack("<d", _opt(ttl_deadline))
         pxarg = "" if px is None else str(px)
-        cmds: list[tuple[bytes | str, tuple[Any, ...]]] = [
-            (key, ("EVAL", _UPDATE_TTL, 1, key, ENVELOPE_MAGIC, packed, pxarg))]
+        cmds: list[tuple[bytes | str, tuple[Any, ...]]] = [(key, update_ttl_command(key, ttl_deadline, px))]
         if parent is not None and parent != ROOT_KEY:
             ckey = self._children_key(ref.tenant, ref.spec.fingerprint, parent)
             cmds.append((ckey, ("EVAL", _ADD_CHILD, 1, ckey, ref.key, pxarg)))
@@ -1311,4 +1254,5 @@ class RemoteTier:
         self._client.close()
 
 
-__all__ = ["ENVELOPE", "FAULTS", "RemoteInfo", "RemoteTier"]
+__all__ = ["ENVELOPE", "ENVELOPE_MAGIC", "ENVELOPE_V1", "ENVELOPE_VERSION", "FAULTS", "KEY_REFRESH_S", "RemoteInfo",
+           "RemoteTier"]

@@ -1,0 +1,122 @@
+"""The remote tier's envelope: what a stored value says of its block, before its codec value.
+
+A remote value is :data:`ENVELOPE` (32 bytes) then a :mod:`kvstore.codec` value. The envelope
+holds magic, version, 3 pad bytes, the block's TTL deadline and its creation time (float seconds
+since the epoch; NaN = none), and the id of the tenant data key it was encrypted with
+(:func:`kvstore.keyring.key_id`; zeros = none). Version 1 (:data:`ENVELOPE_V1`, 24 bytes, no key
+id) is still read; a value without the envelope (an older version) is read with nothing known
+(``RemoteInfo.known`` False). NOTE: the envelope is not authenticated (the codec header is):
+whoever can write the Redis can move a deadline, as they can already put back a value deleted
+before.
+
+Primitives (pure: no Redis round trip, no tier state):
+
+* ``pack_envelope(buf, deadline, created, kid)`` — writes a version 2 envelope at ``buf[0:32]``.
+* ``split_value(value)`` — (codec value, :class:`RemoteInfo`) of one stored value; raises
+  :class:`~kvstore.errors.IntegrityError` for an envelope of an unknown version.
+* ``live_at(head, now)`` — whether a value, read as its first :data:`ENVELOPE`.size bytes
+  (``GETRANGE``), is before its deadline at ``now`` (True for a value without the envelope).
+* ``update_ttl_command(key, deadline, px)`` — the command that moves a block's deadline in place:
+  its envelope's field (at :data:`DEADLINE_AT`) and Redis' expiry together, only when the key
+  holds a value with the envelope (it never creates a key).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any, NamedTuple
+
+from kvstore.errors import IntegrityError
+from kvstore.keyring import KEY_ID_BYTES
+
+#: The tier's envelope before each codec value (see the module docstring). Version 1
+#: (:data:`ENVELOPE_V1`, no key id) is still read.
+ENVELOPE = struct.Struct("<4sB3xdd8s")
+ENVELOPE_V1 = struct.Struct("<4sB3xdd")
+ENVELOPE_MAGIC = b"KVRE"
+ENVELOPE_VERSION = 2
+#: where the deadline sits in both versions (``update_ttl_command`` rewrites it there)
+DEADLINE_AT = 8
+#: the key id of a value written without a data key (an unencrypted tier)
+NO_KID = bytes(KEY_ID_BYTES)
+_DEADLINE = struct.Struct("<d")
+_NONE = float("nan")
+
+# Moves a block's deadline: its envelope's field and Redis' expiry, together, only when the key
+# holds a value with the envelope (never creates a key). ARGV: magic, packed deadline, PX or ''.
+_UPDATE_TTL = ("if redis.call('GETRANGE', KEYS[1], 0, 3) ~= ARGV[1] then return 0 end "
+               f"redis.call('SETRANGE', KEYS[1], {DEADLINE_AT}, ARGV[2]) "
+               "if ARGV[3] == '' then redis.call('PERSIST', KEYS[1]) "
+               "else redis.call('PEXPIRE', KEYS[1], ARGV[3]) end return 1")
+
+
+class RemoteInfo(NamedTuple):
+    """What a remote value says of its block: TTL deadline and creation time (None: none).
+    ``known`` is False for a value written without the envelope (nothing known then).
+    ``kid``: the id of the data key it was written under (None: not recorded)."""
+
+    deadline: float | None
+    created: float | None
+    known: bool = True
+    kid: bytes | None = None
+
+
+#: what a value without the envelope says
+UNKNOWN = RemoteInfo(None, None, False)
+
+
+def _opt(x: float | None) -> float:
+    return _NONE if x is None else float(x)
+
+
+def _unopt(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def _enveloped(head: Any) -> bool:
+    """Whether a value (or its first bytes) begins with an envelope of any version."""
+    return len(head) >= ENVELOPE_V1.size and head[:4] == ENVELOPE_MAGIC
+
+
+def pack_envelope(buf: Any, deadline: float | None, created: float | None, kid: bytes) -> None:
+    """Write the envelope of a block (deadline and creation time, None: none; ``kid``: its data
+    key's id, :data:`NO_KID` for none) at the start of ``buf`` (:data:`ENVELOPE`.size bytes)."""
+    ENVELOPE.pack_into(buf, 0, ENVELOPE_MAGIC, ENVELOPE_VERSION, _opt(deadline), _opt(created), kid)
+
+
+def split_value(value: Any) -> tuple[Any, RemoteInfo]:
+    """(codec value, what the envelope says) of one stored value."""
+    mv = memoryview(value).cast("B")
+    if not _enveloped(mv):
+        return mv, UNKNOWN
+    version = mv[4]
+    if version == 1:
+        _, _, deadline, created = ENVELOPE_V1.unpack_from(mv)
+        return mv[ENVELOPE_V1.size:], RemoteInfo(_unopt(deadline), _unopt(created))
+    if version != ENVELOPE_VERSION or len(mv) < ENVELOPE.size:
+        raise IntegrityError(f"remote value envelope version {version} is not {ENVELOPE_VERSION}")
+    _, _, deadline, created, kid = ENVELOPE.unpack_from(mv)
+    return mv[ENVELOPE.size:], RemoteInfo(_unopt(deadline), _unopt(created), True,
+                                          None if kid == NO_KID else kid)
+
+
+def live_at(head: bytes, now: float) -> bool:
+    """Whether the value that begins with ``head`` (at least its envelope's bytes, or all of it)
+    is before its deadline at ``now``; True for a value without the envelope (nothing known)."""
+    if not _enveloped(head):
+        return True
+    deadline = _unopt(_DEADLINE.unpack_from(head, DEADLINE_AT)[0])
+    return deadline is None or now < deadline
+
+
+def update_ttl_command(key: bytes, deadline: float | None, px: int | None) -> tuple[Any, ...]:
+    """The command that sets the deadline of the value at ``key`` to ``deadline`` (None: none)
+    and its Redis expiry to ``px`` ms (None: persistent), together; it replies 1, or 0 (nothing
+    changed) when the key holds no value with the envelope."""
+    return ("EVAL", _UPDATE_TTL, 1, key, ENVELOPE_MAGIC, _DEADLINE.pack(_opt(deadline)),
+            "" if px is None else str(px))
+
+
+__all__ = ["DEADLINE_AT", "ENVELOPE", "ENVELOPE_MAGIC", "ENVELOPE_V1", "ENVELOPE_VERSION", "NO_KID",
+           "UNKNOWN", "RemoteInfo", "live_at", "pack_envelope", "split_value", "update_ttl_command"]
