@@ -105,9 +105,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from redis import Redis
-from redis.backoff import EqualJitterBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisClusterException, RedisError
 
 from kvstore.block import Tier
 from kvstore.codec import Codec, CodecConfig, tenant_hash
@@ -116,6 +114,7 @@ from kvstore.keyring import Keyring, key_id
 from kvstore.keys import ROOT_KEY
 from kvstore.quantization import QuantArg
 from tiers.base import BlockRef, TierUsage, as_bytes_view
+from tiers.remote_calls import FAULTS, BreakerCalls, fault_text, succeeded
 from tiers.remote_config import RemoteConfig
 from tiers.remote_envelope import (
     ENVELOPE,
@@ -131,7 +130,6 @@ from tiers.remote_envelope import (
     update_ttl_command,
 )
 from tiers.remote_redis import (
-    CircuitBreaker,
     Clock,
     KeyringRace,
     RedisKeyBackend,
@@ -140,11 +138,7 @@ from tiers.remote_redis import (
     keyring_key,
 )
 
-#: Everything a Redis round trip can raise (RedisClusterException is not a RedisError).
-FAULTS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
-_SKIPPED = object()  # a call not sent because its node's breaker is open
 _STALE = object()  # a write made with a data key that is not the tenant's any more
-_STANDALONE = "server"
 
 #: least time between two forced re-reads of one tenant's data key (a value under a key id
 #: other than the cached key's): a flood of such values must not become a flood of reads
@@ -181,11 +175,6 @@ class _Job(NamedTuple):
         return 0 if self.data is None else self.ref.nbytes
 
 
-def _ok(reply: Any) -> bool:
-    """Whether one pipelined reply is a success (not a fault, not skipped by a breaker)."""
-    return reply is not _SKIPPED and not isinstance(reply, BaseException)
-
-
 class _Held(NamedTuple):
     """A block this node wrote: raw bytes, local deadline (capped), model, Redis key."""
 
@@ -195,7 +184,7 @@ class _Held(NamedTuple):
     rkey: bytes
 
 
-class RemoteTier:
+class RemoteTier(BreakerCalls):
     """See the module docstring. Build with :meth:`open` (or inject a client and codec)."""
 
     tier = Tier.REMOTE
@@ -214,7 +203,7 @@ class RemoteTier:
         self._tombs = TenantTombstones(client, config.namespace)
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()  # counters, accounting, breakers, tenant epochs, marks
-        self._breakers: dict[str, CircuitBreaker] = {}
+        self._init_breakers()
         self._held: dict[tuple[str, bytes], _Held] = {}
         self._tenant_used: dict[str, int] = {}
         self._used = 0
@@ -295,88 +284,6 @@ class RemoteTier:
             out["breakers_open"] = sum(b.is_open for b in self._breakers.values())
         with self._cond:
             out["queue_blocks"], out["queue_bytes"] = len(self._queue), self._queued_bytes
-        return out
-
-    def _node(self, key: bytes | str) -> str:
-        if not isinstance(self._client, RedisCluster):
-            return _STANDALONE
-        try:
-            return self._client.get_node_from_key(key).name
-        except FAULTS:
-            return "?"  # slot not covered yet: one breaker for the unknown
-
-    def _breaker(self, node: str) -> CircuitBreaker:
-        with self._lock:
-            b = self._breakers.get(node)
-            if b is None:
-                # NOTE: equal jitter keeps at least half the period (full jitter may give ~0).
-                backoff = EqualJitterBackoff(cap=self.config.breaker_cap_s,
-                                             base=self.config.breaker_base_s)
-                b = self._breakers[node] = CircuitBreaker(self.config.breaker_failures, backoff,
-                                                          self._monotonic)
-            return b
-
-    def _outcome(self, node: str, ok: bool) -> None:
-        if self._breaker(node).record(ok):
-            self._count("breaker_trips")
-        if not ok:
-            self._count("faults")
-
-    def _call(self, key: bytes | str, fn: Callable[[], Any]) -> Any:
-        """Run one command under its node's breaker: the result, or ``_SKIPPED`` / a fault."""
-        node = self._node(key)
-        if not self._breaker(node).allow():
-            self._count("breaker_skips")
-            return _SKIPPED
-        try:
-            res = fn()
-        except FAULTS as exc:
-            self._outcome(node, False)
-            return exc
-        self._outcome(node, True)
-        return res
-
-    def _batch(self, cmd: str, keys: Sequence[bytes], *args: Any) -> list[Any]:
-        """``cmd key *args`` for every key, pipelined; per key: the reply, a fault, or
-        ``_SKIPPED`` (see :meth:`_multi`)."""
-        return self._multi([(k, (cmd, k, *args)) for k in keys])
-
-    def _multi(self, cmds: Sequence[tuple[bytes | str, tuple[Any, ...]]]) -> list[Any]:
-        """Commands ``(routing key, (name, *args))``, pipelined (not a transaction; in order on
-        each node); per command: the reply, a fault, or ``_SKIPPED``. In cluster mode a pipeline
-        that fails as a whole (a node unreachable) is replayed one command at a time, so the
-        live nodes still answer."""
-        nodes = [self._node(k) for k, _ in cmds]
-        out: list[Any] = [_SKIPPED] * len(cmds)
-        send = []
-        for i, n in enumerate(nodes):
-            if self._breaker(n).allow():
-                send.append(i)
-            else:
-                self._count("breaker_skips")
-        if not send:
-            return out
-        try:
-            pipe = self._client.pipeline(transaction=False)
-            for i in send:
-                pipe.execute_command(*cmds[i][1])
-            replies = pipe.execute(raise_on_error=False)
-        except FAULTS as exc:
-            if not isinstance(self._client, RedisCluster):
-                self._outcome(_STANDALONE, False)
-                for i in send:
-                    out[i] = exc
-                return out
-            for i in send:
-                out[i] = self._call(cmds[i][0], lambda i=i: self._client.execute_command(*cmds[i][1]))
-            return out
-        failed: set[str] = set()
-        for i, r in zip(send, replies):
-            out[i] = r
-            if isinstance(r, BaseException):
-                failed.add(nodes[i])
-        for n in {nodes[i] for i in send}:
-            self._outcome(n, n not in failed)
         return out
 
     # -- accounting -----------------------------------------------------------------------------
@@ -485,10 +392,10 @@ class RemoteTier:
             return self._tombs.get(tenant)
 
         res = self._call(self._tombs.key(tenant), read)
-        if res is _SKIPPED or isinstance(res, BaseException):
+        if not succeeded(res):
             if strict:
                 raise Unavailable(f"remote tier: tenant {tenant!r}'s deletion marker could not be "
-                                  f"read ({'breaker open' if res is _SKIPPED else res})")
+                                  f"read ({fault_text(res)})")
             return hit[0] if hit is not None else None
         with self._lock:
             if len(self._marks) > 4096:
@@ -518,7 +425,7 @@ class RemoteTier:
                 keyring.data_key(tenant, create=True)
 
         res = self._call(keyring_key(f"{self._ns}:keyring:", tenant), make)
-        return not (res is _SKIPPED or isinstance(res, BaseException))
+        return succeeded(res)
 
     # -- put ------------------------------------------------------------------------------------
     def _px(self, deadline: float | None) -> tuple[int | None, float | None]:
@@ -612,7 +519,7 @@ class RemoteTier:
         if replies[at] is not True:
             self._count("put_failures")
             return 0, scratch
-        unsure = not all(_ok(r) for i, r in enumerate(replies) if i != at)
+        unsure = not all(succeeded(r) for i, r in enumerate(replies) if i != at)
         stale = False
         if keyring is not None and not unsure:
             wrapped, tomb = replies[at + 1:]
@@ -858,7 +765,7 @@ class RemoteTier:
             self._count("misses_absent")  # never written, expired, evicted or deleted
             self._forget(ref.ident)
             return None
-        if isinstance(value, BaseException) or value is _SKIPPED:
+        if not succeeded(value):
             return None
         try:
             body, info = split_value(value)
@@ -931,7 +838,7 @@ class RemoteTier:
             self._count("key_rereads")
         res = self._call(keyring_key(f"{self._ns}:keyring:", tenant),
                          lambda: keyring.data_key(tenant, create=False))
-        if not _ok(res):
+        if not succeeded(res):
             return None
         cur = keyring.key_id(tenant)
         return None if cur is None else cur == kid
@@ -999,7 +906,7 @@ class RemoteTier:
         replies = self._batch("GETRANGE", [self.redis_key(r) for r in refs], 0, ENVELOPE.size - 1)
         self._count("exists_checks", len(refs))
         now = self._clock()
-        return [_ok(r) and bool(r) and live_at(r, now) for r in replies]
+        return [succeeded(r) and bool(r) and live_at(r, now) for r in replies]
 
     def prefix_len(self, refs: Sequence[BlockRef]) -> int:
         """How many leading blocks of the chain ``refs`` exist remotely."""
@@ -1047,7 +954,7 @@ class RemoteTier:
         if failed:
             self._count("delete_failures", failed)
             raise Unavailable(
-                f"remote tier (Redis) unreachable ({'breaker open' if why is _SKIPPED else why}): "
+                f"remote tier (Redis) unreachable ({fault_text(why)}): "
                 f"{failed} of {len(refs)} remote copies could not be deleted; retry the delete "
                 f"once the remote tier answers")
         return n
@@ -1057,9 +964,9 @@ class RemoteTier:
         block of (the set ``<namespace>:models``, never expiring: a handful of entries).
         Raises :class:`Unavailable` when it cannot be read."""
         res = self._call(self._models_key, lambda: self._client.smembers(self._models_key))
-        if not _ok(res):
+        if not succeeded(res):
             raise Unavailable(f"remote tier (Redis) unreachable "
-                              f"({'breaker open' if res is _SKIPPED else res}): the models written "
+                              f"({fault_text(res)}): the models written "
                               f"there could not be listed; retry the delete once the remote tier answers")
         return {bytes(fp) for fp in res}
 
@@ -1121,12 +1028,12 @@ class RemoteTier:
 
     def _checked(self, replies: list[Any], total: int, what: str) -> list[Any]:
         """``replies`` when every one is a success, else Unavailable (counted)."""
-        bad = [r for r in replies if not _ok(r)]
+        bad = [r for r in replies if not succeeded(r)]
         if not bad:
             return replies
         self._count("delete_failures", len(bad))
         raise Unavailable(
-            f"remote tier (Redis) unreachable ({'breaker open' if bad[0] is _SKIPPED else bad[0]}): "
+            f"remote tier (Redis) unreachable ({fault_text(bad[0])}): "
             f"{len(bad)} of {total} blocks' {what}; retry the delete once the remote tier answers")
 
     def update_ttl(self, ref: BlockRef, ttl_deadline: float | None, *,
