@@ -113,7 +113,8 @@ from kvstore.errors import FailedPrecondition, IntegrityError, KeyUnavailable, U
 from kvstore.keyring import Keyring, key_id
 from kvstore.keys import ROOT_KEY
 from kvstore.quantization import QuantArg
-from tiers.base import BlockRef, TierUsage, as_bytes_view
+from tiers.base import BlockRef, as_bytes_view
+from tiers.remote_accounting import Accounting, take_bytes
 from tiers.remote_calls import FAULTS, BreakerCalls, fault_text, succeeded
 from tiers.remote_config import RemoteConfig
 from tiers.remote_envelope import (
@@ -175,16 +176,7 @@ class _Job(NamedTuple):
         return 0 if self.data is None else self.ref.nbytes
 
 
-class _Held(NamedTuple):
-    """A block this node wrote: raw bytes, local deadline (capped), model, Redis key."""
-
-    nbytes: int
-    deadline: float | None
-    fingerprint: bytes
-    rkey: bytes
-
-
-class RemoteTier(BreakerCalls):
+class RemoteTier(Accounting, BreakerCalls):
     """See the module docstring. Build with :meth:`open` (or inject a client and codec)."""
 
     tier = Tier.REMOTE
@@ -204,9 +196,7 @@ class RemoteTier(BreakerCalls):
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()  # counters, accounting, breakers, tenant epochs, marks
         self._init_breakers()
-        self._held: dict[tuple[str, bytes], _Held] = {}
-        self._tenant_used: dict[str, int] = {}
-        self._used = 0
+        self._init_accounting()
         self._epochs: dict[str, int] = {}
         self._th: dict[str, str] = {}
         # tenant -> (deletion time or None, monotonic time it was read)
@@ -287,52 +277,6 @@ class RemoteTier(BreakerCalls):
         return out
 
     # -- accounting -----------------------------------------------------------------------------
-    def _account(self, ref: BlockRef, deadline: float | None, rkey: bytes) -> None:
-        with self._lock:
-            self._unheld(ref.ident)
-            self._held[ref.ident] = _Held(ref.nbytes, deadline, ref.spec.fingerprint, rkey)
-            self._used += ref.nbytes
-            self._tenant_used[ref.tenant] = self._tenant_used.get(ref.tenant, 0) + ref.nbytes
-
-    def _unheld(self, ident: tuple[str, bytes]) -> None:
-        """Forget one block of the accounting. Caller holds ``_lock``."""
-        old = self._held.pop(ident, None)
-        if old is not None:
-            self._used -= old.nbytes
-            left = self._tenant_used.get(ident[0], 0) - old.nbytes
-            if left > 0:
-                self._tenant_used[ident[0]] = left
-            else:
-                self._tenant_used.pop(ident[0], None)
-
-    def _forget(self, ident: tuple[str, bytes]) -> None:
-        with self._lock:
-            self._unheld(ident)
-
-    def _prune_expired(self) -> None:
-        now = self._clock()
-        with self._lock:
-            for k in [k for k, h in self._held.items() if h.deadline is not None and now >= h.deadline]:
-                self._unheld(k)
-
-    def usage(self) -> TierUsage:
-        self._prune_expired()
-        with self._lock:
-            return TierUsage(Tier.REMOTE, self._used, self.capacity, len(self._held))
-
-    def tenant_bytes(self, tenant: str) -> int:
-        """Raw bytes of ``tenant``'s blocks this node wrote that have not expired or gone."""
-        self._prune_expired()
-        with self._lock:
-            return self._tenant_used.get(tenant, 0)
-
-    def can_fit(self, nbytes: int) -> bool:
-        with self._lock:
-            return self._used + nbytes <= self.capacity
-
-    def charge(self, nbytes: int) -> int:
-        return nbytes
-
     def contains(self, ref: BlockRef) -> bool:
         return self.contains_many([ref])[0]
 
@@ -349,24 +293,6 @@ class RemoteTier(BreakerCalls):
             self._resync_due = True
             self._pending += 1
             self._cond.notify_all()
-
-    def resync(self) -> int:
-        """Forget every block this node accounted that Redis no longer holds (``EXISTS``,
-        pipelined, under the breakers; a block not reached stays counted); returns how many."""
-        with self._lock:
-            snap = list(self._held.items())
-        gone = 0
-        for i in range(0, len(snap), 1024):
-            part = snap[i:i + 1024]
-            replies = self._batch("EXISTS", [h.rkey for _, h in part])
-            with self._lock:
-                for (ident, h), r in zip(part, replies):
-                    if r == 0 and self._held.get(ident) is h:  # not written again meanwhile
-                        self._unheld(ident)
-                        gone += 1
-        self._count("resyncs")
-        self._count("resync_forgotten", gone)
-        return gone
 
     # -- tenants: tombstones and data keys -------------------------------------------------------
     def _dropped_at(self, tenant: str, *, strict: bool) -> float | None:
@@ -582,10 +508,7 @@ class RemoteTier(BreakerCalls):
             queued = self._tenant_queued.get(ref.tenant, 0)
             if quota is not None:
                 with self._lock:
-                    held = self._tenant_used.get(ref.tenant, 0)
-                    if ref.ident in self._held:  # written over: its old bytes go
-                        held -= self._held[ref.ident].nbytes
-                    if held + queued + ref.nbytes > quota:
+                    if self._held_bytes_but(ref) + queued + ref.nbytes > quota:
                         self._counts["quota_rejected"] += 1
                         over = True
             if not over:
@@ -678,11 +601,7 @@ class RemoteTier(BreakerCalls):
             return
         ref = job.ref
         self._queued_bytes -= job.nbytes
-        left = self._tenant_queued.get(ref.tenant, 0) - job.nbytes
-        if left > 0:
-            self._tenant_queued[ref.tenant] = left
-        else:
-            self._tenant_queued.pop(ref.tenant, None)
+        take_bytes(self._tenant_queued, ref.tenant, job.nbytes)
 
     def _is_doomed(self, job: _Job) -> bool:
         """Whether a delete_subtrees running now removes ``job``'s block: it is one of the
@@ -1052,10 +971,7 @@ class RemoteTier(BreakerCalls):
             cmds.append((ckey, ("EVAL", _ADD_CHILD, 1, ckey, ref.key, pxarg)))
         res = self._multi(cmds)[0]
         if res == 1:
-            with self._lock:
-                h = self._held.get(ref.ident)
-                if h is not None:
-                    self._held[ref.ident] = h._replace(deadline=local)
+            self._held_deadline(ref.ident, local)
             return True
         return False
 
@@ -1110,8 +1026,7 @@ class RemoteTier(BreakerCalls):
             raise Unavailable(f"remote tier (Redis) unreachable: deleting tenant {tenant!r} failed "
                               f"({exc}); retry once the remote tier answers") from None
         with self._lock:
-            for ident in [i for i in self._held if i[0] == tenant]:
-                self._unheld(ident)
+            self._unheld_where(lambda ident, _: ident[0] == tenant)
         self._count("tenant_keys_deleted", n)
         return {key for _, key in gone}
 
@@ -1129,8 +1044,7 @@ class RemoteTier(BreakerCalls):
             raise Unavailable(f"remote tier (Redis) unreachable: purging a model failed ({exc}); "
                               f"retry once the remote tier answers") from None
         with self._lock:
-            for ident in [i for i, h in self._held.items() if h.fingerprint == fingerprint]:
-                self._unheld(ident)
+            self._unheld_where(lambda _, h: h.fingerprint == fingerprint)
             self._counts["model_keys_deleted"] += len(gone)
         return gone
 

@@ -1,0 +1,135 @@
+"""Accounting of the remote tier: the blocks this server wrote, their bytes per tenant.
+
+A mixin of :class:`tiers.remote.RemoteTier`: it uses the tier's lock (every structure here is
+under it), clocks, capacity, counters and ``_batch`` of :mod:`tiers.remote_calls`;
+``_init_accounting`` makes its state.
+
+* ``usage`` / ``tenant_bytes`` — raw block bytes this server wrote, accounted locally: the
+  server's own eviction shows up as misses, and the accounting forgets those blocks then; a
+  block past its (capped) deadline is forgotten at the next ask.
+* ``resync`` — forgets every accounted block Redis no longer holds (``EXISTS``, pipelined, under
+  the breakers): a write refused for capacity or quota asks the background writer for one, at
+  most once every ``accounting_resync_s``, so blocks that vanished unseen (a ``FLUSHALL``, a
+  purge by another server) stop counting.
+
+Quotas and capacity are per server: each server counts the blocks it wrote itself (see
+``RemoteConfig.capacity_bytes``), so servers sharing one Redis together may hold up to their
+number times a tenant's remote quota there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from kvstore.block import Tier
+from tiers.base import BlockRef, TierUsage
+
+
+class Held(NamedTuple):
+    """A block this node wrote: raw bytes, local deadline (capped), model, Redis key."""
+
+    nbytes: int
+    deadline: float | None
+    fingerprint: bytes
+    rkey: bytes
+
+
+def take_bytes(per_tenant: dict[str, int], tenant: str, nbytes: int) -> None:
+    """Take ``nbytes`` off ``tenant``'s count in ``per_tenant`` (a tenant at 0 leaves it)."""
+    left = per_tenant.get(tenant, 0) - nbytes
+    if left > 0:
+        per_tenant[tenant] = left
+    else:
+        per_tenant.pop(tenant, None)
+
+
+class Accounting:
+    """RemoteTier methods of the accounting (see the module docstring)."""
+
+    def _init_accounting(self) -> None:
+        self._held: dict[tuple[str, bytes], Held] = {}
+        self._tenant_used: dict[str, int] = {}
+        self._used = 0
+
+    def _account(self, ref: BlockRef, deadline: float | None, rkey: bytes) -> None:
+        with self._lock:
+            self._unheld(ref.ident)
+            self._held[ref.ident] = Held(ref.nbytes, deadline, ref.spec.fingerprint, rkey)
+            self._used += ref.nbytes
+            self._tenant_used[ref.tenant] = self._tenant_used.get(ref.tenant, 0) + ref.nbytes
+
+    def _unheld(self, ident: tuple[str, bytes]) -> None:
+        """Forget one block of the accounting. Caller holds ``_lock``."""
+        old = self._held.pop(ident, None)
+        if old is not None:
+            self._used -= old.nbytes
+            take_bytes(self._tenant_used, ident[0], old.nbytes)
+
+    def _unheld_where(self, hit: Callable[[tuple[str, bytes], Held], bool]) -> None:
+        """Forget every block for which ``hit(ident, held)``. Caller holds ``_lock``."""
+        for ident in [i for i, h in self._held.items() if hit(i, h)]:
+            self._unheld(ident)
+
+    def _forget(self, ident: tuple[str, bytes]) -> None:
+        with self._lock:
+            self._unheld(ident)
+
+    def _held_deadline(self, ident: tuple[str, bytes], deadline: float | None) -> None:
+        """The (local, capped) deadline of a block this node wrote moved to ``deadline``."""
+        with self._lock:
+            h = self._held.get(ident)
+            if h is not None:
+                self._held[ident] = h._replace(deadline=deadline)
+
+    def _held_bytes_but(self, ref: BlockRef) -> int:
+        """Bytes of ``ref``'s tenant this node holds, less those of ``ref``'s own copy (a write
+        of it replaces them). Caller holds ``_lock``."""
+        held = self._tenant_used.get(ref.tenant, 0)
+        if ref.ident in self._held:  # written over: its old bytes go
+            held -= self._held[ref.ident].nbytes
+        return held
+
+    def _prune_expired(self) -> None:
+        now = self._clock()
+        with self._lock:
+            self._unheld_where(lambda _, h: h.deadline is not None and now >= h.deadline)
+
+    def usage(self) -> TierUsage:
+        self._prune_expired()
+        with self._lock:
+            return TierUsage(Tier.REMOTE, self._used, self.capacity, len(self._held))
+
+    def tenant_bytes(self, tenant: str) -> int:
+        """Raw bytes of ``tenant``'s blocks this node wrote that have not expired or gone."""
+        self._prune_expired()
+        with self._lock:
+            return self._tenant_used.get(tenant, 0)
+
+    def can_fit(self, nbytes: int) -> bool:
+        with self._lock:
+            return self._used + nbytes <= self.capacity
+
+    def charge(self, nbytes: int) -> int:
+        return nbytes
+
+    def resync(self) -> int:
+        """Forget every block this node accounted that Redis no longer holds (``EXISTS``,
+        pipelined, under the breakers; a block not reached stays counted); returns how many."""
+        with self._lock:
+            snap = list(self._held.items())
+        gone = 0
+        for i in range(0, len(snap), 1024):
+            part = snap[i:i + 1024]
+            replies = self._batch("EXISTS", [h.rkey for _, h in part])
+            with self._lock:
+                for (ident, h), r in zip(part, replies):
+                    if r == 0 and self._held.get(ident) is h:  # not written again meanwhile
+                        self._unheld(ident)
+                        gone += 1
+        self._count("resyncs")
+        self._count("resync_forgotten", gone)
+        return gone
+
+
+__all__ = ["Accounting", "Held", "take_bytes"]
