@@ -13,7 +13,7 @@ Shared-memory Put and Get copy outside the Store's lock: a Get takes a read leas
 NVMe blocks are decoded under the lock straight into the slots of a mapped region, else into
 staging), a Put reserves tier slots, copies into them and commits, all or nothing
 (:mod:`kvstore.store_lease`, :mod:`kvstore.store_reserve`). The region does the copies on its
-side (:class:`kvstore.shm.AttachedRegion`: memcpy on a sealed memfd, preadv/pwritev on a
+side (:class:`kvstore.shm_attach.AttachedRegion`: memcpy on a sealed memfd, preadv/pwritev on a
 ``/dev/shm`` segment, so that no client and no tmpfs shortage can SIGBUS the server). The
 copies of one call are spread over ``copy_threads``.
 """
@@ -45,7 +45,7 @@ from kvstore.service_convert import (
     split_keys,
 )
 from kvstore.service_resources import InflightBudget, RegionTable, StagingPool
-from kvstore.shm import Region
+from kvstore.shm_attach import Region
 from kvstore.spec import ModelSpec
 from proto.kvstore.v1 import kvstore_pb2 as pb
 
@@ -232,7 +232,7 @@ class DataPlane:
 
         Each block is read from the region straight into its reserved tier slot; blocks without
         a host slot (a device tier, none reserved) go through a staging buffer where the region
-        cannot be mapped safely (:meth:`kvstore.shm.AttachedRegion.host_view`)."""
+        cannot be mapped safely (:meth:`kvstore.shm_attach.AttachedRegion.host_view`)."""
         nbytes = b.spec.block_nbytes
         check_slots(offsets, nbytes, len(b.keys))
         with self._region(principal, region_id, offsets, nbytes, seq) as region:

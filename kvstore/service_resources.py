@@ -31,7 +31,8 @@ from kvstore.errors import (
     ResourceExhausted,
     UnknownRegion,
 )
-from kvstore.shm import Region, attach_region, sweep_dead_segments
+from kvstore.shm_attach import Region, attach_region
+from kvstore.shm_sweep import sweep_dead_segments
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class RegionTable:
     are dropped (:meth:`prune`) and their ``/dev/shm`` segments unlinked when their creator is
     known to be gone; at the limit, the principal's least recently used region that no call
     uses and that has been idle for ``idle_evict_s`` seconds makes room for a new one (a live
-    client registers it again at its next call). See :mod:`kvstore.shm` for the rules."""
+    client registers it again at its next call). See :mod:`kvstore.shm_sweep` for the rules."""
 
     #: seconds between two sweeps of ``/dev/shm`` for segments of clients that are gone
     SWEEP_EVERY_S = 60.0
@@ -159,8 +160,8 @@ class RegionTable:
         region (:attr:`kvstore.shm.ShmRegion.nonce`); a region whose head holds anything else is
         refused (a caller that only knows the name cannot know it), and so is an empty or
         all-zero nonce, and a region another principal registered (even with the right nonce:
-        a caller of the same uid can read it). What :func:`~kvstore.shm.attach_region` maps at
-        all: see :mod:`kvstore.shm`."""
+        a caller of the same uid can read it). What :func:`~kvstore.shm_attach.attach_region` maps
+        at all: see :mod:`kvstore.shm_checks`."""
         if self._max_per == 0:
             raise FailedPrecondition("the local data plane is disabled on this server")
         if size <= 0 or size > self._max_bytes:
@@ -301,7 +302,7 @@ class RegionTable:
 
     def sweep(self) -> list[str]:
         """Unlink the ``/dev/shm`` segments of clients known to be gone, registered or not
-        (:func:`kvstore.shm.sweep_dead_segments`; the server runs it at start)."""
+        (:func:`kvstore.shm_sweep.sweep_dead_segments`; the server runs it at start)."""
         self._swept_at = self._clock()
         swept = sweep_dead_segments()
         if swept:

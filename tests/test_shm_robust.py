@@ -418,7 +418,8 @@ def test_segments_of_clients_that_died_before_the_server_started_are_swept_at_st
 def test_a_live_clients_region_is_never_unlinked_and_one_of_another_namespace_is_kept(sidecar):
     """The server unlinks only what a creator known to be gone left: not the region of a live
     client, nor one whose creator it cannot judge (another pid namespace)."""
-    from kvstore.shm import OWNER_OFFSET, Owner
+    from kvstore.shm import OWNER_OFFSET
+    from kvstore.shm_owner import Owner
 
     c = sidecar.tenant("live", local=True)
     regions = sidecar.server.data.regions
