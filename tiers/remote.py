@@ -96,12 +96,11 @@ the breaker live in :mod:`tiers.remote_redis`.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from redis import Redis
@@ -114,7 +113,7 @@ from kvstore.keyring import Keyring, key_id
 from kvstore.keys import ROOT_KEY
 from kvstore.quantization import QuantArg
 from tiers.base import BlockRef, as_bytes_view
-from tiers.remote_accounting import Accounting, take_bytes
+from tiers.remote_accounting import Accounting
 from tiers.remote_calls import FAULTS, BreakerCalls, fault_text, succeeded
 from tiers.remote_config import RemoteConfig
 from tiers.remote_envelope import (
@@ -138,6 +137,7 @@ from tiers.remote_redis import (
     connect,
     keyring_key,
 )
+from tiers.remote_writer import DemotionQueue
 
 _STALE = object()  # a write made with a data key that is not the tenant's any more
 
@@ -157,26 +157,7 @@ _ADD_CHILD = ("local new = redis.call('EXISTS', KEYS[1]) == 0 "
 _CHILDREN = b"c"  # last segment of a children set's key
 
 
-class _Job(NamedTuple):
-    """One queued item: a demotion — the block, its bytes (owned by the tier), TTL deadline, the
-    tenant's epoch when queued, quantization, creation time and parent key (None: not known) —
-    or a move of a block's deadline (``data`` None: :meth:`RemoteTier.submit_ttl`)."""
-
-    ref: BlockRef
-    data: np.ndarray | None
-    deadline: float | None
-    epoch: int
-    quant: QuantArg
-    created: float | None
-    parent: bytes | None
-
-    @property
-    def nbytes(self) -> int:
-        """Raw bytes it holds in the queue (0 for a deadline move)."""
-        return 0 if self.data is None else self.ref.nbytes
-
-
-class RemoteTier(Accounting, BreakerCalls):
+class RemoteTier(DemotionQueue, Accounting, BreakerCalls):
     """See the module docstring. Build with :meth:`open` (or inject a client and codec)."""
 
     tier = Tier.REMOTE
@@ -194,35 +175,18 @@ class RemoteTier(Accounting, BreakerCalls):
         self._ns = config.namespace
         self._tombs = TenantTombstones(client, config.namespace)
         self._counts: Counter[str] = Counter()
-        self._lock = threading.Lock()  # counters, accounting, breakers, tenant epochs, marks
+        self._lock = threading.Lock()  # counters, accounting, breakers, marks
         self._init_breakers()
         self._init_accounting()
-        self._epochs: dict[str, int] = {}
         self._th: dict[str, str] = {}
         # tenant -> (deletion time or None, monotonic time it was read)
         self._marks: dict[str, tuple[float | None, float]] = {}
         self._key_reads: dict[str, float] = {}  # tenant -> monotonic time of the last forced re-read
         self._put_lock = threading.Lock()
         self._put_scratch = np.empty(0, dtype=np.uint8)
-        # asynchronous demotion: a bounded deque drained by one writer thread
-        self._cond = threading.Condition()
-        self._queue: deque[_Job] = deque()
-        self._queued_bytes = 0
-        self._tenant_queued: dict[str, int] = {}
-        self._pending = 0
-        self._writing: _Job | None = None  # the block the writer is writing now
-        self._writing_cancelled = False  # ... and deleted meanwhile: unlinked again once written
-        # tenant -> block keys a delete_subtrees is removing now: the writer drops a queued
-        # block that is one of them or a child of one (and adds it), so none lands behind it
-        self._doomed: dict[str, set[bytes]] = {}
         self._models_key = f"{config.namespace}:models"
         self._models_seen: set[bytes] = set()  # fingerprints this server has added there
-        self._resync_due = False
-        self._last_resync = -math.inf
-        self._closed = False
-        self._worker = threading.Thread(target=self._drain, name="kvstore-remote-demote",
-                                        daemon=True)
-        self._worker.start()
+        self._init_queue()  # NOTE: last: starts the writer thread
 
     @classmethod
     def open(cls, config: RemoteConfig, master_key: bytes, *, clock: Clock = time.time,
@@ -272,27 +236,12 @@ class RemoteTier(Accounting, BreakerCalls):
         with self._lock:
             out = dict(self._counts)
             out["breakers_open"] = sum(b.is_open for b in self._breakers.values())
-        with self._cond:
-            out["queue_blocks"], out["queue_bytes"] = len(self._queue), self._queued_bytes
+        out.update(self._queue_gauges())
         return out
 
     # -- accounting -----------------------------------------------------------------------------
     def contains(self, ref: BlockRef) -> bool:
         return self.contains_many([ref])[0]
-
-    def _want_resync(self) -> None:
-        """Have the writer re-count this node's blocks (a write was refused for capacity or
-        quota: blocks that vanished unseen may be what fills them), unless one was made less
-        than ``accounting_resync_s`` ago."""
-        now = self._monotonic()
-        with self._cond:
-            if (self._closed or self._resync_due
-                    or now - self._last_resync < self.config.accounting_resync_s):
-                return
-            self._last_resync = now
-            self._resync_due = True
-            self._pending += 1
-            self._cond.notify_all()
 
     # -- tenants: tombstones and data keys -------------------------------------------------------
     def _dropped_at(self, tenant: str, *, strict: bool) -> float | None:
@@ -489,193 +438,6 @@ class RemoteTier(Accounting, BreakerCalls):
             ok, self._put_scratch = self._put_with(self._put_scratch, ref, view, ttl_deadline,
                                                    quant, created, parent)
         return ok
-
-    def submit(self, ref: BlockRef, data: Any, *, ttl_deadline: float | None = None,
-               quant: QuantArg = None, quota: int | None = None,
-               created: float | None = None, parent: bytes | None = None) -> bool:
-        """Queue an asynchronous put; False (nothing queued) when the queue is full or closed,
-        or when the tenant's blocks here, written and queued, would pass ``quota`` bytes.
-        ``data`` (a buffer of ``ref.nbytes``) is owned by the tier from now on. ``parent``:
-        as for :meth:`put`."""
-        view = as_bytes_view(data)
-        over = False
-        with self._cond:
-            if (self._closed or len(self._queue) >= self.config.queue_depth
-                    or self._queued_bytes + ref.nbytes > self.config.max_inflight_bytes):
-                with self._lock:
-                    self._counts["queue_rejected"] += 1
-                return False
-            queued = self._tenant_queued.get(ref.tenant, 0)
-            if quota is not None:
-                with self._lock:
-                    if self._held_bytes_but(ref) + queued + ref.nbytes > quota:
-                        self._counts["quota_rejected"] += 1
-                        over = True
-            if not over:
-                epoch = self._epochs.get(ref.tenant, 0)
-                self._queue.append(_Job(ref, view, ttl_deadline, epoch, quant, created, parent))
-                self._queued_bytes += ref.nbytes
-                self._tenant_queued[ref.tenant] = queued + ref.nbytes
-                self._pending += 1
-                self._cond.notify_all()
-        if over:
-            self._want_resync()
-            return False
-        self._count("queue_submitted")
-        return True
-
-    def submit_ttl(self, ref: BlockRef, ttl_deadline: float | None, *,
-                   parent: bytes | None = None) -> bool:
-        """Queue a move of the block's deadline (:meth:`update_ttl`, by the background writer,
-        after every demotion queued before it: a queued copy of the block is written first);
-        False (nothing queued, counted ``ttl_rejected``) when the queue is full or closed."""
-        with self._cond:
-            if self._closed or len(self._queue) >= self.config.queue_depth:
-                with self._lock:
-                    self._counts["ttl_rejected"] += 1
-                return False
-            self._queue.append(_Job(ref, None, ttl_deadline, self._epochs.get(ref.tenant, 0),
-                                    None, None, parent))
-            self._pending += 1
-            self._cond.notify_all()
-        self._count("ttl_submitted")
-        return True
-
-    def _drain(self) -> None:
-        scratch = np.empty(0, dtype=np.uint8)
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed and not self._resync_due:
-                    self._cond.wait()
-                resync = self._resync_due
-                if resync:
-                    self._resync_due = False
-                elif not self._queue:
-                    return
-                else:
-                    job = self._queue.popleft()
-                    ref = job.ref
-                    self._writing, self._writing_cancelled = job, False
-                    if self._is_doomed(job):  # its block or an ancestor is being deleted
-                        self._writing_cancelled = True
-            if resync:
-                try:
-                    self.resync()
-                except Exception:  # noqa: BLE001 - NOTE: counted; the writer must outlive it
-                    self._count("resync_errors")
-                finally:
-                    with self._cond:
-                        self._pending -= 1
-                        self._cond.notify_all()
-                continue
-            try:
-                if self._epochs.get(ref.tenant, 0) != job.epoch:
-                    self._count("queue_dropped")  # the tenant was deleted meanwhile
-                elif self._writing_cancelled:
-                    self._count("queue_cancelled")
-                elif job.data is None:
-                    ok = self.update_ttl(ref, job.deadline, parent=job.parent)
-                    self._count("ttl_moved" if ok else "ttl_not_moved")
-                else:
-                    ok, scratch = self._put_with(scratch, ref, job.data, job.deadline, job.quant,
-                                                 job.created, job.parent)
-                    self._count("queue_written" if ok else "queue_failed")
-                    with self._cond:
-                        cancelled = self._writing_cancelled
-                    if ok and cancelled:  # deleted while it was being written
-                        self._unlink(ref)
-                        self._count("queue_cancelled")
-            except Exception:  # noqa: BLE001 - NOTE: counted; the writer must outlive any item
-                self._count("queue_failed")
-                self._count("queue_errors")
-            finally:
-                with self._cond:
-                    self._unqueue(job)
-                    self._writing = None
-                    self._pending -= 1
-                    self._cond.notify_all()
-
-    def _unqueue(self, job: _Job) -> None:
-        """Take ``job``'s bytes off the queue's counts. Caller holds ``_cond``."""
-        if not job.nbytes:
-            return
-        ref = job.ref
-        self._queued_bytes -= job.nbytes
-        take_bytes(self._tenant_queued, ref.tenant, job.nbytes)
-
-    def _is_doomed(self, job: _Job) -> bool:
-        """Whether a delete_subtrees running now removes ``job``'s block: it is one of the
-        blocks being deleted or a child of one (then it is one too, from now on). Caller holds
-        ``_cond``."""
-        doomed = self._doomed.get(job.ref.tenant)
-        if doomed is None or not (job.ref.key in doomed or job.parent in doomed):
-            return False
-        doomed.add(job.ref.key)
-        return True
-
-    def _wait_writing(self, hit: Callable[[_Job], bool]) -> bool:
-        """When the block being written satisfies ``hit``: mark it cancelled (the writer unlinks
-        it once written) and wait for it (one write's timeouts at most). Caller holds ``_cond``."""
-        job = self._writing
-        if job is None or not hit(job):
-            return False
-        self._writing_cancelled = True
-        cfg = self.config
-        self._cond.wait_for(lambda: self._writing is not job,
-                            (cfg.op_timeout_s + cfg.connect_timeout_s) * (cfg.retries + 1) + 1)
-        return True
-
-    def _drop_queued(self, hit: Callable[[_Job], bool]) -> list[_Job]:
-        """Take the queued demotions that satisfy ``hit`` out of the queue. Caller holds ``_cond``."""
-        keep: deque[_Job] = deque()
-        out: list[_Job] = []
-        for job in self._queue:
-            if hit(job):
-                self._unqueue(job)
-                self._pending -= 1
-                out.append(job)
-            else:
-                keep.append(job)
-        self._queue = keep
-        return out
-
-    def _cancel(self, idents: set[tuple[str, bytes]]) -> int:
-        """Take the queued demotions of ``idents`` out of the queue and wait (one write's
-        timeouts at most) for the one being written, if it is one of them (the writer unlinks
-        it again if the wait ends first); returns how many were cancelled."""
-        with self._cond:
-            n = len(self._drop_queued(lambda job: job.ref.ident in idents))
-            n += self._wait_writing(lambda job: job.ref.ident in idents)
-            self._cond.notify_all()
-        if n:
-            self._count("queue_cancelled", n)
-        return n
-
-    def _cancel_doomed(self, tenant: str) -> set[bytes]:
-        """Cancel every queued (or in-flight) demotion of ``tenant`` that a running
-        delete_subtrees removes (see :meth:`_is_doomed`: a child queued before its parent is
-        found once its parent is); returns their keys."""
-        out: set[bytes] = set()
-        with self._cond:
-            while True:
-                jobs = self._drop_queued(lambda job: job.ref.tenant == tenant and self._is_doomed(job))
-                out.update(job.ref.key for job in jobs if job.data is not None)
-                if not jobs:
-                    break
-            writing = self._writing
-            if self._wait_writing(lambda job: job.ref.tenant == tenant and self._is_doomed(job)):
-                assert writing is not None
-                if writing.data is not None:
-                    out.add(writing.ref.key)
-            self._cond.notify_all()
-        if out:
-            self._count("queue_cancelled", len(out))
-        return out
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued demotion (and re-count) was attempted; False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._pending == 0, timeout)
 
     # -- get ------------------------------------------------------------------------------------
     def _decode(self, ref: BlockRef, value: Any, out: np.ndarray) -> RemoteInfo | None:
@@ -904,13 +666,8 @@ class RemoteTier(Accounting, BreakerCalls):
         roots = list(dict.fromkeys(roots))
         if not roots:
             return set()
-        with self._cond:
-            # NOTE: one set per tenant: two deletions of one tenant at once (the Store runs one
-            # at a time) share it, and the first to end stops the writer's filter for both
-            doomed = self._doomed.setdefault(tenant, set())
-            doomed.update(k for k, _ in roots)
-        try:
-            gone = self._cancel_doomed(tenant)
+        with self._doomed_subtree(tenant, (k for k, _ in roots)) as doom:
+            gone = doom()
             found = set(roots)
             level = roots
             while level:  # breadth-first: one round trip per level
@@ -920,9 +677,7 @@ class RemoteTier(Accounting, BreakerCalls):
                 nxt = [(bytes(c), fp) for (_, fp), r in zip(level, replies) for c in r]
                 level = [x for x in dict.fromkeys(nxt) if x not in found]
                 found.update(level)
-                with self._cond:
-                    doomed.update(k for k, _ in level)
-                gone |= self._cancel_doomed(tenant)
+                gone |= doom(k for k, _ in level)
             found_list = list(found)
             with self._lock:
                 for k, _ in found_list:
@@ -937,10 +692,6 @@ class RemoteTier(Accounting, BreakerCalls):
                 self._checked(self._batch(
                     "UNLINK", [self._children_key(tenant, fp, k) for k, fp in found_list[i:i + 512]]),
                     len(found_list), "children sets could not be deleted")
-        finally:
-            with self._cond:
-                if self._doomed.get(tenant) is doomed:
-                    del self._doomed[tenant]
         self._count("deletes", len(found))
         self._count("subtree_blocks_deleted", len(gone))
         return gone
@@ -1010,8 +761,7 @@ class RemoteTier(Accounting, BreakerCalls):
         on every primary; returns the keys of the blocks removed. Raises
         :class:`~kvstore.errors.Unavailable` when a server cannot be reached (safe to retry;
         once the tombstone is written every server refuses the tenant's older copies)."""
-        with self._cond:
-            self._epochs[tenant] = self._epochs.get(tenant, 0) + 1
+        self._drop_tenant_queue(tenant)
         try:
             # NOTE: the tombstone first: a server that then finds the key gone finds it too
             when = self._tombs.mark(tenant, self._clock())
@@ -1058,19 +808,7 @@ class RemoteTier(Accounting, BreakerCalls):
     def close(self, drain_timeout_s: float = 5.0) -> None:
         """Write what is queued (up to ``drain_timeout_s``), stop the writer, disconnect."""
         self.flush(drain_timeout_s)
-        with self._cond:
-            self._closed = True
-            self._pending -= len(self._queue)
-            if self._resync_due:
-                self._resync_due = False
-                self._pending -= 1
-            self._queued_bytes -= sum(job.nbytes for job in self._queue)
-            self._queue.clear()
-            self._tenant_queued.clear()
-            self._cond.notify_all()
-        # NOTE: the item being written ends within one command's timeouts and retries.
-        cfg = self.config
-        self._worker.join(timeout=(cfg.op_timeout_s + cfg.connect_timeout_s) * (cfg.retries + 1) + 1)
+        self._stop_writer()
         self.codec.close()
         self._client.close()
 

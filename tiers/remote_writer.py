@@ -1,0 +1,344 @@
+"""The remote tier's background writer: asynchronous demotions and deadline moves, in a queue.
+
+A mixin of :class:`tiers.remote.RemoteTier`: it uses the tier's config, monotonic clock, lock and
+counters, its accounting (:mod:`tiers.remote_accounting`: ``_held_bytes_but``, ``resync``) and
+its writes (``_put_with``, ``update_ttl``, ``_unlink``); ``_init_queue`` makes its state and
+starts the writer thread.
+
+* ``submit(ref, data, ...)`` — queues a demotion and answers True, or False at once when the
+  queue is full (depth or bytes), closed, or the tenant's blocks here, written and queued, would
+  pass ``quota``: it never blocks. ``data`` then belongs to the tier (the caller must not change
+  it).
+* ``submit_ttl(ref, deadline, ...)`` — queues a move of a block's deadline, written after every
+  demotion queued before it.
+* ``flush(timeout)`` — waits until every queued item (and re-count) was attempted.
+* ``_cancel(idents)`` / ``_doomed_subtree(tenant, keys)`` — what deletion uses: a queued
+  demotion of a deleted block (or, during a subtree deletion, of a block under one) is taken out
+  of the queue; the one being written is waited for (one write's timeouts at most) and unlinked
+  again once written. ``_drop_tenant_queue(tenant)``: every demotion of the tenant queued so far
+  is dropped when its turn comes.
+* ``_want_resync()`` — has the writer re-count the accounting (``resync``), at most once every
+  ``accounting_resync_s``.
+
+One writer thread drains the queue, in order; it outlives any item's failure (counted). All the
+queue's state is under ``_cond``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from kvstore.quantization import QuantArg
+from tiers.base import BlockRef, as_bytes_view
+from tiers.remote_accounting import take_bytes
+
+
+class Job(NamedTuple):
+    """One queued item: a demotion — the block, its bytes (owned by the tier), TTL deadline, the
+    tenant's epoch when queued, quantization, creation time and parent key (None: not known) —
+    or a move of a block's deadline (``data`` None: :meth:`DemotionQueue.submit_ttl`)."""
+
+    ref: BlockRef
+    data: np.ndarray | None
+    deadline: float | None
+    epoch: int
+    quant: QuantArg
+    created: float | None
+    parent: bytes | None
+
+    @property
+    def nbytes(self) -> int:
+        """Raw bytes it holds in the queue (0 for a deadline move)."""
+        return 0 if self.data is None else self.ref.nbytes
+
+
+class DemotionQueue:
+    """RemoteTier methods of the background writer (see the module docstring)."""
+
+    def _init_queue(self) -> None:
+        """Make the queue's state and start the writer thread (last: it reads the tier)."""
+        # asynchronous demotion: a bounded deque drained by one writer thread
+        self._cond = threading.Condition()
+        self._queue: deque[Job] = deque()
+        self._queued_bytes = 0
+        self._tenant_queued: dict[str, int] = {}
+        self._pending = 0
+        self._epochs: dict[str, int] = {}  # tenant -> deletions of it so far (see Job.epoch)
+        self._writing: Job | None = None  # the block the writer is writing now
+        self._writing_cancelled = False  # ... and deleted meanwhile: unlinked again once written
+        # tenant -> block keys a delete_subtrees is removing now: the writer drops a queued
+        # block that is one of them or a child of one (and adds it), so none lands behind it
+        self._doomed: dict[str, set[bytes]] = {}
+        self._resync_due = False
+        self._last_resync = -math.inf
+        self._closed = False
+        self._worker = threading.Thread(target=self._drain, name="kvstore-remote-demote",
+                                        daemon=True)
+        self._worker.start()
+
+    def _one_write_s(self) -> float:
+        """The longest one command can take: its timeouts and retries, plus a second."""
+        cfg = self.config
+        return (cfg.op_timeout_s + cfg.connect_timeout_s) * (cfg.retries + 1) + 1
+
+    def _enqueue(self, job: Job) -> None:
+        """Append ``job`` and wake the writer. Caller holds ``_cond``."""
+        self._queue.append(job)
+        if job.nbytes:
+            self._queued_bytes += job.nbytes
+            self._tenant_queued[job.ref.tenant] = self._tenant_queued.get(job.ref.tenant, 0) + job.nbytes
+        self._pending += 1
+        self._cond.notify_all()
+
+    def _unqueue(self, job: Job) -> None:
+        """Take ``job``'s bytes off the queue's counts. Caller holds ``_cond``."""
+        if not job.nbytes:
+            return
+        self._queued_bytes -= job.nbytes
+        take_bytes(self._tenant_queued, job.ref.tenant, job.nbytes)
+
+    def _queue_gauges(self) -> dict[str, int]:
+        with self._cond:
+            return {"queue_blocks": len(self._queue), "queue_bytes": self._queued_bytes}
+
+    def submit(self, ref: BlockRef, data: Any, *, ttl_deadline: float | None = None,
+               quant: QuantArg = None, quota: int | None = None,
+               created: float | None = None, parent: bytes | None = None) -> bool:
+        """Queue an asynchronous put; False (nothing queued) when the queue is full or closed,
+        or when the tenant's blocks here, written and queued, would pass ``quota`` bytes.
+        ``data`` (a buffer of ``ref.nbytes``) is owned by the tier from now on. ``parent``:
+        as for :meth:`put`."""
+        view = as_bytes_view(data)
+        over = False
+        with self._cond:
+            if (self._closed or len(self._queue) >= self.config.queue_depth
+                    or self._queued_bytes + ref.nbytes > self.config.max_inflight_bytes):
+                with self._lock:
+                    self._counts["queue_rejected"] += 1
+                return False
+            if quota is not None:
+                queued = self._tenant_queued.get(ref.tenant, 0)
+                with self._lock:
+                    if self._held_bytes_but(ref) + queued + ref.nbytes > quota:
+                        self._counts["quota_rejected"] += 1
+                        over = True
+            if not over:
+                epoch = self._epochs.get(ref.tenant, 0)
+                self._enqueue(Job(ref, view, ttl_deadline, epoch, quant, created, parent))
+        if over:
+            self._want_resync()
+            return False
+        self._count("queue_submitted")
+        return True
+
+    def submit_ttl(self, ref: BlockRef, ttl_deadline: float | None, *,
+                   parent: bytes | None = None) -> bool:
+        """Queue a move of the block's deadline (:meth:`update_ttl`, by the background writer,
+        after every demotion queued before it: a queued copy of the block is written first);
+        False (nothing queued, counted ``ttl_rejected``) when the queue is full or closed."""
+        with self._cond:
+            if self._closed or len(self._queue) >= self.config.queue_depth:
+                with self._lock:
+                    self._counts["ttl_rejected"] += 1
+                return False
+            self._enqueue(Job(ref, None, ttl_deadline, self._epochs.get(ref.tenant, 0),
+                              None, None, parent))
+        self._count("ttl_submitted")
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued demotion (and re-count) was attempted; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending == 0, timeout)
+
+    def _want_resync(self) -> None:
+        """Have the writer re-count this node's blocks (a write was refused for capacity or
+        quota: blocks that vanished unseen may be what fills them), unless one was made less
+        than ``accounting_resync_s`` ago."""
+        now = self._monotonic()
+        with self._cond:
+            if (self._closed or self._resync_due
+                    or now - self._last_resync < self.config.accounting_resync_s):
+                return
+            self._last_resync = now
+            self._resync_due = True
+            self._pending += 1
+            self._cond.notify_all()
+
+    def _drain(self) -> None:
+        scratch = np.empty(0, dtype=np.uint8)
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed and not self._resync_due:
+                    self._cond.wait()
+                resync = self._resync_due
+                if resync:
+                    self._resync_due = False
+                elif not self._queue:
+                    return
+                else:
+                    job = self._queue.popleft()
+                    ref = job.ref
+                    self._writing, self._writing_cancelled = job, False
+                    if self._is_doomed(job):  # its block or an ancestor is being deleted
+                        self._writing_cancelled = True
+            if resync:
+                try:
+                    self.resync()
+                except Exception:  # noqa: BLE001 - NOTE: counted; the writer must outlive it
+                    self._count("resync_errors")
+                finally:
+                    with self._cond:
+                        self._pending -= 1
+                        self._cond.notify_all()
+                continue
+            try:
+                if self._epochs.get(ref.tenant, 0) != job.epoch:
+                    self._count("queue_dropped")  # the tenant was deleted meanwhile
+                elif self._writing_cancelled:
+                    self._count("queue_cancelled")
+                elif job.data is None:
+                    ok = self.update_ttl(ref, job.deadline, parent=job.parent)
+                    self._count("ttl_moved" if ok else "ttl_not_moved")
+                else:
+                    ok, scratch = self._put_with(scratch, ref, job.data, job.deadline, job.quant,
+                                                 job.created, job.parent)
+                    self._count("queue_written" if ok else "queue_failed")
+                    with self._cond:
+                        cancelled = self._writing_cancelled
+                    if ok and cancelled:  # deleted while it was being written
+                        self._unlink(ref)
+                        self._count("queue_cancelled")
+            except Exception:  # noqa: BLE001 - NOTE: counted; the writer must outlive any item
+                self._count("queue_failed")
+                self._count("queue_errors")
+            finally:
+                with self._cond:
+                    self._unqueue(job)
+                    self._writing = None
+                    self._pending -= 1
+                    self._cond.notify_all()
+
+    # -- cancellation (deletions) ---------------------------------------------------------------
+    def _drop_tenant_queue(self, tenant: str) -> None:
+        """Every item of ``tenant`` queued so far is dropped when its turn comes (counted
+        ``queue_dropped``): the tenant is being deleted."""
+        with self._cond:
+            self._epochs[tenant] = self._epochs.get(tenant, 0) + 1
+
+    def _is_doomed(self, job: Job) -> bool:
+        """Whether a delete_subtrees running now removes ``job``'s block: it is one of the
+        blocks being deleted or a child of one (then it is one too, from now on). Caller holds
+        ``_cond``."""
+        doomed = self._doomed.get(job.ref.tenant)
+        if doomed is None or not (job.ref.key in doomed or job.parent in doomed):
+            return False
+        doomed.add(job.ref.key)
+        return True
+
+    def _wait_writing(self, hit: Callable[[Job], bool]) -> bool:
+        """When the block being written satisfies ``hit``: mark it cancelled (the writer unlinks
+        it once written) and wait for it (one write's timeouts at most). Caller holds ``_cond``."""
+        job = self._writing
+        if job is None or not hit(job):
+            return False
+        self._writing_cancelled = True
+        self._cond.wait_for(lambda: self._writing is not job, self._one_write_s())
+        return True
+
+    def _drop_queued(self, hit: Callable[[Job], bool]) -> list[Job]:
+        """Take the queued demotions that satisfy ``hit`` out of the queue. Caller holds ``_cond``."""
+        keep: deque[Job] = deque()
+        out: list[Job] = []
+        for job in self._queue:
+            if hit(job):
+                self._unqueue(job)
+                self._pending -= 1
+                out.append(job)
+            else:
+                keep.append(job)
+        self._queue = keep
+        return out
+
+    def _cancel(self, idents: set[tuple[str, bytes]]) -> int:
+        """Take the queued demotions of ``idents`` out of the queue and wait (one write's
+        timeouts at most) for the one being written, if it is one of them (the writer unlinks
+        it again if the wait ends first); returns how many were cancelled."""
+        with self._cond:
+            n = len(self._drop_queued(lambda job: job.ref.ident in idents))
+            n += self._wait_writing(lambda job: job.ref.ident in idents)
+            self._cond.notify_all()
+        if n:
+            self._count("queue_cancelled", n)
+        return n
+
+    @contextmanager
+    def _doomed_subtree(self, tenant: str,
+                        keys: Iterable[bytes]) -> Iterator[Callable[[Iterable[bytes]], set[bytes]]]:
+        """While open, the blocks ``keys`` of ``tenant`` and every block queued under one of them
+        are being deleted: the writer drops such a demotion when its turn comes. Yields
+        ``doom(more=())``: adds the blocks ``more`` and cancels every queued (or in-flight)
+        demotion the deletion now removes (see :meth:`_cancel_doomed`); returns their keys."""
+        with self._cond:
+            # NOTE: one set per tenant: two deletions of one tenant at once (the Store runs one
+            # at a time) share it, and the first to end stops the writer's filter for both
+            doomed = self._doomed.setdefault(tenant, set())
+            doomed.update(keys)
+
+        def doom(more: Iterable[bytes] = ()) -> set[bytes]:
+            with self._cond:
+                doomed.update(more)
+            return self._cancel_doomed(tenant)
+
+        try:
+            yield doom
+        finally:
+            with self._cond:
+                if self._doomed.get(tenant) is doomed:
+                    del self._doomed[tenant]
+
+    def _cancel_doomed(self, tenant: str) -> set[bytes]:
+        """Cancel every queued (or in-flight) demotion of ``tenant`` that a running
+        delete_subtrees removes (see :meth:`_is_doomed`: a child queued before its parent is
+        found once its parent is); returns their keys."""
+        out: set[bytes] = set()
+        with self._cond:
+            while True:
+                jobs = self._drop_queued(lambda job: job.ref.tenant == tenant and self._is_doomed(job))
+                out.update(job.ref.key for job in jobs if job.data is not None)
+                if not jobs:
+                    break
+            writing = self._writing
+            if self._wait_writing(lambda job: job.ref.tenant == tenant and self._is_doomed(job)):
+                assert writing is not None
+                if writing.data is not None:
+                    out.add(writing.ref.key)
+            self._cond.notify_all()
+        if out:
+            self._count("queue_cancelled", len(out))
+        return out
+
+    def _stop_writer(self) -> None:
+        """Drop what is still queued, stop the writer thread and wait for it (the item being
+        written ends within one command's timeouts and retries)."""
+        with self._cond:
+            self._closed = True
+            self._pending -= len(self._queue)
+            if self._resync_due:
+                self._resync_due = False
+                self._pending -= 1
+            self._queued_bytes -= sum(job.nbytes for job in self._queue)
+            self._queue.clear()
+            self._tenant_queued.clear()
+            self._cond.notify_all()
+        self._worker.join(timeout=self._one_write_s())
+
+
+__all__ = ["DemotionQueue", "Job"]
