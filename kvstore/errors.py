@@ -88,6 +88,13 @@ class FailedPrecondition(KVStoreError):
     code = "FAILED_PRECONDITION"
 
 
+class StreamIdle(KVStoreError):
+    """A stream moved no message for ``limits.stream_idle_s``; it was cancelled
+    (:class:`kvstore.service_limits.IdleWatch`)."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
 class IntegrityError(KVStoreError):
     """Stored bytes failed authentication or checksum. Internal: callers see a miss."""
 
@@ -111,6 +118,7 @@ __all__ = [
     "PermissionDenied",
     "ResourceExhausted",
     "ShapeMismatch",
+    "StreamIdle",
     "Unauthenticated",
     "Unavailable",
     "UnknownRegion",

@@ -5,28 +5,19 @@
   place that does), counts rejections and observes latency. With ``audit`` (a
   :class:`~kvstore.audit.Recorder`) it also requires the admin role, records the action before
   it runs (a change whose record cannot be written is not made) and records the outcome.
-* :func:`service_handler` — the grpc handler of a service built from its descriptor, with
-  per-method (de)serializers overridable: the KVStore service serves Put/Get as raw frames
-  (:mod:`kvstore.frames`) and every other method with the generated protobuf classes.
-* :class:`CallLimiter` — with ``calls`` (:class:`~kvstore.server_config.CallLimits`) the runner
-  admits a call once it is authenticated: one principal may have ``calls_per_principal`` calls
-  running (``streams_per_principal`` of them streams), all tenants together ``tenant_calls``
-  (the rest of the worker threads are kept for the admin, who is not counted, and for health
-  checks); past a bound the call is refused with RESOURCE_EXHAUSTED naming the limit. A
-  server-streaming call (Get) keeps its place until its last message is sent.
-* :class:`IdleWatch` — streams that move no message for ``stream_idle_s`` (a Put whose client
-  sends nothing, a Get whose client reads nothing) are cancelled from one watcher thread with
-  ``context.cancel()`` (thread-safe, unlike ``abort``), which wakes the handler thread blocked in
-  grpc; the handler then fails with :class:`StreamIdle` and a Put stores nothing. The client
-  sees CANCELLED: a cancelled call can carry no status of the server's.
+* :func:`method_handlers`, :func:`add_service` — the grpc handlers of a service built from its
+  descriptor, with per-method (de)serializers overridable: the KVStore service serves Put/Get as
+  raw frames (:mod:`kvstore.frames`) and every other method with the generated protobuf classes.
+* With ``calls`` (:class:`~kvstore.server_config.CallLimits`) the runner also admits calls
+  (:class:`~kvstore.service_limits.CallLimiter`) and cancels idle streams
+  (:class:`~kvstore.service_limits.IdleWatch`), installed on the stream handlers by
+  :meth:`RpcRunner.guard`: see :mod:`kvstore.service_limits`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -39,182 +30,13 @@ from kvstore.audit import Recorder
 from kvstore.auth import AuthRegistry, Principal, Role, bearer_token
 from kvstore.errors import FailedPrecondition, KVStoreError, PermissionDenied, ResourceExhausted, Unauthenticated
 from kvstore.metrics import ServiceMetrics
+from kvstore.service_limits import CallLimiter, CallSlot, IdleWatch
 from kvstore.status import to_status
 
 if TYPE_CHECKING:
     from kvstore.server_config import CallLimits
 
 log = logging.getLogger(__name__)
-
-
-class StreamIdle(KVStoreError):
-    """A stream moved no message for ``limits.stream_idle_s``; it was cancelled."""
-
-    code = "DEADLINE_EXCEEDED"
-
-
-class _Slot:
-    """One admitted call's place in a :class:`CallLimiter`; :meth:`release` is idempotent."""
-
-    __slots__ = ("_limiter", "_name", "_stream")
-
-    def __init__(self, limiter: CallLimiter | None, name: str, stream: bool) -> None:
-        self._limiter, self._name, self._stream = limiter, name, stream
-
-    def release(self) -> None:
-        limiter, self._limiter = self._limiter, None
-        if limiter is not None:
-            limiter._leave(self._name, self._stream)
-
-
-class CallLimiter:
-    """Concurrent calls per principal, streams per principal and calls of all tenants together;
-    the admin principal is not counted."""
-
-    def __init__(self, calls_per_principal: int, streams_per_principal: int, tenant_calls: int) -> None:
-        self.calls_per_principal = calls_per_principal
-        self.streams_per_principal = streams_per_principal
-        self.tenant_calls = tenant_calls
-        self._lock = threading.Lock()
-        self._calls: Counter[str] = Counter()
-        self._streams: Counter[str] = Counter()
-        self._tenants = 0
-
-    def enter(self, principal: Principal, *, stream: bool) -> _Slot:
-        """Admit one call of ``principal`` (a stream when ``stream``), or ResourceExhausted
-        naming the bound it would pass."""
-        if principal.role is Role.ADMIN:
-            return _Slot(None, "", False)
-        name = principal.name
-        with self._lock:
-            if self._calls[name] >= self.calls_per_principal:
-                raise ResourceExhausted(
-                    f"this principal already has {self._calls[name]} calls running, the most one may "
-                    f"(limits.max_calls_per_principal={self.calls_per_principal}); retry when one ends",
-                    resource="limits.max_calls_per_principal")
-            if stream and self._streams[name] >= self.streams_per_principal:
-                raise ResourceExhausted(
-                    f"this principal already has {self._streams[name]} Put/Get streams running, the most "
-                    f"one may (limits.max_streams_per_principal={self.streams_per_principal}); retry when "
-                    f"one ends", resource="limits.max_streams_per_principal")
-            if self._tenants >= self.tenant_calls:
-                raise ResourceExhausted(
-                    f"the server is busy: tenants have {self._tenants} calls running, all the worker "
-                    f"threads not kept for the admin (workers - limits.admin_workers); retry later",
-                    resource="limits.admin_workers")
-            self._calls[name] += 1
-            if stream:
-                self._streams[name] += 1
-            self._tenants += 1
-        return _Slot(self, name, stream)
-
-    def _leave(self, name: str, stream: bool) -> None:
-        with self._lock:
-            self._tenants -= 1
-            self._calls[name] -= 1
-            if not self._calls[name]:
-                del self._calls[name]
-            if stream:
-                self._streams[name] -= 1
-                if not self._streams[name]:
-                    del self._streams[name]
-
-    def running(self, name: str) -> tuple[int, int]:
-        """(calls, streams) that principal ``name`` has running."""
-        with self._lock:
-            return self._calls[name], self._streams[name]
-
-
-class _Watched:
-    """One stream under an :class:`IdleWatch`: ``since`` is when it began waiting on its client
-    (None while the server itself is busy); ``expired`` once the watch cancelled it."""
-
-    __slots__ = ("cancel", "expired", "lock", "since")
-
-    def __init__(self, cancel: Callable[[], None]) -> None:
-        self.cancel = cancel
-        self.since: float | None = None
-        self.expired = False
-        self.lock = threading.Lock()
-
-    def wait(self) -> None:
-        self.since = time.monotonic()
-
-    def done(self) -> bool:
-        """The wait on the client is over; True when the watch cancelled the stream meanwhile."""
-        with self.lock:
-            self.since = None
-            return self.expired
-
-    def expire(self, now: float, idle_s: float) -> bool:
-        with self.lock:
-            since = self.since
-            if since is None or self.expired or now - since < idle_s:
-                return False
-            self.expired = True
-            return True
-
-
-class IdleWatch:
-    """Cancels the streams that wait on their client for ``idle_s`` or longer. One daemon
-    thread, running only while streams are watched, looks every ``idle_s / 2``."""
-
-    def __init__(self, idle_s: float) -> None:
-        self.idle_s = idle_s
-        self._lock = threading.Lock()
-        self._watched: set[_Watched] = set()
-        self._thread: threading.Thread | None = None
-
-    def watch(self, cancel: Callable[[], None]) -> _Watched:
-        w = _Watched(cancel)
-        with self._lock:
-            self._watched.add(w)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvstore-idle-watch", daemon=True)
-                self._thread.start()
-        return w
-
-    def forget(self, w: _Watched) -> None:
-        with self._lock:
-            self._watched.discard(w)
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(self.idle_s / 2)
-            now = time.monotonic()
-            with self._lock:
-                if not self._watched:
-                    self._thread = None
-                    return
-                expired = [w for w in self._watched if w.expire(now, self.idle_s)]
-            for w in expired:
-                try:
-                    w.cancel()
-                except Exception:
-                    log.debug("cancelling an idle stream failed", exc_info=True)
-
-    def error(self, what: str) -> StreamIdle:
-        return StreamIdle(f"{what} for limits.stream_idle_s={self.idle_s:g} s: the stream was cancelled")
-
-    def requests(self, requests: Iterator[Any], w: _Watched) -> Iterator[Any]:
-        """The items of a client stream; one that keeps the server waiting ``idle_s`` is
-        cancelled and raises :class:`StreamIdle` (also when it ends at that moment)."""
-        it = iter(requests)
-        while True:
-            w.wait()
-            try:
-                item = next(it)
-            except StopIteration:
-                if w.done():
-                    raise self.error("the client sent nothing") from None
-                return
-            except BaseException:
-                if w.done():
-                    raise self.error("the client sent nothing") from None
-                raise
-            if w.done():
-                raise self.error("the client sent nothing")
-            yield item
 
 
 class _Call:
@@ -225,7 +47,8 @@ class _Call:
 
     def __init__(self, hold: bool) -> None:
         self.hold = hold
-        self.slot: _Slot | None = None
+        self.slot: CallSlot | None = None
+
 
 #: (request_deserializer, response_serializer); None = pass bytes through unchanged
 Codec = tuple[Callable[[bytes], Any] | None, Callable[[Any], bytes] | None]

@@ -341,7 +341,7 @@ def test_the_limiter_counts_and_gives_back(tmp_path):
     """CallLimiter alone: the admin is not counted; a refused call takes no place."""
     from kvstore.auth import Principal, Role
     from kvstore.errors import ResourceExhausted
-    from kvstore.service_rpc import CallLimiter
+    from kvstore.service_limits import CallLimiter
 
     lim = CallLimiter(calls_per_principal=2, streams_per_principal=1, tenant_calls=3)
     t, u = Principal("t", Role.TENANT), Principal("u", Role.TENANT)
