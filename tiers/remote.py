@@ -109,7 +109,7 @@ from redis.cluster import RedisCluster
 from kvstore.block import Tier
 from kvstore.codec import Codec, CodecConfig, tenant_hash
 from kvstore.errors import FailedPrecondition, IntegrityError, KeyUnavailable, Unavailable
-from kvstore.keyring import Keyring, key_id
+from kvstore.keyring import Keyring
 from kvstore.keys import ROOT_KEY
 from kvstore.quantization import QuantArg
 from tiers.base import BlockRef, as_bytes_view
@@ -131,19 +131,13 @@ from tiers.remote_envelope import (
 )
 from tiers.remote_redis import (
     Clock,
-    KeyringRace,
     RedisKeyBackend,
-    TenantTombstones,
     connect,
-    keyring_key,
 )
+from tiers.remote_tenants import KEY_REFRESH_S, TenantKeys
 from tiers.remote_writer import DemotionQueue
 
 _STALE = object()  # a write made with a data key that is not the tenant's any more
-
-#: least time between two forced re-reads of one tenant's data key (a value under a key id
-#: other than the cached key's): a flood of such values must not become a flood of reads
-KEY_REFRESH_S = 1.0
 
 # Records a child in its parent's children set and makes the set outlive it: a new set gets the
 # child's expiry, a set that expires sooner is extended to it, a child without one makes the set
@@ -157,7 +151,7 @@ _ADD_CHILD = ("local new = redis.call('EXISTS', KEYS[1]) == 0 "
 _CHILDREN = b"c"  # last segment of a children set's key
 
 
-class RemoteTier(DemotionQueue, Accounting, BreakerCalls):
+class RemoteTier(DemotionQueue, TenantKeys, Accounting, BreakerCalls):
     """See the module docstring. Build with :meth:`open` (or inject a client and codec)."""
 
     tier = Tier.REMOTE
@@ -173,15 +167,12 @@ class RemoteTier(DemotionQueue, Accounting, BreakerCalls):
         self._clock = clock
         self._monotonic = monotonic
         self._ns = config.namespace
-        self._tombs = TenantTombstones(client, config.namespace)
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()  # counters, accounting, breakers, marks
         self._init_breakers()
         self._init_accounting()
+        self._init_tenants()
         self._th: dict[str, str] = {}
-        # tenant -> (deletion time or None, monotonic time it was read)
-        self._marks: dict[str, tuple[float | None, float]] = {}
-        self._key_reads: dict[str, float] = {}  # tenant -> monotonic time of the last forced re-read
         self._put_lock = threading.Lock()
         self._put_scratch = np.empty(0, dtype=np.uint8)
         self._models_key = f"{config.namespace}:models"
@@ -242,65 +233,6 @@ class RemoteTier(DemotionQueue, Accounting, BreakerCalls):
     # -- accounting -----------------------------------------------------------------------------
     def contains(self, ref: BlockRef) -> bool:
         return self.contains_many([ref])[0]
-
-    # -- tenants: tombstones and data keys -------------------------------------------------------
-    def _dropped_at(self, tenant: str, *, strict: bool) -> float | None:
-        """When ``tenant`` was last deleted (by any server), or None. The copy kept here is
-        re-read when it is ``key_cache_ttl_s`` old and whenever the keyring re-reads the
-        tenant's key — after that key (a deletion writes the tombstone before it destroys the
-        key, so a server that finds the key gone finds the tombstone). Under the breaker; when
-        it cannot be read: ``strict`` raises Unavailable, else the last copy (or None)."""
-        now = self._monotonic()
-        with self._lock:
-            hit = self._marks.get(tenant)
-        key_fresh = self._keyring is None or self._keyring.cached(tenant) is not None
-        if hit is not None and key_fresh and now - hit[1] < self.config.key_cache_ttl_s:
-            return hit[0]
-
-        def read() -> float | None:
-            if not key_fresh:
-                assert self._keyring is not None
-                try:
-                    self._keyring.data_key(tenant, create=False)
-                except (KeyUnavailable, FailedPrecondition):
-                    pass  # no key (made by the write, if it may) or one that does not unwrap
-            return self._tombs.get(tenant)
-
-        res = self._call(self._tombs.key(tenant), read)
-        if not succeeded(res):
-            if strict:
-                raise Unavailable(f"remote tier: tenant {tenant!r}'s deletion marker could not be "
-                                  f"read ({fault_text(res)})")
-            return hit[0] if hit is not None else None
-        with self._lock:
-            if len(self._marks) > 4096:
-                self._marks.clear()
-            self._marks[tenant] = (res, now)
-        return res
-
-    def _admit(self, tenant: str, created: float | None) -> bool:
-        """Whether a block of ``tenant`` made at ``created`` may be written here (not when the
-        tenant was deleted since: counted ``put_tenant_deleted``), with the tenant's data key
-        ready (made when it has none). Every Redis read goes through the breaker."""
-        try:
-            dropped = self._dropped_at(tenant, strict=True)
-        except Unavailable:
-            return False
-        if dropped is not None and (created is None or created <= dropped):
-            self._count("put_tenant_deleted")
-            return False
-        if self._keyring is None or self._keyring.cached(tenant) is not None:
-            return True
-        keyring = self._keyring
-
-        def make() -> None:
-            try:
-                keyring.data_key(tenant, create=True)
-            except KeyringRace:  # another node made it first: read theirs
-                keyring.data_key(tenant, create=True)
-
-        res = self._call(keyring_key(f"{self._ns}:keyring:", tenant), make)
-        return succeeded(res)
 
     # -- put ------------------------------------------------------------------------------------
     def _px(self, deadline: float | None) -> tuple[int | None, float | None]:
@@ -388,34 +320,20 @@ class RemoteTier(DemotionQueue, Accounting, BreakerCalls):
             # here may have been destroyed (the tenant deleted, maybe created again) by another
             # server since; a value written with it would be unreadable (and, before key ids,
             # was read as damaged and deleted by every server that had the new key)
-            kkey, tkey = keyring_key(f"{self._ns}:keyring:", tenant), self._tombs.key(tenant)
-            cmds += [(kkey, ("GET", kkey)), (tkey, ("GET", tkey))]
+            cmds += self._tenant_key_reads(tenant)
         replies = self._multi(cmds)
         if replies[at] is not True:
             self._count("put_failures")
             return 0, scratch
         unsure = not all(succeeded(r) for i, r in enumerate(replies) if i != at)
-        stale = False
-        if keyring is not None and not unsure:
-            wrapped, tomb = replies[at + 1:]
-            if wrapped is not None:
-                stale = key_id(wrapped) != kid
-            else:
-                # NOTE: no key in Redis: destroyed by a tenant deletion (which writes its
-                # tombstone first), or lost with a node or a flush: then the copy cached here
-                # is the only one, and the blocks written with it stay readable to the servers
-                # holding it, as before key ids
-                stale = tomb is not None
-                self._count("put_key_absent")
+        stale = keyring is not None and not unsure and self._key_replaced(kid, *replies[at + 1:])
         if stale or unsure:
             # stored, but with a key that is not the tenant's any more, or not where a delete
             # of an ancestor would find it (or that could not be made sure of): take it back
             self._call(key, lambda: self._client.unlink(key))
             if stale:
                 self._count("put_stale_key")
-                keyring.forget(tenant)  # type: ignore[union-attr]
-                with self._lock:
-                    self._marks.pop(tenant, None)
+                self._forget_tenant_key(tenant)
                 return _STALE, scratch
             self._count("put_failures")
             return 0, scratch
@@ -492,37 +410,6 @@ class RemoteTier(DemotionQueue, Accounting, BreakerCalls):
         self._count("hits")
         self._count("get_bytes", ref.nbytes)
         return info
-
-    def _key_matches(self, tenant: str, kid: bytes) -> bool | None:
-        """Whether ``kid`` (a value's key id) is the id of ``tenant``'s data key: True; False
-        when it is not the key Redis holds (read just now); None when that could not be
-        confirmed (Redis not reached, or the key re-read less than :data:`KEY_REFRESH_S` ago).
-        A key id other than the cached key's makes one re-read of the key (under the breaker):
-        the cached copy may be the key of a tenant deleted and created again since. Raises
-        KeyUnavailable when the tenant has no key (FailedPrecondition: it does not unwrap)."""
-        keyring = self._keyring
-        assert keyring is not None
-        cur = keyring.key_id(tenant)
-        if cur == kid:
-            return True
-        if cur is not None:
-            now = self._monotonic()
-            with self._lock:
-                last = self._key_reads.get(tenant)
-                if last is not None and now - last < KEY_REFRESH_S:
-                    return None
-                if len(self._key_reads) > 4096:
-                    self._key_reads.clear()
-                self._key_reads[tenant] = now
-                self._marks.pop(tenant, None)  # a new key: the tenant was deleted meanwhile
-            keyring.forget(tenant)
-            self._count("key_rereads")
-        res = self._call(keyring_key(f"{self._ns}:keyring:", tenant),
-                         lambda: keyring.data_key(tenant, create=False))
-        if not succeeded(res):
-            return None
-        cur = keyring.key_id(tenant)
-        return None if cur is None else cur == kid
 
     def get_into(self, ref: BlockRef, out: Any, *, info: list[RemoteInfo] | None = None) -> bool:
         """Copy the block into ``out`` (``ref.nbytes``); False on a miss of any kind.
@@ -763,12 +650,7 @@ class RemoteTier(DemotionQueue, Accounting, BreakerCalls):
         once the tombstone is written every server refuses the tenant's older copies)."""
         self._drop_tenant_queue(tenant)
         try:
-            # NOTE: the tombstone first: a server that then finds the key gone finds it too
-            when = self._tombs.mark(tenant, self._clock())
-            with self._lock:
-                self._marks[tenant] = (when, self._monotonic())
-            if self._keyring is not None:
-                self._keyring.destroy(tenant)
+            self._shred_tenant(tenant)
             th = tenant_hash(tenant).hex()
             gone = self._purge(f"{self._ns}:{th}:*")
             n = len(gone)
