@@ -108,7 +108,7 @@ from redis.cluster import RedisCluster
 
 from kvstore.block import Tier
 from kvstore.codec import Codec, CodecConfig, tenant_hash
-from kvstore.errors import FailedPrecondition, IntegrityError, KeyUnavailable, Unavailable
+from kvstore.errors import FailedPrecondition, Unavailable
 from kvstore.keyring import Keyring
 from kvstore.keys import ROOT_KEY
 from kvstore.quantization import QuantArg
@@ -122,13 +122,11 @@ from tiers.remote_envelope import (
     ENVELOPE_V1,
     ENVELOPE_VERSION,
     NO_KID,
-    UNKNOWN,
     RemoteInfo,
-    live_at,
     pack_envelope,
-    split_value,
     update_ttl_command,
 )
+from tiers.remote_reads import Reads
 from tiers.remote_redis import (
     Clock,
     RedisKeyBackend,
@@ -151,7 +149,7 @@ _ADD_CHILD = ("local new = redis.call('EXISTS', KEYS[1]) == 0 "
 _CHILDREN = b"c"  # last segment of a children set's key
 
 
-class RemoteTier(DemotionQueue, TenantKeys, Accounting, BreakerCalls):
+class RemoteTier(Reads, DemotionQueue, TenantKeys, Accounting, BreakerCalls):
     """See the module docstring. Build with :meth:`open` (or inject a client and codec)."""
 
     tier = Tier.REMOTE
@@ -229,10 +227,6 @@ class RemoteTier(DemotionQueue, TenantKeys, Accounting, BreakerCalls):
             out["breakers_open"] = sum(b.is_open for b in self._breakers.values())
         out.update(self._queue_gauges())
         return out
-
-    # -- accounting -----------------------------------------------------------------------------
-    def contains(self, ref: BlockRef) -> bool:
-        return self.contains_many([ref])[0]
 
     # -- put ------------------------------------------------------------------------------------
     def _px(self, deadline: float | None) -> tuple[int | None, float | None]:
@@ -356,134 +350,6 @@ class RemoteTier(DemotionQueue, TenantKeys, Accounting, BreakerCalls):
             ok, self._put_scratch = self._put_with(self._put_scratch, ref, view, ttl_deadline,
                                                    quant, created, parent)
         return ok
-
-    # -- get ------------------------------------------------------------------------------------
-    def _decode(self, ref: BlockRef, value: Any, out: np.ndarray) -> RemoteInfo | None:
-        """One fetched reply -> out; what its envelope says, or None (counted) on a miss."""
-        if value is None:
-            self._count("misses_absent")  # never written, expired, evicted or deleted
-            self._forget(ref.ident)
-            return None
-        if not succeeded(value):
-            return None
-        try:
-            body, info = split_value(value)
-            now = self._clock()
-            if info.deadline is not None and now >= info.deadline:
-                # NOTE: Redis' expiry is the same deadline, but on Redis' clock; this one is
-                # the Store's (and a value whose deadline was moved back may outlive it there).
-                # Deleted only past the skew grace: a server whose clock runs ahead deleted
-                # copies the others still served
-                self._count("misses_expired")
-                if now >= info.deadline + self.config.skew_grace_s:
-                    self._unlink(ref)
-                return None
-            if info.kid is not None and self._keyring is not None:
-                verdict = self._key_matches(ref.tenant, info.kid)
-                if verdict is not True:
-                    if verdict is None:  # the key here may be stale: a miss, nothing deleted
-                        self._count("misses_key_unconfirmed")
-                    else:  # under a key the tenant no longer has: nobody can read it
-                        self._count("misses_foreign_key")
-                        self._unlink(ref)
-                    return None
-            self.codec.decode(ref.tenant, ref.key, ref.spec, body, out=out)
-            dropped = self._dropped_at(ref.tenant, strict=False)
-            if dropped is not None and (info.created is None or info.created <= dropped):
-                out.fill(0)
-                self._count("misses_tenant_deleted")  # written by a server that missed it
-                self._unlink(ref)
-                return None
-        except (IntegrityError, FailedPrecondition, *FAULTS) as exc:
-            out.fill(0)  # NOTE: decryption may have written unauthenticated bytes there
-            if isinstance(exc, KeyUnavailable):
-                self._count("key_unavailable")
-                self.delete(ref)
-            elif isinstance(exc, IntegrityError):
-                self._count("integrity_failures")
-                self.delete(ref)
-            elif isinstance(exc, FailedPrecondition):  # the keyring cannot unwrap the key
-                self._count("key_errors")
-            else:  # the keyring's own round trip failed
-                self._count("faults")
-            return None
-        self._count("hits")
-        self._count("get_bytes", ref.nbytes)
-        return info
-
-    def get_into(self, ref: BlockRef, out: Any, *, info: list[RemoteInfo] | None = None) -> bool:
-        """Copy the block into ``out`` (``ref.nbytes``); False on a miss of any kind.
-        ``info``: a list that receives the block's :class:`RemoteInfo` when served."""
-        key = self.redis_key(ref)
-        value = self._call(key, lambda: self._client.get(key))
-        got = self._decode(ref, value, as_bytes_view(out))
-        self._count("gets")
-        if got is None:
-            self._count("misses")
-        elif info is not None:
-            info.append(got)
-        return got is not None
-
-    def _fetch(self, refs: Sequence[BlockRef], outs: Sequence[Any], stop_at_miss: bool,
-               info: list[RemoteInfo] | None) -> list[bool]:
-        got = [False] * len(refs)
-        infos: list[RemoteInfo] = [UNKNOWN] * len(refs)
-        budget = self.config.max_inflight_bytes
-        i = 0
-        while i < len(refs):
-            j, nbytes = i, 0
-            while j < len(refs) and (j == i or nbytes + refs[j].nbytes <= budget):
-                nbytes += refs[j].nbytes
-                j += 1
-            values = self._batch("GET", [self.redis_key(r) for r in refs[i:j]])
-            for k, value in enumerate(values):
-                one = self._decode(refs[i + k], value, as_bytes_view(outs[i + k]))
-                if one is not None:
-                    got[i + k], infos[i + k] = True, one
-                if stop_at_miss and not got[i + k]:
-                    break
-            if stop_at_miss and not all(got[i:j]):
-                break
-            i = j
-        self._count("gets", len(refs))
-        self._count("misses", len(refs) - sum(got))
-        if info is not None:
-            info[:] = infos
-        return got
-
-    def get_many_into(self, refs: Sequence[BlockRef], outs: Sequence[Any], *,
-                      info: list[RemoteInfo] | None = None) -> list[bool]:
-        """Pipelined gets (batches of at most ``max_inflight_bytes``); per block: served?
-        ``info``: a list set to one :class:`RemoteInfo` per block (meaningful where served)."""
-        return self._fetch(refs, outs, False, info)
-
-    def get_prefix_into(self, refs: Sequence[BlockRef], outs: Sequence[Any], *,
-                        info: list[RemoteInfo] | None = None) -> int:
-        """Pipelined gets of a chain; returns how many leading blocks were served (a later
-        block is not decoded once one misses). ``info``: as for :meth:`get_many_into`."""
-        got = self._fetch(refs, outs, True, info)
-        n = 0
-        while n < len(got) and got[n]:
-            n += 1
-        return n
-
-    def contains_many(self, refs: Sequence[BlockRef]) -> list[bool]:
-        """Pipelined existence checks in the given (prefix) order; a fault reads as absent,
-        and so does a copy past its deadline (on this server's clock: each reply is the value's
-        envelope, ``GETRANGE``, not the whole value), as a get would find it."""
-        replies = self._batch("GETRANGE", [self.redis_key(r) for r in refs], 0, ENVELOPE.size - 1)
-        self._count("exists_checks", len(refs))
-        now = self._clock()
-        return [succeeded(r) and bool(r) and live_at(r, now) for r in replies]
-
-    def prefix_len(self, refs: Sequence[BlockRef]) -> int:
-        """How many leading blocks of the chain ``refs`` exist remotely."""
-        n = 0
-        for found in self.contains_many(refs):
-            if not found:
-                break
-            n += 1
-        return n
 
     # -- delete ---------------------------------------------------------------------------------
     def _unlink(self, ref: BlockRef) -> Any:
