@@ -99,7 +99,6 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -108,14 +107,14 @@ from redis.cluster import RedisCluster
 
 from kvstore.block import Tier
 from kvstore.codec import Codec, CodecConfig, tenant_hash
-from kvstore.errors import FailedPrecondition, Unavailable
+from kvstore.errors import FailedPrecondition
 from kvstore.keyring import Keyring
-from kvstore.keys import ROOT_KEY
 from kvstore.quantization import QuantArg
 from tiers.base import BlockRef, as_bytes_view
 from tiers.remote_accounting import Accounting
-from tiers.remote_calls import FAULTS, BreakerCalls, fault_text, succeeded
+from tiers.remote_calls import FAULTS, BreakerCalls, succeeded
 from tiers.remote_config import RemoteConfig
+from tiers.remote_delete import Deletes
 from tiers.remote_envelope import (
     ENVELOPE,
     ENVELOPE_MAGIC,
@@ -137,19 +136,7 @@ from tiers.remote_writer import DemotionQueue
 
 _STALE = object()  # a write made with a data key that is not the tenant's any more
 
-# Records a child in its parent's children set and makes the set outlive it: a new set gets the
-# child's expiry, a set that expires sooner is extended to it, a child without one makes the set
-# persistent. KEYS: the set; ARGV: the child's block key, its expiry in ms or ''.
-_ADD_CHILD = ("local new = redis.call('EXISTS', KEYS[1]) == 0 "
-              "redis.call('SADD', KEYS[1], ARGV[1]) "
-              "if ARGV[2] == '' then redis.call('PERSIST', KEYS[1]) return 1 end "
-              "local t = redis.call('PTTL', KEYS[1]) "
-              "if new or (t >= 0 and t < tonumber(ARGV[2])) then "
-              "redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 1")
-_CHILDREN = b"c"  # last segment of a children set's key
-
-
-class RemoteTier(Reads, DemotionQueue, TenantKeys, Accounting, BreakerCalls):
+class RemoteTier(Reads, Deletes, DemotionQueue, TenantKeys, Accounting, BreakerCalls):
     """See the module docstring. Build with :meth:`open` (or inject a client and codec)."""
 
     tier = Tier.REMOTE
@@ -173,8 +160,7 @@ class RemoteTier(Reads, DemotionQueue, TenantKeys, Accounting, BreakerCalls):
         self._th: dict[str, str] = {}
         self._put_lock = threading.Lock()
         self._put_scratch = np.empty(0, dtype=np.uint8)
-        self._models_key = f"{config.namespace}:models"
-        self._models_seen: set[bytes] = set()  # fingerprints this server has added there
+        self._init_trees()
         self._init_queue()  # NOTE: last: starts the writer thread
 
     @classmethod
@@ -207,10 +193,6 @@ class RemoteTier(Reads, DemotionQueue, TenantKeys, Accounting, BreakerCalls):
 
     def _value_key(self, tenant: str, fingerprint: bytes, key: bytes) -> bytes:
         return f"{self._ns}:{self._tenant_hex(tenant)}:{fingerprint.hex()}:{key.hex()}".encode()
-
-    def _children_key(self, tenant: str, fingerprint: bytes, key: bytes) -> bytes:
-        """The Redis set of the keys of the blocks written under ``key`` (its children)."""
-        return self._value_key(tenant, fingerprint, key) + b":" + _CHILDREN
 
     def redis_key(self, ref: BlockRef) -> bytes:
         """The Redis key of ``ref`` (namespaced by tenant hash and model fingerprint)."""
@@ -297,16 +279,12 @@ class RemoteTier(Reads, DemotionQueue, TenantKeys, Accounting, BreakerCalls):
         pack_envelope(scratch, deadline, created, kid)
         key = self.redis_key(ref)
         value = memoryview(scratch)[:ENVELOPE.size + n]
-        cmds: list[tuple[bytes | str, tuple[Any, ...]]] = []
-        if parent is not None and parent != ROOT_KEY:
-            # NOTE: the child goes into its parent's children set (in the same round trip), so
-            # a delete of any ancestor finds it (see delete_subtrees)
-            ckey = self._children_key(tenant, ref.spec.fingerprint, parent)
-            cmds.append((ckey, ("EVAL", _ADD_CHILD, 1, ckey, ref.key, "" if px is None else str(px))))
+        # NOTE: the child goes into its parent's children set (in the same round trip), so a
+        # delete of any ancestor finds it (see delete_subtrees); its model into the models set,
+        # so a server that never saw the model can delete its blocks
         fp = ref.spec.fingerprint
-        new_model = fp not in self._models_seen
-        if new_model:  # NOTE: so a server that never saw the model can delete its blocks
-            cmds.append((self._models_key, ("SADD", self._models_key, fp)))
+        new_model = self._add_model(fp)
+        cmds = self._add_child(ref, parent, px) + new_model
         at = len(cmds)
         cmds.append((key, ("SET", key, value) if px is None else ("SET", key, value, "PX", px)))
         if keyring is not None:
@@ -332,8 +310,7 @@ class RemoteTier(Reads, DemotionQueue, TenantKeys, Accounting, BreakerCalls):
             self._count("put_failures")
             return 0, scratch
         if new_model:
-            with self._lock:
-                self._models_seen.add(fp)
+            self._model_added(fp)
         return ENVELOPE.size + n, scratch
 
     def put(self, ref: BlockRef, data: Any, *, ttl_deadline: float | None = None,
@@ -351,114 +328,6 @@ class RemoteTier(Reads, DemotionQueue, TenantKeys, Accounting, BreakerCalls):
                                                    quant, created, parent)
         return ok
 
-    # -- delete ---------------------------------------------------------------------------------
-    def _unlink(self, ref: BlockRef) -> Any:
-        self._forget(ref.ident)
-        key = self.redis_key(ref)
-        return self._call(key, lambda: self._client.unlink(key))
-
-    def delete(self, ref: BlockRef) -> bool:
-        """Remove one block; True if the server had it (False also on a fault: a caller that
-        must know the copy is gone uses :meth:`delete_many`)."""
-        res = self._unlink(ref)
-        self._count("deletes")
-        return res == 1
-
-    def delete_many(self, refs: Sequence[BlockRef]) -> int:
-        """Remove blocks (pipelined ``UNLINK``) after cancelling their queued demotions;
-        returns how many the servers had. Raises :class:`Unavailable` when any of them could not
-        be reached (a fault, an open breaker): their copies may survive, so the caller must not
-        report them deleted (it is safe to retry)."""
-        if not refs:
-            return 0
-        self._cancel({r.ident for r in refs})
-        for r in refs:
-            self._forget(r.ident)
-        n = failed = 0
-        why: Any = None
-        for i in range(0, len(refs), 512):
-            part = refs[i:i + 512]
-            for r in self._batch("UNLINK", [self.redis_key(x) for x in part]):
-                if isinstance(r, int):
-                    n += r
-                else:
-                    failed += 1
-                    why = why or r
-        self._count("deletes", len(refs))
-        if failed:
-            self._count("delete_failures", failed)
-            raise Unavailable(
-                f"remote tier (Redis) unreachable ({fault_text(why)}): "
-                f"{failed} of {len(refs)} remote copies could not be deleted; retry the delete "
-                f"once the remote tier answers")
-        return n
-
-    def models(self) -> set[bytes]:
-        """The fingerprints of every model any server sharing this namespace has written a
-        block of (the set ``<namespace>:models``, never expiring: a handful of entries).
-        Raises :class:`Unavailable` when it cannot be read."""
-        res = self._call(self._models_key, lambda: self._client.smembers(self._models_key))
-        if not succeeded(res):
-            raise Unavailable(f"remote tier (Redis) unreachable "
-                              f"({fault_text(res)}): the models written "
-                              f"there could not be listed; retry the delete once the remote tier answers")
-        return {bytes(fp) for fp in res}
-
-    def delete_subtrees(self, tenant: str, roots: Sequence[tuple[bytes, bytes]]) -> set[bytes]:
-        """Remove the blocks ``roots`` (``(block key, model fingerprint)`` pairs) of ``tenant``
-        and every block written under them, by any server: each write recorded the block in its
-        parent's children set, so the subtree is found level by level (one pipelined round trip
-        per level: ``SMEMBERS``), then its values are unlinked, then the children sets.
-        Queued demotions of these blocks or of children of them are cancelled (the one being
-        written is waited for, and unlinked again once written). Returns the keys of the blocks
-        removed (a value found, or a demotion cancelled). Raises :class:`Unavailable` when any
-        part could not be reached: a retry finds what is left (the sets go last).
-
-        Blocks written by an older version recorded no children: the caller passes the ones it
-        knows (its local subtree) among ``roots``."""
-        roots = list(dict.fromkeys(roots))
-        if not roots:
-            return set()
-        with self._doomed_subtree(tenant, (k for k, _ in roots)) as doom:
-            gone = doom()
-            found = set(roots)
-            level = roots
-            while level:  # breadth-first: one round trip per level
-                replies = self._checked(self._batch(
-                    "SMEMBERS", [self._children_key(tenant, fp, k) for k, fp in level]),
-                    len(level), "its descendants could not be listed")
-                nxt = [(bytes(c), fp) for (_, fp), r in zip(level, replies) for c in r]
-                level = [x for x in dict.fromkeys(nxt) if x not in found]
-                found.update(level)
-                gone |= doom(k for k, _ in level)
-            found_list = list(found)
-            with self._lock:
-                for k, _ in found_list:
-                    self._unheld((tenant, k))
-            for i in range(0, len(found_list), 512):
-                part = found_list[i:i + 512]
-                replies = self._checked(self._batch(
-                    "UNLINK", [self._value_key(tenant, fp, k) for k, fp in part]),
-                    len(found_list), "remote copies could not be deleted")
-                gone.update(k for (k, _), r in zip(part, replies) if r)
-            for i in range(0, len(found_list), 512):  # NOTE: last: a retry walks them again
-                self._checked(self._batch(
-                    "UNLINK", [self._children_key(tenant, fp, k) for k, fp in found_list[i:i + 512]]),
-                    len(found_list), "children sets could not be deleted")
-        self._count("deletes", len(found))
-        self._count("subtree_blocks_deleted", len(gone))
-        return gone
-
-    def _checked(self, replies: list[Any], total: int, what: str) -> list[Any]:
-        """``replies`` when every one is a success, else Unavailable (counted)."""
-        bad = [r for r in replies if not succeeded(r)]
-        if not bad:
-            return replies
-        self._count("delete_failures", len(bad))
-        raise Unavailable(
-            f"remote tier (Redis) unreachable ({fault_text(bad[0])}): "
-            f"{len(bad)} of {total} blocks' {what}; retry the delete once the remote tier answers")
-
     def update_ttl(self, ref: BlockRef, ttl_deadline: float | None, *,
                    parent: bytes | None = None) -> bool:
         """Move a block's deadline (later only is the Store's business): its envelope's and
@@ -468,83 +337,12 @@ class RemoteTier(Reads, DemotionQueue, TenantKeys, Accounting, BreakerCalls):
         if px == 0:
             return self.delete(ref)
         key = self.redis_key(ref)
-        pxarg = "" if px is None else str(px)
-        cmds: list[tuple[bytes | str, tuple[Any, ...]]] = [(key, update_ttl_command(key, ttl_deadline, px))]
-        if parent is not None and parent != ROOT_KEY:
-            ckey = self._children_key(ref.tenant, ref.spec.fingerprint, parent)
-            cmds.append((ckey, ("EVAL", _ADD_CHILD, 1, ckey, ref.key, pxarg)))
-        res = self._multi(cmds)[0]
+        res = self._multi([(key, update_ttl_command(key, ttl_deadline, px)),
+                           *self._add_child(ref, parent, px)])[0]
         if res == 1:
             self._held_deadline(ref.ident, local)
             return True
         return False
-
-    def _purge(self, pattern: str) -> set[tuple[str, bytes]]:
-        """``UNLINK`` every key matching ``pattern`` (``SCAN`` on every primary); returns the
-        blocks removed, as (tenant hash hex, block key) (children sets are not blocks)."""
-        gone: set[tuple[str, bytes]] = set()
-        batch: list[bytes] = []
-        for k in self._client.scan_iter(match=pattern, count=1000):
-            batch.append(bytes(k))
-            if len(batch) >= 512:
-                gone |= self._unlink_all(batch)
-                batch = []
-        return gone | (self._unlink_all(batch) if batch else set())
-
-    def _unlink_all(self, keys: list[bytes]) -> set[tuple[str, bytes]]:
-        replies = self._batch("UNLINK", keys)
-        bad = [r for r in replies if not isinstance(r, int)]
-        if bad:
-            raise Unavailable(f"remote tier: {len(bad)} keys could not be deleted "
-                              f"({bad[0]!r}); retry the deletion")
-        gone = set()
-        for k, r in zip(keys, replies):
-            parts = k.split(b":")
-            if r and len(parts) == 4:  # <ns>:<tenant hash>:<fingerprint>:<block key>
-                gone.add((parts[1].decode(), bytes.fromhex(parts[3].decode())))
-        return gone
-
-    def delete_tenant(self, tenant: str) -> int:
-        """:meth:`purge_tenant`; returns how many blocks it removed."""
-        return len(self.purge_tenant(tenant))
-
-    def purge_tenant(self, tenant: str) -> set[bytes]:
-        """Leave the tenant's tombstone (see the module docstring), destroy its data key
-        (shared keyring), drop its queued demotions and ``UNLINK`` every key under its prefix
-        on every primary; returns the keys of the blocks removed. Raises
-        :class:`~kvstore.errors.Unavailable` when a server cannot be reached (safe to retry;
-        once the tombstone is written every server refuses the tenant's older copies)."""
-        self._drop_tenant_queue(tenant)
-        try:
-            self._shred_tenant(tenant)
-            th = tenant_hash(tenant).hex()
-            gone = self._purge(f"{self._ns}:{th}:*")
-            n = len(gone)
-        except FAULTS as exc:
-            raise Unavailable(f"remote tier (Redis) unreachable: deleting tenant {tenant!r} failed "
-                              f"({exc}); retry once the remote tier answers") from None
-        with self._lock:
-            self._unheld_where(lambda ident, _: ident[0] == tenant)
-        self._count("tenant_keys_deleted", n)
-        return {key for _, key in gone}
-
-    def delete_model(self, fingerprint: bytes) -> int:
-        """:meth:`purge_model`; returns how many blocks it removed."""
-        return len(self.purge_model(fingerprint))
-
-    def purge_model(self, fingerprint: bytes) -> set[tuple[str, bytes]]:
-        """``UNLINK`` every block of a model fingerprint (all tenants); returns the blocks
-        removed as (tenant hash hex, block key). Raises :class:`~kvstore.errors.Unavailable`
-        when a server cannot be reached (safe to retry)."""
-        try:
-            gone = self._purge(f"{self._ns}:*:{fingerprint.hex()}:*")
-        except FAULTS as exc:
-            raise Unavailable(f"remote tier (Redis) unreachable: purging a model failed ({exc}); "
-                              f"retry once the remote tier answers") from None
-        with self._lock:
-            self._unheld_where(lambda _, h: h.fingerprint == fingerprint)
-            self._counts["model_keys_deleted"] += len(gone)
-        return gone
 
     # -- lifecycle ------------------------------------------------------------------------------
     def ping(self) -> bool:

@@ -35,6 +35,8 @@ from tiers.remote_redis import CircuitBreaker
 FAULTS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
 #: the reply of a call not sent because its node's breaker is open
 SKIPPED = object()
+#: one command for ``_multi``: (the key that routes it, (name, *args))
+Command = tuple[bytes | str, tuple[Any, ...]]
 _STANDALONE = "server"
 
 
@@ -98,7 +100,7 @@ class BreakerCalls:
         ``SKIPPED`` (see :meth:`_multi`)."""
         return self._multi([(k, (cmd, k, *args)) for k in keys])
 
-    def _multi(self, cmds: Sequence[tuple[bytes | str, tuple[Any, ...]]]) -> list[Any]:
+    def _multi(self, cmds: Sequence[Command]) -> list[Any]:
         """Commands ``(routing key, (name, *args))``, pipelined (not a transaction; in order on
         each node); per command: the reply, a fault, or ``SKIPPED``. In cluster mode a pipeline
         that fails as a whole (a node unreachable) is replayed one command at a time, so the
@@ -137,4 +139,4 @@ class BreakerCalls:
         return out
 
 
-__all__ = ["FAULTS", "SKIPPED", "BreakerCalls", "fault_text", "succeeded"]
+__all__ = ["FAULTS", "SKIPPED", "BreakerCalls", "Command", "fault_text", "succeeded"]
