@@ -277,6 +277,39 @@ def test_fitted_features_reference_replays_within_the_invariants():
     assert 0.0 < r.net_saved_time_fraction < 1.0
 
 
+def test_crossfit_rates_by_hand():
+    """Requests 1 (t=0), 1 (t=1 s), 2 (t=2), 4 (t=3), each of one block; folds by root parity:
+    root 1 in fold 1, roots 2 and 4 in fold 0. Cell A = (new, 1 block, last, no gap): fold 0 has
+    2 uses, none followed; fold 1 has 1, followed. Cell B = (used once, 1 block, last, 1 s):
+    fold 1 has 1, not followed. Each fold's rates come from the other, smoothed with weight 2
+    toward its overall rate (again + 1) / (uses + 2): fold 0's is 1/4, fold 1's 2/4.
+      block 1, use 0 (fold 1): A in fold 0  -> (0 + 2·1/4) / (2 + 2) = 1/8
+      block 1, use 1 (fold 1): B unseen in fold 0 -> (0 + 2·1/4) / (0 + 2) = 1/4
+      blocks 2, 4, use 0 (fold 0): A in fold 1 -> (1 + 2·1/2) / (1 + 2) = 2/3
+    (in-sample, :func:`fitted_rates` gives cell A (1 + 1) / (3 + 2) for every one of them)."""
+    from bench.replay_ceiling import crossfit_rates, root_fold
+    from kvstore.replay import block_key
+
+    trace = [req(0, 1), req(1, 1), req(2, 2), req(3, 4)]
+    rates = crossfit_rates(trace, fold=lambda root: root % 2)
+    assert rates == {(block_key(1), 0): pytest.approx(1 / 8), (block_key(1), 1): pytest.approx(1 / 4),
+                     (block_key(2), 0): pytest.approx(2 / 3), (block_key(4), 0): pytest.approx(2 / 3)}
+    fold = root_fold(2, seed=0)
+    assert {fold(r) for r in range(200)} == {0, 1} and fold(7) == root_fold(2, seed=0)(7)
+
+
+def test_crossfit_reference_replays_within_the_invariants():
+    from bench.replay_bounds import spec_lookup
+    from bench.replay_ceiling import CrossFittedCost, crossfit_rates
+
+    trace = generate("chat", seed=3)[:300]
+    cfg = ReplayConfig.with_defaults(20)
+    pol = CrossFittedCost(trace, spec_lookup(cfg))
+    assert pol.name == "fitted-crossfit" and pol._rates == crossfit_rates(trace)
+    r = run_replay(trace, cfg, pol, check_invariants=True)
+    assert r.requests == 300 and 0.0 < r.net_saved_time_fraction < 1.0
+
+
 def test_repeat_bench_doubles_the_trace_with_fresh_ids_and_splits_the_passes():
     """``bench.replay_repeat``: the copy reads nothing of the first pass, starts after it, and
     the first pass of the doubled replay is the single replay (so the split is exact)."""
