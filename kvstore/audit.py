@@ -29,8 +29,11 @@ Contract:
 * :meth:`AuditLog.page` reads the entries after a ``seq`` while they fit a byte budget (the
   Admin ReadAudit response must fit the gRPC message limit) and says whether more follow.
 * An append that cannot be written whole (a full disk, an I/O error) leaves the file as it was
-  (a torn line is cut off again: it would stop the next start, which refuses a malformed
-  line) and raises :class:`kvstore.errors.FailedPrecondition` saying so.
+  (a torn line is cut off again) and raises :class:`kvstore.errors.FailedPrecondition` saying
+  so. A last line without its newline that does not parse (an append cut short by a crash
+  or a power cut, which the cut above could not undo) is removed at the next open, with a
+  warning and an ``audit.recover`` entry; any other malformed line stops the open
+  (:class:`kvstore.errors.IntegrityError` naming the line).
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ class AuditLog:
         self._lock = threading.Lock()
         self._seq = 0
         self._prev = GENESIS
+        self._torn: tuple[int, int] | None = None
         open_changes: dict[int, AuditEntry] = {}
         for entry, raw in self._scan():
             self._seq = entry.seq
@@ -111,6 +115,7 @@ class AuditLog:
                 open_changes[entry.seq] = entry
             open_changes.pop(entry.ref, None)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._cut_torn_tail()
         for entry in open_changes.values():
             self._close_unfinished(entry)
 
@@ -122,17 +127,38 @@ class AuditLog:
             log.error("audit entry %d has no outcome, and none could be written: %s", started.seq, exc)
 
     def _scan(self) -> Iterator[tuple[AuditEntry, bytes]]:
+        """Every entry with its line. A malformed line is an IntegrityError naming its number,
+        except a last line with no newline: an append torn by a crash or power cut (nothing
+        after it was written), which is noted in ``self._torn`` for :meth:`_cut_torn_tail`."""
         if not self.path.exists():
             return
+        offset = 0
         with open(self.path, "rb") as f:
-            for raw in f:
-                raw = raw.rstrip(b"\n")
+            for number, line in enumerate(f, 1):
+                start, offset = offset, offset + len(line)
+                raw = line.rstrip(b"\n")
                 if not raw:
                     continue
                 try:
                     yield AuditEntry(**json.loads(raw)), raw
                 except (ValueError, TypeError) as exc:
-                    raise IntegrityError(f"audit log {self.path} has a malformed line: {exc}") from None
+                    if not line.endswith(b"\n") and not f.read(1):
+                        self._torn = (start, len(line))
+                        return
+                    raise IntegrityError(f"audit log {self.path} has a malformed line {number} "
+                                         f"(byte {start}): {exc}") from None
+
+    def _cut_torn_tail(self) -> None:
+        """Cut an append torn by a crash (see :meth:`_scan`) and record that it was cut."""
+        if self._torn is None:
+            return
+        start, size = self._torn
+        os.ftruncate(self._fd, start)
+        if self._fsync:
+            os.fsync(self._fd)
+        log.warning("audit log %s: cut a torn last line of %d bytes at byte %d", self.path, size, start)
+        self.append("kvstore", "audit.recover", str(self.path), "OK",
+                    f"a torn last line of {size} bytes (an append cut short by a crash) was removed")
 
     def append(self, principal: str, action: str, target: str, result: str, detail: str = "",
                ref: int = 0) -> AuditEntry:
@@ -170,7 +196,7 @@ class AuditLog:
             try:
                 os.ftruncate(self._fd, end)
             except OSError:
-                pass  # NOTE: the next start reports the torn line (IntegrityError)
+                pass  # NOTE: the next open cuts the torn line (a last line without its newline)
             raise FailedPrecondition(f"the audit log {self.path} could not be written: {exc}") from None
 
     def read(self, since_seq: int = 0, limit: int = 1000) -> list[AuditEntry]:
