@@ -1,9 +1,9 @@
 """The remote tier's background writer: asynchronous demotions and deadline moves, in a queue.
 
 A mixin of :class:`tiers.remote.RemoteTier`: it uses the tier's config, monotonic clock, lock and
-counters, its accounting (:mod:`tiers.remote_accounting`: ``_held_bytes_but``, ``resync``) and
-its writes (``_put_with``, ``update_ttl``, ``_unlink``); ``_init_queue`` makes its state and
-starts the writer thread.
+counters, its accounting (:mod:`tiers.remote_accounting`: ``_held_bytes_but``, ``resync``), its
+writes (:mod:`tiers.remote_put`: ``_put_with``, ``update_ttl``) and the deletions' ``_unlink``;
+``_init_queue`` makes its state and starts the writer thread.
 
 * ``submit(ref, data, ...)`` — queues a demotion and answers True, or False at once when the
   queue is full (depth or bytes), closed, or the tenant's blocks here, written and queued, would
