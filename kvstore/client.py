@@ -70,12 +70,14 @@ from kvstore.errors import (
     ShapeMismatch,
     UnknownRegion,
 )
+from kvstore.expiry import check_ttl
 from kvstore.frames import Frame, block_frames, decoder, encode, scatter, write_into
 from kvstore.keys import KEY_BYTES, as_token_array, check_keys
 from kvstore.service_convert import spec_to_pb, tier_names
 from kvstore.shm import ShmRegion, is_local_target
 from kvstore.spec import ModelSpec
 from kvstore.status import from_rpc_error
+from kvstore.validation import check_text
 from proto.kvstore.v1 import admin_pb2_grpc, kvstore_pb2_grpc
 from proto.kvstore.v1 import kvstore_pb2 as pb
 from tiers.memory import holding_data
@@ -193,21 +195,6 @@ def _close_plane_in(pid: int, plane: LocalPlane) -> None:
     which the server would then drop, failing every later shared-memory call of the parent."""
     if os.getpid() == pid:
         plane.close()
-
-
-def check_text(what: str, value: Any) -> str:
-    """``value`` if it is a str that UTF-8 can encode (what a protobuf string field takes);
-    else InvalidArgument naming ``what``, before anything is sent. Why: a lone surrogate (e.g.
-    ``'\\ud800'``, what ``surrogateescape`` decoding leaves) failed inside protobuf with a raw
-    UnicodeEncodeError."""
-    if not isinstance(value, str):
-        raise InvalidArgument(f"{what} must be a str, got {type(value).__name__}")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidArgument(f"{what} {value[:80]!r} holds {value[exc.start]!r} at position {exc.start}, which "
-                              "is not text UTF-8 can encode (a lone surrogate)") from None
-    return value
 
 
 def _bearer_token(token: str) -> str:
@@ -463,9 +450,18 @@ class Client:
     # -- put ----------------------------------------------------------------------------------
     def put(self, spec: ModelSpec, keys: Sequence[bytes], kv: Any, *, session: str | None = None,
             ttl_s: float | None = None, namespace: str = "", parent: bytes | None = None) -> None:
-        """Store ``kv`` ([len(keys), 2, L, H, T, D] of the spec's dtype) under the key chain;
-        ``parent``: the stored block ``keys[0]`` continues from."""
+        """Store ``kv`` ([len(keys), 2, L, H, T, D] of the spec's dtype: a tensor or a numpy
+        array, whose shape and dtype are checked; any other buffer of the blocks' bytes is taken
+        as raw bytes, checked only for its size) under the key chain; ``parent``: the stored
+        block ``keys[0]`` continues from."""
         keys = check_keys(keys)
+        if isinstance(kv, np.ndarray):  # NOTE: its shape and dtype went unchecked (a wrong
+            # layout of the right byte count was stored); raw bytes go through put_bytes
+            try:
+                kv = torch.from_numpy(kv)
+            except TypeError:
+                raise InvalidArgument(f"kv is a numpy array of dtype {kv.dtype}, which torch cannot "
+                                      f"take; the spec says {spec.torch_dtype} (raw bytes: put_bytes)") from None
         if isinstance(kv, torch.Tensor):
             holding_data(kv, "kv")
             want = (len(keys), *spec.block_shape)
@@ -491,7 +487,8 @@ class Client:
         else:
             rows = [v.cpu().numpy() if isinstance(v, torch.Tensor) else v
                     for v in block_views(spec, blocks, len(keys), "buffer")]
-        put = _Put(spec, keys, check_text("session", session or ""), ttl_s, check_text("namespace", namespace))
+        put = _Put(spec, keys, check_text("session", session or ""), check_ttl(ttl_s),
+                   check_text("namespace", namespace))
         lp = self._plane()
         if lp is not None:
             with lp.in_use():
@@ -566,6 +563,7 @@ class Client:
     def get(self, spec: ModelSpec, keys: Sequence[bytes], *, namespace: str = "",
             parent: bytes | None = None) -> torch.Tensor:
         """The blocks of the longest available prefix: ``[n, 2, L, H, T, D]``, n <= len(keys)."""
+        keys = check_keys(keys)
         out = torch.empty((len(keys), *spec.block_shape), dtype=spec.torch_dtype)
         n = self.get_into(spec, keys, out, namespace=namespace, parent=parent)
         return out[:n]

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvstore.errors import InvalidArgument
+from kvstore.validation import check_text
 
 KEY_BYTES = 32
 #: parent of the first block of every prefix; part of the chain's explicit seed.
@@ -59,7 +60,7 @@ def _encode_extra(extra: ExtraKeys | None) -> bytes:
     parts = []
     for item in extra:
         if isinstance(item, str):
-            item = item.encode()
+            item = check_text("an extra key", item).encode()
         if not isinstance(item, (bytes, bytearray)):
             raise InvalidArgument(f"extra keys must be bytes or str, got {type(item).__name__}")
         parts.append(struct.pack("<Q", len(item)) + bytes(item))
@@ -147,9 +148,9 @@ def check_keys(keys: Sequence[bytes]) -> list[bytes]:
         n = len(keys)
         if list(map(type, keys)).count(bytes) == n and list(map(len, keys)).count(KEY_BYTES) == n:
             return keys
-    if isinstance(keys, (bytes, bytearray, memoryview, str)):
-        raise InvalidArgument(f"keys must be a sequence of {KEY_BYTES}-byte keys, got one "
-                              f"{type(keys).__name__}")
+    if isinstance(keys, (bytes, bytearray, memoryview, str)) or not isinstance(keys, Iterable):
+        raise InvalidArgument(f"keys must be a sequence of {KEY_BYTES}-byte keys, got "
+                              f"{'one ' if keys is not None else ''}{type(keys).__name__}")
     out = []
     for i, k in enumerate(keys):
         if isinstance(k, int):

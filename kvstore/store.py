@@ -66,13 +66,14 @@ from kvstore.memtune import retain_freed_memory
 from kvstore.placement import Placement
 from kvstore.sessions import SessionTable
 from kvstore.sizes import format_size
-from kvstore.spec import ModelSpec
+from kvstore.spec import FINGERPRINT_BYTES, ModelSpec
 from kvstore.stats import Counters
 from kvstore.store_admin import TenantAdmin, TenantPolicy
 from kvstore.store_lease import LeasedGets
 from kvstore.store_reads import LookupResult, ReadPath
 from kvstore.store_reserve import ReservedPuts, _parent
 from kvstore.store_sessions import SessionPins
+from kvstore.validation import check_text
 from tiers.base import BlockRef
 from tiers.memory import (
     MemoryTier,
@@ -332,6 +333,15 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
     def _check_tenant(tenant: str) -> None:
         if not isinstance(tenant, str) or not tenant or len(tenant) > 256:
             raise InvalidArgument("tenant must be a non-empty string of at most 256 characters")
+        check_text("tenant", tenant)  # NOTE: encoded into keys and NVMe records (see check_text)
+
+    @staticmethod
+    def _check_fingerprint(fingerprint: Any) -> bytes:
+        if not isinstance(fingerprint, bytes) or len(fingerprint) != FINGERPRINT_BYTES:
+            raise InvalidArgument(f"fingerprint must be the {FINGERPRINT_BYTES} bytes of ModelSpec.fingerprint, "
+                                  f"got {type(fingerprint).__name__}"
+                                  + (f" of {len(fingerprint)} bytes" if isinstance(fingerprint, bytes) else ""))
+        return fingerprint
 
     # -- keys ---------------------------------------------------------------------------------
     def block_keys(self, tenant: str, spec: ModelSpec, token_ids: Any,
@@ -349,6 +359,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
 
         ``parent``: the stored block ``keys[0]`` continues from, to split a long chain across
         calls (default: ``keys[0]`` is the first block of a prefix)."""
+        self._check_tenant(tenant)
         self._check_spec(spec)
         if not isinstance(kv, torch.Tensor):
             raise InvalidArgument(f"kv must be a torch.Tensor, got {type(kv).__name__}")
@@ -363,7 +374,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                                 f"([num_keys, 2, layers, kv_heads, block_tokens, head_dim])")
         if kv.dtype != spec.torch_dtype:
             raise DTypeMismatch(f"kv has dtype {kv.dtype}, spec says {spec.torch_dtype}")
-        if not keys:
+        if not keys:  # NOTE: after the tenant check, and not on a closed store (it returned quietly)
+            self._check_open()
             return
         flat = kv.detach().contiguous().view(torch.uint8).reshape(len(keys), -1)
         # NOTE: rows of a numpy view on CPU: indexing a torch tensor per block costs several
@@ -375,6 +387,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                   buffers: Sequence[Any], *, session: str | None = None,
                   ttl_s: float | None = None, parent: bytes | None = None) -> None:
         """Like :meth:`put`, each block given as a contiguous buffer of ``spec.block_nbytes``."""
+        self._check_tenant(tenant)
         self._check_spec(spec)
         keys = check_keys(keys)
         views = block_views(spec, buffers, len(keys), "buffer")

@@ -19,7 +19,7 @@ lock, index, placement, session table, keyring, quantization policy and remote t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.block import Tier
@@ -113,6 +113,7 @@ class TenantAdmin:
         (nothing deleted here) when they cannot be reached."""
         from kvstore.codec import tenant_hash
 
+        self._check_fingerprint(fingerprint)  # NOTE: any other value returned 0, deleting nothing
         with self._lock, self._batch():
             self._check_open()
             self._removals += 1
@@ -147,8 +148,10 @@ class TenantAdmin:
         self._check_tenant(tenant)
         ttl_s = check_ttl(ttl_s)
         quotas: dict[Tier, int] = {}
+        if quota_bytes is not None and not isinstance(quota_bytes, Mapping):
+            raise InvalidArgument(f"quota_bytes must map tier names to bytes, got {type(quota_bytes).__name__}")
         for name, q in (quota_bytes or {}).items():
-            if not isinstance(q, int) or q < 0:
+            if isinstance(q, bool) or not isinstance(q, int) or q < 0:  # NOTE: True was a 1-byte quota
                 raise InvalidArgument(f"quota for {name!r} must be a non-negative int")
             quotas[Tier.parse(name)] = q
         if isinstance(priority, bool) or not isinstance(priority, int):
@@ -175,8 +178,10 @@ class TenantAdmin:
         tenant's own rule wins); None removes the model rule."""
         from kvstore.quantization import Quantization
 
+        self._check_fingerprint(fingerprint)
         quant = Quantization.parse(quantization) if quantization is not None else None
         with self._lock:
+            self._check_open()  # NOTE: a rule set on a closed store was taken and lost
             if quantization is None:  # NOTE: "none" (quant None) is an explicit lossless rule
                 self.quant_policy.clear(model=fingerprint)
             else:

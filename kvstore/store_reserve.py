@@ -73,6 +73,7 @@ class ReservedPuts:
         after that, this call or the commit fails (Unauthenticated) instead of storing blocks a
         tenant created later under the same name would read. Default: now."""
         self._check_tenant(tenant)
+        self._check_spec(spec)  # NOTE: spec=None raised AttributeError
         keys = check_chain(check_keys(keys))  # NOTE: a slot reserved twice tripped an assert at commit
         parent0 = _parent(parent)
         nbytes = spec.block_nbytes

@@ -147,6 +147,8 @@ class SessionPins:
     def prefetch(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes],
                  tier: str | Tier = "hbm", *, parent: bytes | None = None) -> int:
         """Bring the longest usable prefix up to ``tier`` ahead of use; returns blocks moved."""
+        self._check_tenant(tenant)  # NOTE: a tenant of None or of 10,000 characters returned 0
+        self._check_spec(spec)
         t = Tier.parse(tier)
         if t not in self.tiers:
             from kvstore.errors import UnknownTier

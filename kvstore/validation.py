@@ -1,6 +1,11 @@
-"""A pydantic ValidationError as one InvalidArgument of one line per problem, each naming its
-field: what every typed config (``StoreConfig``, the server config, ``RemoteConfig``) raises.
-Why: pydantic's own text is a multi-line dump with a documentation URL under every problem."""
+"""Checks of what callers give, as InvalidArgument.
+
+* :func:`validation_error`: a pydantic ValidationError as one InvalidArgument of one line per
+  problem, each naming its field: what every typed config (``StoreConfig``, the server config,
+  ``RemoteConfig``) raises. Why: pydantic's own text is a multi-line dump with a documentation
+  URL under every problem.
+* :func:`check_text`: a name (tenant, session, namespace, extra key) that UTF-8 can encode.
+"""
 
 from __future__ import annotations
 
@@ -33,3 +38,20 @@ def _problem(err: Any) -> str:
             and len(repr(value)) <= 80):  # a ValueError of ours names the value already
         msg = f"{msg} (got {value!r})"
     return msg if not field or msg.startswith(field) else f"{field}: {msg}"
+
+
+def check_text(what: str, value: Any) -> str:
+    """``value`` if it is a str that UTF-8 can encode (what a protobuf string field takes, and
+    what the Store encodes a tenant name or an extra key into); else InvalidArgument naming
+    ``what``. Why: a lone surrogate (e.g. ``'\\ud800'``, what ``surrogateescape`` decoding
+    leaves) failed inside protobuf with a raw UnicodeEncodeError, and a Store took it as a
+    tenant name until that tenant's first block went to NVMe: then every put that made room,
+    every ``close`` and the tenant's own ``drop_tenant`` raised UnicodeEncodeError."""
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{what} must be a str, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(f"{what} {value[:80]!r} holds {value[exc.start]!r} at position {exc.start}, which "
+                              "is not text UTF-8 can encode (a lone surrogate)") from None
+    return value
