@@ -60,7 +60,8 @@ def test_tiers_quick_writes_json_and_results(tmp_path: Path) -> None:
         assert {"put.hbm", "get.hbm", "put.dram", "get.dram", "hbm->dram", "dram->hbm"} <= paths
         for p in case["paths"]:
             assert p["gbps"] > 0 and p["limit"] in case["limits"]
-            assert p["ratio"] == pytest.approx(p["gbps"] / p["limit_gbps"], rel=1e-2)
+            # NOTE: the ratio is rounded to 3 decimals: a slow path's 0.014 is 1.2 % off 0.01384
+            assert p["ratio"] == pytest.approx(p["gbps"] / p["limit_gbps"], rel=1e-2, abs=5e-4)
     md = (tmp_path / "RESULTS.md").read_text()
     assert "<!-- suite:tiers-quick -->" in md and "put.nvme[aes+zstd1]" in md
     assert "load average" in md
