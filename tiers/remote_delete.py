@@ -6,6 +6,7 @@ of :mod:`tiers.remote_calls`, the accounting's ``_forget``/``_unheld``/``_unheld
 writer's cancellation (``_cancel``, ``_doomed_subtree``, ``_drop_tenant_queue``) and the
 tenants' ``_shred_tenant``; ``_init_trees`` makes its state.
 
+* ``deleting`` — holds the writer's filter for a deletion across the caller's own part too.
 * ``delete`` / ``delete_many`` / ``delete_subtrees`` / ``delete_tenant`` / ``delete_model`` —
   ``UNLINK``; tenant and model deletion ``SCAN`` every primary by key prefix. ``delete_many``
   also cancels the blocks' queued demotions and raises :class:`~kvstore.errors.Unavailable` when
@@ -33,8 +34,8 @@ local subtree the deleting server passes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, TypeVar
 
 from kvstore.errors import Unavailable
@@ -43,6 +44,9 @@ from tiers.base import BlockRef
 from tiers.remote_calls import FAULTS, Command, fault_text, succeeded
 
 _T = TypeVar("_T")
+
+#: ``doom(more)`` of an open deletion: adds blocks, cancels their queued demotions, returns their keys
+Doom = Callable[[Iterable[bytes]], set[bytes]]
 
 # Records a child in its parent's children set and makes the set outlive it: a new set gets the
 # child's expiry, a set that expires sooner is extended to it, a child without one makes the set
@@ -156,7 +160,17 @@ class Deletes:
             raise _undeleted(res, "the models written there could not be listed")
         return {bytes(fp) for fp in res}
 
-    def delete_subtrees(self, tenant: str, roots: Sequence[tuple[bytes, bytes]]) -> set[bytes]:
+    def deleting(self, tenant: str, keys: Iterable[bytes]) -> AbstractContextManager[Doom]:
+        """Hold the writer's filter for a deletion of the blocks ``keys`` of ``tenant`` across
+        more than :meth:`delete_subtrees`: while open, no queued demotion of one of them, or of
+        a block under one, is written (it is dropped when its turn comes). Yields ``doom(more)``,
+        which adds blocks and cancels their queued demotions now (returns their keys); pass it
+        to :meth:`delete_subtrees`. The Store holds it over its local part too: a block demoted
+        between the remote part and the local one is not written back behind the deletion."""
+        return self._doomed_subtree(tenant, keys)
+
+    def delete_subtrees(self, tenant: str, roots: Sequence[tuple[bytes, bytes]],
+                        doom: Doom | None = None) -> set[bytes]:
         """Remove the blocks ``roots`` (``(block key, model fingerprint)`` pairs) of ``tenant``
         and every block written under them, by any server: each write recorded the block in its
         parent's children set, so the subtree is found level by level (one pipelined round trip
@@ -167,35 +181,38 @@ class Deletes:
         part could not be reached: a retry finds what is left (the sets go last).
 
         Blocks written by an older version recorded no children: the caller passes the ones it
-        knows (its local subtree) among ``roots``."""
+        knows (its local subtree) among ``roots``. ``doom``: from an open :meth:`deleting` of
+        these blocks (default: one held for this call only)."""
         roots = list(dict.fromkeys(roots))
         if not roots:
             return set()
-        with self._doomed_subtree(tenant, (k for k, _ in roots)) as doom:
-            gone = doom()
-            found = set(roots)
-            level = roots
-            while level:  # breadth-first: one round trip per level
-                replies = self._checked(self._batch(
-                    "SMEMBERS", [self._children_key(tenant, fp, k) for k, fp in level]),
-                    len(level), "its descendants could not be listed")
-                nxt = [(bytes(c), fp) for (_, fp), r in zip(level, replies) for c in r]
-                level = [x for x in dict.fromkeys(nxt) if x not in found]
-                found.update(level)
-                gone |= doom(k for k, _ in level)
-            found_list = list(found)
-            with self._lock:
-                for k, _ in found_list:
-                    self._unheld((tenant, k))
-            for part in _parts(found_list):
-                replies = self._checked(self._batch(
-                    "UNLINK", [self._value_key(tenant, fp, k) for k, fp in part]),
-                    len(found_list), "remote copies could not be deleted")
-                gone.update(k for (k, _), r in zip(part, replies) if r)
-            for part in _parts(found_list):  # NOTE: last: a retry walks them again
-                self._checked(self._batch(
-                    "UNLINK", [self._children_key(tenant, fp, k) for k, fp in part]),
-                    len(found_list), "children sets could not be deleted")
+        if doom is None:
+            with self.deleting(tenant, (k for k, _ in roots)) as held:
+                return self.delete_subtrees(tenant, roots, held)
+        gone = doom(k for k, _ in roots)
+        found = set(roots)
+        level = roots
+        while level:  # breadth-first: one round trip per level
+            replies = self._checked(self._batch(
+                "SMEMBERS", [self._children_key(tenant, fp, k) for k, fp in level]),
+                len(level), "its descendants could not be listed")
+            nxt = [(bytes(c), fp) for (_, fp), r in zip(level, replies) for c in r]
+            level = [x for x in dict.fromkeys(nxt) if x not in found]
+            found.update(level)
+            gone |= doom(k for k, _ in level)
+        found_list = list(found)
+        with self._lock:
+            for k, _ in found_list:
+                self._unheld((tenant, k))
+        for part in _parts(found_list):
+            replies = self._checked(self._batch(
+                "UNLINK", [self._value_key(tenant, fp, k) for k, fp in part]),
+                len(found_list), "remote copies could not be deleted")
+            gone.update(k for (k, _), r in zip(part, replies) if r)
+        for part in _parts(found_list):  # NOTE: last: a retry walks them again
+            self._checked(self._batch(
+                "UNLINK", [self._children_key(tenant, fp, k) for k, fp in part]),
+                len(found_list), "children sets could not be deleted")
         self._count("deletes", len(found))
         self._count("subtree_blocks_deleted", len(gone))
         return gone

@@ -13,8 +13,8 @@ writes (:mod:`tiers.remote_put`: ``_put_with``, ``update_ttl``) and the deletion
   demotion queued before it.
 * ``flush(timeout)`` — waits until every queued item (and re-count) was attempted.
 * ``_cancel(idents)`` / ``_doomed_subtree(tenant, keys)`` — what deletion uses: a queued
-  demotion of a deleted block (or, during a subtree deletion, of a block under one) is taken out
-  of the queue; the one being written is waited for (one write's timeouts at most) and unlinked
+  demotion of a deleted block (or, while a subtree deletion holds its filter — one set of keys
+  per deletion, several may run at once — of a block under one) is taken out of the queue; the one being written is waited for (one write's timeouts at most) and unlinked
   again once written. ``_drop_tenant_queue(tenant)``: every demotion of the tenant queued so far
   is dropped when its turn comes.
 * ``_want_resync()`` — has the writer re-count the accounting (``resync``), at most once every
@@ -73,9 +73,10 @@ class DemotionQueue:
         self._epochs: dict[str, int] = {}  # tenant -> deletions of it so far (see Job.epoch)
         self._writing: Job | None = None  # the block the writer is writing now
         self._writing_cancelled = False  # ... and deleted meanwhile: unlinked again once written
-        # tenant -> block keys a delete_subtrees is removing now: the writer drops a queued
-        # block that is one of them or a child of one (and adds it), so none lands behind it
-        self._doomed: dict[str, set[bytes]] = {}
+        # tenant -> one set per deletion running now of the block keys it removes: the writer
+        # drops a queued block that is one of them or a child of one (and adds it), so none
+        # lands behind it
+        self._doomed: dict[str, list[set[bytes]]] = {}
         self._resync_due = False
         self._last_resync = -math.inf
         self._closed = False
@@ -237,11 +238,12 @@ class DemotionQueue:
         """Whether a delete_subtrees running now removes ``job``'s block: it is one of the
         blocks being deleted or a child of one (then it is one too, from now on). Caller holds
         ``_cond``."""
-        doomed = self._doomed.get(job.ref.tenant)
-        if doomed is None or not (job.ref.key in doomed or job.parent in doomed):
-            return False
-        doomed.add(job.ref.key)
-        return True
+        hit = False
+        for doomed in self._doomed.get(job.ref.tenant, ()):
+            if job.ref.key in doomed or job.parent in doomed:
+                doomed.add(job.ref.key)
+                hit = True
+        return hit
 
     def _wait_writing(self, hit: Callable[[Job], bool]) -> bool:
         """When the block being written satisfies ``hit``: mark it cancelled (the writer unlinks
@@ -286,11 +288,12 @@ class DemotionQueue:
         are being deleted: the writer drops such a demotion when its turn comes. Yields
         ``doom(more=())``: adds the blocks ``more`` and cancels every queued (or in-flight)
         demotion the deletion now removes (see :meth:`_cancel_doomed`); returns their keys."""
+        doomed = set(keys)
         with self._cond:
-            # NOTE: one set per tenant: two deletions of one tenant at once (the Store runs one
-            # at a time) share it, and the first to end stops the writer's filter for both
-            doomed = self._doomed.setdefault(tenant, set())
-            doomed.update(keys)
+            # NOTE: one set per deletion: two deletions of one tenant may run at once (the
+            # Store holds its lock only for its local part), and the first to end must not
+            # stop the writer's filter for the other
+            self._doomed.setdefault(tenant, []).append(doomed)
 
         def doom(more: Iterable[bytes] = ()) -> set[bytes]:
             with self._cond:
@@ -301,7 +304,10 @@ class DemotionQueue:
             yield doom
         finally:
             with self._cond:
-                if self._doomed.get(tenant) is doomed:
+                sets = [d for d in self._doomed[tenant] if d is not doomed]
+                if sets:
+                    self._doomed[tenant] = sets
+                else:
                     del self._doomed[tenant]
 
     def _cancel_doomed(self, tenant: str) -> set[bytes]:
