@@ -310,6 +310,21 @@ def test_crossfit_reference_replays_within_the_invariants():
     assert r.requests == 300 and 0.0 < r.net_saved_time_fraction < 1.0
 
 
+def test_ceiling_bench_reports_the_crossfit_mean_over_its_splits(tmp_path):
+    from bench.replay_ceiling import CROSSFIT_SEEDS, REFERENCES, run
+
+    path = tmp_path / "chat.jsonl"
+    write_trace(path, generate("chat", seed=3)[:200])
+    (row,) = run(path, [20])
+    got, by_seed = row["net_saved_time_fraction"], row["crossfit_by_seed"]
+    assert set(got) == set(REFERENCES) and len(by_seed) == len(CROSSFIT_SEEDS)
+    span = got["belady"] - got["lru"]
+    assert span > 0
+    mean_gap = sum(by_seed.values()) / len(by_seed)
+    assert row["gap_closed"]["fitted-crossfit"] == pytest.approx(mean_gap)
+    assert got["fitted-crossfit"] == pytest.approx(got["lru"] + mean_gap * span)
+
+
 def test_repeat_bench_doubles_the_trace_with_fresh_ids_and_splits_the_passes():
     """``bench.replay_repeat``: the copy reads nothing of the first pass, starts after it, and
     the first pass of the doubled replay is the single replay (so the split is exact)."""
