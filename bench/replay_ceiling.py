@@ -9,7 +9,9 @@ the references of :mod:`bench.replay_bounds`:
   the blocks of one or two prompts, the in-sample rate of a cell tells the fate of those
   very prompts (a 7-valued random feature added to the four lifts it at HBM 400 from 24 %
   to 32 % of the gap, about as much as the best real feature tried, the number of earlier
-  requests under the block's root, 31 %; at HBM 1000 neither helps);
+  requests under the block's root, 31 %; at HBM 1000 the random feature gives 30 % against
+  31 %, that count with the mean gap between the block's uses 34 %; cross-fitted, neither
+  beats the four alone at either capacity);
 * ``fitted-crossfit`` — the same, but each block's ``p`` is the rate of its cell counted over
   the *other* prompts only (:func:`crossfit_rates`: prompts, i.e. root blocks, split in
   ``CROSSFIT_FOLDS`` folds, each fold's rates counted on the others): what knowing the class
