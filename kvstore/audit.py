@@ -29,11 +29,13 @@ Contract:
 * :meth:`AuditLog.page` reads the entries after a ``seq`` while they fit a byte budget (the
   Admin ReadAudit response must fit the gRPC message limit) and says whether more follow.
 * An append that cannot be written whole (a full disk, an I/O error) leaves the file as it was
-  (a torn line is cut off again) and raises :class:`kvstore.errors.FailedPrecondition` saying
-  so. A last line without its newline that does not parse (an append cut short by a crash
-  or a power cut, which the cut above could not undo) is removed at the next open, with a
-  warning and an ``audit.recover`` entry; any other malformed line stops the open
-  (:class:`kvstore.errors.IntegrityError` naming the line).
+  (a torn line is cut off again; when that cut fails too, before the next append) and raises
+  :class:`kvstore.errors.FailedPrecondition` saying so. At open, a last line without its
+  newline (an append cut short by a crash or a power cut) is mended: an entry that parses gets
+  its newline back (the next append was glued to it, and the open after that refused the log);
+  one that does not is removed, with a warning and an ``audit.recover`` entry. Any other
+  malformed line stops the open (:class:`kvstore.errors.IntegrityError` naming the line), and
+  :meth:`AuditLog.verify` reports a torn last entry.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ class AuditLog:
         self._lock = threading.Lock()
         self._seq = 0
         self._prev = GENESIS
-        self._torn: tuple[int, int] | None = None
+        self._cut_at: int | None = None  # where a failed append left bytes it could not cut
         open_changes: dict[int, AuditEntry] = {}
         for entry, raw in self._scan():
             self._seq = entry.seq
@@ -115,7 +117,7 @@ class AuditLog:
                 open_changes[entry.seq] = entry
             open_changes.pop(entry.ref, None)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        self._cut_torn_tail()
+        self._mend_tail()
         for entry in open_changes.values():
             self._close_unfinished(entry)
 
@@ -129,7 +131,10 @@ class AuditLog:
     def _scan(self) -> Iterator[tuple[AuditEntry, bytes]]:
         """Every entry with its line. A malformed line is an IntegrityError naming its number,
         except a last line with no newline: an append torn by a crash or power cut (nothing
-        after it was written), which is noted in ``self._torn`` for :meth:`_cut_torn_tail`."""
+        after it was written). What the last line lacks is left in ``self._tail`` (None: the
+        file ends with a newline): ``(start, size, whole)``, ``whole`` when the line parsed
+        and only its newline is missing."""
+        self._tail: tuple[int, int, bool] | None = None
         if not self.path.exists():
             return
         offset = 0
@@ -137,28 +142,40 @@ class AuditLog:
             for number, line in enumerate(f, 1):
                 start, offset = offset, offset + len(line)
                 raw = line.rstrip(b"\n")
+                last = not line.endswith(b"\n")  # only the last line can lack its newline
+                if last:
+                    self._tail = (start, len(line), True)
                 if not raw:
                     continue
                 try:
-                    yield AuditEntry(**json.loads(raw)), raw
+                    entry = AuditEntry(**json.loads(raw))
                 except (ValueError, TypeError) as exc:
-                    if not line.endswith(b"\n") and not f.read(1):
-                        self._torn = (start, len(line))
+                    if last:
+                        self._tail = (start, len(line), False)
                         return
                     raise IntegrityError(f"audit log {self.path} has a malformed line {number} "
                                          f"(byte {start}): {exc}") from None
+                yield entry, raw
 
-    def _cut_torn_tail(self) -> None:
-        """Cut an append torn by a crash (see :meth:`_scan`) and record that it was cut."""
-        if self._torn is None:
+    def _mend_tail(self) -> None:
+        """Mend the end of the file as the last :meth:`_scan` found it: a whole last entry
+        gets its newline (the next append was glued to it, and the open after that refused
+        the log); a torn one is cut, and the cut recorded."""
+        if self._tail is None:
             return
-        start, size = self._torn
-        os.ftruncate(self._fd, start)
+        start, size, whole = self._tail
+        self._tail = None
+        if whole:
+            os.write(self._fd, b"\n")
+            log.warning("audit log %s: the last entry lacked its newline; added", self.path)
+        else:
+            os.ftruncate(self._fd, start)
+            log.warning("audit log %s: cut a torn last line of %d bytes at byte %d", self.path, size, start)
         if self._fsync:
             os.fsync(self._fd)
-        log.warning("audit log %s: cut a torn last line of %d bytes at byte %d", self.path, size, start)
-        self.append("kvstore", "audit.recover", str(self.path), "OK",
-                    f"a torn last line of {size} bytes (an append cut short by a crash) was removed")
+        if not whole:
+            self.append("kvstore", "audit.recover", str(self.path), "OK",
+                        f"a torn last line of {size} bytes (an append cut short by a crash) was removed")
 
     def append(self, principal: str, action: str, target: str, result: str, detail: str = "",
                ref: int = 0) -> AuditEntry:
@@ -185,6 +202,13 @@ class AuditLog:
             return entry
 
     def _write_whole(self, line: bytes) -> None:
+        if self._cut_at is not None:  # a torn append this process could not cut: cut it first
+            try:
+                os.ftruncate(self._fd, self._cut_at)
+            except OSError as exc:
+                raise FailedPrecondition(f"the audit log {self.path} could not be written: it ends "
+                                         f"with a torn entry that could not be cut: {exc}") from None
+            self._cut_at = None
         end = os.lseek(self._fd, 0, os.SEEK_END)
         try:
             written = os.write(self._fd, line)
@@ -196,7 +220,7 @@ class AuditLog:
             try:
                 os.ftruncate(self._fd, end)
             except OSError:
-                pass  # NOTE: the next open cuts the torn line (a last line without its newline)
+                self._cut_at = end  # NOTE: cut before the next append (or by the next open)
             raise FailedPrecondition(f"the audit log {self.path} could not be written: {exc}") from None
 
     def read(self, since_seq: int = 0, limit: int = 1000) -> list[AuditEntry]:
@@ -226,6 +250,9 @@ class AuditLog:
                 if entry.prev != prev or entry.seq != seq + 1:
                     raise IntegrityError(f"audit log chain broken at seq {entry.seq}")
                 prev, seq = _digest(raw), entry.seq
+            if self._tail is not None and not self._tail[2]:
+                raise IntegrityError(f"audit log {self.path} ends with a torn entry of {self._tail[1]} "
+                                     "bytes (an append cut short; the next append or open cuts it)")
         return seq
 
     def close(self) -> None:

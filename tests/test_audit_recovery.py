@@ -1,5 +1,6 @@
 """The audit log after a crash: an append cut short (a power cut between the write and its
-fsync) must not stop the server from starting, and must not pass unnoticed either."""
+fsync) must not stop the server from starting, now or one restart later, and must not pass
+unnoticed either."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import json
 
 import pytest
 
+import kvstore.audit as audit_mod
 from kvstore.audit import AuditLog
-from kvstore.errors import IntegrityError
+from kvstore.errors import FailedPrecondition, IntegrityError
 
 
 def _log(path) -> AuditLog:
@@ -49,3 +51,49 @@ def test_a_malformed_line_before_the_end_still_stops_the_open(tmp_path) -> None:
     path.write_bytes(good + b"not json\n")  # terminated: written whole, so not torn
     with pytest.raises(IntegrityError, match="line 2"):
         _log(path)
+
+
+def test_an_entry_that_lost_only_its_newline_gets_it_back(tmp_path) -> None:
+    """The whole entry was written, its newline was not: the next append was glued to it and
+    the open after that refused the log (malformed line 2)."""
+    path = tmp_path / "audit.log"
+    log = _log(path)
+    log.append("admin", "tenant.create", "acme", "OK")
+    log.append("admin", "tenant.delete", "acme", "OK")
+    log.close()
+    path.write_bytes(path.read_bytes()[:-1])
+    for name in ("beta", "gamma"):  # two restarts, an append after each
+        log = _log(path)
+        log.append("admin", "tenant.create", name, "OK")
+        log.close()
+    log = _log(path)
+    try:
+        assert log.verify() == 4
+        assert [e.target for e in log.read()] == ["acme", "acme", "beta", "gamma"]
+    finally:
+        log.close()
+
+
+def test_a_torn_append_that_could_not_be_cut_is_cut_before_the_next(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "audit.log"
+    log = _log(path)
+    log.append("admin", "tenant.create", "acme", "OK")
+    real_write, real_truncate = audit_mod.os.write, audit_mod.os.ftruncate
+    monkeypatch.setattr(audit_mod.os, "write", lambda fd, data: real_write(fd, data[: len(data) // 2]))
+    monkeypatch.setattr(audit_mod.os, "ftruncate", lambda fd, n: (_ for _ in ()).throw(OSError("EIO")))
+    with pytest.raises(FailedPrecondition):
+        log.append("admin", "tenant.create", "beta", "OK")
+    monkeypatch.setattr(audit_mod.os, "write", real_write)
+    with pytest.raises(IntegrityError, match="torn entry"):  # verify said 1 entry, all well
+        log.verify()
+    with pytest.raises(FailedPrecondition, match="could not be cut"):  # still cannot cut it
+        log.append("admin", "tenant.create", "beta", "OK")
+    monkeypatch.setattr(audit_mod.os, "ftruncate", real_truncate)
+    assert log.append("admin", "tenant.create", "beta", "OK").seq == 2  # glued on before
+    assert log.verify() == 2
+    log.close()
+    log = _log(path)
+    try:
+        assert log.verify() == 2
+    finally:
+        log.close()
