@@ -145,6 +145,19 @@ def _pack(keys: Sequence[bytes]) -> bytes:
     return b"".join(check_keys(keys))
 
 
+def _as_tensor(arr: np.ndarray, spec: ModelSpec) -> torch.Tensor:
+    """``arr`` as a CPU tensor (its values: a non-native byte order converted, a negative
+    stride copied), for the shape and dtype checks a tensor gets; InvalidArgument when torch
+    has no such dtype."""
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    try:
+        return torch.from_numpy(np.ascontiguousarray(arr))
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"kv is a numpy array of dtype {arr.dtype}, which torch cannot take; the "
+                              f"spec says {spec.torch_dtype} (raw bytes: put_bytes)") from None
+
+
 def _flat_bytes(kv: Any, n: int, nbytes: int, what: str = "kv") -> np.ndarray:
     """A [n, nbytes] uint8 numpy view of a CPU tensor/array/buffer (copies only if non-contiguous)."""
     if isinstance(kv, torch.Tensor):
@@ -451,17 +464,15 @@ class Client:
     def put(self, spec: ModelSpec, keys: Sequence[bytes], kv: Any, *, session: str | None = None,
             ttl_s: float | None = None, namespace: str = "", parent: bytes | None = None) -> None:
         """Store ``kv`` ([len(keys), 2, L, H, T, D] of the spec's dtype: a tensor or a numpy
-        array, whose shape and dtype are checked; any other buffer of the blocks' bytes is taken
-        as raw bytes, checked only for its size) under the key chain; ``parent``: the stored
-        block ``keys[0]`` continues from."""
+        array, whose shape and dtype are checked; a uint8 [len(keys), block_nbytes] array or any
+        other buffer of the blocks' bytes is taken as raw bytes, checked only for its size)
+        under the key chain; ``parent``: the stored block ``keys[0]`` continues from."""
         keys = check_keys(keys)
-        if isinstance(kv, np.ndarray):  # NOTE: its shape and dtype went unchecked (a wrong
-            # layout of the right byte count was stored); raw bytes go through put_bytes
-            try:
-                kv = torch.from_numpy(kv)
-            except TypeError:
-                raise InvalidArgument(f"kv is a numpy array of dtype {kv.dtype}, which torch cannot "
-                                      f"take; the spec says {spec.torch_dtype} (raw bytes: put_bytes)") from None
+        if isinstance(kv, np.ndarray) and not (kv.dtype == np.uint8 and kv.shape == (len(keys), spec.block_nbytes)):
+            # NOTE: its shape and dtype went unchecked (a wrong layout of the right byte count
+            # was stored; a big-endian array, its bytes as they lay). A uint8 [n, block_nbytes]
+            # array is the blocks' raw bytes, as put_bytes takes them.
+            kv = _as_tensor(kv, spec)
         if isinstance(kv, torch.Tensor):
             holding_data(kv, "kv")
             want = (len(keys), *spec.block_shape)

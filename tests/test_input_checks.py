@@ -119,6 +119,16 @@ def test_client_put_checks_a_numpy_arrays_shape_and_dtype(sidecar, local):
     assert c.lookup(SPEC, keys=keys).num_blocks == 0  # nothing stored
     c.put(SPEC, keys, kv.numpy())  # the right array is taken
     assert torch.equal(c.get(SPEC, iter(keys)), kv)  # a key iterator, as Store.get takes
+    # values, not the bytes as they lie: a reversed view, a big-endian copy; raw bytes as before
+    more = c.block_keys(SPEC, fresh_tokens(2))
+    c.put(SPEC, more, kv.numpy()[::-1])
+    assert torch.equal(c.get(SPEC, more), kv.flip(0))
+    more = c.block_keys(SPEC, fresh_tokens(2))
+    c.put(SPEC, more, kv.numpy().astype(">f2"))
+    assert torch.equal(c.get(SPEC, more), kv)
+    more = c.block_keys(SPEC, fresh_tokens(2))
+    c.put(SPEC, more, kv.view(torch.uint8).reshape(2, -1).numpy())
+    assert torch.equal(c.get(SPEC, more), kv)
 
 
 def test_client_put_refuses_a_ttl_that_is_not_a_number(sidecar):
