@@ -21,7 +21,8 @@ Primitives and what each guarantees (see DESIGN.md §7 for the invariants):
   verbs that delete blocks, tenants and models are in :mod:`kvstore.store_admin`.
 * remote      — with ``StoreConfig.remote``, blocks leaving the last local tier (or every new
   block, ``remote_write="through"``) are queued to Redis/Valkey; lookups and gets continue into
-  it where the local chain ends and promote what they find.
+  it where the local chain ends and promote what they find. A delete or model purge on another
+  server sharing it drops the local copies here too (``_deleted_elsewhere``).
 * chains      — ``parent=`` continues a chain split across calls; keys must chain from it.
 * reserve/commit_put — a put whose bytes arrive later (the gRPC stream) lands them in reserved
   tier slots and publishes the slots without a copy (:mod:`kvstore.store_reserve`).
@@ -200,6 +201,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                     f"can take only {format_size(room)} more: NVMe writes will fail (RESOURCE_EXHAUSTED) "
                     f"before the tier fills; lower nvme_bytes or free space there")
                 log.warning("%s", self.disk_warning)
+        if self._remote is not None:  # NOTE: last: the reader calls into the Store from now on
+            self._remote.on_deletion(self._deleted_elsewhere, position=path / "remote-deletions.pos")
 
     @classmethod
     def open(cls, config: StoreConfig, *, clock: Clock = time.time, progress: Progress | None = None) -> Store:
@@ -656,6 +659,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         When that commit fails (a full disk), the store still closes, then raises it."""
         flushed = 0
         failed: NVMeWriteFailed | None = None
+        if self._remote is not None:  # NOTE: before the lock, which its reader may wait for
+            self._remote.stop_deletions()
         with self._lock:
             if self._closed:
                 return 0

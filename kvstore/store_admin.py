@@ -11,6 +11,9 @@ lock, index, placement, session table, keyring, quantization policy and remote t
   children sets; ``drop_tenant`` and ``purge_model`` likewise: remote first, and nothing here
   when it fails); ``drop_tenant`` also forgets the tenant's sessions and rules, destroys its data key
   and leaves a tombstone in the remote tier (no server writes its older blocks there again).
+* ``_deleted_elsewhere`` — what the remote tier's reader hands over when another server sharing
+  it deleted blocks or purged a model (:mod:`tiers.remote_invalidate`): the local copies go too,
+  with their local subtrees, and their queued demotions; nothing is deleted remotely.
 * ``expire`` drops every local block past its TTL deadline with its subtree (``lookup`` does the
   same first, through ``_expire_due``).
 * ``set_tenant_policy`` sets a tenant's TTL and per-tier quotas (a :class:`TenantPolicy`) and its
@@ -20,13 +23,14 @@ lock, index, placement, session table, keyring, quantization policy and remote t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.block import Tier
 from kvstore.errors import InvalidArgument
 from kvstore.expiry import check_ttl
 from kvstore.keys import check_keys
+from tiers.remote_invalidate import Deletion
 
 
 @dataclass(slots=True)
@@ -81,15 +85,53 @@ class TenantAdmin:
         # NOTE: blocks, not copies: a block with a remote copy counted twice
         return len(gone | local)
 
-    def _delete_local(self, tenant: str, keys: list[bytes]) -> set[bytes]:
-        """Drop the local blocks ``keys`` of ``tenant`` with their subtrees; returns the keys
-        dropped. Caller holds the lock and an NVMe batch."""
+    def _delete_local(self, tenant: str, keys: Iterable[bytes], reason: str = "deleted") -> set[bytes]:
+        """Drop the local blocks ``keys`` of ``tenant`` with their subtrees (counted ``reason``);
+        returns the keys dropped. Caller holds the lock and an NVMe batch."""
         roots = [m for key in keys if (m := self._index.get(tenant, key)) is not None]
         local = {d.key for m in roots for d in self._index.subtree(m)}
         for m in roots:
             if self._index.get(m.tenant, m.key) is m:  # not under a root dropped before
-                self._place.drop(m, reason="deleted")
+                self._place.drop(m, reason=reason)
         return local
+
+    def _deleted_elsewhere(self, d: Deletion) -> int:
+        """Drop the local copies of what another server sharing the remote tier deleted (an
+        entry of its deletions stream, from the tier's reader thread): the blocks ``d.keys``
+        with their local subtrees, of each tenant here whose hash is ``d.tenant``, or every
+        block of the model purged; counted ``deleted_elsewhere``. Nothing is deleted in the
+        remote tier (the other server did). Returns how many blocks were dropped."""
+        from kvstore.codec import tenant_hash
+
+        assert self._remote is not None
+        if d.kind == "model":
+            with self._lock:
+                if self._closed:
+                    return 0
+                with self._batch():
+                    self._removals += 1  # a get fetching from the remote tier now promotes nothing
+                    victims = sorted((m for m in self._index if m.fingerprint in d.fingerprints),
+                                     key=lambda m: -m.depth)
+                    for m in victims:
+                        self._place.remove(m)
+                    self.counters.add("deleted_elsewhere", len(victims))
+                    return len(victims)
+        with self._lock:
+            tenants = {t for (t, _), n in self._place.tenant_usage.items() if n}
+        dropped = 0
+        for tenant in (t for t in tenants if tenant_hash(t).hex() == d.tenant):
+            # NOTE: the writer's filter first: a block demoted before the lock is taken is not
+            # written back to the remote tier behind the deletion
+            with self._remote.deleting(tenant, d.keys) as doom:
+                with self._lock:
+                    if self._closed:
+                        return dropped
+                    with self._batch():
+                        self._removals += 1
+                        local = self._delete_local(tenant, d.keys, reason="deleted_elsewhere")
+                doom(local)
+            dropped += len(local)
+        return dropped
 
     def drop_tenant(self, tenant: str) -> int:
         """Remove every block of ``tenant`` from every tier and destroy its data key; returns how

@@ -96,7 +96,7 @@ def test_delete_removes_remote_descendants_the_server_no_longer_holds(servers) -
     """The chain was evicted to Redis: delete(keys[0]) found no local descendant, removed only
     keys[0]'s copy, and the three below it were still served as a continuation of keys[1]."""
     a, keys, kv = _evicted_chain(servers)
-    b = servers("b")
+    b = servers("b", remote={"share_deletions": False})  # NOTE: its own copies stay (see below)
     assert torch.equal(b.get("acme", SPEC, keys[2:], parent=keys[1]), kv[2:])  # before: served
     b.put("acme", SPEC, keys[:2], kv[:2])  # b holds the first two now (and writes them through)
     assert a.delete("acme", [keys[0]]) >= 1
@@ -105,8 +105,9 @@ def test_delete_removes_remote_descendants_the_server_no_longer_holds(servers) -
         assert s.get("acme", SPEC, keys[2:], parent=keys[1]).shape[0] == 0
         assert s.lookup("acme", SPEC, keys[2:], parent=keys[1]).num_blocks == 0
         assert s.get("acme", SPEC, keys[3:], parent=keys[2]).shape[0] == 0
-    # b's own copies of keys[:2] are b's (a delete is per server, with the shared remote tier);
-    # what lay below them remotely is gone
+    # b's own copies of keys[:2] are b's (without share_deletions a delete is per server, with the
+    # shared remote tier; with it they go too: tests/test_remote_invalidation.py); what lay
+    # below them remotely is gone
     assert b.get("acme", SPEC, keys).shape[0] == 2
 
 

@@ -15,6 +15,9 @@
   ``delete_model`` / ``purge_model`` / ``models`` — :mod:`tiers.remote_delete`: ``UNLINK``; a
   subtree found through the children sets, a tenant or model through ``SCAN``; Unavailable when
   a copy may survive.
+* ``on_deletion`` — :mod:`tiers.remote_invalidate`: every ``delete_subtrees`` and ``purge_model``
+  is published in the stream ``<namespace>:deletions``; a reader thread hands the other
+  servers' to the Store (which drops its local copies) and cancels their queued demotions here.
 * ``usage`` / ``tenant_bytes`` / ``can_fit`` / ``resync`` — :mod:`tiers.remote_accounting`: raw
   block bytes this server wrote (quotas and capacity are per server).
 * tombstones and tenant data keys (key ids) — :mod:`tiers.remote_tenants`.
@@ -28,8 +31,9 @@ counters, accounting, breakers and tombstone copies), its Redis keys, counters a
 
 Keys: ``<namespace>:<tenant hash hex>:<fingerprint hex>:<block key hex>`` (no hash tags, so a
 cluster spreads one prefix over every node); ``<block's key>:c``: the children set of a block;
-``<namespace>:models``: every model written; ``<namespace>:keyring:...``: the tenants' wrapped
-data keys; ``<namespace>:dropped:...``: the tenants' tombstones.
+``<namespace>:models``: every model written; ``<namespace>:deletions``: the deletions stream;
+``<namespace>:keyring:...``: the tenants' wrapped data keys; ``<namespace>:dropped:...``: the
+tenants' tombstones.
 
 Thread-safe.
 """
@@ -53,6 +57,7 @@ from tiers.remote_calls import FAULTS, BreakerCalls
 from tiers.remote_config import RemoteConfig
 from tiers.remote_delete import Deletes
 from tiers.remote_envelope import ENVELOPE, ENVELOPE_MAGIC, ENVELOPE_V1, ENVELOPE_VERSION, RemoteInfo
+from tiers.remote_invalidate import SharedDeletions
 from tiers.remote_put import Writes
 from tiers.remote_reads import Reads
 from tiers.remote_redis import Clock, RedisKeyBackend, connect
@@ -60,7 +65,8 @@ from tiers.remote_tenants import KEY_REFRESH_S, TenantKeys
 from tiers.remote_writer import DemotionQueue
 
 
-class RemoteTier(Reads, Writes, Deletes, DemotionQueue, TenantKeys, Accounting, BreakerCalls):
+class RemoteTier(Reads, Writes, Deletes, SharedDeletions, DemotionQueue, TenantKeys, Accounting,
+                 BreakerCalls):
     """See the module docstring. Build with :meth:`open` (or inject a client and codec)."""
 
     tier = Tier.REMOTE
@@ -84,6 +90,7 @@ class RemoteTier(Reads, Writes, Deletes, DemotionQueue, TenantKeys, Accounting, 
         self._init_tenants()
         self._init_puts()
         self._init_trees()
+        self._init_deletions()  # its reader starts with on_deletion
         self._init_queue()  # NOTE: last: starts the writer thread
 
     @classmethod
@@ -141,7 +148,9 @@ class RemoteTier(Reads, Writes, Deletes, DemotionQueue, TenantKeys, Accounting, 
             return False
 
     def close(self, drain_timeout_s: float = 5.0) -> None:
-        """Write what is queued (up to ``drain_timeout_s``), stop the writer, disconnect."""
+        """Stop the deletions reader, write what is queued (up to ``drain_timeout_s``), stop
+        the writer, disconnect."""
+        self.stop_deletions()
         self.flush(drain_timeout_s)
         self._stop_writer()
         self.codec.close()

@@ -139,6 +139,22 @@ class RemoteConfig(BaseModel):
     codec_threads: Annotated[int, Field(ge=1, le=64)] = 2
     """Threads that encode/decode the chunks of one value in parallel."""
 
+    share_deletions: bool = True
+    """Publish every ``delete`` and model purge this server makes in the stream
+    ``<namespace>:deletions`` and apply the other servers' (a thread reads it): their local
+    copies (HBM, DRAM, NVMe) of the deleted blocks go too, so none is served or written back to
+    Redis later (:mod:`tiers.remote_invalidate`). Off: deletions reach Redis and the deleting
+    server's own tiers only."""
+
+    deletions_maxlen: Annotated[int, Field(ge=100, le=100_000_000)] = 100_000
+    """Entries the deletions stream keeps, about (each ``XADD`` trims it, ``MAXLEN ~``): a
+    server that restarts (or whose reads failed) applies the deletions it missed while they are
+    still there; one entry is at most 4,096 block keys (128 KiB), a small deletion ~0.2 KiB."""
+
+    deletions_block_s: Annotated[float, Field(gt=0, le=60, allow_inf_nan=False)] = 1.0
+    """Longest wait of one read of the deletions stream (``XREAD BLOCK``): a new entry ends it at
+    once; a reader stopped by ``close`` ends at once too (its connection is shut down)."""
+
     @field_validator("urls")
     @classmethod
     def _schemes(cls, urls: list[str]) -> list[str]:

@@ -3,8 +3,9 @@
 A mixin of :class:`tiers.remote.RemoteTier`: it uses the tier's client, namespace, lock and
 counters, its Redis keys (``redis_key``, ``_value_key``, ``_tenant_hex``), ``_call``/``_batch``
 of :mod:`tiers.remote_calls`, the accounting's ``_forget``/``_unheld``/``_unheld_where``, the
-writer's cancellation (``_cancel``, ``_doomed_subtree``, ``_drop_tenant_queue``) and the
-tenants' ``_shred_tenant``; ``_init_trees`` makes its state.
+writer's cancellation (``_cancel``, ``_doomed_subtree``, ``_drop_tenant_queue``), the
+tenants' ``_shred_tenant`` and the deletions stream's ``_deletion_entries``, ``_model_entry`` and
+``_published`` (:mod:`tiers.remote_invalidate`); ``_init_trees`` makes its state.
 
 * ``deleting`` — holds the writer's filter for a deletion across the caller's own part too.
 * ``delete`` / ``delete_many`` / ``delete_subtrees`` / ``delete_tenant`` / ``delete_model`` —
@@ -30,6 +31,10 @@ Redis memory per non-root block, and a deletion as many round trips as the delet
 levels (a 1,000-block chain: 1,000 round trips). A queued demotion of a block under a block being
 deleted is dropped. Blocks written before this (no children set) are found only through the
 local subtree the deleting server passes.
+
+Deletions stream: ``delete_subtrees`` and ``purge_model`` record what they removed in
+``<namespace>:deletions`` (the commands and the reader that applies the other servers' entries:
+:mod:`tiers.remote_invalidate`), so the other servers sharing the Redis drop their local copies.
 """
 
 from __future__ import annotations
@@ -174,7 +179,9 @@ class Deletes:
         """Remove the blocks ``roots`` (``(block key, model fingerprint)`` pairs) of ``tenant``
         and every block written under them, by any server: each write recorded the block in its
         parent's children set, so the subtree is found level by level (one pipelined round trip
-        per level: ``SMEMBERS``), then its values are unlinked, then the children sets.
+        per level: ``SMEMBERS``), then its values are unlinked, then the children sets, in the
+        same round trip as the deletion's entry in the deletions stream (the other servers drop
+        their local copies: :mod:`tiers.remote_invalidate`; a publish that fails is counted).
         Queued demotions of these blocks or of children of them are cancelled (the one being
         written is waited for, and unlinked again once written). Returns the keys of the blocks
         removed (a value found, or a demotion cancelled). Raises :class:`Unavailable` when any
@@ -209,10 +216,16 @@ class Deletes:
                 "UNLINK", [self._value_key(tenant, fp, k) for k, fp in part]),
                 len(found_list), "remote copies could not be deleted")
             gone.update(k for (k, _), r in zip(part, replies) if r)
-        for part in _parts(found_list):  # NOTE: last: a retry walks them again
-            self._checked(self._batch(
-                "UNLINK", [self._children_key(tenant, fp, k) for k, fp in part]),
-                len(found_list), "children sets could not be deleted")
+        parts = list(_parts(found_list))
+        for i, part in enumerate(parts):  # NOTE: last: a retry walks them again
+            cmds: list[Command] = [(ck, ("UNLINK", ck)) for ck in
+                                   (self._children_key(tenant, fp, k) for k, fp in part)]
+            if i == len(parts) - 1:  # the other servers drop their local copies (same round trip)
+                cmds += self._deletion_entries(tenant, [*(k for k, _ in found_list), *gone],
+                                               (fp for _, fp in found_list))
+            replies = self._multi(cmds)
+            self._checked(replies[:len(part)], len(found_list), "children sets could not be deleted")
+            self._published(replies[len(part):])
         self._count("deletes", len(found))
         self._count("subtree_blocks_deleted", len(gone))
         return gone
@@ -275,11 +288,14 @@ class Deletes:
         return len(self.purge_model(fingerprint))
 
     def purge_model(self, fingerprint: bytes) -> set[tuple[str, bytes]]:
-        """``UNLINK`` every block of a model fingerprint (all tenants); returns the blocks
-        removed as (tenant hash hex, block key). Raises :class:`~kvstore.errors.Unavailable`
+        """``UNLINK`` every block of a model fingerprint (all tenants), then publish the purge
+        in the deletions stream; returns the blocks removed as (tenant hash hex, block key).
+        Raises :class:`~kvstore.errors.Unavailable`
         when a server cannot be reached (safe to retry)."""
         with _unreachable("purging a model"):
             gone = self._purge(f"{self._ns}:*:{fingerprint.hex()}:*")
+        if entry := self._model_entry(fingerprint):  # the other servers drop their local copies
+            self._published(self._multi(entry))
         with self._lock:
             self._unheld_where(lambda _, h: h.fingerprint == fingerprint)
             self._counts["model_keys_deleted"] += len(gone)
