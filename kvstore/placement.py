@@ -20,7 +20,7 @@ Unsafe unless the caller holds the Store's lock.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -32,6 +32,7 @@ from kvstore.block import BlockMeta, Tier
 from kvstore.config import StoreConfig
 from kvstore.errors import NVMeWriteFailed, ResourceExhausted
 from kvstore.index import Ident, PrefixIndex
+from kvstore.keys import ROOT_KEY
 from kvstore.sessions import SessionTable
 from kvstore.spec import ModelSpec
 from kvstore.stats import Counters
@@ -398,6 +399,9 @@ class Placement:
         """Queue a copy of ``meta`` to the remote tier (asynchronous; False when refused),
         quantized when the tenant's or model's rule says so (as for NVMe)."""
         assert self.remote is not None
+        if self.remote.under_deletion(meta.tenant, lambda: self._chain_keys(meta)):
+            self.counters.add("remote_skipped_deleted")
+            return False
         host = self.host_copy(meta)
         if host is None:
             return False
@@ -410,6 +414,18 @@ class Placement:
                                 parent=meta.parent)
         self.counters.add("demotions_remote" if ok else "remote_queue_full")
         return ok
+
+    def _chain_keys(self, meta: BlockMeta) -> Iterator[bytes]:
+        """``meta``'s key, its local ancestors' keys and the parent key of the first of them."""
+        cur: BlockMeta | None = meta
+        while cur is not None:
+            yield cur.key
+            if cur.parent == ROOT_KEY:
+                return
+            parent = cur.parent
+            cur = self._index.get(cur.tenant, parent)
+            if cur is None:
+                yield parent
 
     def release(self, meta: BlockMeta, tier: Tier) -> None:
         """Free ``meta``'s bytes in ``tier`` (not its NVMe copy unless ``tier`` is NVMe)."""

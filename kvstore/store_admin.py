@@ -24,6 +24,7 @@ lock, index, placement, session table, keyring, quantization policy and remote t
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 from kvstore.block import Tier
@@ -60,21 +61,24 @@ class TenantAdmin:
             with self._lock, self._batch():
                 self._check_open()
                 return len(self._delete_local(tenant, keys))
-        with self._lock:
-            self._check_open()
-            self._removals += 1  # a get fetching from the remote tier now promotes nothing
-            fps = set(self._specs)
-            held = [(d.key, d.fingerprint) for key in keys
-                    if (m := self._index.get(tenant, key)) is not None for d in self._index.subtree(m)]
-        # every model written to the remote tier, by any server: this one may never have seen
-        # the model (restarted, another replica; the service's Delete says none)
-        fps |= self._remote.models()
-        start = dict.fromkeys([(key, fp) for key in keys for fp in fps] + held)
-        # NOTE: the Store's lock is not held over the remote part (one round trip per level of
-        # the remote subtree: 0.3 s for a 2,048-block chain, during which every other call of
-        # every tenant waited); the writer's filter is, until the local part is done, so no
-        # block demoted meanwhile is written back behind the deletion
-        with self._remote.deleting(tenant, (k for k, _ in start)) as doom:
+        with ExitStack() as stack:
+            with self._lock:
+                self._check_open()
+                self._removals += 1  # a get fetching from the remote tier now promotes nothing
+                fps = set(self._specs)
+                held = [(d.key, d.fingerprint) for key in keys
+                        if (m := self._index.get(tenant, key)) is not None for d in self._index.subtree(m)]
+                # NOTE: the writer's filter is set before the lock goes: a block put under one
+                # of these and demoted meanwhile is not written (placement's spill_remote asks)
+                doom = stack.enter_context(self._remote.deleting(tenant, [*keys, *(k for k, _ in held)]))
+            # every model written to the remote tier, by any server: this one may never have
+            # seen the model (restarted, another replica; the service's Delete says none)
+            fps |= self._remote.models()
+            start = dict.fromkeys([(key, fp) for key in keys for fp in fps] + held)
+            # NOTE: the Store's lock is not held over the remote part (one round trip per level
+            # of the remote subtree: 0.3 s for a 2,048-block chain, during which every other
+            # call of every tenant waited); the writer's filter is, until the local part is
+            # done, so no block demoted meanwhile is written back behind the deletion
             # NOTE: raises before anything local goes (it said "ok" and the copies came back)
             gone = self._remote.delete_subtrees(tenant, list(start), doom)
             with self._lock, self._batch():

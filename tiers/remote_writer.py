@@ -245,6 +245,16 @@ class DemotionQueue:
                 hit = True
         return hit
 
+    def under_deletion(self, tenant: str, chain: Callable[[], Iterable[bytes]]) -> bool:
+        """Whether a deletion of ``tenant`` is open and one of the block keys ``chain()``
+        yields (a block and its ancestors) is among the blocks it removes: a block put under a
+        block being deleted, and evicted before the deletion's local part drops it, must not
+        be demoted (its parent's demotion, by which the writer's filter would know it, may
+        never be queued). ``chain`` is called only while a deletion of ``tenant`` is open."""
+        with self._cond:
+            sets = self._doomed.get(tenant)
+            return bool(sets) and any(k in d for k in chain() for d in sets)
+
     def _wait_writing(self, hit: Callable[[Job], bool]) -> bool:
         """When the block being written satisfies ``hit``: mark it cancelled (the writer unlinks
         it once written) and wait for it (one write's timeouts at most). Caller holds ``_cond``."""
