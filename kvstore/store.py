@@ -129,6 +129,9 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         # delete / drop_tenant / purge_model calls so far: a get promotes what it fetched from
         # the remote tier (with the lock released) only when none ran meanwhile (store_reads)
         self._removals = 0
+        # deletes running their remote part without the lock: close waits for them
+        self._deletes_open = 0
+        self._deletes_done = threading.Condition(self._lock)
         self.counters = Counters()
         self.policy = make_policy(config.policy, self._specs.get)
 
@@ -662,6 +665,9 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         if self._remote is not None:  # NOTE: before the lock, which its reader may wait for
             self._remote.stop_deletions()
         with self._lock:
+            # NOTE: a delete in its remote part (without the lock) went on talking to Redis
+            # after close returned, and ended with its local part undone; it ends first now
+            self._deletes_done.wait_for(lambda: not self._deletes_open)
             if self._closed:
                 return 0
             if self.config.persist_on_close:

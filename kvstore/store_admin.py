@@ -64,6 +64,8 @@ class TenantAdmin:
         with ExitStack() as stack:
             with self._lock:
                 self._check_open()
+                self._deletes_open += 1  # Store.close waits for it
+                stack.callback(self._delete_ended)
                 self._removals += 1  # a get fetching from the remote tier now promotes nothing
                 fps = set(self._specs)
                 held = [(d.key, d.fingerprint) for key in keys
@@ -88,6 +90,11 @@ class TenantAdmin:
             gone |= doom(local)  # demotions queued meanwhile by blocks now deleted
         # NOTE: blocks, not copies: a block with a remote copy counted twice
         return len(gone | local)
+
+    def _delete_ended(self) -> None:
+        with self._lock:
+            self._deletes_open -= 1
+            self._deletes_done.notify_all()
 
     def _delete_local(self, tenant: str, keys: Iterable[bytes], reason: str = "deleted") -> set[bytes]:
         """Drop the local blocks ``keys`` of ``tenant`` with their subtrees (counted ``reason``);

@@ -22,12 +22,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import make_kv, tokens
+from conftest import MASTER, make_kv, tokens
 
 from kvstore.block import Tier
+from kvstore.config import StoreConfig
 from kvstore.spec import ModelSpec
 from kvstore.store import Store
 from tiers.base import BlockRef
+from tiers.remote_config import RemoteConfig
 from tiers.remote_writer import Job
 
 SPEC = ModelSpec(model="m", revision="r1", num_layers=2, num_kv_heads=2, head_dim=8,
@@ -142,3 +144,33 @@ def test_a_grandchild_demoted_in_the_window_does_not_reach_redis(servers, evict)
     assert a.stats()["counters"]["remote_skipped_deleted"] >= 1
     b.put("acme", SPEC, keys[:4], make_kv(SPEC, 4, seed=1))  # the prefix again: no fifth block
     assert b.lookup("acme", SPEC, keys).num_blocks == 4
+
+
+def test_close_waits_for_a_delete_in_its_remote_part(redis_ns, tmp_path) -> None:
+    """close() ran in the middle of a delete's remote part: the delete went on talking to
+    Redis after close returned, then raised 'store is closed' with its local part undone (the
+    blocks came back from NVMe at the next open while their remote copies were gone)."""
+    url, ns = redis_ns
+    n = SPEC.block_nbytes
+    s = Store.open(StoreConfig(path=tmp_path / "a", hbm_bytes=16 * n, dram_bytes=0, nvme_bytes=64 * n,
+                               master_key=MASTER, persist_on_close=True, remote_write="through",
+                               remote=RemoteConfig(urls=[url], namespace=ns)))
+    keys = s.block_keys("acme", SPEC, tokens(3, SPEC))
+    s.put("acme", SPEC, keys, make_kv(SPEC, 3))
+    s.flush()
+    closer = threading.Thread(target=s.close, daemon=True)
+
+    def close_meanwhile() -> None:
+        closer.start()
+        closer.join(1)  # on the old code close ended here; now it waits for the delete
+        assert closer.is_alive(), "close did not wait for the delete"
+
+    _during_remote_delete(s, close_meanwhile)
+    assert s.delete("acme", [keys[0]]) == 3
+    closer.join(30)
+    assert not closer.is_alive()
+    again = Store.open(s.config)
+    try:
+        assert again.lookup("acme", SPEC, keys).num_blocks == 0
+    finally:
+        again.close()
