@@ -23,11 +23,11 @@ lock, index, placement, session table, keyring, quantization policy and remote t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
-from kvstore.block import Tier
+from kvstore.block import BlockMeta, Tier
 from kvstore.errors import InvalidArgument
 from kvstore.expiry import check_ttl
 from kvstore.keys import check_keys
@@ -106,6 +106,15 @@ class TenantAdmin:
                 self._place.drop(m, reason=reason)
         return local
 
+    def _purge_local(self, fingerprints: Collection[bytes], reason: str) -> list[BlockMeta]:
+        """Remove every local block of the models ``fingerprints``, deepest first (counted
+        ``reason``); returns them. Caller holds the lock and an NVMe batch."""
+        victims = sorted((m for m in self._index if m.fingerprint in fingerprints), key=lambda m: -m.depth)
+        for m in victims:
+            self._place.remove(m)
+        self.counters.add(reason, len(victims))
+        return victims
+
     def _deleted_elsewhere(self, d: Deletion) -> int:
         """Drop the local copies of what another server sharing the remote tier deleted (an
         entry of its deletions stream, from the tier's reader thread): the blocks ``d.keys``
@@ -121,12 +130,7 @@ class TenantAdmin:
                     return 0
                 with self._batch():
                     self._removals += 1  # a get fetching from the remote tier now promotes nothing
-                    victims = sorted((m for m in self._index if m.fingerprint in d.fingerprints),
-                                     key=lambda m: -m.depth)
-                    for m in victims:
-                        self._place.remove(m)
-                    self.counters.add("deleted_elsewhere", len(victims))
-                    return len(victims)
+                    return len(self._purge_local(d.fingerprints, "deleted_elsewhere"))
         with self._lock:
             tenants = {t for (t, _), n in self._place.tenant_usage.items() if n}
         dropped = 0
@@ -194,11 +198,7 @@ class TenantAdmin:
             gone: set[tuple[str, bytes]] = set()
             if self._remote is not None:
                 gone = self._remote.purge_model(fingerprint)
-            victims = sorted((m for m in self._index if m.fingerprint == fingerprint),
-                             key=lambda m: -m.depth)
-            for m in victims:
-                self._place.remove(m)
-            self.counters.add("deleted", len(victims))
+            victims = self._purge_local({fingerprint}, "deleted")
             hashes: dict[str, str] = {}
             for m in victims:
                 th = hashes.get(m.tenant) or hashes.setdefault(m.tenant, tenant_hash(m.tenant).hex())
