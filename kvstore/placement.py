@@ -399,7 +399,7 @@ class Placement:
         """Queue a copy of ``meta`` to the remote tier (asynchronous; False when refused),
         quantized when the tenant's or model's rule says so (as for NVMe)."""
         assert self.remote is not None
-        if self.remote.under_deletion(meta.tenant, lambda: self._chain_keys(meta)):
+        if self.remote.under_deletion(meta.tenant, meta.fingerprint, lambda: self._chain_keys(meta)):
             self.counters.add("remote_skipped_deleted")
             return False
         host = self.host_copy(meta)

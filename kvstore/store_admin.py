@@ -188,22 +188,36 @@ class TenantAdmin:
     def purge_model(self, fingerprint: bytes) -> int:
         """Remove every block of a model fingerprint (e.g. after a rollout); returns how many
         blocks were removed (each once). The remote copies go first: :class:`Unavailable`
-        (nothing deleted here) when they cannot be reached."""
+        (nothing deleted here) when they cannot be reached. The remote part (a ``SCAN`` of
+        the whole keyspace) runs without the Store's lock, like :meth:`delete`'s, under the
+        remote writer's filter for the model: no demotion of one of its blocks, queued before
+        or meanwhile, is written behind the purge (they were, and served again)."""
         from kvstore.codec import tenant_hash
 
         self._check_fingerprint(fingerprint)  # NOTE: any other value returned 0, deleting nothing
-        with self._lock, self._batch():
-            self._check_open()
-            self._removals += 1
-            gone: set[tuple[str, bytes]] = set()
+        gone: set[tuple[str, bytes]] = set()
+        with ExitStack() as stack:
+            with self._lock:
+                self._check_open()
+                self._removals += 1
+                cancel = None
+                if self._remote is not None:
+                    self._deletes_open += 1  # Store.close waits for it
+                    stack.callback(self._delete_ended)
+                    cancel = stack.enter_context(self._remote.purging(fingerprint))
             if self._remote is not None:
                 gone = self._remote.purge_model(fingerprint)
-            victims = self._purge_local({fingerprint}, "deleted")
-            hashes: dict[str, str] = {}
-            for m in victims:
-                th = hashes.get(m.tenant) or hashes.setdefault(m.tenant, tenant_hash(m.tenant).hex())
-                gone.add((th, m.key))
-            return len(gone)
+            with self._lock, self._batch():
+                self._check_open()
+                self._removals += 1  # a get that fetched meanwhile promotes nothing
+                victims = self._purge_local({fingerprint}, "deleted")
+            if cancel is not None:
+                cancel()  # demotions queued meanwhile by blocks now purged
+        hashes: dict[str, str] = {}
+        for m in victims:
+            th = hashes.get(m.tenant) or hashes.setdefault(m.tenant, tenant_hash(m.tenant).hex())
+            gone.add((th, m.key))
+        return len(gone)
 
     def set_tenant_policy(self, tenant: str, ttl_s: float | None = None,
                           quota_bytes: dict[str, int] | None = None,

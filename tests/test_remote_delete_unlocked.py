@@ -174,3 +174,27 @@ def test_close_waits_for_a_delete_in_its_remote_part(redis_ns, tmp_path) -> None
         assert again.lookup("acme", SPEC, keys).num_blocks == 0
     finally:
         again.close()
+
+
+def test_purge_model_cancels_this_servers_queued_demotions(servers) -> None:
+    """purge_model cancelled nothing in its own server's write queue: blocks queued to Redis
+    before the purge were written after it and served again (by every server: found by a
+    prober, 279-300 of 300 write-through blocks back). Now the writer's filter for the model
+    is held over the purge: queued ones are dropped, the one being written unlinked again."""
+    a, b = servers("a", hbm=400), servers("b", hbm=400)
+    keys = a.block_keys("acme", SPEC, tokens(40, SPEC))
+    real = a._remote._put_with
+    release = threading.Event()
+
+    def stalled(*args: Any) -> Any:  # the first write waits: the rest stay queued
+        release.wait(10)
+        return real(*args)
+
+    a._remote._put_with = stalled  # type: ignore[method-assign]
+    a.put("acme", SPEC, keys, make_kv(SPEC, 40))  # write-through: 40 demotions queued
+    threading.Timer(0.3, release.set).start()
+    assert a.purge_model(SPEC.fingerprint) == 40
+    a.flush()
+    left = [k for k in keys if a._remote._client.exists(a._remote.redis_key(BlockRef("acme", k, SPEC)))]
+    assert not left, f"{len(left)} purged blocks written to Redis after the purge"
+    assert b.lookup("acme", SPEC, keys).num_blocks == 0

@@ -77,6 +77,8 @@ class DemotionQueue:
         # drops a queued block that is one of them or a child of one (and adds it), so none
         # lands behind it
         self._doomed: dict[str, list[set[bytes]]] = {}
+        # model fingerprint -> purges of it running now: the writer drops its queued blocks
+        self._purging: dict[bytes, int] = {}
         self._resync_due = False
         self._last_resync = -math.inf
         self._closed = False
@@ -188,8 +190,8 @@ class DemotionQueue:
                     job = self._queue.popleft()
                     ref = job.ref
                     self._writing, self._writing_cancelled = job, False
-                    if self._is_doomed(job):  # its block or an ancestor is being deleted
-                        self._writing_cancelled = True
+                    if self._is_doomed(job) or ref.spec.fingerprint in self._purging:
+                        self._writing_cancelled = True  # it, an ancestor or its model is being deleted
             if resync:
                 try:
                     self.resync()
@@ -245,15 +247,50 @@ class DemotionQueue:
                 hit = True
         return hit
 
-    def under_deletion(self, tenant: str, chain: Callable[[], Iterable[bytes]]) -> bool:
-        """Whether a deletion of ``tenant`` is open and one of the block keys ``chain()``
-        yields (a block and its ancestors) is among the blocks it removes: a block put under a
-        block being deleted, and evicted before the deletion's local part drops it, must not
-        be demoted (its parent's demotion, by which the writer's filter would know it, may
-        never be queued). ``chain`` is called only while a deletion of ``tenant`` is open."""
+    def under_deletion(self, tenant: str, fingerprint: bytes, chain: Callable[[], Iterable[bytes]]) -> bool:
+        """Whether a purge of the model ``fingerprint`` is open, or a deletion of ``tenant``
+        is and one of the block keys ``chain()`` yields (a block and its ancestors) is among
+        the blocks it removes: a block put under a block being deleted, and evicted before
+        the deletion's local part drops it, must not be demoted (its parent's demotion, by
+        which the writer's filter would know it, may never be queued). ``chain`` is called
+        only while a deletion of ``tenant`` is open."""
         with self._cond:
+            if fingerprint in self._purging:
+                return True
             sets = self._doomed.get(tenant)
             return bool(sets) and any(k in d for k in chain() for d in sets)
+
+    @contextmanager
+    def purging(self, fingerprint: bytes) -> Iterator[Callable[[], int]]:
+        """While open, no demotion of a block of the model ``fingerprint`` is written (any
+        tenant): the queued ones are dropped at once and when their turn comes, the one being
+        written is waited for and unlinked again. Yields ``cancel()``, which drops the ones
+        queued since (returns how many were dropped); call it after the local part of the
+        purge, before the filter is lifted."""
+        with self._cond:
+            self._purging[fingerprint] = self._purging.get(fingerprint, 0) + 1
+
+        def cancel() -> int:
+            def hit(job: Job) -> bool:
+                return job.ref.spec.fingerprint == fingerprint
+
+            with self._cond:
+                n = len(self._drop_queued(hit)) + self._wait_writing(hit)
+                self._cond.notify_all()
+            if n:
+                self._count("queue_cancelled", n)
+            return n
+
+        try:
+            cancel()
+            yield cancel
+        finally:
+            with self._cond:
+                left = self._purging[fingerprint] - 1
+                if left:
+                    self._purging[fingerprint] = left
+                else:
+                    del self._purging[fingerprint]
 
     def _wait_writing(self, hit: Callable[[Job], bool]) -> bool:
         """When the block being written satisfies ``hit``: mark it cancelled (the writer unlinks
