@@ -12,8 +12,9 @@ lock, index, placement, session table, keyring, quantization policy and remote t
   when it fails); ``drop_tenant`` also forgets the tenant's sessions and rules, destroys its data key
   and leaves a tombstone in the remote tier (no server writes its older blocks there again).
 * ``_deleted_elsewhere`` — what the remote tier's reader hands over when another server sharing
-  it deleted blocks or purged a model (:mod:`tiers.remote_invalidate`): the local copies go too,
-  with their local subtrees, and their queued demotions; nothing is deleted remotely.
+  it deleted blocks, purged a model or dropped a tenant (:mod:`tiers.remote_invalidate`): the
+  local copies go too, with their local subtrees, and their queued demotions; nothing is deleted
+  remotely.
 * ``expire`` drops every local block past its TTL deadline with its subtree (``lookup`` does the
   same first, through ``_expire_due``).
 * ``set_tenant_policy`` sets a tenant's TTL and per-tier quotas (a :class:`TenantPolicy`) and its
@@ -119,8 +120,13 @@ class TenantAdmin:
         """Drop the local copies of what another server sharing the remote tier deleted (an
         entry of its deletions stream, from the tier's reader thread): the blocks ``d.keys``
         with their local subtrees, of each tenant here whose hash is ``d.tenant``, or every
-        block of the model purged; counted ``deleted_elsewhere``. Nothing is deleted in the
-        remote tier (the other server did). Returns how many blocks were dropped."""
+        block of the model purged, or every block of each tenant here whose hash is
+        ``d.tenant`` (another server's ``drop_tenant``); counted ``deleted_elsewhere``. A
+        dropped tenant's sessions, rules and this server's own NVMe data key stay (the tenant
+        may go on here; its next blocks are new ones), and so does anything of a tenant this
+        server holds no blocks of (nothing to drop; the remote tier has forgotten its cached
+        shared data key either way). Nothing is deleted in the remote tier (the other server
+        did). Returns how many blocks were dropped."""
         from kvstore.codec import tenant_hash
 
         assert self._remote is not None
@@ -134,6 +140,16 @@ class TenantAdmin:
         with self._lock:
             tenants = {t for (t, _), n in self._place.tenant_usage.items() if n}
         dropped = 0
+        if d.kind == "tenant":  # its blocks only: its sessions, rules and local data key stay
+            with self._lock:
+                if self._closed:
+                    return 0
+                with self._batch():
+                    self._removals += 1
+                    for tenant in (t for t in tenants if tenant_hash(t).hex() == d.tenant):
+                        dropped += len(self._remove_tenant_blocks(tenant))
+            self.counters.add("deleted_elsewhere", dropped)
+            return dropped
         for tenant in (t for t in tenants if tenant_hash(t).hex() == d.tenant):
             # NOTE: the writer's filter first: a block demoted before the lock is taken is not
             # written back to the remote tier behind the deletion
@@ -147,6 +163,16 @@ class TenantAdmin:
                 doom(local)
             dropped += len(local)
         return dropped
+
+    def _remove_tenant_blocks(self, tenant: str) -> set[bytes]:
+        """Remove every local block of ``tenant``, deepest first; returns their keys. Caller
+        holds the lock and an NVMe batch."""
+        gone: set[bytes] = set()
+        for m in sorted(self._index.of_tenant(tenant), key=lambda m: -m.depth):
+            if self._index.get(m.tenant, m.key) is m:
+                self._place.remove(m)
+                gone.add(m.key)
+        return gone
 
     def drop_tenant(self, tenant: str) -> int:
         """Remove every block of ``tenant`` from every tier and destroy its data key; returns how
@@ -166,10 +192,7 @@ class TenantAdmin:
                 gone = self._remote.purge_tenant(tenant)
             self._drop_epoch += 1  # NOTE: a reservation made before fails its commit
             self._dropped_at[tenant] = self._drop_epoch
-            for m in sorted(self._index.of_tenant(tenant), key=lambda m: -m.depth):
-                if self._index.get(m.tenant, m.key) is m:
-                    self._place.remove(m)
-                    gone.add(m.key)
+            gone |= self._remove_tenant_blocks(tenant)
             n = len(gone)
             self._sessions.drop_tenant(tenant)
             self._tenant_policy.pop(tenant, None)

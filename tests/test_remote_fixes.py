@@ -209,8 +209,9 @@ def test_delete_cancels_queued_and_in_flight_demotions(servers) -> None:
 # -- 4. a deleted tenant stays deleted on every server ---------------------------------------------
 def test_a_dropped_tenant_is_not_brought_back_by_another_server(servers) -> None:
     """B held the tenant's blocks (promoted); after A dropped the tenant, B re-created its key
-    in the shared keyring once its cached copy expired and wrote the blocks back for all."""
-    a, b, c = servers("a"), servers("b", hbm=4), servers("c")
+    in the shared keyring once its cached copy expired and wrote the blocks back for all. B does
+    not read the deletions stream: it missed the deletion (with it, B drops its copies at once)."""
+    a, b, c = servers("a"), servers("b", hbm=4, remote={"share_deletions": False}), servers("c")
     keys = a.block_keys("acme", SPEC, tokens(4, SPEC))
     a.put("acme", SPEC, keys, make_kv(SPEC, 4))
     a.flush()

@@ -21,6 +21,7 @@ import redis
 import torch
 from conftest import MASTER, FakeClock, make_kv, tokens
 
+from kvstore.codec import tenant_hash
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidArgument
 from kvstore.spec import ModelSpec
@@ -28,6 +29,14 @@ from kvstore.store import Store
 from tiers.base import BlockRef
 from tiers.remote import RemoteTier
 from tiers.remote_config import RemoteConfig
+from tiers.remote_invalidate import (
+    ENTRY_KEYS,
+    Malformed,
+    Unauthenticated,
+    derive_deletions_key,
+    entry_mac,
+    parse_entry,
+)
 
 SPEC = ModelSpec(model="m", revision="r1", num_layers=2, num_kv_heads=2, head_dim=8,
                  dtype="float16", block_tokens=4)
@@ -297,3 +306,159 @@ def test_a_publish_that_fails_is_counted_and_the_delete_stands(private_redis, tm
         assert in_redis(s, "acme", SPEC, keys) == 0
     finally:
         s.close()
+
+
+# -- authenticated entries, tenant deletions -------------------------------------------------------
+# Anyone who can write to the Redis (another application sharing it, a compromised client) could
+# XADD entries that made every server drop any tenant's local blocks, or every block of a model:
+# the entries were not authenticated. And drop_tenant was not published: the other servers went
+# on serving the dropped tenant's local copies.
+def raw_stream(servers) -> tuple[redis.Redis, str]:
+    return redis.Redis.from_url(servers.url), f"{servers.ns}:deletions"
+
+
+def entry(ns: str, mac: bool = True, **fields: bytes) -> dict[bytes, bytes]:
+    """Fields of a stream entry (``mac``: signed with the key of the servers' master key)."""
+    f = {b"v": b"2", b"origin": b"f" * 32, b"kind": b"subtree", b"tenant": b"", b"fps": b"", b"keys": b""}
+    f.update({k.encode(): v for k, v in fields.items()})
+    if mac:
+        f[b"mac"] = entry_mac(derive_deletions_key(MASTER, ns), f)
+    return f
+
+
+def acme_hex(tenant: str = "acme") -> bytes:
+    return tenant_hash(tenant).hex().encode()
+
+
+def read_past(a: Store, b: Store) -> None:
+    """Wait until B has read every entry in the stream now: A deletes a block of its own and
+    B applies that entry (the stream is read in order)."""
+    n = counter(b, "remote_deletions_applied")
+    key = a.block_keys("zz-barrier", SPEC, tokens(1, SPEC, start=7000 + n))
+    a.put("zz-barrier", SPEC, key, make_kv(SPEC, 1))
+    assert a.delete("zz-barrier", key) == 1
+    wait_for(applied(b, n + 1), what="B reading past the entries written before")
+
+
+def test_forged_entries_drop_nothing_and_are_counted(servers) -> None:
+    a, b = servers("a"), servers("b")
+    keys, kv = shared_chain(a, b)
+    r, stream = raw_stream(servers)
+    doomed = {"kind": b"subtree", "tenant": acme_hex(), "fps": SPEC.fingerprint, "keys": b"".join(keys)}
+    r.xadd(stream, {"v": b"1", "origin": b"e" * 32, **doomed})  # the format before: no MAC
+    r.xadd(stream, entry(servers.ns, mac=False, **doomed))  # no MAC
+    r.xadd(stream, {**entry(servers.ns, mac=False, **doomed), b"mac": bytes(32)})  # a wrong one
+    r.xadd(stream, entry(servers.ns, mac=False, kind=b"model", fps=SPEC.fingerprint) | {b"mac": b"x"})
+    read_past(a, b)
+    assert b.lookup("acme", SPEC, keys).tiers == ["hbm"] * 3
+    assert torch.equal(b.get("acme", SPEC, keys), kv)
+    assert counter(b, "remote_deletions_unauthenticated") == 4
+    assert counter(b, "remote_deletions_applied") == 1  # read_past's
+    assert counter(b, "deleted_elsewhere") == 0
+    wait_for(lambda: counter(a, "remote_deletions_unauthenticated") >= 4, what="A refusing them too")
+
+
+def test_an_authentic_entry_with_another_key_list_is_refused(servers) -> None:
+    """An entry A really published (its MAC is genuine), with its key list (and tenant) replaced
+    by another tenant's blocks: the MAC covers every field, so it no longer verifies."""
+    a, b = servers("a"), servers("b")
+    keys, kv = shared_chain(a, b)
+    other, _ = shared_chain(a, b, n=1, tenant="globex")
+    assert a.delete("globex", other) == 1
+    wait_for(applied(b), what="B applying A's genuine deletion")
+    r, stream = raw_stream(servers)
+    (_, genuine), = r.xrevrange(stream, count=1)
+    assert genuine[b"keys"] == other[0] and b"mac" in genuine
+    r.xadd(stream, {**genuine, b"keys": b"".join(keys)})  # same tenant field, other keys
+    r.xadd(stream, {**genuine, b"tenant": acme_hex(), b"keys": b"".join(keys)})
+    r.xadd(stream, {**genuine, b"tenant": acme_hex()})
+    read_past(a, b)
+    assert b.lookup("acme", SPEC, keys).tiers == ["hbm"] * 3
+    assert torch.equal(b.get("acme", SPEC, keys), kv)
+    assert counter(b, "remote_deletions_unauthenticated") == 3
+    assert counter(b, "remote_deletions_applied") == 2  # the genuine one and read_past's
+
+
+def test_an_entry_from_a_server_with_another_master_key_is_refused(servers) -> None:
+    """A tier with another master key (unencrypted, so its keyring's check does not stop it at
+    open) shares the namespace: its model purge deletes in Redis, but B keeps its local copies."""
+    a, b = servers("a"), servers("b")
+    keys, kv = shared_chain(a, b)
+    cfg = RemoteConfig(urls=[servers.url], namespace=servers.ns, encrypt=False)
+    stranger = RemoteTier.open(cfg, bytes(range(32, 64)))
+    try:
+        stranger.purge_model(SPEC.fingerprint)
+        assert counter_of(stranger, "deletions_published") == 1
+    finally:
+        stranger.close()
+    read_past(a, b)
+    assert b.lookup("acme", SPEC, keys).tiers == ["hbm"] * 3
+    assert torch.equal(b.get("acme", SPEC, keys), kv)
+    assert counter(b, "remote_deletions_unauthenticated") == 1
+    assert counter(b, "remote_deletions_applied") == 1  # read_past's
+    # the same key derived in another namespace does not verify either
+    assert derive_deletions_key(MASTER, servers.ns) != derive_deletions_key(MASTER, servers.ns + "x")
+
+
+def test_drop_tenant_on_a_drops_bs_local_copies_of_that_tenant_only(servers) -> None:
+    a, b = servers("a"), servers("b", remote_write="demote")
+    keys, _ = shared_chain(a, b)
+    mine = b.block_keys("acme", SPEC, tokens(2, SPEC, start=500))
+    b.put("acme", SPEC, mine, make_kv(SPEC, 2, seed=2))  # only B holds these (demote: not in Redis)
+    kept = b.block_keys("globex", SPEC, tokens(3, SPEC))
+    kv = make_kv(SPEC, 3, seed=9)
+    b.put("globex", SPEC, kept, kv)
+    b.open_session("acme", "s1")
+    b.set_tenant_policy("acme", ttl_s=600.0)
+    assert b._remote._keyring.cached("acme") is not None  # read acme's blocks: its key is cached
+    assert a.drop_tenant("acme") == 3
+    wait_for(applied(b), what="B applying A's tenant deletion")
+    assert b.lookup("acme", SPEC, keys).num_blocks == 0
+    assert b.lookup("acme", SPEC, mine).num_blocks == 0
+    assert b.get("acme", SPEC, keys).shape[0] == 0
+    assert counter(b, "deleted_elsewhere") == 5 and counter(b, "remote_deletions_blocks_dropped") == 5
+    assert b.lookup("globex", SPEC, kept).tiers == ["hbm"] * 3  # another tenant: untouched
+    assert torch.equal(b.get("globex", SPEC, kept), kv)
+    assert b.session_state("acme", "s1").name == "ACTIVE"  # only its blocks go
+    assert b._remote._keyring.cached("acme") is None  # read from Redis next time (destroyed)
+    assert counter(a, "remote_deletions_published") == 1
+    # a tenant B holds no block of: nothing happens there
+    a.drop_tenant("initech")
+    wait_for(applied(b, 2), what="B applying the second tenant deletion")
+    assert counter(b, "deleted_elsewhere") == 5
+    assert b.lookup("globex", SPEC, kept).tiers == ["hbm"] * 3
+
+
+def test_malformed_entries_are_counted_and_skipped_and_the_reader_goes_on(servers) -> None:
+    """Entries with a MAC but not of this format (an extra field, more keys than an entry holds,
+    an unknown kind, a tenant that is not a hash, a model purge without a model) and fields that
+    are not bytes at all: counted, never applied, and the reader keeps reading."""
+    a, b = servers("a"), servers("b")
+    keys, kv = shared_chain(a, b)
+    r, stream = raw_stream(servers)
+    ns, acme = servers.ns, acme_hex()
+    too_many = b"".join(keys) + bytes(32) * ENTRY_KEYS
+    bad = [entry(ns, kind=b"subtree", tenant=acme, keys=b"".join(keys)) | {b"x": b"1"},
+           entry(ns, v=b"1", kind=b"subtree", tenant=acme, keys=too_many),
+           entry(ns, tenant=acme, keys=b"".join(keys), fps=bytes(17)),
+           entry(ns, kind=b"everything", tenant=acme, keys=b"".join(keys)),
+           entry(ns, kind=b"subtree", tenant=b"acme", keys=b"".join(keys)),
+           entry(ns, kind=b"model"),
+           entry(ns, kind=b"tenant", tenant=acme, keys=keys[0])]
+    for f in bad:
+        r.xadd(stream, f)
+    read_past(a, b)
+    assert b.lookup("acme", SPEC, keys).tiers == ["hbm"] * 3
+    assert torch.equal(b.get("acme", SPEC, keys), kv)
+    assert counter(b, "remote_deletions_malformed") == len(bad)
+    assert counter(b, "remote_deletions_applied") == 1  # read_past's
+    # fields of types Redis does not return: Malformed (which the reader counts), nothing else
+    for fields in (None, [(b"v", b"2")], {b"v": 2, b"mac": b"x"}, {"kind": "model", b"mac": b"x"},
+                   {**bad[0], b"y": b"2"}):
+        with pytest.raises(Malformed):
+            parse_entry("1-1", fields, derive_deletions_key(MASTER, ns))
+    with pytest.raises(Unauthenticated):
+        parse_entry("1-1", {b"v": b"2"}, derive_deletions_key(MASTER, ns))
+    assert a.delete("acme", [keys[0]]) == 3  # the reader is still there
+    wait_for(applied(b, 2), what="B applying a genuine deletion after them")
+    assert b.lookup("acme", SPEC, keys).num_blocks == 0

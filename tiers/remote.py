@@ -15,9 +15,11 @@
   ``delete_model`` / ``purge_model`` / ``models`` — :mod:`tiers.remote_delete`: ``UNLINK``; a
   subtree found through the children sets, a tenant or model through ``SCAN``; Unavailable when
   a copy may survive.
-* ``on_deletion`` — :mod:`tiers.remote_invalidate`: every ``delete_subtrees`` and ``purge_model``
-  is published in the stream ``<namespace>:deletions``; a reader thread hands the other
-  servers' to the Store (which drops its local copies) and cancels their queued demotions here.
+* ``on_deletion`` — :mod:`tiers.remote_invalidate`: every ``delete_subtrees``, ``purge_model``
+  and ``purge_tenant`` is published in the stream ``<namespace>:deletions``, each entry with an
+  HMAC under a key derived from the master key (:meth:`open`); a reader thread hands the other
+  servers' authenticated entries to the Store (which drops its local copies) and cancels their
+  queued demotions here.
 * ``usage`` / ``tenant_bytes`` / ``can_fit`` / ``resync`` — :mod:`tiers.remote_accounting`: raw
   block bytes this server wrote (quotas and capacity are per server).
 * tombstones and tenant data keys (key ids) — :mod:`tiers.remote_tenants`.
@@ -57,7 +59,7 @@ from tiers.remote_calls import FAULTS, BreakerCalls
 from tiers.remote_config import RemoteConfig
 from tiers.remote_delete import Deletes
 from tiers.remote_envelope import ENVELOPE, ENVELOPE_MAGIC, ENVELOPE_V1, ENVELOPE_VERSION, RemoteInfo
-from tiers.remote_invalidate import SharedDeletions
+from tiers.remote_invalidate import SharedDeletions, derive_deletions_key
 from tiers.remote_put import Writes
 from tiers.remote_reads import Reads
 from tiers.remote_redis import Clock, RedisKeyBackend, connect
@@ -72,8 +74,8 @@ class RemoteTier(Reads, Writes, Deletes, SharedDeletions, DemotionQueue, TenantK
     tier = Tier.REMOTE
 
     def __init__(self, config: RemoteConfig, client: Redis | RedisCluster, codec: Codec, *,
-                 keyring: Keyring | None = None, clock: Clock = time.time,
-                 monotonic: Clock = time.monotonic) -> None:
+                 keyring: Keyring | None = None, deletions_key: bytes | None = None,
+                 clock: Clock = time.time, monotonic: Clock = time.monotonic) -> None:
         self.config = config
         self.capacity = config.capacity_bytes
         self.codec = codec
@@ -90,14 +92,16 @@ class RemoteTier(Reads, Writes, Deletes, SharedDeletions, DemotionQueue, TenantK
         self._init_tenants()
         self._init_puts()
         self._init_trees()
-        self._init_deletions()  # its reader starts with on_deletion
+        self._init_deletions(deletions_key)  # its reader starts with on_deletion
         self._init_queue()  # NOTE: last: starts the writer thread
 
     @classmethod
     def open(cls, config: RemoteConfig, master_key: bytes, *, clock: Clock = time.time,
              monotonic: Clock = time.monotonic) -> RemoteTier:
         """Connect, open the shared keyring (raises FailedPrecondition when the master key is
-        not the one the keyring was made with, or the server is unreachable) and the codec."""
+        not the one the keyring was made with, or the server is unreachable) and the codec, and
+        derive from the master key the key that authenticates the deletions stream
+        (:func:`~tiers.remote_invalidate.derive_deletions_key`; kept on the tier, never logged)."""
         client = connect(config)
         keyring = None
         try:
@@ -110,7 +114,9 @@ class RemoteTier(Reads, Writes, Deletes, SharedDeletions, DemotionQueue, TenantK
         codec = Codec(CodecConfig(compression_level=config.compression_level,
                                   min_compress_ratio=config.min_compress_ratio,
                                   encrypt=config.encrypt, threads=config.codec_threads), keyring)
-        return cls(config, client, codec, keyring=keyring, clock=clock, monotonic=monotonic)
+        return cls(config, client, codec, keyring=keyring,
+                   deletions_key=derive_deletions_key(master_key, config.namespace),
+                   clock=clock, monotonic=monotonic)
 
     # -- keys, counters -------------------------------------------------------------------------
     def _tenant_hex(self, tenant: str) -> str:

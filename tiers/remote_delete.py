@@ -4,8 +4,8 @@ A mixin of :class:`tiers.remote.RemoteTier`: it uses the tier's client, namespac
 counters, its Redis keys (``redis_key``, ``_value_key``, ``_tenant_hex``), ``_call``/``_batch``
 of :mod:`tiers.remote_calls`, the accounting's ``_forget``/``_unheld``/``_unheld_where``, the
 writer's cancellation (``_cancel``, ``_doomed_subtree``, ``_drop_tenant_queue``), the
-tenants' ``_shred_tenant`` and the deletions stream's ``_deletion_entries``, ``_model_entry`` and
-``_published`` (:mod:`tiers.remote_invalidate`); ``_init_trees`` makes its state.
+tenants' ``_shred_tenant`` and the deletions stream's ``_deletion_entries``, ``_model_entry``,
+``_tenant_entry`` and ``_published`` (:mod:`tiers.remote_invalidate`); ``_init_trees`` makes its state.
 
 * ``deleting`` — holds the writer's filter for a deletion across the caller's own part too.
 * ``delete`` / ``delete_many`` / ``delete_subtrees`` / ``delete_tenant`` / ``delete_model`` —
@@ -32,7 +32,7 @@ levels (a 1,000-block chain: 1,000 round trips). A queued demotion of a block un
 deleted is dropped. Blocks written before this (no children set) are found only through the
 local subtree the deleting server passes.
 
-Deletions stream: ``delete_subtrees`` and ``purge_model`` record what they removed in
+Deletions stream: ``delete_subtrees``, ``purge_model`` and ``purge_tenant`` record what they removed in
 ``<namespace>:deletions`` (the commands and the reader that applies the other servers' entries:
 :mod:`tiers.remote_invalidate`), so the other servers sharing the Redis drop their local copies.
 """
@@ -270,7 +270,9 @@ class Deletes:
     def purge_tenant(self, tenant: str) -> set[bytes]:
         """Leave the tenant's tombstone (see :mod:`tiers.remote_tenants`), destroy its data key
         (shared keyring), drop its queued demotions and ``UNLINK`` every key under its prefix
-        on every primary; returns the keys of the blocks removed. Raises
+        on every primary, then publish the deletion in the deletions stream (the other servers
+        drop their local blocks of the tenant; a publish that fails is counted, the deletion
+        stands); returns the keys of the blocks removed. Raises
         :class:`~kvstore.errors.Unavailable` when a server cannot be reached (safe to retry;
         once the tombstone is written every server refuses the tenant's older copies)."""
         self._drop_tenant_queue(tenant)
@@ -278,6 +280,8 @@ class Deletes:
             self._shred_tenant(tenant)
             gone = self._purge(f"{self._ns}:{self._tenant_hex(tenant)}:*")
             n = len(gone)
+        if entry := self._tenant_entry(tenant):  # the other servers drop their local copies
+            self._published(self._multi(entry))
         with self._lock:
             self._unheld_where(lambda ident, _: ident[0] == tenant)
         self._count("tenant_keys_deleted", n)

@@ -1,31 +1,56 @@
 """Deletions shared by the servers of one Redis: a stream of what each delete and purge removed.
 
 A mixin of :class:`tiers.remote.RemoteTier`: it uses the tier's config, namespace, lock and
-counters, ``_tenant_hex``, ``_multi`` of :mod:`tiers.remote_calls`, the accounting's
+counters, ``_tenant_hex`` (and its names, ``_th``), the keyring and the tenants' cached
+tombstones (``_marks``), ``_multi`` of :mod:`tiers.remote_calls`, the accounting's
 ``_unheld_where`` and the writer's queue (``_cond``, ``_drop_queued``, ``_wait_writing``);
-``_init_deletions`` makes its state.
+``_init_deletions(key)`` makes its state (``key``: from :func:`derive_deletions_key`, which
+:meth:`RemoteTier.open` calls; a tier built without one neither publishes nor reads).
 
 Several servers may share one Redis, each with its own local tiers. A ``delete`` on one of them
 removes the blocks from its local tiers and from Redis, but the others' local copies would stay:
 served there, and written to Redis again when they leave those servers' last local tier. So:
 
-* ``_deletion_entries(tenant, keys, fingerprints)`` / ``_model_entry(fingerprint)`` — the
-  ``XADD`` commands (for ``_multi``) that record a deletion in the stream ``<namespace>:deletions``
-  (:mod:`tiers.remote_delete` sends them with the last step of ``delete_subtrees``, and after
-  ``purge_model``): the publishing server's id, the tenant's hash (what the Redis keys carry, never
+* ``_deletion_entries(tenant, keys, fingerprints)`` / ``_model_entry(fingerprint)`` /
+  ``_tenant_entry(tenant)`` — the ``XADD`` commands (for ``_multi``) that record a deletion in the
+  stream ``<namespace>:deletions`` (:mod:`tiers.remote_delete` sends them with the last step of
+  ``delete_subtrees``, after ``purge_model``, and after ``purge_tenant``: the Store's
+  ``drop_tenant``): the publishing server's id, the tenant's hash (what the Redis keys carry, never
   the name), the models and the keys of every block removed (roots and subtree; at most
-  :data:`ENTRY_KEYS` per entry), or the model purged. Each ``XADD`` trims the stream to about
+  :data:`ENTRY_KEYS` keys and :data:`ENTRY_FINGERPRINTS` models per entry), or the model purged,
+  or the tenant deleted. Each ``XADD`` trims the stream to about
   ``deletions_maxlen`` entries (``MAXLEN ~``). ``_published(replies)`` counts them: a publish that
   fails is logged and counted (``deletions_publish_failed``); the deletion itself stands, but
   the other servers keep their local copies (served there, and demoted to Redis again when
   evicted) until they expire: deleting again publishes again.
+* Authentication: every entry carries ``mac``, an HMAC-SHA256 (:func:`entry_mac`) of all its
+  other fields (format, origin, kind, tenant hash, fingerprints, keys; each length-prefixed,
+  in a fixed order) under a key derived from the master key for this purpose and namespace
+  only (:func:`derive_deletions_key`: HKDF-SHA256, info ``kvstore deletions v1``), which every
+  server sharing the blocks holds. Anyone else who can write to the Redis can add entries
+  (the stream is an ordinary key) but not make one a server applies: an entry without a MAC
+  or with a wrong one (forged, altered, written by a server with another master key, or of
+  format 1, before this: during a rolling upgrade old and new servers do not apply each
+  other's) is never applied, counted ``deletions_unauthenticated`` and logged
+  (the first, then one per :data:`_LOG_EVERY`). Parsing is strict and bounded
+  (:func:`parse_entry`): exactly the signed fields and the MAC, bytes only, each within its
+  size (at most :data:`ENTRY_KEYS` keys, :data:`ENTRY_FINGERPRINTS` models) before the MAC is
+  computed, then the format, kind, hex ids and counts of its kind; anything else is counted
+  ``deletions_malformed`` (logged likewise) and skipped, and the reader goes on. What the MAC
+  does not stop: a writer of the Redis can replay an authentic entry (it repeats that
+  deletion: the servers drop their local copies of those blocks again — lost cache, never
+  other bytes), or delete or trim the stream (the deletions are missed, as below).
 * ``on_deletion(apply, position=)`` — starts the reader: a thread that reads the stream
   (``XREAD BLOCK deletions_block_s``, on a connection of its own) from the last entry it has seen
   (at the first start: the stream's end, as ``$``; with ``position``, a file, from the entry
   recorded there, so a server that was down applies what was deleted meanwhile while the stream
-  still holds it). For each entry of another server it cancels this server's queued demotions of
-  the blocks (and of blocks queued under them), forgets them in the accounting, then calls
-  ``apply(deletion)`` (the Store drops its local copies; returns how many) and cancels once more
+  still holds it). For each authenticated entry of another server it cancels this server's
+  queued demotions of the blocks (and of blocks queued under them; for a tenant, every one of
+  the tenant, whose cached data key and tombstone are forgotten too, so the next write re-reads
+  them from Redis and is refused), forgets them in the accounting, then calls
+  ``apply(deletion)`` (the Store drops its local copies; returns how many; of a tenant, every
+  block of it and nothing else: its sessions and rules there stay, and a server that holds no
+  block of it drops nothing) and cancels once more
   (demotions queued meanwhile). It never deletes anything in Redis (the publisher did) and never
   raises: a fault is counted (``deletions_read_errors``) and retried with backoff (the breaker's
   base and cap), a failing ``apply`` is logged and counted (``deletions_apply_errors``).
@@ -47,17 +72,24 @@ leaves, atomically (a script in :mod:`tiers.remote_put`), which is not done.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import math
 import os
+import re
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from redis.backoff import EqualJitterBackoff
 from redis.exceptions import ResponseError
 
+from kvstore.codec_format import TENANT_HASH_BYTES
 from kvstore.keys import KEY_BYTES
 from kvstore.spec import FINGERPRINT_BYTES
 from tiers.remote_calls import FAULTS, Command, succeeded
@@ -67,8 +99,23 @@ log = logging.getLogger(__name__)
 
 #: block keys in one stream entry at most (32 bytes each: 128 KiB); a bigger deletion is several
 ENTRY_KEYS = 4096
-_FORMAT = b"1"
+#: model fingerprints in one stream entry at most (16 bytes each: 64 KiB)
+ENTRY_FINGERPRINTS = 4096
+#: bytes of an entry's MAC (HMAC-SHA256)
+MAC_BYTES = 32
+_FORMAT = b"2"  # 1: no MAC (refused: unauthenticated)
+_KDF_INFO = b"kvstore deletions v1"  # HKDF info of the MAC key, with the namespace
+#: the signed fields of an entry, in the order the MAC covers them; each at most this long
+_FIELDS: dict[bytes, int] = {
+    b"v": 8, b"origin": 64, b"kind": 16, b"tenant": 2 * TENANT_HASH_BYTES,
+    b"fps": ENTRY_FINGERPRINTS * FINGERPRINT_BYTES, b"keys": ENTRY_KEYS * KEY_BYTES}
+_MAC = b"mac"
+_KINDS: dict[bytes, Literal["subtree", "model", "tenant"]] = {
+    b"subtree": "subtree", b"model": "model", b"tenant": "tenant"}
+_HEX_ORIGIN = re.compile(rb"[0-9a-f]{1,64}")
+_HEX_TENANT = re.compile(rb"[0-9a-f]{%d}" % (2 * TENANT_HASH_BYTES))
 _READ_COUNT = 64  # entries per XREAD
+_LOG_EVERY = 1000  # a refused entry is logged the first time, then once per this many
 
 
 class Deletion(NamedTuple):
@@ -78,47 +125,105 @@ class Deletion(NamedTuple):
     """The entry's stream id (``<ms>-<seq>``, Redis' clock)."""
     origin: str
     """The id of the server that deleted (a fresh one per :class:`RemoteTier`)."""
-    kind: Literal["subtree", "model"]
+    kind: Literal["subtree", "model", "tenant"]
     """``subtree``: the blocks ``keys`` of one tenant with everything under them;
-    ``model``: every block of ``fingerprints[0]``, all tenants."""
+    ``model``: every block of ``fingerprints[0]``, all tenants; ``tenant``: every block of the
+    tenant (its ``drop_tenant``)."""
     tenant: str
     """Hex of the tenant's hash (:func:`kvstore.codec.tenant_hash`); empty for a model."""
     keys: frozenset[bytes]
-    """The keys of the blocks removed (roots and subtree); empty for a model."""
+    """The keys of the blocks removed (roots and subtree); empty for a model or a tenant."""
     fingerprints: tuple[bytes, ...]
-    """The models whose blocks were removed."""
+    """The models whose blocks were removed (empty for a tenant)."""
 
 
 #: what the Store registers: drops its local copies of a deletion; returns how many blocks
 Apply = Callable[[Deletion], int]
 
 
+class Malformed(ValueError):
+    """A stream entry that is not one of this format (counted ``deletions_malformed``)."""
+
+
+class Unauthenticated(ValueError):
+    """A stream entry without a MAC, or whose MAC is not the one of its fields under this
+    server's key (counted ``deletions_unauthenticated``): never applied."""
+
+
+def derive_deletions_key(master_key: bytes, namespace: str) -> bytes:
+    """The key that authenticates the deletions stream of ``namespace``: HKDF-SHA256 of the
+    master key, for this purpose only (info ``kvstore deletions v1``, NUL, the namespace), so
+    it says nothing of the master key or the data keys it wraps, and an entry of one
+    namespace does not verify in another."""
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+                info=_KDF_INFO + b"\x00" + namespace.encode()).derive(bytes(master_key))
+
+
+def entry_mac(key: bytes, fields: Mapping[bytes, bytes]) -> bytes:
+    """HMAC-SHA256 under ``key`` of the signed fields of an entry (every one of
+    :data:`_FIELDS`, in that order, each name and value prefixed by its length: 4 bytes,
+    big-endian), so no two different entries sign the same bytes."""
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for name in _FIELDS:
+        value = fields[name]
+        mac.update(len(name).to_bytes(4, "big") + name + len(value).to_bytes(4, "big"))
+        mac.update(value)
+    return mac.digest()
+
+
 def _split(raw: bytes, size: int, what: str) -> list[bytes]:
     if len(raw) % size:
-        raise ValueError(f"{what}: {len(raw)} bytes is not a multiple of {size}")
+        raise Malformed(f"{what}: {len(raw)} bytes is not a multiple of {size}")
     return [raw[i:i + size] for i in range(0, len(raw), size)]
 
 
-def parse_entry(entry_id: Any, fields: dict[Any, Any]) -> Deletion:
-    """The :class:`Deletion` of one stream entry; ValueError when it is not one."""
-    f = {bytes(k) if not isinstance(k, str) else k.encode(): v for k, v in fields.items()}
-    if f.get(b"v") != _FORMAT:
-        raise ValueError(f"unknown format {f.get(b'v')!r}")
-    kind = f.get(b"kind")
-    fps = _split(f.get(b"fps", b""), FINGERPRINT_BYTES, "fingerprints")
-    eid = _text(entry_id)
-    origin = bytes(f.get(b"origin", b"")).decode()
-    if kind == b"model":
-        if len(fps) != 1:
-            raise ValueError("a model purge names one fingerprint")
-        return Deletion(eid, origin, "model", "", frozenset(), tuple(fps))
-    if kind != b"subtree":
-        raise ValueError(f"unknown kind {kind!r}")
-    tenant = bytes(f.get(b"tenant", b"")).decode()
-    if not tenant:
-        raise ValueError("a subtree deletion names its tenant")
-    keys = frozenset(_split(f.get(b"keys", b""), KEY_BYTES, "keys"))
-    return Deletion(eid, origin, "subtree", tenant, keys, tuple(fps))
+def _fields(fields: Any) -> dict[bytes, bytes]:
+    """The fields of an entry as Redis returned them: at most the signed ones and the MAC,
+    names and values bytes; Malformed otherwise."""
+    if not isinstance(fields, dict):
+        raise Malformed(f"fields are a {type(fields).__name__}, not a map")
+    if len(fields) > len(_FIELDS) + 1:
+        raise Malformed(f"{len(fields)} fields")
+    if not all(isinstance(k, bytes) and isinstance(v, bytes) for k, v in fields.items()):
+        raise Malformed("a field name or value that is not bytes")
+    return fields
+
+
+def parse_entry(entry_id: Any, fields: Any, key: bytes) -> Deletion:
+    """The :class:`Deletion` of one stream entry, authenticated with ``key`` (from
+    :func:`derive_deletions_key`). Raises :class:`Unauthenticated` when its MAC is missing or
+    wrong, :class:`Malformed` when it is not an entry of this format (the field set, types,
+    sizes and counts are checked before the MAC is computed: an entry costs at most
+    :data:`ENTRY_KEYS` keys' hashing); nothing else."""
+    f = _fields(fields)
+    mac = f.get(_MAC)
+    if mac is None:
+        raise Unauthenticated("no MAC")
+    if f.keys() != {*_FIELDS, _MAC}:
+        raise Malformed(f"fields {sorted(f)!r}")
+    for name, most in _FIELDS.items():
+        if len(f[name]) > most:
+            raise Malformed(f"{name.decode()}: {len(f[name])} bytes (at most {most})")
+    if len(mac) != MAC_BYTES or not hmac.compare_digest(mac, entry_mac(key, f)):
+        raise Unauthenticated("wrong MAC")
+    if f[b"v"] != _FORMAT:
+        raise Malformed(f"unknown format {f[b'v']!r}")
+    kind = _KINDS.get(f[b"kind"])
+    if kind is None:
+        raise Malformed(f"unknown kind {f[b'kind']!r}")
+    if not _HEX_ORIGIN.fullmatch(f[b"origin"]):
+        raise Malformed("origin is not a server id")
+    tenant, fps = f[b"tenant"], _split(f[b"fps"], FINGERPRINT_BYTES, "fingerprints")
+    keys = _split(f[b"keys"], KEY_BYTES, "keys")
+    if kind == "model":
+        if tenant or keys or len(fps) != 1:
+            raise Malformed("a model purge names one fingerprint, no tenant and no keys")
+    elif not _HEX_TENANT.fullmatch(tenant):
+        raise Malformed(f"a {kind} deletion names its tenant's hash")
+    elif kind == "tenant" and (keys or fps):
+        raise Malformed("a tenant deletion names no keys and no models")
+    return Deletion(_text(entry_id), f[b"origin"].decode(), kind, tenant.decode(), frozenset(keys),
+                    tuple(fps))
 
 
 def _text(v: Any) -> str:
@@ -141,9 +246,10 @@ def _id_tuple(entry_id: str) -> tuple[int, int]:
 class SharedDeletions:
     """RemoteTier methods of the deletions stream (see the module docstring)."""
 
-    def _init_deletions(self) -> None:
+    def _init_deletions(self, key: bytes | None) -> None:
         self._stream = f"{self._ns}:deletions"
         self._origin = uuid.uuid4().hex
+        self._deletions_key = key  # NOTE: a secret: never logged
         self._apply: Apply | None = None
         self._reader: threading.Thread | None = None
         self._reader_client: Any = None
@@ -152,28 +258,46 @@ class SharedDeletions:
         self._last_id: str | None = None  # the last entry read (None: not positioned yet)
 
     # -- publishing -----------------------------------------------------------------------------
-    def _xadd(self, fields: list[bytes | str]) -> Command:
+    def _sharing(self) -> bool:
+        """Whether deletions are shared: ``share_deletions``, and a key to authenticate them
+        (a tier built without :meth:`RemoteTier.open` has none: it neither publishes nor reads)."""
+        return self.config.share_deletions and self._deletions_key is not None
+
+    def _xadd(self, kind: bytes, tenant: bytes = b"", fps: bytes = b"", keys: bytes = b"") -> Command:
+        assert self._deletions_key is not None
+        f = {b"v": _FORMAT, b"origin": self._origin.encode(), b"kind": kind, b"tenant": tenant,
+             b"fps": fps, b"keys": keys}
+        mac = entry_mac(self._deletions_key, f)
         return (self._stream, ("XADD", self._stream, "MAXLEN", "~", self.config.deletions_maxlen,
-                               "*", "v", _FORMAT, "origin", self._origin, *fields))
+                               "*", *(x for kv in f.items() for x in kv), _MAC, mac))
 
     def _deletion_entries(self, tenant: str, keys: Iterable[bytes],
                           fingerprints: Iterable[bytes]) -> list[Command]:
         """The commands that record the deletion of the blocks ``keys`` of ``tenant`` (of the
-        models ``fingerprints``) in the stream; none when sharing is off."""
-        if not self.config.share_deletions:
+        models ``fingerprints``) in the stream; none when sharing is off or no key is deleted."""
+        if not self._sharing():
             return []
         keys = list(dict.fromkeys(keys))
-        fps = b"".join(dict.fromkeys(fingerprints))
-        th = self._tenant_hex(tenant)
-        return [self._xadd(["kind", "subtree", "tenant", th, "fps", fps,
-                            "keys", b"".join(keys[i:i + ENTRY_KEYS])])
-                for i in range(0, len(keys), ENTRY_KEYS)]
+        fps = list(dict.fromkeys(fingerprints))
+        if not keys:
+            return []
+        th = self._tenant_hex(tenant).encode()
+        n = max(math.ceil(len(keys) / ENTRY_KEYS), math.ceil(len(fps) / ENTRY_FINGERPRINTS))
+        return [self._xadd(b"subtree", th, b"".join(fps[i * ENTRY_FINGERPRINTS:(i + 1) * ENTRY_FINGERPRINTS]),
+                           b"".join(keys[i * ENTRY_KEYS:(i + 1) * ENTRY_KEYS]))
+                for i in range(n)]
 
     def _model_entry(self, fingerprint: bytes) -> list[Command]:
         """The command that records the purge of the model ``fingerprint``."""
-        if not self.config.share_deletions:
+        if not self._sharing():
             return []
-        return [self._xadd(["kind", "model", "fps", fingerprint])]
+        return [self._xadd(b"model", fps=fingerprint)]
+
+    def _tenant_entry(self, tenant: str) -> list[Command]:
+        """The command that records the deletion of ``tenant`` (every block of it)."""
+        if not self._sharing():
+            return []
+        return [self._xadd(b"tenant", self._tenant_hex(tenant).encode())]
 
     def _published(self, replies: Sequence[Any]) -> None:
         """Count the replies of the ``XADD`` commands; log one that failed."""
@@ -189,8 +313,9 @@ class SharedDeletions:
     def on_deletion(self, apply: Apply, *, position: Path | None = None) -> None:
         """Start reading the other servers' deletions and hand each to ``apply`` (from the
         reader thread). ``position``: a file that keeps the last entry read across restarts.
-        Nothing when ``share_deletions`` is off; once only."""
-        if not self.config.share_deletions or self._reader is not None:
+        Nothing when ``share_deletions`` is off (or the tier has no key to authenticate the
+        entries: built without :meth:`RemoteTier.open`); once only."""
+        if not self._sharing() or self._reader is not None:
             return
         self._apply = apply
         self._position = position
@@ -288,7 +413,13 @@ class SharedDeletions:
             if fails:
                 log.info("deletions stream %s readable again", self._stream)
             fails = 0
-            entries = _entries(reply)
+            try:
+                entries = _entries(reply)
+            except (TypeError, ValueError, IndexError, AttributeError) as exc:  # not a reply of XREAD
+                self._count("deletions_read_errors")
+                log.warning("deletions stream %s: a reply that is not one of XREAD (%s)", self._stream, exc)
+                self._reader_stop.wait(cfg.breaker_cap_s)
+                continue
             for entry_id, fields in entries:
                 self._take(entry_id, fields)
             if entries:
@@ -297,11 +428,15 @@ class SharedDeletions:
     def _take(self, entry_id: Any, fields: dict[Any, Any]) -> None:
         """Apply one entry (never raises); the reader's position moves past it."""
         eid = self._last_id = _text(entry_id)
+        assert self._deletions_key is not None
         try:
-            d = parse_entry(eid, fields)
-        except (ValueError, UnicodeDecodeError, TypeError) as exc:
-            self._count("deletions_malformed")
-            log.warning("deletions stream %s: entry %s skipped (%s)", self._stream, eid, exc)
+            d = parse_entry(eid, fields, self._deletions_key)
+        except Unauthenticated as exc:
+            self._refused("deletions_unauthenticated", eid, f"{exc}: not written by a server with "
+                          f"this master key (another writer of the Redis?)")
+            return
+        except Malformed as exc:
+            self._refused("deletions_malformed", eid, str(exc))
             return
         if d.origin == self._origin:
             self._count("deletions_own")
@@ -318,6 +453,15 @@ class SharedDeletions:
         self._count("deletions_blocks_dropped", dropped)
         self._count("deletions_demotions_cancelled", cancelled)
 
+    def _refused(self, counter: str, eid: str, why: str) -> None:
+        """Count an entry not applied; log the first one, then one per :data:`_LOG_EVERY`."""
+        with self._lock:
+            self._counts[counter] += 1
+            n = self._counts[counter]
+        if n == 1 or n % _LOG_EVERY == 0:
+            log.warning("deletions stream %s: entry %s not applied (%s); %d so far (%s)",
+                        self._stream, eid, why, n, counter)
+
     def _cancel_deleted(self, d: Deletion) -> int:
         """Cancel this server's queued demotions (and the one being written: it is unlinked
         once written) of what ``d`` deleted, and forget those blocks in the accounting."""
@@ -326,6 +470,11 @@ class SharedDeletions:
 
             def hit(job: Any) -> bool:
                 return job.ref.spec.fingerprint in fps
+        elif d.kind == "tenant":
+            self._forget_tenant_keys(d.tenant)
+
+            def hit(job: Any) -> bool:
+                return self._tenant_hex(job.ref.tenant) == d.tenant
         else:
             doomed = set(d.keys)
 
@@ -348,10 +497,22 @@ class SharedDeletions:
         with self._lock:
             if d.kind == "model":
                 self._unheld_where(lambda _, h: h.fingerprint in fps)
+            elif d.kind == "tenant":
+                self._unheld_where(lambda ident, _: self._tenant_hex(ident[0]) == d.tenant)
             else:
                 self._unheld_where(lambda ident, _: ident[1] in doomed
                                    and self._tenant_hex(ident[0]) == d.tenant)
         return n
+
+    def _forget_tenant_keys(self, th: str) -> None:
+        """Forget the cached data key and tombstone of every tenant this tier has named whose
+        hash is ``th``: the next use reads them from Redis (the key destroyed, the tombstone
+        there), so no write of its older blocks is admitted on the cached copies."""
+        for tenant in [t for t, h in list(self._th.items()) if h == th]:
+            if self._keyring is not None:
+                self._keyring.forget(tenant)
+            with self._lock:
+                self._marks.pop(tenant, None)
 
     def stop_deletions(self) -> None:
         """Stop the reader and wait for it: its connection is shut down, so a read blocked on a
@@ -367,4 +528,5 @@ class SharedDeletions:
                 self._reader.join(timeout=1.0)
 
 
-__all__ = ["ENTRY_KEYS", "Apply", "Deletion", "SharedDeletions", "parse_entry"]
+__all__ = ["ENTRY_FINGERPRINTS", "ENTRY_KEYS", "MAC_BYTES", "Apply", "Deletion", "Malformed", "SharedDeletions",
+           "Unauthenticated", "derive_deletions_key", "entry_mac", "parse_entry"]
