@@ -33,7 +33,33 @@ one is read again; from :mod:`policy.cost_model` the time a hit saves in each ti
   inserted, read or demoted into ``t``; the candidate with the lowest ``H`` goes first (ties:
   deepest first) and ``L_t`` rises to each victim's ``H``, so blocks not read for a long time
   lose to fresh ones unless they are valuable. Leaf-first and pinned-never are the Store's
-  candidate rules.
+  candidate rules. Whole prompts go together: on the Mooncake trace 92 / 90 / 95 % of the
+  victims in HBM / DRAM / NVMe are the parent of the tier's previous victim (HBM 400; Belady,
+  the offline optimum, 84 / 97 / 97 %): once a leaf goes, ``L_t`` reaches its ``H``, and its
+  parent, stamped at about the same level and in NVMe worth less (shallower: less attention
+  to recompute; in HBM and DRAM ``gain`` is a restore time, the same per byte at any depth),
+  is most often next. Exact ties in ``H`` are rare (no victim in HBM or NVMe has its predecessor's ``H``;
+  6–12 % in DRAM), so the tie rule hardly matters. Scratch trials on the order (2026-12-01),
+  gap closed at HBM 400 / 1000 / 1500 against 0.202 / 0.164 / 0.162 now: ties shallowest
+  first 0.202 / 0.164 / 0.166; as a diagnostic, each key's value times ``2^(s·u)``, ``u``
+  uniform in [−1, 1) by a hash of the key (s = 0.3, 1, 2; three hashes at s = 1; HBM and DRAM
+  or NVMe only): −0.004 to +0.006, −0.014 to +0.008, −0.020 to +0.003 of the gap, no sign
+  that holds; the same factor on ``p`` (keys and the write test) −0.040 to +0.009 and more
+  NVMe writes; gains valued at half the block's depth (the mean over the prefix it
+  completes) −0.009 / −0.002 / −0.002; at twice its depth −0.010 / +0.019 / −0.017; at depth
+  0 (no position in the value) −0.162 / −0.030 / +0.003; shallow blocks worth more than deep
+  ones (gain at depth ``max(0, 60 − depth)``: prompts keep their first blocks, the
+  behaviour a spread of values was thought to give) −0.242 / −0.126 / −0.079; the saving of the whole prefix the block
+  completes, ``(depth + 1) ×`` the gain at half its depth, +0.008 / +0.012 / +0.003 on
+  Mooncake but −0.10 / −0.12 of the gap on the generated agent workload and −0.09 / −0.10 on
+  tenants at HBM 400 / 1000 (seed 1). None is kept. The gain a *random* feature gave the
+  cross-fitted reference of ``bench/replay_ceiling.py`` is not an order effect: there, with
+  split seed 0, a random value per block use lifts it from 0.084 / 0.095 to 0.112 / 0.164
+  (HBM 400 / 1000) while one per request lowers it to −0.043 / 0.083; without a random
+  feature, the cell rates smoothed toward the base rate with weight 14 instead of 2 give
+  0.148 / 0.155 / 0.185 (mean of the three seeds; 0.060 / 0.107 / 0.149 with 2): the
+  reference's ``p`` is noisy. ``cost``'s own is not: ``ReuseConfig.request_prior`` 2 or 32
+  in place of 8 moves its gap by at most 0.006.
 * **Demotion / admission**: a victim goes to the next tier offered only when its expected
   saving there, ``p × saving(dest)``, pays for writing it there,
   ``write_cost_weight × bytes / bandwidth(dest)``; otherwise it is dropped. A block with
