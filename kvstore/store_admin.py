@@ -84,6 +84,8 @@ class TenantAdmin:
             # done, so no block demoted meanwhile is written back behind the deletion
             # NOTE: raises before anything local goes (it said "ok" and the copies came back)
             gone = self._remote.delete_subtrees(tenant, list(start), doom)
+            if not start:  # NOTE: no model known anywhere: still the other servers' copies go
+                self._remote.publish_deletion(tenant, keys)
             with self._lock, self._batch():
                 self._check_open()
                 self._removals += 1  # a get that fetched meanwhile promotes nothing either
@@ -130,14 +132,16 @@ class TenantAdmin:
         from kvstore.codec import tenant_hash
 
         assert self._remote is not None
-        if d.kind == "model":
-            with self._lock:
-                if self._closed:
-                    return 0
-                with self._batch():
-                    self._removals += 1  # a get fetching from the remote tier now promotes nothing
-                    return len(self._purge_local(d.fingerprints, "deleted_elsewhere"))
         with self._lock:
+            if self._closed:
+                return 0
+            # NOTE: first, whatever this server holds: a get fetching from the remote tier now
+            # promotes nothing (one in flight when the tenant held nothing here promoted the
+            # deleted blocks after this entry was applied, and served them from then on)
+            self._removals += 1
+            if d.kind == "model":
+                with self._batch():
+                    return len(self._purge_local(d.fingerprints, "deleted_elsewhere"))
             tenants = {t for (t, _), n in self._place.tenant_usage.items() if n}
         dropped = 0
         if d.kind == "tenant":  # its blocks only: its sessions, rules and local data key stay

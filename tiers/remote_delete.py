@@ -174,6 +174,14 @@ class Deletes:
         between the remote part and the local one is not written back behind the deletion."""
         return self._doomed_subtree(tenant, keys)
 
+    def publish_deletion(self, tenant: str, keys: Sequence[bytes]) -> None:
+        """Publish the deletion of the blocks ``keys`` of ``tenant`` (and what is under them) in
+        the deletions stream without deleting anything here: for a delete that found no model
+        to delete them under (a server that never saw one, while none was written to Redis),
+        whose blocks other servers may still hold."""
+        if entries := self._deletion_entries(tenant, keys, ()):
+            self._published(self._multi(entries))
+
     def delete_subtrees(self, tenant: str, roots: Sequence[tuple[bytes, bytes]],
                         doom: Doom | None = None) -> set[bytes]:
         """Remove the blocks ``roots`` (``(block key, model fingerprint)`` pairs) of ``tenant``

@@ -44,7 +44,9 @@ served there, and written to Redis again when they leave those servers' last loc
   (``XREAD BLOCK deletions_block_s``, on a connection of its own) from the last entry it has seen
   (at the first start: the stream's end, as ``$``; with ``position``, a file, from the entry
   recorded there, so a server that was down applies what was deleted meanwhile while the stream
-  still holds it). For each authenticated entry of another server it cancels this server's
+  still holds it: before ``on_deletion`` returns, for up to :data:`CATCH_UP_S`, so the restarted
+  server serves none of it; a trim past the position is told by the stream's
+  ``max-deleted-entry-id``). For each authenticated entry of another server it cancels this server's
   queued demotions of the blocks (and of blocks queued under them; for a tenant, every one of
   the tenant, whose cached data key and tombstone are forgotten too, so the next write re-reads
   them from Redis and is refused), forgets them in the accounting, then calls
@@ -79,6 +81,7 @@ import math
 import os
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -115,6 +118,8 @@ _KINDS: dict[bytes, Literal["subtree", "model", "tenant"]] = {
 _HEX_ORIGIN = re.compile(rb"[0-9a-f]{1,64}")
 _HEX_TENANT = re.compile(rb"[0-9a-f]{%d}" % (2 * TENANT_HASH_BYTES))
 _READ_COUNT = 64  # entries per XREAD
+#: seconds an open spends applying what was deleted while the server was down, at most
+CATCH_UP_S = 30.0
 _LOG_EVERY = 1000  # a refused entry is logged the first time, then once per this many
 
 
@@ -256,6 +261,7 @@ class SharedDeletions:
         self._reader_stop = threading.Event()
         self._position: Path | None = None
         self._last_id: str | None = None  # the last entry read (None: not positioned yet)
+        self._open_end: str | None = None  # the stream's last entry when the reader was positioned
 
     # -- publishing -----------------------------------------------------------------------------
     def _sharing(self) -> bool:
@@ -325,6 +331,7 @@ class SharedDeletions:
             "op_timeout_s": cfg.deletions_block_s + cfg.op_timeout_s, "retries": 0}))
         try:
             self._positioned()
+            self._catch_up()
         except FAULTS as exc:  # positioned by the reader once Redis answers
             self._count("deletions_read_errors")
             log.warning("deletions stream %s unreadable at open (%s): deletions made by other "
@@ -338,6 +345,28 @@ class SharedDeletions:
         self._last_id = self._start_id()
         self._save_id(self._last_id)
 
+    def _catch_up(self) -> None:
+        """Apply, before :meth:`on_deletion` returns, the entries written since the saved
+        position up to the stream's end as it is now (for at most :data:`CATCH_UP_S`; the
+        reader goes on from there). Why: a restarted server opened and served blocks deleted
+        while it was down until its reader thread got to them (a get 13 ms after the open
+        served all three of a chain whose entry was the 301st of the backlog). Redis faults
+        propagate."""
+        end = self._open_end
+        if end is None or _id_tuple(self._last_id) >= _id_tuple(end):
+            return
+        until = time.monotonic() + CATCH_UP_S
+        while _id_tuple(self._last_id) < _id_tuple(end) and time.monotonic() < until:
+            entries = _entries(self._reader_client.xread({self._stream: self._last_id}, count=_READ_COUNT))
+            if not entries:
+                break
+            for entry_id, fields in entries:
+                self._take(entry_id, fields)
+            self._save_id(self._last_id)
+        if _id_tuple(self._last_id) < _id_tuple(end):
+            log.warning("deletions stream %s: %s s were not enough to apply what was deleted while this "
+                        "server was down; the reader goes on", self._stream, CATCH_UP_S)
+
     def _start_id(self) -> str:
         """Where reading starts: the entry the position file names, when the stream still goes
         back that far and holds it, else the stream's end. Redis faults propagate."""
@@ -348,6 +377,7 @@ class SharedDeletions:
                 raise
             info = {}
         end = _text(info.get("last-generated-id", b"0-0"))
+        self._open_end = end
         saved = self._saved_id()
         if saved is None:
             return end
@@ -355,8 +385,16 @@ class SharedDeletions:
             log.warning("deletions stream %s is behind the position saved in %s: reading from its end",
                         self._stream, self._position)
             return end
-        first = info.get("recorded-first-entry-id") or (info.get("first-entry") or (None,))[0]
-        if first is not None and _id_tuple(_text(first)) > _id_tuple(saved):
+        # NOTE: the newest entry trimmed (Redis 7): any first entry is past a position saved
+        # when the stream was empty ("0-0"), and that was counted as missed
+        trimmed = info.get("max-deleted-entry-id")
+        if trimmed is None:  # an older server: the first entry left, approximately
+            first = info.get("recorded-first-entry-id") or (info.get("first-entry") or (None,))[0]
+            trimmed = None if first is None or saved == "0-0" else _text(first)
+            missed = trimmed is not None and _id_tuple(trimmed) > _id_tuple(saved)
+        else:
+            missed = _id_tuple(_text(trimmed)) > _id_tuple(saved)
+        if missed:
             self._count("deletions_missed")
             log.warning("deletions stream %s was trimmed past this server's position (%s): "
                         "deletions made while it was down may be missed (raise deletions_maxlen)",
