@@ -58,8 +58,9 @@ one is read again; from :mod:`policy.cost_model` the time a hit saves in each ti
   (HBM 400 / 1000) while one per request lowers it to −0.043 / 0.083; without a random
   feature, the cell rates smoothed toward the base rate with weight 14 instead of 2 give
   0.148 / 0.155 / 0.185 (mean of the three seeds; 0.060 / 0.107 / 0.149 with 2; with 50,
-  0.183 / 0.172 / 0.211; one constant ``p`` for all, 0.183 / 0.088 / 0.108): the reference's
-  ``p`` is noisy. ``cost``'s own is not: ``ReuseConfig.request_prior`` 2 or 32
+  0.183 / 0.172 / 0.211, and 0.213 / 0.200 / 0.228 without the time since the last use,
+  i.e. with the features ``cost`` has (uses, request length, position from its end); one
+  constant ``p`` for all, 0.183 / 0.088 / 0.108): the reference's ``p`` is noisy. ``cost``'s own is not: ``ReuseConfig.request_prior`` 2 or 32
   in place of 8 moves its gap by at most 0.006.
 * **Demotion / admission**: a victim goes to the next tier offered only when its expected
   saving there, ``p × saving(dest)``, pays for writing it there,
