@@ -18,7 +18,11 @@ the references of :mod:`bench.replay_bounds`:
   ``CROSSFIT_FOLDS`` folds, each fold's rates counted on the others): what knowing the class
   rates, and not the fate of the block's own prompt, gives. A few hot prompts weigh much, so
   the figure depends on which fold they land in: the mean over ``CROSSFIT_SEEDS`` splits is
-  reported, each split's in ``crossfit_by_seed``;
+  reported, each split's in ``crossfit_by_seed``. It also depends on how far each cell's rate
+  is pulled toward the overall one (weight 2 here: 6 / 11 / 15 % of the gap at HBM 400 / 1000 /
+  1500); scratch runs with weight 50 on the three features ``cost`` uses (no time since the
+  last use) closed 21 / 20 / 23 %, above ``cost``'s 20 / 16 / 16 %, and the random feature's
+  gain above is that smoothing (session 13; ``policy/cost.py``'s docstring);
 * ``oracle-p`` — ``cost``'s decisions with the true "read again?" as ``p``;
 * ``oracle-reuse`` — LRU order with the true "read again?" (never-read blocks dropped first).
 
