@@ -301,6 +301,11 @@ class Keyring:
         hit = self._entry(tenant)
         return None if hit is None else hit[2]
 
+    def cached_tenants(self) -> list[str]:
+        """The tenants whose key is cached now."""
+        with self._lock:
+            return list(self._cache)
+
     def forget(self, tenant: str) -> None:
         """Drop the cached copy of the tenant's key: the next :meth:`data_key` reads the backend."""
         with self._lock:

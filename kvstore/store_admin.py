@@ -233,6 +233,8 @@ class TenantAdmin:
                     stack.callback(self._delete_ended)
                     cancel = stack.enter_context(self._remote.purging(fingerprint))
             if self._remote is not None:
+                assert cancel is not None
+                cancel()  # NOTE: not under the lock: it waits for a write of the model in flight
                 gone = self._remote.purge_model(fingerprint)
             with self._lock, self._batch():
                 self._check_open()

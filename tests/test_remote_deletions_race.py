@@ -133,3 +133,56 @@ def test_a_position_saved_on_an_empty_stream_is_not_a_missed_deletion(tmp_path, 
     finally:
         a.close()
         b.close()
+
+
+def test_purge_model_waits_for_a_write_in_flight_without_the_store_lock(tmp_path, redis_ns) -> None:
+    """purge_model entered the writer's filter under the Store's lock, and entering waited for
+    a write of the model in flight (up to one write's timeouts, 7 s by default): every call of
+    every tenant waited too (a reviewer saw a lookup of another model take 2.8 s)."""
+    a = _open(tmp_path, "a", redis_ns)
+    try:
+        waiting = threading.Event()
+        held: list[bool] = []
+        wait_writing, put_with = a._remote._wait_writing, a._remote._put_with
+
+        def watched_wait(*args: Any) -> Any:
+            waiting.set()
+            return wait_writing(*args)
+
+        def stalled_put(*args: Any) -> Any:  # the write in flight while the purge starts
+            if not held:
+                waiting.wait(10)
+                free = a._lock.acquire(timeout=2)
+                held.append(not free)
+                if free:
+                    a._lock.release()
+            return put_with(*args)
+
+        a._remote._wait_writing = watched_wait  # type: ignore[method-assign]
+        a._remote._put_with = stalled_put  # type: ignore[method-assign]
+        keys = a.block_keys("acme", SPEC, tokens(2, SPEC))
+        a.put("acme", SPEC, keys, make_kv(SPEC, 2))  # write-through: the writer takes the first
+        assert _wait(lambda: a._remote._writing is not None)
+        assert a.purge_model(SPEC.fingerprint) == 2
+        assert held == [False], "the purge held the Store's lock while it waited for the write"
+    finally:
+        a.close()
+
+
+def test_a_tenant_drop_elsewhere_forgets_the_cached_key_after_the_name_cache_was_cleared(
+        tmp_path, redis_ns) -> None:
+    """The tenant names came from the tier's name-to-hash cache, cleared past 4,096 names: a
+    data key cached before was kept after another server dropped the tenant."""
+    a, b = _open(tmp_path, "a", redis_ns), _open(tmp_path, "b", redis_ns)
+    try:
+        keys = b.block_keys("acme", SPEC, tokens(1, SPEC))
+        b.put("acme", SPEC, keys, make_kv(SPEC, 1))
+        b.flush()  # written through: B's remote tier caches acme's shared data key
+        assert "acme" in b._remote._keyring.cached_tenants()
+        b._remote._th.clear()  # as past 4,096 tenant names
+        a.drop_tenant("acme")
+        assert _wait(lambda: _count(b, "deletions_applied") >= 1)
+        assert "acme" not in b._remote._keyring.cached_tenants()
+    finally:
+        a.close()
+        b.close()

@@ -140,7 +140,7 @@ class RemoteConfig(BaseModel):
     """Threads that encode/decode the chunks of one value in parallel."""
 
     share_deletions: bool = True
-    """Publish every ``delete`` and model purge this server makes in the stream
+    """Publish every ``delete``, model purge and tenant drop this server makes in the stream
     ``<namespace>:deletions`` and apply the other servers' (a thread reads it): their local
     copies (HBM, DRAM, NVMe) of the deleted blocks go too, so none is served or written back to
     Redis later (:mod:`tiers.remote_invalidate`). Off: deletions reach Redis and the deleting

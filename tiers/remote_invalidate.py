@@ -334,8 +334,9 @@ class SharedDeletions:
             self._catch_up()
         except FAULTS as exc:  # positioned by the reader once Redis answers
             self._count("deletions_read_errors")
-            log.warning("deletions stream %s unreadable at open (%s): deletions made by other "
-                        "servers until it answers are missed", self._stream, exc)
+            log.warning("deletions stream %s unreadable at open (%s): the reader applies the "
+                        "deletions made meanwhile once it answers (from the saved position; without "
+                        "one, those made until then are missed)", self._stream, exc)
         self._reader = threading.Thread(target=self._read_loop, name="kvstore-remote-deletions",
                                         daemon=True)
         self._reader.start()
@@ -543,10 +544,16 @@ class SharedDeletions:
         return n
 
     def _forget_tenant_keys(self, th: str) -> None:
-        """Forget the cached data key and tombstone of every tenant this tier has named whose
-        hash is ``th``: the next use reads them from Redis (the key destroyed, the tombstone
-        there), so no write of its older blocks is admitted on the cached copies."""
-        for tenant in [t for t, h in list(self._th.items()) if h == th]:
+        """Forget the cached data key and tombstone of every tenant whose hash is ``th``: the
+        next use reads them from Redis (the key destroyed, the tombstone there), so no write of
+        its older blocks is admitted on the cached copies. The names come from those caches
+        themselves (the tier's name-to-hash cache is cleared past 4,096 names, and a key cached
+        before that was kept)."""
+        with self._lock:
+            names = set(self._marks)
+        if self._keyring is not None:
+            names.update(self._keyring.cached_tenants())
+        for tenant in [t for t in names if self._tenant_hex(t) == th]:
             if self._keyring is not None:
                 self._keyring.forget(tenant)
             with self._lock:
@@ -554,8 +561,8 @@ class SharedDeletions:
 
     def stop_deletions(self) -> None:
         """Stop the reader and wait for it: its connection is shut down, so a read blocked on a
-        paused Redis ends at once. An ``apply`` running now ends first (the Store calls this
-        before it takes its lock to close). Idempotent."""
+        paused Redis ends at once. An ``apply`` running now is waited for, up to one write's
+        timeouts (the Store calls this before it takes its lock to close). Idempotent."""
         self._reader_stop.set()
         if self._reader_client is not None:
             self._reader_client.close()

@@ -264,8 +264,9 @@ class DemotionQueue:
     def purging(self, fingerprint: bytes) -> Iterator[Callable[[], int]]:
         """While open, no demotion of a block of the model ``fingerprint`` is written (any
         tenant): the queued ones are dropped at once and when their turn comes, the one being
-        written is waited for and unlinked again. Yields ``cancel()``, which drops the ones
-        queued since (returns how many were dropped); call it after the local part of the
+        written is waited for and unlinked again. Yields ``cancel()``, which drops the queued
+        ones (returns how many); entering waits for nothing (the Store enters it under its
+        lock), so call it once the lock is released, and again after the local part of the
         purge, before the filter is lifted."""
         with self._cond:
             self._purging[fingerprint] = self._purging.get(fingerprint, 0) + 1
@@ -282,7 +283,6 @@ class DemotionQueue:
             return n
 
         try:
-            cancel()
             yield cancel
         finally:
             with self._cond:
