@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -28,6 +29,17 @@ class FakeClock:
 
     def advance(self, dt: float) -> None:
         self.t += dt
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Poll ``cond`` until it holds (True) or ``timeout`` seconds pass (False): for what
+    another thread does (a reader applying a stream entry), never a sleep that assumes a speed."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 @pytest.fixture

@@ -12,13 +12,11 @@
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from conftest import MASTER, make_kv, tokens
+from conftest import MASTER, make_kv, tokens, wait_until
 
 from kvstore.config import StoreConfig
 from kvstore.spec import ModelSpec
@@ -43,15 +41,6 @@ def _count(s: Store, name: str) -> int:
     return s.stats()["counters"].get(f"remote_{name}", 0)
 
 
-def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.005)
-    return True
-
-
 def test_a_get_in_flight_does_not_promote_a_chain_deleted_elsewhere(tmp_path, redis_ns) -> None:
     a, b = _open(tmp_path, "a", redis_ns), _open(tmp_path, "b", redis_ns)
     try:
@@ -65,7 +54,7 @@ def test_a_get_in_flight_does_not_promote_a_chain_deleted_elsewhere(tmp_path, re
         def held_decode(*args: Any, **kw: Any) -> Any:  # the fetch came back before the delete
             if not fetched.is_set():
                 fetched.set()
-                assert _wait(lambda: _count(b, "deletions_applied") >= 1), "B never applied the entry"
+                assert wait_until(lambda: _count(b, "deletions_applied") >= 1), "B never applied the entry"
             return decode(*args, **kw)
 
         b._remote.codec.decode = held_decode  # type: ignore[method-assign]
@@ -90,7 +79,7 @@ def test_a_delete_on_a_server_that_knows_no_model_still_reaches_the_others(tmp_p
         b.put("acme", SPEC, keys, make_kv(SPEC, 3))  # local only: nothing in Redis, no model there
         assert a.delete("acme", [keys[0]]) == 0
         assert _count(a, "deletions_published") == 1
-        assert _wait(lambda: b.lookup("acme", SPEC, keys).num_blocks == 0), "B kept serving them"
+        assert wait_until(lambda: b.lookup("acme", SPEC, keys).num_blocks == 0), "B kept serving them"
     finally:
         a.close()
         b.close()
@@ -162,7 +151,7 @@ def test_purge_model_waits_for_a_write_in_flight_without_the_store_lock(tmp_path
         a._remote._put_with = stalled_put  # type: ignore[method-assign]
         keys = a.block_keys("acme", SPEC, tokens(2, SPEC))
         a.put("acme", SPEC, keys, make_kv(SPEC, 2))  # write-through: the writer takes the first
-        assert _wait(lambda: a._remote._writing is not None)
+        assert wait_until(lambda: a._remote._writing is not None)
         assert a.purge_model(SPEC.fingerprint) == 2
         assert held == [False], "the purge held the Store's lock while it waited for the write"
     finally:
@@ -181,7 +170,7 @@ def test_a_tenant_drop_elsewhere_forgets_the_cached_key_after_the_name_cache_was
         assert "acme" in b._remote._keyring.cached_tenants()
         b._remote._th.clear()  # as past 4,096 tenant names
         a.drop_tenant("acme")
-        assert _wait(lambda: _count(b, "deletions_applied") >= 1)
+        assert wait_until(lambda: _count(b, "deletions_applied") >= 1)
         assert "acme" not in b._remote._keyring.cached_tenants()
     finally:
         a.close()

@@ -19,7 +19,7 @@ import pydantic
 import pytest
 import redis
 import torch
-from conftest import MASTER, FakeClock, make_kv, tokens
+from conftest import MASTER, FakeClock, make_kv, tokens, wait_until
 
 from kvstore.codec import tenant_hash
 from kvstore.config import StoreConfig
@@ -45,10 +45,7 @@ OTHER = ModelSpec(model="m", revision="r2", num_layers=2, num_kv_heads=2, head_d
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what or cond}"
-        time.sleep(0.01)
+    assert wait_until(cond, timeout), f"timed out waiting for {what or cond}"
 
 
 def counter(s: Store, name: str) -> int:
