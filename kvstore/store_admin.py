@@ -186,14 +186,36 @@ class TenantAdmin:
         its values): when the remote tier cannot be reached, :class:`Unavailable` is raised
         and nothing is deleted here (before, the local blocks and key went first, and the
         tenant's remote copies were served and promoted again until a retry); a retry deletes
-        it all."""
+        it all. The remote part (a ``SCAN`` of the whole keyspace) runs without the Store's
+        lock, under the remote writer's filter for the tenant (as :meth:`purge_model`'s): a put
+        of the tenant meanwhile is dropped by the local part, and none of its blocks is
+        written to the remote tier."""
         self._check_tenant(tenant)
+        gone: set[bytes] = set()
+        with ExitStack() as stack:
+            cancel = None
+            with self._lock:
+                self._check_open()
+                self._removals += 1  # a get fetching from the remote tier now promotes nothing
+                if self._remote is not None:
+                    self._deletes_open += 1  # Store.close waits for it
+                    stack.callback(self._delete_ended)
+                    cancel = stack.enter_context(self._remote.purging(tenant=tenant))
+            if self._remote is not None:  # destroys its shared data key, then its values
+                assert cancel is not None
+                cancel()  # NOTE: not under the lock: it waits for a write of the tenant in flight
+                gone = self._remote.purge_tenant(tenant)
+            n = self._drop_locally(tenant, gone)
+            if cancel is not None:
+                cancel()  # demotions queued meanwhile by blocks now dropped
+        return n
+
+    def _drop_locally(self, tenant: str, gone: set[bytes]) -> int:
+        """The local part of :meth:`drop_tenant` (``gone``: the keys its remote part removed);
+        returns how many blocks were removed in all."""
         with self._lock, self._batch():
             self._check_open()
-            self._removals += 1  # a get fetching from the remote tier now promotes nothing
-            gone: set[bytes] = set()
-            if self._remote is not None:  # destroys its shared data key, then its values
-                gone = self._remote.purge_tenant(tenant)
+            self._removals += 1  # a get that fetched meanwhile promotes nothing either
             self._drop_epoch += 1  # NOTE: a reservation made before fails its commit
             self._dropped_at[tenant] = self._drop_epoch
             gone |= self._remove_tenant_blocks(tenant)
@@ -231,7 +253,7 @@ class TenantAdmin:
                 if self._remote is not None:
                     self._deletes_open += 1  # Store.close waits for it
                     stack.callback(self._delete_ended)
-                    cancel = stack.enter_context(self._remote.purging(fingerprint))
+                    cancel = stack.enter_context(self._remote.purging(fingerprint=fingerprint))
             if self._remote is not None:
                 assert cancel is not None
                 cancel()  # NOTE: not under the lock: it waits for a write of the model in flight

@@ -21,6 +21,7 @@ from conftest import MASTER, make_kv, tokens, wait_until
 from kvstore.config import StoreConfig
 from kvstore.spec import ModelSpec
 from kvstore.store import Store
+from tiers.base import BlockRef
 from tiers.remote_config import RemoteConfig
 
 SPEC = ModelSpec(model="m", revision="r1", num_layers=2, num_kv_heads=2, head_dim=8,
@@ -175,3 +176,39 @@ def test_a_tenant_drop_elsewhere_forgets_the_cached_key_after_the_name_cache_was
     finally:
         a.close()
         b.close()
+
+
+def test_drop_tenant_talks_to_redis_without_the_store_lock(tmp_path, redis_ns) -> None:
+    """drop_tenant held the Store's lock over its remote part (a SCAN of the whole keyspace:
+    seconds on a large shared Redis, every call of every tenant waiting). Now a get of another
+    tenant goes on meanwhile, and a block the dropped tenant puts meanwhile is dropped by the
+    local part and never reaches Redis."""
+    s = _open(tmp_path, "a", redis_ns)
+    try:
+        keys = s.block_keys("acme", SPEC, tokens(2, SPEC))
+        s.put("acme", SPEC, keys, make_kv(SPEC, 2))
+        other = s.block_keys("globex", SPEC, tokens(1, SPEC, start=50))
+        s.put("globex", SPEC, other, make_kv(SPEC, 1, seed=3))
+        s.flush()
+        late = s.block_keys("acme", SPEC, tokens(1, SPEC, start=900))
+        seen: list[Any] = []
+        purge = s._remote.purge_tenant
+
+        def hooked(tenant: str) -> set[bytes]:
+            seen.append(s._lock._is_owned())
+            t = threading.Thread(target=lambda: seen.append(s.get("globex", SPEC, other).shape[0]),
+                                 daemon=True)
+            t.start()
+            t.join(5)  # on the old code it waited for the lock this thread held
+            s.put("acme", SPEC, late, make_kv(SPEC, 1, seed=4))  # the tenant puts meanwhile
+            return purge(tenant)
+
+        s._remote.purge_tenant = hooked  # type: ignore[method-assign]
+        assert s.drop_tenant("acme") == 3
+        s.flush()
+        assert seen == [False, 1]
+        assert s.lookup("acme", SPEC, late).num_blocks == 0
+        ref = BlockRef("acme", late[0], SPEC)
+        assert not s._remote._client.exists(s._remote.redis_key(ref)), "a block put meanwhile reached Redis"
+    finally:
+        s.close()

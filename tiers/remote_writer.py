@@ -77,8 +77,9 @@ class DemotionQueue:
         # drops a queued block that is one of them or a child of one (and adds it), so none
         # lands behind it
         self._doomed: dict[str, list[set[bytes]]] = {}
-        # model fingerprint -> purges of it running now: the writer drops its queued blocks
-        self._purging: dict[bytes, int] = {}
+        # ("model", fingerprint) / ("tenant", name) -> purges of it running now: the writer
+        # drops their queued blocks
+        self._purging: dict[tuple[str, bytes | str], int] = {}
         self._resync_due = False
         self._last_resync = -math.inf
         self._closed = False
@@ -190,7 +191,7 @@ class DemotionQueue:
                     job = self._queue.popleft()
                     ref = job.ref
                     self._writing, self._writing_cancelled = job, False
-                    if self._is_doomed(job) or ref.spec.fingerprint in self._purging:
+                    if self._is_doomed(job) or self._purged(ref.tenant, ref.spec.fingerprint):
                         self._writing_cancelled = True  # it, an ancestor or its model is being deleted
             if resync:
                 try:
@@ -255,25 +256,39 @@ class DemotionQueue:
         which the writer's filter would know it, may never be queued). ``chain`` is called
         only while a deletion of ``tenant`` is open."""
         with self._cond:
-            if fingerprint in self._purging:
+            if self._purged(tenant, fingerprint):
                 return True
             sets = self._doomed.get(tenant)
             return bool(sets) and any(k in d for k in chain() for d in sets)
 
+    def _purged(self, tenant: str, fingerprint: bytes) -> bool:
+        """Whether a purge of the tenant or of the model is open. Caller holds ``_cond``."""
+        return bool(self._purging) and (("model", fingerprint) in self._purging
+                                        or ("tenant", tenant) in self._purging)
+
     @contextmanager
-    def purging(self, fingerprint: bytes) -> Iterator[Callable[[], int]]:
-        """While open, no demotion of a block of the model ``fingerprint`` is written (any
-        tenant): the queued ones are dropped at once and when their turn comes, the one being
-        written is waited for and unlinked again. Yields ``cancel()``, which drops the queued
-        ones (returns how many); entering waits for nothing (the Store enters it under its
-        lock), so call it once the lock is released, and again after the local part of the
-        purge, before the filter is lifted."""
+    def purging(self, *, fingerprint: bytes | None = None,
+                tenant: str | None = None) -> Iterator[Callable[[], int]]:
+        """While open, no demotion of a block of the model ``fingerprint`` (any tenant), or of
+        ``tenant`` (any model), is written: the queued ones are dropped at once and when their
+        turn comes, the one being written is waited for and unlinked again. Yields
+        ``cancel()``, which drops the queued ones (returns how many); entering waits for
+        nothing (the Store enters it under its lock), so call it once the lock is released,
+        and again after the local part of the purge, before the filter is lifted."""
+        what: tuple[str, bytes | str]
+        if fingerprint is not None:
+            what = ("model", fingerprint)
+        elif tenant is not None:
+            what = ("tenant", tenant)
+        else:
+            raise TypeError("purging() takes a fingerprint or a tenant")
         with self._cond:
-            self._purging[fingerprint] = self._purging.get(fingerprint, 0) + 1
+            self._purging[what] = self._purging.get(what, 0) + 1
 
         def cancel() -> int:
             def hit(job: Job) -> bool:
-                return job.ref.spec.fingerprint == fingerprint
+                return (job.ref.spec.fingerprint == fingerprint if tenant is None
+                        else job.ref.tenant == tenant)
 
             with self._cond:
                 n = len(self._drop_queued(hit)) + self._wait_writing(hit)
@@ -286,11 +301,11 @@ class DemotionQueue:
             yield cancel
         finally:
             with self._cond:
-                left = self._purging[fingerprint] - 1
+                left = self._purging[what] - 1
                 if left:
-                    self._purging[fingerprint] = left
+                    self._purging[what] = left
                 else:
-                    del self._purging[fingerprint]
+                    del self._purging[what]
 
     def _wait_writing(self, hit: Callable[[Job], bool]) -> bool:
         """When the block being written satisfies ``hit``: mark it cancelled (the writer unlinks
