@@ -5,11 +5,13 @@ lock, index, placement, session table, keyring, quantization policy and remote t
 
 * ``delete``, ``drop_tenant`` and ``purge_model`` remove blocks, with the descendants that depend
   on them, from every local tier in one NVMe transaction, and their copies from the remote tier
-  (``delete``: first, without the Store's lock (the remote writer's filter for the subtree is
-  held until the local part is done instead), and all or nothing here: Unavailable when the remote tier cannot be
-  reached; every remote descendant, whichever server wrote it, through the remote tier's
-  children sets; ``drop_tenant`` and ``purge_model`` likewise: remote first, and nothing here
-  when it fails); ``drop_tenant`` also forgets the tenant's sessions and rules, destroys its data key
+  first, all or nothing here (Unavailable when the remote tier cannot be reached, and nothing
+  deleted locally; ``delete``: every remote descendant, whichever server wrote it, through the
+  remote tier's children sets). The remote part runs without the Store's lock: the remote
+  writer's filter (``deleting`` for a subtree, ``purging`` for a model or a tenant) is held
+  from before the lock is released until the local part is done instead, so no block put or
+  demoted meanwhile is written behind the deletion; :meth:`Store.close` waits for them.
+  ``drop_tenant`` also forgets the tenant's sessions and rules, destroys its data key
   and leaves a tombstone in the remote tier (no server writes its older blocks there again).
 * ``_deleted_elsewhere`` — what the remote tier's reader hands over when another server sharing
   it deleted blocks, purged a model or dropped a tenant (:mod:`tiers.remote_invalidate`): the
