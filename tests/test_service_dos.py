@@ -217,12 +217,14 @@ def test_a_get_whose_client_reads_nothing_is_cancelled(tmp_path):
     """A Get whose client stops taking frames held its worker while grpc waited to send; it is
     cancelled after ``limits.stream_idle_s`` and gives its place (and its lease) back."""
     sc = start(tmp_path, limits={"stream_idle_s": 0.5},
-               store={"hbm_bytes": 64 << 20, "dram_bytes": 64 << 20, "nvme_bytes": 256 << 20})
+               store={"hbm_bytes": 96 << 20, "dram_bytes": 64 << 20, "nvme_bytes": 256 << 20})
     try:
         token = sc.admin().create_tenant("reader")
         c = sc.client(token, local=False)
         a = Raw(sc, token)
-        n = 48  # 12 MiB: more than the flow-control windows hold
+        # NOTE: 64 MiB, far more than the flow-control windows and socket buffers hold (12 MiB
+        # once fitted in them: the Get completed and was never idle)
+        n = 256
         keys = c.block_keys(BIG, fresh_tokens(n, BIG))
         c.put(BIG, keys, torch.zeros((n, *BIG.block_shape), dtype=BIG.torch_dtype))
         req = pb.GetRequest(target=pb.Target(spec=spec_to_pb(BIG), keys=b"".join(keys)), pack_blocks=True)
