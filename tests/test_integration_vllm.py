@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import itertools
 import json
 import os
 import re
@@ -285,12 +286,17 @@ def same_blocks(a: dict[str, torch.Tensor], a_ids: list[int], b: dict[str, torch
                for x, y in zip(block_of(a, i), block_of(b, j), strict=True))
 
 
+#: one number per tenant the engine fixture makes on the module's sidecar. NOTE: the name had
+#: id() of the fixture's list in it, which a later test's list can reuse: "already exists"
+_TENANTS = itertools.count()
+
+
 @pytest.fixture
 def engine(kvv: Any, sidecar: Any) -> Iterator[Any]:
     made: list[Engine] = []
 
     def make(token: str | None = None, **kw: Any) -> Engine:
-        eng = Engine(kvv, sidecar, token or sidecar.admin().create_tenant(f"vllm-{len(made)}-{id(made)}"), **kw)
+        eng = Engine(kvv, sidecar, token or sidecar.admin().create_tenant(f"vllm-{next(_TENANTS)}"), **kw)
         made.append(eng)
         return eng
 
