@@ -86,6 +86,7 @@ class SidecarServer:
         self.config = config
         self._metrics_http: Any = None
         self._stopped = threading.Event()
+        self._closed = False
         self._sweeper: threading.Thread | None = None
 
     def start(self) -> None:
@@ -115,12 +116,11 @@ class SidecarServer:
             except Exception:
                 log.exception("expiry sweep failed")
 
-    def stop(self, grace: float | None = None, *, progress: Callable[[int, int], None] | None = None) -> int:
-        """Stop serving (in-flight calls get ``grace`` seconds), then close regions and the Store;
-        returns how many memory blocks the Store committed to NVMe as it closed (``progress``:
-        see ``Store.close``)."""
+    def halt(self, grace: float | None = None) -> None:
+        """Stop serving: in-flight calls get ``grace`` seconds, then are cancelled; then wait up
+        to ``drain_s`` for their handlers to end. The audit log and the Store stay open."""
         if self._stopped.is_set():
-            return 0
+            return
         self._stopped.set()
         self.health.enter_graceful_shutdown()
         self.grpc_server.stop(self.config.grace_s if grace is None else grace).wait()
@@ -128,6 +128,20 @@ class SidecarServer:
             self._sweeper.join()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
+        # NOTE: grpc's stop cancels the calls still running but not their threads: a delete in
+        # its Redis part went on, and found the audit log closed (its outcome lost) and the
+        # Store closing (whose wait for it serve() reported as the NVMe commit's time)
+        if self.rpc is not None and (left := self.rpc.drain(self.config.drain_s)):
+            log.warning("%d calls still running %.0f s after the server stopped; closing the audit "
+                        "log under them (their outcome may be missing from it)", left, self.config.drain_s)
+
+    def stop(self, grace: float | None = None, *, progress: Callable[[int, int], None] | None = None) -> int:
+        """:meth:`halt`, then close regions, the audit log and the Store; returns how many memory
+        blocks the Store committed to NVMe as it closed (``progress``: see ``Store.close``)."""
+        if self._closed:
+            return 0
+        self.halt(grace)
+        self._closed = True
         self.data.close()
         self.audit.close()
         return int(self.store.close(progress=progress) or 0)
@@ -301,6 +315,7 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if server is not None:
+            server.halt()  # NOTE: first: the calls' wait is not the commit's time below
             persisted = _Counted("committing memory blocks to NVMe", progress)
             committed = server.stop(progress=persisted)
             if persisted.total:

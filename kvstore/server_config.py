@@ -332,6 +332,12 @@ class ServerConfig(BaseModel):
     """On shutdown, how long in-flight calls may finish: finite seconds, at most an hour (an
     infinite grace made grpc's stop raise OverflowError at SIGINT)."""
 
+    drain_s: Annotated[float, Field(ge=0, le=3600, allow_inf_nan=False)] = 60.0
+    """On shutdown, after ``grace_s``, how long to wait for handlers still running (grpc
+    cancels their calls but cannot stop their threads: a delete in its Redis part, say) before
+    the audit log and the Store close under them; one still running then is logged, and its
+    outcome may be missing from the audit log. At most an hour."""
+
     @model_validator(mode="after")
     def _streaming_copy_threshold(self) -> ServerConfig:
         if 0 < self.streaming_copy_bytes < STREAMING_COPY_MIN:

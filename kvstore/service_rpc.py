@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
@@ -69,6 +70,15 @@ class RpcRunner:
             self.limiter = CallLimiter(calls.calls_per_principal, calls.streams_per_principal, calls.tenant_calls)
             self.idle = IdleWatch(calls.stream_idle_s)
         self._calls: dict[Any, _Call] = {}  # context -> what its stream handler said
+        self._running = 0  # calls inside run(): drain() waits for them
+        self._ended = threading.Condition()
+
+    def drain(self, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for the calls inside :meth:`run` to end (after the
+        server stopped: grpc cancelled them, their threads go on); returns how many still run."""
+        with self._ended:
+            self._ended.wait_for(lambda: not self._running, timeout)
+            return self._running
 
     def principal(self, context: grpc.ServicerContext) -> Principal:
         # NOTE: the epoch is read BEFORE the token is checked: a tenant deleted after this
@@ -90,6 +100,8 @@ class RpcRunner:
         code = "OK"
         who = "?"
         slot = None
+        with self._ended:
+            self._running += 1
         try:
             principal = self.principal(context)
             who = principal.name
@@ -132,6 +144,9 @@ class RpcRunner:
                 slot.release()
             if self.metrics is not None:
                 self.metrics.observe(name, code, time.perf_counter() - start)
+            with self._ended:
+                self._running -= 1
+                self._ended.notify_all()
 
     @staticmethod
     def relay(context: grpc.ServicerContext, frames: Iterator[Any]) -> Iterator[Any]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvstore.audit import DETAIL_CHARS, AuditEntry, Recorder, bounded
 from kvstore.auth import Principal, Role, TenantPolicy
-from kvstore.errors import InvalidArgument, PermissionDenied
+from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied
 from kvstore.service_admin import AdminPlane, create_detail, grant_detail, policy_detail
 from kvstore.service_convert import spec_from_pb
 from kvstore.service_rpc import RpcRunner
@@ -90,11 +90,24 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return self._run("SetPolicy", "policy.set", "", context, call, audit=audit)
 
     def PurgeModel(self, request, context):
+        # NOTE: the entry names the fingerprint purged and the model it was computed from (it
+        # said only the model's name: which revision went was not on record) and, at the end,
+        # how many blocks went
+        audit = Recorder(self.plane.audit, "model.purge", request.fingerprint.hex() or request.spec.model)
+        if not request.fingerprint:
+            try:
+                spec = spec_from_pb(request.spec, request.HasField("spec"))
+                audit.target = spec.fingerprint.hex()
+                audit.detail = f"model={spec.model} revision={spec.revision}"
+            except KVStoreError:
+                pass  # the call raises it again, once authenticated
+
         def call(p: Principal) -> apb.PurgeModelResponse:
             fp = request.fingerprint or (spec_from_pb(request.spec, request.HasField("spec")).fingerprint)
-            return apb.PurgeModelResponse(blocks=self.plane.purge_model(fp))
-        target = request.fingerprint.hex() or request.spec.model
-        return self._run("PurgeModel", "model.purge", target, context, call)
+            blocks = self.plane.purge_model(fp)
+            audit.detail = f"{audit.detail} blocks={blocks}".lstrip()  # the outcome's entry
+            return apb.PurgeModelResponse(blocks=blocks)
+        return self._run("PurgeModel", "model.purge", "", context, call, audit=audit)
 
     def ReadAudit(self, request, context):
         def call(p: Principal) -> apb.ReadAuditResponse:
