@@ -26,9 +26,10 @@ lock, index, placement, session table, keyring, quantization policy and remote t
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstore.block import BlockMeta, Tier
 from kvstore.errors import InvalidArgument
@@ -193,24 +194,33 @@ class TenantAdmin:
         of the tenant meanwhile is dropped by the local part, and none of its blocks is
         written to the remote tier."""
         self._check_tenant(tenant)
-        gone: set[bytes] = set()
         with ExitStack() as stack:
-            cancel = None
-            with self._lock:
-                self._check_open()
-                self._removals += 1  # a get fetching from the remote tier now promotes nothing
-                if self._remote is not None:
-                    self._deletes_open += 1  # Store.close waits for it
-                    stack.callback(self._delete_ended)
-                    cancel = stack.enter_context(self._remote.purging(tenant=tenant))
-            if self._remote is not None:  # destroys its shared data key, then its values
-                assert cancel is not None
-                cancel()  # NOTE: not under the lock: it waits for a write of the tenant in flight
-                gone = self._remote.purge_tenant(tenant)
+            # the remote part destroys its shared data key, then its values
+            cancel, gone = self._purge_remote(stack, lambda r: r.purge_tenant(tenant), tenant=tenant)
             n = self._drop_locally(tenant, gone)
             if cancel is not None:
                 cancel()  # demotions queued meanwhile by blocks now dropped
         return n
+
+    def _purge_remote(self, stack: ExitStack, purge: Callable[[Any], set],
+                      **which: Any) -> tuple[Callable[[], Any] | None, set]:
+        """The opening of :meth:`drop_tenant` and :meth:`purge_model`: under the lock, a get
+        fetching from the remote tier now promotes nothing and, with a remote tier,
+        :meth:`close` waits for the caller (until ``stack`` closes) and the remote writer's
+        filter ``which`` (``tenant=`` or ``fingerprint=``) is set, held until ``stack``
+        closes; then, without the lock, the queued demotions it matches are cancelled and
+        ``purge(remote)`` runs. Returns (the filter's cancel, or None without a remote tier;
+        what ``purge`` returned, or an empty set)."""
+        with self._lock:
+            self._check_open()
+            self._removals += 1
+            if self._remote is None:
+                return None, set()
+            self._deletes_open += 1  # Store.close waits for it
+            stack.callback(self._delete_ended)
+            cancel = stack.enter_context(self._remote.purging(**which))
+        cancel()  # NOTE: not under the lock: it waits for a write it matches in flight
+        return cancel, purge(self._remote)
 
     def _drop_locally(self, tenant: str, gone: set[bytes]) -> int:
         """The local part of :meth:`drop_tenant` (``gone``: the keys its remote part removed);
@@ -246,20 +256,8 @@ class TenantAdmin:
         from kvstore.codec import tenant_hash
 
         self._check_fingerprint(fingerprint)  # NOTE: any other value returned 0, deleting nothing
-        gone: set[tuple[str, bytes]] = set()
         with ExitStack() as stack:
-            with self._lock:
-                self._check_open()
-                self._removals += 1
-                cancel = None
-                if self._remote is not None:
-                    self._deletes_open += 1  # Store.close waits for it
-                    stack.callback(self._delete_ended)
-                    cancel = stack.enter_context(self._remote.purging(fingerprint=fingerprint))
-            if self._remote is not None:
-                assert cancel is not None
-                cancel()  # NOTE: not under the lock: it waits for a write of the model in flight
-                gone = self._remote.purge_model(fingerprint)
+            cancel, gone = self._purge_remote(stack, lambda r: r.purge_model(fingerprint), fingerprint=fingerprint)
             with self._lock, self._batch():
                 self._check_open()
                 self._removals += 1  # a get that fetched meanwhile promotes nothing
