@@ -418,6 +418,21 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                     raise
             log.warning("put stored its %d blocks, but %s", len(held), exc)
 
+    def _bring_up(self, m: BlockMeta, what: str) -> None:
+        """Promote ``m`` with the ancestors it continues from into the top tier (ancestors
+        first: no block sits above its parent); ResourceExhausted when they do not all fit (the
+        tier is full of pinned blocks). Under the lock."""
+        top = self.tiers[0]
+        chain = [m]
+        while (p := self._index.get(chain[-1].tenant, chain[-1].parent)) is not None and p.tier > top:
+            chain.append(p)
+        self._place.promote(chain[::-1], top)
+        if m.tier > top:
+            pinned = sum(b.nbytes for b in self._index if b.tier == top and b.pins)
+            raise ResourceExhausted(f"cannot bring {what} into {top.label} (it is in {m.tier.label}): "
+                                    f"{top.label} cannot make room ({pinned} bytes of it are pinned by "
+                                    f"sessions)", resource=top.label)
+
     def _put_locked(self, tenant: str, spec: ModelSpec, keys: list[bytes], data: Callable[[int], Any],
                     session: str | None, ttl_s: float | None, parent0: bytes, held: list[BlockMeta]) -> bool:
         """The body of :meth:`_put` inside its lock and NVMe batch; fills ``held`` with the
@@ -439,6 +454,11 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                     or self._place.expired(pm, now)):
                 raise ParentNotStored(f"{ParentNotStored.PREFIX} (never put, evicted or expired): put "
                                       "the chain from its root")
+            if sess is not None and pm.tier > self.tiers[0]:
+                # NOTE: session blocks live in the top tier and no block sits above its parent:
+                # a parent demoted meanwhile (a shared prompt under other traffic) failed the put
+                # as "could not be brought up", and nothing had tried to
+                self._bring_up(pm, f"the block session {session!r} continues from")
             parent_tier, base_depth = pm.tier, pm.depth + 1
         self._refuse_what_cannot_fit(tenant, spec, keys, parent_tier, pinned=sess is not None)
         # New blocks bound for NVMe are encoded ahead while the previous ones are written.
@@ -465,13 +485,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                         inserted.append(m)
                     else:
                         existing.append(m)
-                        if sess is not None and m.tier > self.tiers[0]:
-                            self._place.promote([m])  # session blocks live in HBM
-                            if m.tier > self.tiers[0]:
-                                raise ResourceExhausted(
-                                    f"cannot bring block {i} of session {session!r} into "
-                                    f"{self.tiers[0].label}: it is full of pinned blocks",
-                                    resource=self.tiers[0].label)
+                        if sess is not None and m.tier > self.tiers[0]:  # session blocks live in HBM
+                            self._bring_up(m, f"block {i} of session {session!r}")
                     if (tenant, key) not in self._place.protected:
                         self._place.protected.add((tenant, key))
                         guarded.append((tenant, key))
