@@ -679,17 +679,24 @@ class Client:
         return self._call_local(self._kv.GetLocal, req, staged).num_blocks
 
     # -- sessions, prefetch, delete, stats -----------------------------------------------------
-    def open_session(self, session_id: str) -> None:
-        self._call(self._kv.OpenSession, pb.SessionRequest(session_id=check_text("session_id", session_id)))
+    def _session(self, method: Any, session_id: str, namespace: str) -> None:
+        """A session verb on ``session_id`` in ``namespace`` ("" the caller's own; a publisher
+        of several namespaces names the one its puts with ``session=`` name)."""
+        self._call(method, pb.SessionRequest(session_id=check_text("session_id", session_id),
+                                             namespace=check_text("namespace", namespace)))
 
-    def pause_session(self, session_id: str) -> None:
-        self._call(self._kv.PauseSession, pb.SessionRequest(session_id=check_text("session_id", session_id)))
+    def open_session(self, session_id: str, *, namespace: str = "") -> None:
+        """Open a session (re-opening a paused one resumes it, as :meth:`resume_session`)."""
+        self._session(self._kv.OpenSession, session_id, namespace)
 
-    def resume_session(self, session_id: str) -> None:
-        self._call(self._kv.ResumeSession, pb.SessionRequest(session_id=check_text("session_id", session_id)))
+    def pause_session(self, session_id: str, *, namespace: str = "") -> None:
+        self._session(self._kv.PauseSession, session_id, namespace)
 
-    def close_session(self, session_id: str) -> None:
-        self._call(self._kv.CloseSession, pb.SessionRequest(session_id=check_text("session_id", session_id)))
+    def resume_session(self, session_id: str, *, namespace: str = "") -> None:
+        self._session(self._kv.ResumeSession, session_id, namespace)
+
+    def close_session(self, session_id: str, *, namespace: str = "") -> None:
+        self._session(self._kv.CloseSession, session_id, namespace)
 
     def prefetch(self, spec: ModelSpec, keys: Sequence[bytes], tier: str | Tier = "hbm", *,
                  namespace: str = "", parent: bytes | None = None) -> int:

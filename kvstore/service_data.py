@@ -32,7 +32,7 @@ import numpy as np
 from kernels.copy import copy_blocks, copy_bytes
 from kvstore.audit import AuditLog, Recorder
 from kvstore.auth import AuthRegistry, Principal, resolve_namespace
-from kvstore.block import Tier
+from kvstore.block import SessionState, Tier
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, Unavailable
 from kvstore.keys import KEY_BYTES, ROOT_KEY, block_keys
 from kvstore.metrics import ServiceMetrics
@@ -308,21 +308,21 @@ class DataPlane:
             finally:
                 self._unstage(b.namespace, staged)
 
-    def session(self, principal: Principal, verb: str, session_id: str) -> None:
-        """``verb`` is one of open, pause, resume, close."""
+    def session(self, principal: Principal, verb: str, session_id: str, namespace: str = "") -> SessionState:
+        """``verb`` is one of open, pause, resume, close; the session's state after it. The
+        session lives in ``namespace`` (resolved for writing, as a put's: "" is the caller's
+        own; a publisher of several namespaces names one, the namespace its puts with
+        ``session=`` name)."""
         if not session_id:
             raise InvalidArgument("session_id is required")
         size = len(session_id.encode())
         if size > self.limits.max_session_id_bytes:
             raise InvalidArgument(f"session_id is {size} bytes, more than "
                                   f"limits.max_session_id_bytes={self.limits.max_session_id_bytes}")
-        ns = resolve_namespace(principal, "", write=True)
-        if verb == "open":  # NOTE: a session lives until closed: without a bound, memory grew per id
-            self.store.open_session(ns, session_id, max_sessions=self.limits.max_sessions_per_tenant)
-            return
-        call = {"pause": self.store.pause_session, "resume": self.store.resume_session,
-                "close": self.store.close_session}[verb]
-        call(ns, session_id)
+        # NOTE: this resolved "" always: a publisher of several namespaces could not use sessions
+        ns = resolve_namespace(principal, namespace, write=True)
+        # NOTE: a session lives until closed: without a bound (max_sessions), memory grew per id
+        return self.store.session_verb(ns, session_id, verb, max_sessions=self.limits.max_sessions_per_tenant)
 
     def prefetch(self, b: Blocks, tier: Tier) -> int:
         return int(self.store.prefetch(b.namespace, b.spec, b.keys, tier=tier.label, parent=b.parent))

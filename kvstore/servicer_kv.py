@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import grpc
 
 from kvstore.auth import Principal, Role
+from kvstore.block import SessionState
 from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.frames import Frame, decoder
 from kvstore.service_convert import spec_from_pb, tier_codes, tier_from_pb
@@ -30,8 +31,8 @@ FRAME_CODECS: dict[str, Codec] = {
     "Get": (pb.GetRequest.FromString, None),
 }
 _REGION_KINDS = {pb.REGION_KIND_POSIX_SHM: "posix_shm", pb.REGION_KIND_CUDA_IPC: "cuda_ipc"}
-_SESSION_STATES = {"open": pb.SESSION_STATE_ACTIVE, "pause": pb.SESSION_STATE_PAUSED,
-                   "resume": pb.SESSION_STATE_RESUMED, "close": pb.SESSION_STATE_CLOSED}
+_SESSION_STATES = {SessionState.ACTIVE: pb.SESSION_STATE_ACTIVE, SessionState.PAUSED: pb.SESSION_STATE_PAUSED,
+                   SessionState.RESUMED: pb.SESSION_STATE_RESUMED, SessionState.CLOSED: pb.SESSION_STATE_CLOSED}
 
 
 def add_kvstore_servicer(servicer: KVStoreServicer, server: grpc.Server) -> None:
@@ -121,8 +122,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     def _session(self, verb: str, request, context):
         def call(p: Principal) -> pb.SessionResponse:
-            self.plane.session(p, verb, request.session_id)
-            return pb.SessionResponse(session_id=request.session_id, state=_SESSION_STATES[verb])
+            # NOTE: the answer was the state the verb's name implies (re-opening a PAUSED session
+            # answered ACTIVE while it stayed paused); it is the session's real state after the call
+            state = self.plane.session(p, verb, request.session_id, request.namespace)
+            return pb.SessionResponse(session_id=request.session_id, state=_SESSION_STATES[state])
         return self.rpc.run(f"{verb.capitalize()}Session", context, call)
 
     def OpenSession(self, request, context):

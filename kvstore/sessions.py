@@ -42,8 +42,9 @@ class SessionTable:
         return sess
 
     def open(self, tenant: str, sid: str, limit: int | None = None) -> Session:
-        """The session, created ACTIVE when new (re-opening is idempotent); a new one past
-        ``limit`` sessions of the tenant -> ResourceExhausted."""
+        """The session, created ACTIVE when new; an existing one is returned in whatever state
+        it is (the Store resumes a PAUSED one: :meth:`kvstore.store.Store.open_session`); a new
+        one past ``limit`` sessions of the tenant -> ResourceExhausted."""
         sess = self._by_id.get((tenant, sid))
         if sess is not None:
             return sess

@@ -5,7 +5,8 @@ lock, index, session table, placement and chain walk. A session's state decides 
 pins (see DESIGN.md §7):
 
 * ACTIVE/RESUMED pin them in HBM (``Store.put(..., session=)`` lands them there;
-  :meth:`SessionPins.resume_session` pins a paused session's blocks again and brings them up);
+  :meth:`SessionPins.resume_session`, or re-opening the session, pins a paused session's blocks
+  again and brings them up);
 * PAUSED unpins them and demotes them to DRAM, where they are kept (the reuse policy counts
   them as a paused session's blocks);
 * CLOSED unpins them: they stay as shareable prefix cache under the policy.
@@ -61,15 +62,44 @@ class SessionPins:
         sess.state = SessionState.PAUSED if pause else SessionState.RESUMED
         return blocks
 
-    def open_session(self, tenant: str, session: str, *, max_sessions: int | None = None) -> None:
-        """Start (or re-open) a session: blocks put with ``session=`` are pinned in HBM.
+    def open_session(self, tenant: str, session: str, *, max_sessions: int | None = None) -> SessionState:
+        """Start (or re-open) a session: blocks put with ``session=`` are pinned in HBM; returns
+        its state after the call. Re-opening an ACTIVE/RESUMED session changes nothing;
+        re-opening a PAUSED one resumes it (:meth:`resume_session`: all or nothing, and
+        ResourceExhausted, the session still paused, when HBM is full of pinned blocks).
         ``max_sessions``: refuse a new one (ResourceExhausted) when the tenant has that many."""
         self._check_tenant(tenant)
         if not isinstance(session, str) or not session:
             raise InvalidArgument("session id must be a non-empty string")
         with self._lock:
             self._check_open()
-            self._sessions.open(tenant, session, max_sessions)
+            sess = self._sessions.open(tenant, session, max_sessions)
+            if sess.state == SessionState.PAUSED:
+                # NOTE: a paused session was left paused while the service answered ACTIVE: its
+                # later puts were not pinned, and the policy evicted them
+                with self._batch():
+                    self._resume_locked(tenant, session)
+            return sess.state
+
+    def session_verb(self, tenant: str, session: str, verb: str, *,
+                     max_sessions: int | None = None) -> SessionState:
+        """Run ``verb`` (open, pause, resume or close) on the session and return its state
+        after the call, read under the same lock (CLOSED once closed); what the service answers.
+        Why: a verb's own name is not the state it leaves (resuming an ACTIVE session leaves it
+        ACTIVE; a failed re-open leaves it PAUSED)."""
+        with self._lock:
+            if verb == "open":
+                return self.open_session(tenant, session, max_sessions=max_sessions)
+            if verb == "close":
+                self.close_session(tenant, session)
+                return SessionState.CLOSED
+            if verb == "pause":
+                self.pause_session(tenant, session)
+            elif verb == "resume":
+                self.resume_session(tenant, session)
+            else:
+                raise InvalidArgument(f"unknown session verb {verb!r}")
+            return self._session(tenant, session).state
 
     def pause_session(self, tenant: str, session: str) -> int:
         """Unpin the session's blocks and demote them to DRAM (kept); returns blocks moved."""
@@ -105,27 +135,31 @@ class SessionPins:
         cannot take them all (it is full of pinned blocks), the session stays PAUSED, what
         moved goes back down, and ResourceExhausted says so; retry when room is freed."""
         with self._lock, self._batch():
-            blocks = self._turn(tenant, session, pause=False)
-            if blocks is None:
-                return 0
-            top = self.tiers[0]
-            chain = {(m.tenant, m.key): m for m in blocks}
-            for m in blocks:  # NOTE: a parent outside the session in a slower tier stopped it all
-                p = self._index.get(m.tenant, m.parent)
-                while p is not None and p.tier > top and (p.tenant, p.key) not in chain:
-                    chain[(p.tenant, p.key)] = p
-                    p = self._index.get(p.tenant, p.parent)
-            moved = self._place.promote(sorted(chain.values(), key=lambda m: m.depth), top)
-            left = sum(m.tier != top for m in blocks)
-            if left:
-                # NOTE: this returned a smaller count and left pinned blocks in DRAM, silently
-                self._turn(tenant, session, pause=True)
-                self._park(blocks)
-                raise ResourceExhausted(
-                    f"session {session!r}: {left} of {len(blocks)} blocks do not fit in "
-                    f"{top.label} (it is full of pinned blocks); the session stays paused, "
-                    f"resume it when room is freed", resource=top.label)
-            return moved
+            return self._resume_locked(tenant, session)
+
+    def _resume_locked(self, tenant: str, session: str) -> int:
+        """:meth:`resume_session`, under the lock and inside a batch."""
+        blocks = self._turn(tenant, session, pause=False)
+        if blocks is None:
+            return 0
+        top = self.tiers[0]
+        chain = {(m.tenant, m.key): m for m in blocks}
+        for m in blocks:  # NOTE: a parent outside the session in a slower tier stopped it all
+            p = self._index.get(m.tenant, m.parent)
+            while p is not None and p.tier > top and (p.tenant, p.key) not in chain:
+                chain[(p.tenant, p.key)] = p
+                p = self._index.get(p.tenant, p.parent)
+        moved = self._place.promote(sorted(chain.values(), key=lambda m: m.depth), top)
+        left = sum(m.tier != top for m in blocks)
+        if left:
+            # NOTE: this returned a smaller count and left pinned blocks in DRAM, silently
+            self._turn(tenant, session, pause=True)
+            self._park(blocks)
+            raise ResourceExhausted(
+                f"session {session!r}: {left} of {len(blocks)} blocks do not fit in "
+                f"{top.label} (it is full of pinned blocks); the session stays paused, "
+                f"resume it when room is freed", resource=top.label)
+        return moved
 
     def close_session(self, tenant: str, session: str) -> None:
         """Unpin the session's blocks; they stay as shareable prefix cache under policy."""
