@@ -24,10 +24,13 @@ Data planes, chosen automatically:
   fixed cost per message).
 
 Long chains: every verb takes ``parent=`` (the stored block ``keys[0]`` continues from), as the
-Store does. The client uses it itself when a staged request does not fit the free part of the
-shared region: it moves the chain in pieces that fit, each continuing from the previous piece's
-last key. Each piece is all-or-nothing; if a later piece fails, the earlier pieces stay stored
-(a valid, shorter prefix).
+Store does. The client uses it itself when a staged get does not fit the free part of the
+shared region: it reads the chain in pieces that fit, each continuing from the previous piece's
+last key (a miss ends the prefix). A staged put that does not fit goes in-band as one stream
+instead, so that a put is all or nothing on either plane (in pieces, a failed later piece left
+the earlier ones stored); the stream's limits then apply (``limits.max_blocks_per_stream``,
+``max_stream_bytes``): put a bigger one from :meth:`Client.local_blocks`, or in calls of your
+own with ``parent=``.
 
 Errors come back as the same typed exceptions the Store raises (see :mod:`kvstore.status`).
 A client is thread-safe.
@@ -66,7 +69,6 @@ from kvstore.errors import (
     IntegrityError,
     InvalidArgument,
     KVStoreError,
-    ParentNotStored,
     ShapeMismatch,
     UnknownRegion,
 )
@@ -527,35 +529,29 @@ class Client:
         if base is not None:  # already in the region: the server copies it once
             self._put_slots(put, put.keys, [base + i * nbytes for i in range(len(put.keys))], parent)
             return
-        # staged through the region (one more copy), in pieces that fit its free part
+        # staged through the region (one more copy), in one call
+        if not put.keys:
+            return
         self._settle_held(lp)
-        done = 0
-        while done < len(put.keys):
-            off, count = lp.reserve_blocks(len(put.keys) - done, nbytes)
-            if not count:  # not even one block fits: the rest goes in-band
-                rest = _Put(put.spec, put.keys[done:], put.session, put.ttl_s, put.namespace)
-                self._put_stream(rest, rows[done:], parent)
-                return
-            try:
-                for j in range(count):
-                    host_copy(lp.arena[off + j * nbytes : off + (j + 1) * nbytes], rows[done + j])
-            except BaseException:
-                lp.release(off)
-                raise
-            try:
-                self._put_slots(put, put.keys[done : done + count],
-                                [off + j * nbytes for j in range(count)], parent, staged=off)
-            except ParentNotStored:
-                if not done:
-                    raise
-                # NOTE: an earlier piece of this put was evicted or deleted since it was
-                # stored: the blocks after it can never be reached, as if the whole put had
-                # been stored and then evicted (a put in one piece does just that). It was
-                # NotFound naming a parent the caller never gave.
-                return
+        off = lp.reserve(len(put.keys) * nbytes)
+        if off is None:
+            # NOTE: such a put was sent in pieces that fit the region's free part, each its own
+            # commit: when a later piece failed (no room left in HBM for a session's blocks, a
+            # quota), the earlier ones stayed stored, and pinned with session=, after the call
+            # raised. Undoing them is no cure: a delete would also drop blocks stored before
+            # this put (puts of existing keys dedupe), maybe read by other clients meanwhile. A
+            # Put stream is all or nothing, so the whole put goes in-band (slower, not wrong;
+            # bounded by the stream limits, where pieces were not: see the module docstring).
+            self._put_stream(put, rows, parent)
+            return
+        try:
+            for j in range(len(put.keys)):
+                host_copy(lp.arena[off + j * nbytes : off + (j + 1) * nbytes], rows[j])
+        except BaseException:
             lp.release(off)
-            done += count
-            parent = put.keys[done - 1]
+            raise
+        self._put_slots(put, put.keys, [off + j * nbytes for j in range(len(put.keys))], parent, staged=off)
+        lp.release(off)
 
     def _put_slots(self, put: _Put, keys: list[bytes], offsets: list[int], parent: bytes | None,
                    staged: int | None = None) -> None:
@@ -647,7 +643,8 @@ class Client:
         base = lp.offsets_of(rows)
         if base is not None:
             return self._get_slots(spec, keys, [base + i * nbytes for i in range(len(keys))], namespace, parent)
-        # staged through the region, in pieces that fit (see _put_local)
+        # staged through the region, in pieces that fit its free part (each continues from the
+        # previous piece's last key; a get may end short, so pieces need no atomicity)
         self._settle_held(lp)
         got = 0
         while got < len(keys):
