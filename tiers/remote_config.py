@@ -155,6 +155,20 @@ class RemoteConfig(BaseModel):
     """Longest wait of one read of the deletions stream (``XREAD BLOCK``): a new entry ends it at
     once; a reader stopped by ``close`` ends at once too (its connection is shut down)."""
 
+    rewrite_window_s: Annotated[float, Field(ge=0, le=3600, allow_inf_nan=False)] = 5.0
+    """How long this server remembers each demotion its writer completed (block, model,
+    parent), so that when it applies another server's deletion it deletes from Redis the ones
+    that landed there after that deletion (a demotion of a block it still held, written
+    between the other server's ``UNLINK`` and its reading the entry: about a millisecond on a
+    healthy Redis; counted ``deletions_rewritten``). An entry read later than this after such
+    a write (its reader stalled or Redis unreachable meanwhile) does not find it: the block
+    stays in Redis until it expires. 0: nothing is remembered (the window stays open)."""
+
+    rewrite_window_blocks: Annotated[int, Field(ge=0, le=1 << 22)] = 16_384
+    """The most demotions remembered for ``rewrite_window_s`` (about 0.5 KiB each: 8 MiB by
+    default); past it the oldest are forgotten first, so at more than this many writes per
+    ``rewrite_window_s`` the window is shorter. 0: nothing is remembered."""
+
     @field_validator("urls")
     @classmethod
     def _schemes(cls, urls: list[str]) -> list[str]:

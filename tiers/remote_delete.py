@@ -35,6 +35,10 @@ local subtree the deleting server passes.
 Deletions stream: ``delete_subtrees``, ``purge_model`` and ``purge_tenant`` record what they removed in
 ``<namespace>:deletions`` (the commands and the reader that applies the other servers' entries:
 :mod:`tiers.remote_invalidate`), so the other servers sharing the Redis drop their local copies.
+Each also forgets the writes it removed from the writer's record of recent writes
+(:class:`~tiers.remote_writer.RecentWrites`): an entry applied later does not look for them.
+``_delete_subtrees(publish_unfound=False)`` is the reader's deletion of this server's own
+rewrites (``delete_rewritten``): published only when a value was found.
 """
 
 from __future__ import annotations
@@ -198,12 +202,20 @@ class Deletes:
         Blocks written by an older version recorded no children: the caller passes the ones it
         knows (its local subtree) among ``roots``. ``doom``: from an open :meth:`deleting` of
         these blocks (default: one held for this call only)."""
+        return self._delete_subtrees(tenant, roots, doom)[0]
+
+    def _delete_subtrees(self, tenant: str, roots: Sequence[tuple[bytes, bytes]], doom: Doom | None,
+                         *, publish_unfound: bool = True) -> tuple[set[bytes], set[bytes]]:
+        """:meth:`delete_subtrees`; returns (what it returns, the keys of the values it
+        unlinked). ``publish_unfound`` False: the entry is published only when a value was
+        unlinked (a deletion of this server's rewrites: when none was left, there is nothing
+        the other servers have to drop, and an entry would only echo the one applied)."""
         roots = list(dict.fromkeys(roots))
         if not roots:
-            return set()
+            return set(), set()
         if doom is None:
             with self.deleting(tenant, (k for k, _ in roots)) as held:
-                return self.delete_subtrees(tenant, roots, held)
+                return self._delete_subtrees(tenant, roots, held, publish_unfound=publish_unfound)
         gone = doom(k for k, _ in roots)
         found = set(roots)
         level = roots
@@ -219,24 +231,27 @@ class Deletes:
         with self._lock:
             for k, _ in found_list:
                 self._unheld((tenant, k))
+        unlinked: set[bytes] = set()
         for part in _parts(found_list):
             replies = self._checked(self._batch(
                 "UNLINK", [self._value_key(tenant, fp, k) for k, fp in part]),
                 len(found_list), "remote copies could not be deleted")
-            gone.update(k for (k, _), r in zip(part, replies) if r)
+            unlinked.update(k for (k, _), r in zip(part, replies) if r)
+        gone |= unlinked
+        self._recent.forget(tenant, found_list)  # deleted: no later entry deletes them again
         parts = list(_parts(found_list))
         for i, part in enumerate(parts):  # NOTE: last: a retry walks them again
             cmds: list[Command] = [(ck, ("UNLINK", ck)) for ck in
                                    (self._children_key(tenant, fp, k) for k, fp in part)]
-            if i == len(parts) - 1:  # the other servers drop their local copies (same round trip)
-                cmds += self._deletion_entries(tenant, [*(k for k, _ in found_list), *gone],
-                                               (fp for _, fp in found_list))
+            if i == len(parts) - 1 and (publish_unfound or unlinked):  # the other servers drop
+                cmds += self._deletion_entries(  # their local copies (same round trip)
+                    tenant, [*(k for k, _ in found_list), *gone], (fp for _, fp in found_list))
             replies = self._multi(cmds)
             self._checked(replies[:len(part)], len(found_list), "children sets could not be deleted")
             self._published(replies[len(part):])
         self._count("deletes", len(found))
         self._count("subtree_blocks_deleted", len(gone))
-        return gone
+        return gone, unlinked
 
     def _checked(self, replies: list[Any], total: int, what: str) -> list[Any]:
         """``replies`` when every one is a success, else Unavailable (counted)."""
@@ -292,6 +307,7 @@ class Deletes:
             self._published(self._multi(entry))
         with self._lock:
             self._unheld_where(lambda ident, _: ident[0] == tenant)
+        self._recent.forget_where(lambda w: w.tenant == tenant)
         self._count("tenant_keys_deleted", n)
         return {key for _, key in gone}
 
@@ -311,6 +327,7 @@ class Deletes:
         with self._lock:
             self._unheld_where(lambda _, h: h.fingerprint == fingerprint)
             self._counts["model_keys_deleted"] += len(gone)
+        self._recent.forget_where(lambda w: w.fingerprint == fingerprint)
         return gone
 
 

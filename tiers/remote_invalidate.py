@@ -53,23 +53,40 @@ served there, and written to Redis again when they leave those servers' last loc
   ``apply(deletion)`` (the Store drops its local copies; returns how many; of a tenant, every
   block of it and nothing else: its sessions and rules there stay, and a server that holds no
   block of it drops nothing) and cancels once more
-  (demotions queued meanwhile). It never deletes anything in Redis (the publisher did) and never
-  raises: a fault is counted (``deletions_read_errors``) and retried with backoff (the breaker's
-  base and cap), a failing ``apply`` is logged and counted (``deletions_apply_errors``).
+  (demotions queued meanwhile). In Redis it deletes only what this server itself wrote there
+  recently of what the entry covers (``delete_rewritten``, below; the rest the publisher
+  deleted), and it never raises: a fault is counted (``deletions_read_errors``) and retried with
+  backoff (the breaker's base and cap), a failing ``apply`` is logged and counted
+  (``deletions_apply_errors``).
+* ``rewritten_tenants(d)`` / ``delete_rewritten(d, local)`` — what the Store's ``apply`` calls
+  once its local part is done, with the writer's filter for the deletion held and a matching
+  write in flight waited for: this server's demotions that landed in Redis after the other
+  server's deletion and before this entry was read (the writer records every write it
+  completed, :class:`~tiers.remote_writer.RecentWrites`, for ``rewrite_window_s``, at most
+  ``rewrite_window_blocks``) are checked (one ``EXISTS`` round trip) and the ones still there
+  deleted with their Redis subtrees (``delete_subtrees``: children sets too), counted
+  ``deletions_rewritten``; that deletion is published (the servers that read one meanwhile drop
+  it) only when a value was found, so an entry never echoes. A Redis fault meanwhile is
+  counted (``deletions_rewritten_failed``, blocks) and logged; those copies stay until they
+  expire.
 * ``stop_deletions()`` — stops the reader promptly (its connection is shut down, so a read blocked
   on a paused Redis ends at once); :meth:`RemoteTier.close` calls it first.
 
 What remains open: a server that cannot read the stream (Redis down, or trimmed past its
 position) misses those deletions (counted ``deletions_missed`` when a trim past the saved
 position is seen at open): its local copies stay until they expire or are evicted, and may then
-be written back to Redis. And a window: a demotion another server writes between the removal of
-the block's value from Redis and the moment that server cancels it (one round trip of the
-deleting server, then the delivery of the entry; for a block it evicts from its last local tier
-meanwhile, also the wait for its Store's lock) brings the block back. Measured on loopback
-(2-core VM, 300 deletions): the reader cancelled the queued demotions 0.1 ms before the
-publisher had the ``XADD`` reply (median), 0.6 ms after it at p99, 0.8 ms at most; one round
-trip is 0.08 ms. Closing it needs the demotion's ``SET`` to check a per-block marker the deletion
-leaves, atomically (a script in :mod:`tiers.remote_put`), which is not done.
+be written back to Redis. The window between the removal of a block's value from Redis and the
+moment another server cancels its demotions (one round trip of the deleting server, then the
+delivery of the entry: measured on loopback, 2-core VM, 300 deletions, the reader cancelled
+them 0.1 ms before the publisher had the ``XADD`` reply (median), 0.6 ms after it at p99) is
+closed afterwards by ``delete_rewritten``, as long as the entry is applied within
+``rewrite_window_s`` of the write (and fewer than ``rewrite_window_blocks`` writes came after
+it): a server whose reader is stalled longer (Redis unreachable) leaves its write there until it
+expires; and a third server that read the block from Redis in the instant between the rewrite
+and its deletion serves it until it applies the entry that deletion publishes (about a
+millisecond more). Closing it at the
+source needs the demotion's ``SET`` to check a per-block marker the deletion leaves, atomically
+(a script in :mod:`tiers.remote_put`), which is not done.
 """
 
 from __future__ import annotations
@@ -93,6 +110,7 @@ from redis.backoff import EqualJitterBackoff
 from redis.exceptions import ResponseError
 
 from kvstore.codec_format import TENANT_HASH_BYTES
+from kvstore.errors import Unavailable
 from kvstore.keys import KEY_BYTES
 from kvstore.spec import FINGERPRINT_BYTES
 from tiers.remote_calls import FAULTS, Command, succeeded
@@ -262,6 +280,7 @@ class SharedDeletions:
         self._position: Path | None = None
         self._last_id: str | None = None  # the last entry read (None: not positioned yet)
         self._open_end: str | None = None  # the stream's last entry when the reader was positioned
+        self._rewrite_failures = 0  # delete_rewritten calls that could not reach Redis
 
     # -- publishing -----------------------------------------------------------------------------
     def _sharing(self) -> bool:
@@ -542,6 +561,85 @@ class SharedDeletions:
                 self._unheld_where(lambda ident, _: ident[1] in doomed
                                    and self._tenant_hex(ident[0]) == d.tenant)
         return n
+
+    # -- this server's writes that landed after another server's deletion ----------------------
+    def rewritten_tenants(self, d: Deletion) -> set[str]:
+        """The tenants whose writes this server's writer completed in the last
+        ``rewrite_window_s`` (:class:`~tiers.remote_writer.RecentWrites`) that ``d`` may cover:
+        of ``d.tenant``'s hash, or any for a model. The caller holds the writer's filter of
+        each (with those it holds blocks of) while it applies ``d``."""
+        names = self._recent.tenants()
+        if d.kind == "model":
+            return names
+        return {t for t in names if self._tenant_hex(t) == d.tenant}
+
+    def delete_rewritten(self, d: Deletion, local: Mapping[str, Iterable[bytes]]) -> dict[str, set[bytes]]:
+        """Delete from Redis this server's recent writes (the last ``rewrite_window_s``) of what
+        another server's deletion ``d`` removed: for blocks, those of ``d.keys`` and of
+        ``local[tenant]`` (the local subtree the Store dropped), under any model, and the ones
+        recorded under them; for a model or a tenant, every one of it. Why: the other server
+        deleted the copies in Redis, but a demotion this server wrote before it read the entry
+        (its queue, then its writer) put the block back, served to every server from then on.
+        A write that landed before the deletion was deleted by it: deleting it again finds
+        nothing. Through :meth:`delete_subtrees` (with their Redis subtrees and children
+        sets); the deletion is published only when a value was found (counted
+        ``deletions_rewritten``), so the servers that read the block meanwhile drop it too.
+
+        Call it from the reader (never under the Store's lock: round trips) with the writer's
+        filter for ``d`` held and a write it matches in flight waited for, so no write is
+        missed. Returns, per tenant, the keys of the blocks removed: the Store drops the
+        local copies a get promoted from the rewritten ones meanwhile. Never raises on a Redis
+        fault: counted ``deletions_rewritten_failed`` (blocks) and logged; those copies stay
+        until they expire."""
+        if d.kind == "model":
+            fp = d.fingerprints[0]
+            writes = self._recent.where(lambda w: w.fingerprint == fp)
+        elif d.kind == "tenant":
+            writes = self._recent.where(lambda w: self._tenant_hex(w.tenant) == d.tenant)
+        else:
+            writes = [w for t in self.rewritten_tenants(d)
+                      for w in self._recent.under(t, [*d.keys, *local.get(t, ())])]
+        roots: dict[str, dict[tuple[bytes, bytes], None]] = {}
+        for w in writes:
+            roots.setdefault(w.tenant, {})[(w.key, w.fingerprint)] = None
+        out: dict[str, set[bytes]] = {}
+        for tenant, blocks in roots.items():
+            try:
+                there = self._still_there(tenant, list(blocks))
+                if not there:
+                    continue
+                gone, unlinked = self._delete_subtrees(tenant, there, None, publish_unfound=False)
+            except (Unavailable, *FAULTS) as exc:  # NOTE: the reader must outlive it
+                self._rewrite_failed(len(blocks), d.id, exc)
+                continue
+            if unlinked:
+                self._count("deletions_rewritten", len(unlinked))
+            if gone:
+                out[tenant] = gone
+        return out
+
+    def _still_there(self, tenant: str, blocks: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """The blocks ``(key, fingerprint)`` of ``tenant`` that have a value in Redis (one
+        pipelined ``EXISTS`` round trip); the others are forgotten (written before the
+        deletion, which removed them). Why first: most recent writes of a deleted block went
+        before the deletion, and a :meth:`delete_subtrees` of them costs a round trip per level
+        and two more. Raises Unavailable when one cannot be read."""
+        replies = self._checked(self._batch("EXISTS", [self._value_key(tenant, fp, k) for k, fp in blocks]),
+                                len(blocks), "remote copies could not be checked")
+        self._recent.forget(tenant, [b for b, r in zip(blocks, replies) if not r])
+        return [b for b, r in zip(blocks, replies) if r]
+
+    def _rewrite_failed(self, n: int, eid: str, exc: BaseException) -> None:
+        """Count ``n`` rewritten blocks not deleted; log the first failure, then one per
+        :data:`_LOG_EVERY`."""
+        with self._lock:
+            self._counts["deletions_rewritten_failed"] += n
+            self._rewrite_failures += 1
+            failures = self._rewrite_failures
+        if failures == 1 or failures % _LOG_EVERY == 0:
+            log.warning("deletions stream %s: entry %s: %d blocks this server wrote after the deletion "
+                        "could not be deleted from Redis (%s); they stay until they expire (%d failures "
+                        "so far)", self._stream, eid, n, exc, failures)
 
     def _forget_tenant_keys(self, th: str) -> None:
         """Forget the cached data key and tombstone of every tenant whose hash is ``th``: the

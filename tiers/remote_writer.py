@@ -19,6 +19,11 @@ writes (:mod:`tiers.remote_put`: ``_put_with``, ``update_ttl``) and the deletion
   is dropped when its turn comes.
 * ``_want_resync()`` — has the writer re-count the accounting (``resync``), at most once every
   ``accounting_resync_s``.
+* ``_recent`` (:class:`RecentWrites`) — every demotion the writer completed (not one cancelled
+  meanwhile), kept ``rewrite_window_s`` (at most ``rewrite_window_blocks``): when another
+  server's deletion is applied here, the ones that landed after it are deleted again
+  (:meth:`tiers.remote_invalidate.SharedDeletions.delete_rewritten`); a deletion made here
+  forgets what it deleted.
 
 One writer thread drains the queue, in order; it outlives any item's failure (counted). All the
 queue's state is under ``_cond``.
@@ -59,6 +64,121 @@ class Job(NamedTuple):
         return 0 if self.data is None else self.ref.nbytes
 
 
+class Written(NamedTuple):
+    """One write the writer completed: when (the tier's monotonic clock), the block, its model
+    and its parent's key (None: not known)."""
+
+    at: float
+    tenant: str
+    key: bytes
+    fingerprint: bytes
+    parent: bytes | None
+
+
+class RecentWrites:
+    """The writes this server's writer completed in the last ``window_s`` seconds, the
+    ``most`` latest at most (either 0: none is kept), indexed by block and by parent, so a
+    deletion another server made can find the ones that landed in Redis after it (see
+    :meth:`tiers.remote_invalidate.SharedDeletions.delete_rewritten`). Thread-safe.
+
+    Memory: about 0.5 KiB a write (the record and its two index entries). A write forgotten
+    (deleted since) stays in the time-ordered queue until it ages out, so the count bound holds
+    for both."""
+
+    def __init__(self, window_s: float, most: int, clock: Callable[[], float]) -> None:
+        self._window_s = window_s
+        self._most = most if window_s > 0 else 0
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._order: deque[Written] = deque()
+        self._by_key: dict[tuple[str, bytes], list[Written]] = {}
+        self._by_parent: dict[tuple[str, bytes], list[Written]] = {}
+
+    def add(self, ref: BlockRef, parent: bytes | None) -> None:
+        """Record a write of ``ref`` (under ``parent``) completed now."""
+        if not self._most:
+            return
+        now = self._clock()
+        w = Written(now, ref.tenant, ref.key, ref.spec.fingerprint, parent)
+        with self._lock:
+            self._order.append(w)
+            self._by_key.setdefault((w.tenant, w.key), []).append(w)
+            if parent is not None:
+                self._by_parent.setdefault((w.tenant, parent), []).append(w)
+            self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        """Forget the writes older than the window, and the oldest past the count. Caller
+        holds the lock."""
+        old = now - self._window_s
+        while self._order and (len(self._order) > self._most or self._order[0].at < old):
+            self._unindex(self._order.popleft())
+
+    def _unindex(self, w: Written) -> bool:
+        """Take ``w`` out of the indexes; False when it was not there (forgotten before).
+        Caller holds the lock."""
+        found = _remove(self._by_key, (w.tenant, w.key), w)
+        if found and w.parent is not None:
+            _remove(self._by_parent, (w.tenant, w.parent), w)
+        return found
+
+    def tenants(self) -> set[str]:
+        """The tenants of the writes recorded now."""
+        with self._lock:
+            self._trim(self._clock())
+            return {t for t, _ in self._by_key}
+
+    def under(self, tenant: str, keys: Iterable[bytes]) -> list[Written]:
+        """The recorded writes of ``tenant`` whose block is one of ``keys`` (under any model)
+        or, through the parents recorded, under one of them."""
+        todo = list(keys)
+        seen = set(todo)
+        out: list[Written] = []
+        with self._lock:
+            self._trim(self._clock())
+            while todo:
+                k = todo.pop()
+                out.extend(self._by_key.get((tenant, k), ()))
+                for w in self._by_parent.get((tenant, k), ()):
+                    if w.key not in seen:
+                        seen.add(w.key)
+                        todo.append(w.key)
+        return out
+
+    def where(self, hit: Callable[[Written], bool]) -> list[Written]:
+        """The recorded writes that satisfy ``hit`` (a scan: for a model or a tenant)."""
+        with self._lock:
+            self._trim(self._clock())
+            return [w for ws in self._by_key.values() for w in ws if hit(w)]
+
+    def forget(self, tenant: str, blocks: Iterable[tuple[bytes, bytes]]) -> None:
+        """Forget the writes of the blocks ``(key, fingerprint)`` of ``tenant``: deleted."""
+        with self._lock:
+            for key, fp in blocks:
+                for w in [w for w in self._by_key.get((tenant, key), ()) if w.fingerprint == fp]:
+                    self._unindex(w)
+
+    def forget_where(self, hit: Callable[[Written], bool]) -> None:
+        """Forget the writes that satisfy ``hit`` (a model or a tenant purged)."""
+        with self._lock:
+            for w in [w for ws in self._by_key.values() for w in ws if hit(w)]:
+                self._unindex(w)
+
+
+def _remove(index: dict[tuple[str, bytes], list[Written]], at: tuple[str, bytes], w: Written) -> bool:
+    """Remove ``w`` itself (not an equal record) from ``index[at]``; False when it is not there."""
+    ws = index.get(at)
+    if ws is None:
+        return False
+    for i, x in enumerate(ws):
+        if x is w:
+            del ws[i]
+            if not ws:
+                del index[at]
+            return True
+    return False
+
+
 class DemotionQueue:
     """RemoteTier methods of the background writer (see the module docstring)."""
 
@@ -83,6 +203,8 @@ class DemotionQueue:
         self._resync_due = False
         self._last_resync = -math.inf
         self._closed = False
+        self._recent = RecentWrites(self.config.rewrite_window_s, self.config.rewrite_window_blocks,
+                                    self._monotonic)
         self._worker = threading.Thread(target=self._drain, name="kvstore-remote-demote",
                                         daemon=True)
         self._worker.start()
@@ -220,6 +342,11 @@ class DemotionQueue:
                     if ok and cancelled:  # deleted while it was being written
                         self._unlink(ref)
                         self._count("queue_cancelled")
+                    elif ok:
+                        # NOTE: recorded before the job stops being the one in flight: a
+                        # deletion applied from another server waits for it, then finds it
+                        # here (it landed after that deletion: written back, served to all)
+                        self._recent.add(ref, job.parent)
             except Exception:  # noqa: BLE001 - NOTE: counted; the writer must outlive any item
                 self._count("queue_failed")
                 self._count("queue_errors")
@@ -409,4 +536,4 @@ class DemotionQueue:
         self._worker.join(timeout=self._one_write_s())
 
 
-__all__ = ["DemotionQueue", "Job"]
+__all__ = ["DemotionQueue", "Job", "RecentWrites", "Written"]
