@@ -256,3 +256,30 @@ def test_recent_writes_are_bounded_in_time_and_count() -> None:
     recent.forget("acme", [(k[3], SPEC.fingerprint)])
     assert recent.under("acme", [k[3]]) == []
     assert RecentWrites(0.0, 3, lambda: now[0]).tenants() == set()
+
+
+def test_applying_a_chains_entry_walks_the_local_chain_once(servers) -> None:
+    """An entry names every block of the deleted subtree, and B walked the local subtree of
+    each one: quadratic in the chain (2,048 blocks: 4.6 s under the Store's lock, every call of
+    every tenant waiting). Counted: the children lists B's reader asks its index for."""
+    n = 256
+    a, b = servers("a", hbm=n + 8), servers("b", hbm=n + 8)
+    keys = a.block_keys("acme", SPEC, tokens(n, SPEC))
+    kv = make_kv(SPEC, n)
+    a.put("acme", SPEC, keys, kv)
+    a.flush()
+    b.put("acme", SPEC, keys, kv)
+    b.flush()
+    asked = [0]
+    children = b._index.children
+
+    def counted(meta: Any) -> Any:
+        if threading.current_thread().name == "kvstore-remote-deletions":
+            asked[0] += 1
+        return children(meta)
+
+    b._index.children = counted  # type: ignore[method-assign]
+    assert a.delete("acme", [keys[0]]) == n
+    assert wait_until(lambda: counter(b, "remote_deletions_applied") == 1)
+    assert b.lookup("acme", SPEC, keys).num_blocks == 0
+    assert asked[0] <= 4 * n, f"{asked[0]} children lists asked for a chain of {n}"
