@@ -1,5 +1,7 @@
 """Chains split across calls (``parent=``) through both data planes, and the client splitting a
-staged request that does not fit its shared-memory region instead of falling back in-band."""
+staged get that does not fit its shared-memory region instead of falling back in-band (a staged
+put that does not fit goes in-band whole: in pieces, a failed later piece left the earlier ones
+stored; see tests/test_shm_put_atomic.py)."""
 
 from __future__ import annotations
 
@@ -55,14 +57,14 @@ def test_a_parent_that_is_not_stored_or_malformed_is_refused(sidecar):
         c.lookup(SPEC, keys, parent=b"\x01" * 5)
 
 
-def test_staged_request_larger_than_the_region_moves_in_pieces_through_shared_memory(sidecar):
+def test_staged_get_larger_than_the_region_moves_in_pieces_through_shared_memory(sidecar):
     nbytes = SPEC.block_nbytes
     c = sidecar.tenant("pieces", local=True, region_bytes=3 * nbytes)
     assert c.uses_shared_memory
     keys = c.block_keys(SPEC, fresh_tokens(10))
     kv = random_kv(10, seed=4)
-    c.put(SPEC, keys, kv)  # 10 blocks through a 3-block region
-    assert _bytes_in(sidecar, "shm") == 10 * nbytes and _bytes_in(sidecar, "stream") == 0
+    c.put(SPEC, keys, kv)  # 10 blocks, more than a 3-block region: in-band, all or nothing
+    assert _bytes_in(sidecar, "stream") == 10 * nbytes and _bytes_in(sidecar, "shm") == 0
 
     assert c.lookup(SPEC, keys).num_blocks == 10
     got = c.get(SPEC, keys)

@@ -160,31 +160,16 @@ def test_concurrent_registrations_cannot_pass_the_region_limit(monkeypatch):
     assert len(ok) == 2 and len(refused) == 10
 
 
-def test_a_staged_put_whose_earlier_piece_went_meanwhile_ends_quietly(sidecar):
-    """A put larger than the region's free part goes in pieces, each continuing from the last
-    block of the one before. When that block is evicted or deleted in between, the rest can
-    never be reached: the put ends as if it had been stored whole and then evicted (over the
-    stream, in one piece, it is). It raised NotFound naming a parent the caller never gave."""
+def test_a_staged_put_with_a_parent_not_stored_is_an_error(sidecar):
+    """A parent the caller gives that is not stored is an error, on a put staged through the
+    region as on one larger than it (which goes in-band). (A staged put no longer goes in
+    pieces that continue from each other: see tests/test_shm_put_atomic.py.)"""
     c = sidecar.tenant("pieces", local=True, region_bytes=4 * SPEC.block_nbytes + 8192)
-    keys = c.block_keys(SPEC, fresh_tokens(12))
-    real = c._put_slots
-    pieces = []
-
-    def put_slots(put, piece_keys, offsets, parent, staged=None):
-        real(put, piece_keys, offsets, parent, staged)
-        pieces.append(len(piece_keys))
-        if len(pieces) == 1:
-            c.delete(keys[:1])  # the first piece goes (a delete, or eviction) before the next
-
-    c._put_slots = put_slots
-    c.put(SPEC, keys, random_kv(12, seed=5))
-    assert len(pieces) == 1 and pieces[0] < 12  # staged in pieces; the second found its parent gone
-    assert c.lookup(SPEC, keys).num_blocks == 0
-    c._put_slots = real
-    # a parent the caller gives that is not stored is still an error
-    other = c.block_keys(SPEC, fresh_tokens(2))
-    with pytest.raises(ParentNotStored):
-        c.put(SPEC, other[1:], random_kv(1), parent=other[0])
+    for n in (2, 12):
+        other = c.block_keys(SPEC, fresh_tokens(n))
+        with pytest.raises(ParentNotStored):
+            c.put(SPEC, other[1:], random_kv(n - 1), parent=other[0])
+        assert c.lookup(SPEC, other[1:], parent=other[0]).num_blocks == 0
 
 
 def test_closing_a_client_while_other_threads_use_it_gives_only_typed_errors(sidecar):

@@ -193,8 +193,14 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(t=st.sampled_from(TENANTS), sid=st.sampled_from(["s1", "s2"]))
     def open_session(self, t, sid):
-        self.store.open_session(t, sid)
-        self.sessions.setdefault((t, sid), ("active", []))
+        state, keys = self.sessions.get((t, sid), ("active", []))
+        try:
+            self.store.open_session(t, sid)
+        except ResourceExhausted:  # re-opening a paused session resumes it, all or nothing
+            assert state == "paused"
+            assert self.store.session_state(t, sid) == SessionState.PAUSED
+            return
+        self.sessions[(t, sid)] = ("resumed" if state == "paused" else state, keys)
 
     @precondition(lambda self: self.sessions)
     @rule(data=st.data(), action=st.sampled_from(["pause", "resume", "close"]))
