@@ -274,8 +274,21 @@ class Placement:
             return self._index.is_candidate(m, tier, self.protected, tenant)
 
         prio = self.priorities
-        return VictimQueue(self.policy, tier, candidates, valid, self._clock(),
-                           (lambda m: prio.get(m.tenant, 0)) if prio else None)
+        if tier != self.tiers[-1]:
+            return VictimQueue(self.policy, tier, candidates, valid, self._clock(),
+                               (lambda m: prio.get(m.tenant, 0)) if prio else None)
+
+        # NOTE: the last local tier drops what it evicts (or spills it to the remote tier), so
+        # what goes first is not only the policy's call: (1) the NVMe copies of blocks living
+        # above go before any block (dropping one loses nothing: a tenant under an NVMe quota
+        # lost its NVMe-only blocks just by reading others, whose promoted copies kept their
+        # NVMe copy and stayed, the recent ones, under LRU); (2) a paused session's blocks go
+        # after every other block (they are what pause promises to keep: under lru and gdsf,
+        # other traffic dropped them, and the session resumed with nothing)
+        def order(m: BlockMeta) -> tuple[int, int]:
+            kind = 0 if m.tier < tier else (2 if m.paused else 1)
+            return kind, prio.get(m.tenant, 0)
+        return VictimQueue(self.policy, tier, candidates, valid, self._clock(), order)
 
     def _nvme_copy_evictable(self, m: BlockMeta, tenant: str | None) -> bool:
         return (m.persisted and m.tier < Tier.NVME and self._index.get(m.tenant, m.key) is m
@@ -321,6 +334,7 @@ class Placement:
         for m in sub:
             self.remove(m)
         self.counters.add("evictions", len(sub))
+        self.counters.add("paused_evictions", sum(1 for m in sub if m.paused))  # pause could not keep them
         return True
 
     def move(self, meta: BlockMeta, dest: Tier) -> bool:
