@@ -165,7 +165,7 @@ class RemoteConfig(BaseModel):
     stays in Redis until it expires. 0: nothing is remembered (the window stays open)."""
 
     rewrite_window_blocks: Annotated[int, Field(ge=0, le=1 << 22)] = 16_384
-    """The most demotions remembered for ``rewrite_window_s`` (about 0.5 KiB each: 8 MiB by
+    """The most demotions remembered for ``rewrite_window_s`` (about 0.6 KiB each: 10 MiB by
     default); past it the oldest are forgotten first, so at more than this many writes per
     ``rewrite_window_s`` the window is shorter. 0: nothing is remembered."""
 

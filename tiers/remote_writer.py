@@ -81,7 +81,7 @@ class RecentWrites:
     deletion another server made can find the ones that landed in Redis after it (see
     :meth:`tiers.remote_invalidate.SharedDeletions.delete_rewritten`). Thread-safe.
 
-    Memory: about 0.5 KiB a write (the record and its two index entries). A write forgotten
+    Memory: about 0.6 KiB a write (the record, its two index entries, its keys). A write forgotten
     (deleted since) stays in the time-ordered queue until it ages out, so the count bound holds
     for both."""
 
