@@ -22,7 +22,10 @@ grpc refuses new ones with RESOURCE_EXHAUSTED instead of queueing them (see
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
+import stat
 import tempfile
 import threading
 import time
@@ -36,6 +39,7 @@ from prometheus_client import CollectorRegistry
 
 from kvstore.audit import AuditLog
 from kvstore.auth import SHARED_PREFIX, AuthRegistry
+from kvstore.dirlock import DirLock
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.metrics import ServiceMetrics, StoreCollector, serve_metrics
 from kvstore.server_config import ServerConfig, check_certificates, check_key_pair
@@ -146,6 +150,15 @@ class SidecarServer:
         self.audit.close()
         return int(self.store.close(progress=progress) or 0)
 
+    @property
+    def metrics_address(self) -> str | None:
+        """``host:port`` the metrics endpoint listens on (the port bound when the config gave
+        0: it printed ``:0`` before), None when it does not run."""
+        if self._metrics_http is None:
+            return None
+        host, port = self._metrics_http.server_address[:2]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         return self.grpc_server.wait_for_termination(timeout)
 
@@ -170,10 +183,10 @@ class _Counted:
 
 
 def open_store(config: ServerConfig, clock: Callable[[], float],
-               progress: Callable[[int, int], None] | None = None) -> Any:
+               progress: Callable[[int, int], None] | None = None, dir_lock: DirLock | None = None) -> Any:
     from kvstore.store import Store  # the Store pulls in torch and the tiers
 
-    return Store.open(config.store, clock=clock, progress=progress)
+    return Store.open(config.store, clock=clock, progress=progress, dir_lock=dir_lock)
 
 
 def _make_data_dir(config: ServerConfig) -> None:
@@ -195,11 +208,41 @@ def _make_data_dir(config: ServerConfig) -> None:
                               f"{exc.strerror or exc}") from None
 
 
+def _refuse_live_socket(listen: str) -> None:
+    """FailedPrecondition when ``listen`` is a ``unix:`` path that a running server answers on,
+    or a file that is not a socket; a stale socket (nothing answers) is left for grpc to replace.
+    NOTE: grpc unlinks the path before it binds: a second server on the same socket took it
+    from the first, which went on running where no client could ever reach it again."""
+    if not listen.startswith("unix:"):
+        return  # TCP: the bind itself fails (so_reuseport is off); unix-abstract: the same
+    path = listen[len("unix:"):]
+    path = path.removeprefix("//")  # unix:///abs/path
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise FailedPrecondition(f"{path}: {exc.strerror or exc}") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise FailedPrecondition(f"{path} exists and is not a socket: give the server another path")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return  # stale: nothing listens
+    raise FailedPrecondition(f"another server is listening on {path}; stop it or give this one another path")
+
+
 def bootstrap(config: ServerConfig, *, clock: Callable[[], float] = time.time) -> str | None:
     """Create the data directory and the first admin; return its token once, else None (for
     embedding: :func:`serve` creates the admin itself, once the server has started)."""
     _make_data_dir(config)
-    return AuthRegistry(config.auth_file, clock=clock).ensure_admin()
+    lock = DirLock(config.data_dir)  # NOTE: not into the directory of a running server
+    try:
+        return AuthRegistry(config.auth_file, clock=clock).ensure_admin()
+    finally:
+        lock.release()
 
 
 def create_server(config: ServerConfig, *, store: Any = None, clock: Callable[[], float] = time.time,
@@ -217,10 +260,26 @@ def create_server(config: ServerConfig, *, store: Any = None, clock: Callable[[]
             f"refusing to serve metrics on non-loopback address {m.listen!r}: the endpoint has no "
             "authentication and names every tenant; set [metrics] allow_remote = true to allow it")
     _make_data_dir(config)
-    registry = AuthRegistry(config.auth_file, clock=clock)
-    audit = AuditLog(config.audit_file, clock=clock, fsync=config.audit_fsync)
+    # NOTE: the directory's lock first (a Store given in holds it already): a second server
+    # started on a live directory was refused by its Store's lock only after its audit log had
+    # opened, closed the live server's action in flight as UNKNOWN and appended a second entry
+    # of the same seq (the log's chain broken)
+    lock = DirLock(config.data_dir) if store is None else None
+    try:
+        registry = AuthRegistry(config.auth_file, clock=clock)
+        audit = AuditLog(config.audit_file, clock=clock, fsync=config.audit_fsync)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     if store is None:
-        store = open_store(config, clock, progress)
+        try:
+            store = open_store(config, clock, progress, dir_lock=lock)
+        except BaseException:
+            audit.close()
+            assert lock is not None
+            lock.release()  # idempotent: the Store released it if it got that far
+            raise
     metrics_registry = CollectorRegistry()
     metrics = ServiceMetrics(metrics_registry)
     metrics_registry.register(StoreCollector(store.stats))
@@ -250,8 +309,9 @@ def create_server(config: ServerConfig, *, store: Any = None, clock: Callable[[]
     reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
 
     try:
+        _refuse_live_socket(config.listen)
         port = server.add_secure_port(config.listen, creds) if creds else server.add_insecure_port(config.listen)
-    except RuntimeError as exc:
+    except (RuntimeError, FailedPrecondition) as exc:
         store.close()
         audit.close()
         raise FailedPrecondition(f"cannot bind {config.listen!r}: {exc}") from None
@@ -308,7 +368,7 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
                  f"{len(orphans)} tenants: their tokens are gone; restore the file from a backup, or "
                  f"delete those tenants (a tenant created under one of their names reads its blocks)")
         if config.metrics.enabled and config.metrics.listen:
-            echo(f"metrics: http://{config.metrics.listen}/metrics")
+            echo(f"metrics: http://{server.metrics_address}/metrics")
         echo("ready (Ctrl-C or SIGTERM to stop)")
         done.wait()
     finally:

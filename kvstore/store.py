@@ -49,7 +49,7 @@ import torch
 from kvstore.block import BlockMeta, Tier
 from kvstore.block_buffers import block_views
 from kvstore.config import StoreConfig
-from kvstore.dirlock import DirLock
+from kvstore.dirlock import LOCK_NAME, DirLock
 from kvstore.errors import (
     DTypeMismatch,
     FailedPrecondition,
@@ -108,7 +108,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
     """Use :meth:`Store.open`; see the module docstring for the contracts."""
 
     def __init__(self, config: StoreConfig, *, clock: Clock = time.time,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, dir_lock: DirLock | None = None) -> None:
         from policy import make_policy
         from policy.quantization import QuantizationPolicy
 
@@ -137,7 +137,10 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
 
         path = config.path
         path.mkdir(parents=True, exist_ok=True, mode=0o700)  # other users: not even metadata
-        self._dir_lock = DirLock(path)
+        if dir_lock is not None and dir_lock.path != path / LOCK_NAME:
+            dir_lock.release()
+            raise InvalidArgument(f"the directory lock given ({dir_lock.path}) is not {path}'s")
+        self._dir_lock = dir_lock if dir_lock is not None else DirLock(path)
         try:
             self._open_tiers(config, clock, progress)
         except BaseException:
@@ -208,12 +211,15 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
             self._remote.on_deletion(self._deleted_elsewhere, position=path / "remote-deletions.pos")
 
     @classmethod
-    def open(cls, config: StoreConfig, *, clock: Clock = time.time, progress: Progress | None = None) -> Store:
+    def open(cls, config: StoreConfig, *, clock: Clock = time.time, progress: Progress | None = None,
+             dir_lock: DirLock | None = None) -> Store:
         """Open (or create) the store at ``config.path``; rebuilds the index from NVMe
         (about 25 µs a block on a 2-core CPU: a million blocks take tens of seconds), calling
         ``progress(done, total)`` every :data:`RECOVERY_STEP` blocks and at the end when there
-        are any."""
-        return cls(config, clock=clock, progress=progress)
+        are any. ``dir_lock``: the directory's lock, taken already by the caller (the sidecar,
+        before it opens its own files there); the Store owns it from then on, and releases it
+        at :meth:`close` or when the open fails."""
+        return cls(config, clock=clock, progress=progress, dir_lock=dir_lock)
 
     # -- recovery -----------------------------------------------------------------------------
     def _recover(self, progress: Progress | None) -> None:

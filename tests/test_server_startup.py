@@ -1,0 +1,84 @@
+"""A second server started where one runs is refused before it touches anything: the data
+directory (its audit log) or the unix socket; and the metrics address printed is the bound one."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+
+import pytest
+from service_harness import config, start
+
+from kvstore.admin_client import AdminClient
+from kvstore.audit import AuditLog
+from kvstore.errors import FailedPrecondition
+from kvstore.server import bootstrap, create_server
+
+
+def test_a_second_server_on_a_live_directory_leaves_its_audit_log_alone(tmp_path):
+    """Its audit log opened before its Store's lock refused it: the live server's action in
+    flight was closed as UNKNOWN and both wrote the same seq (verify: chain broken)."""
+    sc = start(tmp_path)
+    try:
+        admin = sc.admin()
+        admin.create_tenant("a")
+        log = sc.server.config.audit_file
+        before = log.read_bytes()
+        # an action in flight: a STARTED entry without its outcome yet
+        sc.server.audit.append("admin", "tenant.create", "b", "STARTED")
+        during = log.read_bytes()
+        with pytest.raises(FailedPrecondition, match="in use by another kvstore Store"):
+            create_server(config(tmp_path))
+        with pytest.raises(FailedPrecondition, match="in use by another kvstore Store"):
+            bootstrap(config(tmp_path))
+        assert log.read_bytes() == during and during.startswith(before)
+        admin.create_tenant("c")  # the live server goes on, its log whole
+        assert sc.server.audit.verify() > 0
+    finally:
+        sc.stop()
+    assert AuditLog(log, clock=time.time).verify() > 0
+
+
+def test_a_second_server_on_a_live_unix_socket_is_refused(tmp_path):
+    """grpc unlinks the socket's path before it binds: the second server took the socket and
+    the first went on running where no client could reach it."""
+    sock = tmp_path / "kv.sock"
+    listen = f"unix:{sock}"
+    first = start(tmp_path / "a", listen=listen)
+    try:
+        with pytest.raises(FailedPrecondition, match="another server is listening"):
+            create_server(config(tmp_path / "b", listen=listen))
+        with AdminClient(listen, first.admin_token) as admin:
+            assert admin.create_tenant("still-reachable")
+    finally:
+        first.stop()
+
+
+def test_a_stale_socket_is_replaced_and_a_plain_file_is_not(tmp_path):
+    stale = tmp_path / "stale.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(stale))
+    s.close()  # bound, never listened: nothing answers
+    sc = start(tmp_path / "a", listen=f"unix:{stale}")
+    try:
+        with AdminClient(f"unix:{stale}", sc.admin_token) as admin:
+            assert admin.create_tenant("x")
+    finally:
+        sc.stop()
+    plain = tmp_path / "notes.txt"
+    plain.write_text("keep me")
+    with pytest.raises(FailedPrecondition, match="not a socket"):
+        create_server(config(tmp_path / "b", listen=f"unix:{plain}"))
+    assert plain.read_text() == "keep me"
+
+
+def test_the_metrics_address_is_the_bound_port(tmp_path):
+    sc = start(tmp_path, metrics={"enabled": True, "listen": "127.0.0.1:0"})
+    try:
+        addr = sc.server.metrics_address
+        assert addr is not None and not addr.endswith(":0")
+        with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as r:
+            assert b"kvstore" in r.read()
+    finally:
+        sc.stop()
