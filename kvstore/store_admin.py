@@ -72,8 +72,7 @@ class TenantAdmin:
                 stack.callback(self._delete_ended)
                 self._removals += 1  # a get fetching from the remote tier now promotes nothing
                 fps = set(self._specs)
-                held = [(d.key, d.fingerprint) for key in keys
-                        if (m := self._index.get(tenant, key)) is not None for d in self._index.subtree(m)]
+                held = [(d.key, d.fingerprint) for d in self._subtrees_of(tenant, keys)[1]]
                 # NOTE: the writer's filter is set before the lock goes: a block put under one
                 # of these and demoted meanwhile is not written (placement's spill_remote asks)
                 doom = stack.enter_context(self._remote.deleting(tenant, [*keys, *(k for k, _ in held)]))
@@ -105,12 +104,31 @@ class TenantAdmin:
     def _delete_local(self, tenant: str, keys: Iterable[bytes], reason: str = "deleted") -> set[bytes]:
         """Drop the local blocks ``keys`` of ``tenant`` with their subtrees (counted ``reason``);
         returns the keys dropped. Caller holds the lock and an NVMe batch."""
-        roots = [m for key in keys if (m := self._index.get(tenant, key)) is not None]
-        local = {d.key for m in roots for d in self._index.subtree(m)}
+        roots, blocks = self._subtrees_of(tenant, keys)
         for m in roots:
-            if self._index.get(m.tenant, m.key) is m:  # not under a root dropped before
-                self._place.drop(m, reason=reason)
-        return local
+            self._place.drop(m, reason=reason)
+        return {d.key for d in blocks}
+
+    def _subtrees_of(self, tenant: str, keys: Iterable[bytes]) -> tuple[list[BlockMeta], list[BlockMeta]]:
+        """(roots, blocks): the local blocks of ``keys`` that lie under no other of them, and
+        every block of their subtrees; each subtree walked once, the shallowest first.
+
+        NOTE: a delete (or another server's deletion entry) names every block of a chain, and
+        each one's subtree was walked: a 2,048-block chain took two million visits, seconds
+        under the Store's lock with every call of every tenant waiting."""
+        named = sorted((m for k in dict.fromkeys(keys) if (m := self._index.get(tenant, k)) is not None),
+                       key=lambda m: m.depth)
+        roots: list[BlockMeta] = []
+        blocks: list[BlockMeta] = []
+        seen: set[bytes] = set()
+        for m in named:
+            if m.key in seen:
+                continue
+            roots.append(m)
+            for d in self._index.subtree(m):
+                seen.add(d.key)
+                blocks.append(d)
+        return roots, blocks
 
     def _purge_local(self, fingerprints: Collection[bytes], reason: str) -> list[BlockMeta]:
         """Remove every local block of the models ``fingerprints``, deepest first (counted
@@ -216,7 +234,7 @@ class TenantAdmin:
                     out = {t: self._remove_tenant_blocks(t) for t in names}
                     self.counters.add("deleted_elsewhere", sum(map(len, out.values())))
                     return out
-                return {t: self._drop_shallowest_first(t, d.keys) for t in names}
+                return {t: self._delete_local(t, d.keys, "deleted_elsewhere") for t in names}
 
     def _drop_promoted(self, removed: Mapping[str, Collection[bytes]]) -> int:
         """Drop the local copies (with their subtrees) of the blocks ``removed`` (per tenant):
@@ -227,23 +245,7 @@ class TenantAdmin:
                 return 0
             with self._batch():
                 self._removals += 1  # a get that fetched one of them meanwhile promotes nothing
-                return sum(len(self._drop_shallowest_first(t, keys)) for t, keys in removed.items())
-
-    def _drop_shallowest_first(self, tenant: str, keys: Collection[bytes]) -> set[bytes]:
-        """:meth:`_delete_local` of the blocks ``keys`` of ``tenant`` (counted
-        ``deleted_elsewhere``), each subtree walked once: the shallowest first, and a block
-        dropped with one above it is not walked again. Caller holds the lock and an NVMe batch.
-
-        NOTE: an entry names every block of the deleted subtree, and :meth:`_delete_local`
-        walks the subtree of each (a 2,048-block chain: two million visits, 4.6 s under the
-        Store's lock, every call of every tenant waiting)."""
-        roots = sorted((m for k in keys if (m := self._index.get(tenant, k)) is not None),
-                       key=lambda m: m.depth)
-        dropped: set[bytes] = set()
-        for m in roots:
-            if m.key not in dropped:
-                dropped |= self._delete_local(tenant, (m.key,), reason="deleted_elsewhere")
-        return dropped
+                return sum(len(self._delete_local(t, keys, "deleted_elsewhere")) for t, keys in removed.items())
 
     def _remove_tenant_blocks(self, tenant: str) -> set[bytes]:
         """Remove every local block of ``tenant``, deepest first; returns their keys. Caller
