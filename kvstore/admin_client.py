@@ -36,7 +36,11 @@ class AdminClient:
 
     def __init__(self, target: str, token: str, *, timeout: float | None = 30.0, tls: ClientTLS | None = None,
                  max_message_bytes: int = 4 << 20) -> None:
-        # NOTE: the Admin service streams nothing: chunk_bytes only has to be valid
+        # NOTE: the Admin service streams nothing: chunk_bytes only has to be valid (a limit too
+        # small for it was reported as a bad chunk_bytes the caller never gave)
+        if not isinstance(max_message_bytes, int) or max_message_bytes < 64 * 1024:
+            raise InvalidArgument(f"max_message_bytes={max_message_bytes!r} must be at least 64 KiB "
+                                  f"(an audit page holds entries of up to that size)")
         self._inner = Client(target, token, local=False, timeout=timeout, tls=tls, max_message_bytes=max_message_bytes,
                              chunk_bytes=max(1, min(max_message_bytes - 1024, 1 << 20)))
         self._stub = self._inner._admin

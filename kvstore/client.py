@@ -247,6 +247,9 @@ class Client:
                  tls: ClientTLS | None = None, options: Sequence[tuple[str, Any]] = (),
                  retain_freed_memory: bool = True) -> None:
         bearer = _bearer_token(token)
+        if not isinstance(target, str) or not target.strip():
+            # NOTE: grpc failed later, as UNKNOWN "Failed to create channel"
+            raise InvalidArgument(f"target must name the server (host:port or unix:/path), got {target!r}")
         if retain_freed_memory:
             memtune.retain_freed_memory()
         self.target = target

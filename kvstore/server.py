@@ -348,6 +348,8 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
         server, port = create_server(config, clock=clock, progress=recovered)
         server.start()
         token = server.registry.ensure_admin()
+        if token is not None:  # NOTE: the first admin's creation was the one change not on record
+            server.audit.append("kvstore serve", "tenant.create", "admin", "OK", "role=admin (first start)")
         if config.listen.startswith("unix:"):
             echo(f"kvstore serving on {config.listen}")
         else:
@@ -381,3 +383,5 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
             if persisted.total:
                 echo(f"stopped: {committed} blocks of HBM and DRAM committed to NVMe "
                      f"({persisted.seconds:.1f} s)")
+            else:
+                echo("stopped")  # NOTE: with nothing to commit, a stop printed nothing at all

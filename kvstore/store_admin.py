@@ -368,7 +368,10 @@ class TenantAdmin:
         for name, q in (quota_bytes or {}).items():
             if isinstance(q, bool) or not isinstance(q, int) or q < 0:  # NOTE: True was a 1-byte quota
                 raise InvalidArgument(f"quota for {name!r} must be a non-negative int")
-            quotas[Tier.parse(name)] = q
+            tier = Tier.parse(name)
+            if tier in quotas:  # NOTE: {"HBM": 5, "hbm": 7} kept one of them, silently
+                raise InvalidArgument(f"quota for tier {tier.label!r} given twice ({name!r} and another spelling)")
+            quotas[tier] = q
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidArgument(f"priority must be an int, got {priority!r}")
         quant = Quantization.parse(quantization) if quantization is not None else None

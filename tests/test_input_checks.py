@@ -136,3 +136,26 @@ def test_client_put_refuses_a_ttl_that_is_not_a_number(sidecar):
     keys = c.block_keys(SPEC, fresh_tokens(1))
     with pytest.raises(InvalidArgument, match="ttl_s must be"):
         c.put(SPEC, keys, random_kv(1), ttl_s="5")
+
+
+def test_a_tier_given_twice_in_quotas_is_refused(open_store, spec):
+    """{"HBM": 5, "hbm": 7} kept one of the two, silently."""
+    s = open_store(spec)
+    with pytest.raises(InvalidArgument, match="given twice"):
+        s.set_tenant_policy("t", quota_bytes={"HBM": 5 << 20, "hbm": 7 << 20})
+
+
+def test_client_target_and_admin_limits_are_checked_up_front():
+    from kvstore.admin_client import AdminClient
+    from kvstore.client import Client
+
+    for target in ("", "  "):  # grpc failed at the first call: UNKNOWN "Failed to create channel"
+        with pytest.raises(InvalidArgument, match="target"):
+            Client(target, "tok")
+    with pytest.raises(InvalidArgument, match="max_message_bytes"):  # it named a chunk_bytes=1
+        AdminClient("127.0.0.1:1", "tok", max_message_bytes=1000)
+
+
+def test_deleting_a_malformed_shared_namespace_is_refused(sidecar):
+    with pytest.raises(InvalidArgument):  # it answered OK
+        sidecar.admin().delete_tenant("shared:BAD NAME/..")

@@ -82,3 +82,40 @@ def test_the_metrics_address_is_the_bound_port(tmp_path):
             assert b"kvstore" in r.read()
     finally:
         sc.stop()
+
+
+def test_serve_prints_its_stop_records_the_first_admin_and_shows_the_metrics_port(tmp_path):
+    """``kvstore serve`` printed nothing at a stop with nothing to commit, the first admin's
+    creation was the one change not in the audit log, and ``metrics: ...:0`` named no port."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cfg = tmp_path / "kvstore.toml"
+    cfg.write_text(f'listen = "127.0.0.1:0"\naudit_fsync = false\nexpire_interval_s = 0\n'
+                   f'[metrics]\nenabled = true\nlisten = "127.0.0.1:0"\n'
+                   f'[store]\npath = "{tmp_path / "data"}"\nhbm_bytes = {8 << 20}\ndram_bytes = {8 << 20}\n'
+                   f'nvme_bytes = {64 << 20}\ndurable = false\n')
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-c", "from kvstore.cli import main; main()", "serve", "--config",
+                             str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(repo)}, cwd=tmp_path)
+    lines = []
+    try:
+        while (line := proc.stdout.readline()) and not line.startswith("ready"):
+            lines.append(line)
+        metrics = re.search(r"metrics: http://127\.0\.0\.1:(\d+)/metrics", "".join(lines))
+        assert metrics is not None and int(metrics.group(1)) > 0, "".join(lines)
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics.group(1)}/metrics", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    assert out.strip().splitlines()[-1] == "stopped"
+    first = AuditLog(tmp_path / "data" / "audit.log", clock=time.time).read(0, 1)[0]
+    assert (first.principal, first.action, first.target, first.result) == ("kvstore serve", "tenant.create",
+                                                                           "admin", "OK")
