@@ -471,3 +471,14 @@ def test_region_mib_is_checked_at_construction(engine: Any, bad: Any) -> None:
 def test_region_mib_as_a_whole_number_string_is_taken(engine: Any) -> None:
     eng = engine(kvstore_region_mib="8")
     assert eng.offered(Request("a", prompt(2))) == 0
+
+
+def test_a_worker_without_registered_caches_stores_nothing(engine: Any) -> None:
+    """Its staging buffers are torch.empty: with no cache registered, uninitialised memory was
+    put as the prompt's KV and offered to every engine as a hit."""
+    eng = engine()
+    eng.caches = [kv_caches(seed=1)]  # the engine's caches, never registered with the worker
+    _, errors, _ = eng.run(Request("a", prompt(3)), [1, 2, 3, 4])
+    assert errors == [set()]
+    assert (eng.workers[0].counts.stored_blocks, eng.workers[0].counts.failed_blocks) == (0, 3)
+    assert eng.offered(Request("b", prompt(3))) == 0

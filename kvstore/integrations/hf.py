@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 try:
@@ -51,6 +52,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from packaging.version import Version
 
 from kvstore.errors import DTypeMismatch, InvalidArgument, KVStoreError, NotFound, ShapeMismatch
+from kvstore.keys import as_token_array
 from kvstore.spec import DTYPES, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -256,13 +258,20 @@ class Generation:
 
 
 def _token_list(token_ids: Any) -> list[int]:
+    """The prompt's token ids: one sequence, or a batch of one ([1, n]: tensor, array or nested
+    list). NOTE: each was passed through ``int()``: float ids were truncated and string ids
+    parsed (a prompt served the KV of other tokens), and a batch gave a raw TypeError."""
     if isinstance(token_ids, torch.Tensor):
-        if token_ids.dim() == 2:
-            if token_ids.shape[0] != 1:
-                raise InvalidArgument(f"only batch size 1 is supported, got {token_ids.shape[0]}")
-            token_ids = token_ids[0]
-        return [int(t) for t in token_ids.tolist()]
-    return [int(t) for t in token_ids]
+        token_ids = token_ids.detach().cpu().numpy()
+    try:
+        arr = np.asarray(token_ids)
+    except ValueError:  # ragged nesting
+        raise InvalidArgument("token_ids must be one sequence of integers (or a batch of one)") from None
+    if arr.ndim == 2:
+        if arr.shape[0] != 1:
+            raise InvalidArgument(f"only batch size 1 is supported, got {arr.shape[0]}")
+        arr = arr[0]
+    return as_token_array(arr).tolist()
 
 
 class PrefixCache:
@@ -283,6 +292,9 @@ class PrefixCache:
 
         ``cache`` must hold the KV of ``token_ids``' first ``cache.get_seq_length()`` tokens."""
         tokens = _token_list(token_ids)
+        if not callable(getattr(cache, "get_seq_length", None)):  # NOTE: None gave an AttributeError
+            raise InvalidArgument(f"cache must be a transformers Cache (model outputs' past_key_values), "
+                                  f"got {type(cache).__name__}")
         T = self.spec.block_tokens
         total = min(len(tokens), cache.get_seq_length()) // T
         if total == 0:

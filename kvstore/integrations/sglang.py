@@ -148,6 +148,8 @@ def page_spec(cfg: KVStoreBackendConfig, storage_config: Any, page_bytes: int, d
 
 def page_key(spec: ModelSpec, key: str) -> bytes:
     """The kvstore block key of SGLang page ``key`` under ``spec`` (deterministic everywhere)."""
+    if not isinstance(key, str):  # NOTE: bytes or None gave an AttributeError from .encode()
+        raise InvalidArgument(f"a page key must be a str (SGLang's page hash), got {type(key).__name__}")
     return hashlib.blake2b(spec.fingerprint + key.encode(), digest_size=KEY_BYTES, person=_PERSON).digest()
 
 

@@ -495,6 +495,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Complete the staged blocks from the caches and put them; failures are logged."""
         staged = self._staging() if self.has_connector_metadata() else []
         self._staged = []
+        if staged and len(self._layers) != self._spec.num_layers:
+            # NOTE: staging buffers are torch.empty: without a cache for every layer (none was
+            # registered) uninitialised memory was put as KV, and offered to every engine as a hit
+            n = sum(len(buf) for _, buf, _ in staged)
+            log.log(self._guard.level(), "kvstore save skipped: %d of the spec's %d layers have a registered "
+                    "KV cache (register_kv_caches)", len(self._layers), self._spec.num_layers)
+            self.counts.failed_blocks += n
+            return
         for t, buf, seen in staged:
             for pos in set(range(len(self._layers))) - seen:
                 gather_layer(self._layers[pos], t.block_ids[t.start :], self._layout, buf[:, :, pos])
