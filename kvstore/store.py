@@ -136,7 +136,12 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         self.policy = make_policy(config.policy, self._specs.get)
 
         path = config.path
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)  # other users: not even metadata
+        try:
+            path.mkdir(parents=True, exist_ok=True, mode=0o700)  # other users: not even metadata
+        except OSError as exc:  # NOTE: a read-only file system gave a raw OSError
+            if dir_lock is not None:
+                dir_lock.release()
+            raise FailedPrecondition(f"cannot make the store directory {path}: {exc.strerror or exc}") from None
         if dir_lock is not None and dir_lock.path != path / LOCK_NAME:
             dir_lock.release()
             raise InvalidArgument(f"the directory lock given ({dir_lock.path}) is not {path}'s")

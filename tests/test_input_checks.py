@@ -159,3 +159,16 @@ def test_client_target_and_admin_limits_are_checked_up_front():
 def test_deleting_a_malformed_shared_namespace_is_refused(sidecar):
     with pytest.raises(InvalidArgument):  # it answered OK
         sidecar.admin().delete_tenant("shared:BAD NAME/..")
+
+
+def test_a_store_directory_that_cannot_be_made_is_a_typed_error(tmp_path):
+    """A raw OSError before (a read-only file system, a file in the way)."""
+    from conftest import MASTER
+
+    from kvstore.config import StoreConfig
+    from kvstore.store import Store
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FailedPrecondition, match="cannot make the store directory"):
+        Store.open(StoreConfig(path=tmp_path / "file" / "store", hbm_bytes=1 << 20, dram_bytes=0,
+                               nvme_bytes=0, master_key=MASTER))
