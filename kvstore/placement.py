@@ -503,16 +503,19 @@ class Placement:
 
     def bring_up(self, meta: BlockMeta) -> bool:
         """The first half of :meth:`serve`: promote ``meta`` to the top tier when its parent is
-        there (best effort) and count the hit in the tier it is served from; False when the
+        there (best effort) and count the hit in the tier it was found in; False when the
         block was lost to an integrity failure meanwhile."""
         first = self.tiers[0]
+        # NOTE: counted after the promotion, every hit was an HBM hit: hits_dram and hits_nvme
+        # stayed 0 whatever the tiers served
+        found = meta.tier
         if meta.tier != first and meta.tier in (Tier.DRAM, Tier.NVME):
             parent = self._index.get(meta.tenant, meta.parent)
             if parent is None or parent.tier == first:
                 self.move(meta, first)  # promotion is best effort: serve from below if no room
             if self._index.get(meta.tenant, meta.key) is not meta:
                 return False  # lost to an integrity failure while promoting
-        self.counters.add(f"hits_{meta.tier.label}")
+        self.counters.add(f"hits_{found.label}")
         return True
 
     def copy_out(self, meta: BlockMeta, dst: Any) -> bool:

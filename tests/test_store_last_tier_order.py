@@ -90,3 +90,20 @@ def test_reading_blocks_under_an_nvme_quota_loses_few(open_store, spec, clock, p
             clock.advance(1)
             s.get("a", spec, k)
     assert sum(s.lookup("a", spec, k).num_blocks for k in chains) >= 10
+
+
+def test_hits_are_counted_in_the_tier_each_block_was_found_in(open_store, spec, clock):
+    """Counted after the promotion, every hit was an HBM hit."""
+    s = open_store(spec, hbm_blocks=4, dram_blocks=4, nvme_blocks=64, policy="lru")
+    keys = s.block_keys("a", spec, tokens(3, spec))
+    s.put("a", spec, keys, make_kv(spec, 3))
+    for i in range(6):
+        clock.advance(1)
+        s.put("a", spec, s.block_keys("a", spec, tokens(2, spec, start=10_000 * (i + 1))), make_kv(spec, 2))
+    tiers = s.lookup("a", spec, keys).tiers
+    assert tiers != ["hbm"] * 3
+    before = s.stats()["counters"]
+    s.get("a", spec, keys)
+    after = s.stats()["counters"]
+    for t in ("hbm", "dram", "nvme"):
+        assert after.get(f"hits_{t}", 0) - before.get(f"hits_{t}", 0) == tiers.count(t), t
