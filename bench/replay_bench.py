@@ -26,7 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvstore.replay import ReplayConfig, make_replay_policy, run_replay
 from kvstore.workloads import WORKLOADS, WorkloadConfig, generate, load_trace
 
-SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+#: the Mooncake trace: $KVSTORE_TRACE, else ``shared/data/`` next to the checkout (NOTE: only the
+#: latter before, so a checkout anywhere else dropped the trace from the full suite, silently)
+SHARED_TRACE = Path(os.environ.get("KVSTORE_TRACE") or
+                    Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl")
 POLICIES = ("lru", "gdsf", "cost", "belady")
 
 

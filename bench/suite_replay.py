@@ -8,6 +8,7 @@ closes). The replay is deterministic, so one run per cell is the figure.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
@@ -24,6 +25,10 @@ FULL = {"traces": [("mooncake", str(SHARED_TRACE), 0), *((w, "", 1) for w in WOR
 def run_replay_suite(quick: bool, tick: Callable[[str, int], Callable[[], None]]) -> dict[str, Any]:
     plan = QUICK if quick else FULL
     traces = [t for t in plan["traces"] if t[0] != "mooncake" or SHARED_TRACE.exists()]
+    skipped = [f"mooncake: no trace at {SHARED_TRACE} (set KVSTORE_TRACE to its path)"
+               for t in plan["traces"] if t not in traces]
+    for line in skipped:
+        print(f"replay suite: skipped {line}", file=sys.stderr)
     jobs = [(name, path, seed, plan["requests"], cap, pol) for name, path, seed in traces
             for cap in plan["capacities"] for pol in POLICIES]
     step = tick("replay cells", len(jobs))
@@ -35,4 +40,4 @@ def run_replay_suite(quick: bool, tick: Callable[[str, int], Callable[[], None]]
             step()
     return {"policies": list(POLICIES), "capacities": plan["capacities"],
             "traces": [f"{n}#{s}" for n, _, s in traces], "requests_per_workload": plan["requests"],
-            "dram_factor": 3, "nvme_factor": 10, "summary": summarize(rows), "runs": rows}
+            "dram_factor": 3, "nvme_factor": 10, "skipped": skipped, "summary": summarize(rows), "runs": rows}

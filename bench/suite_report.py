@@ -56,7 +56,8 @@ def _replay_md(res: dict[str, Any]) -> str:
                 s += f" [{e[p]['gap_closed']:.2f}]"
             cells.append(s)
         rows.append([f"{e['trace']}#{e['seed']}", e["hbm_blocks"], *cells])
-    return ("net saved time fraction per policy [share of the LRU->Belady gap closed]; DRAM = "
+    skipped = "".join(f"skipped: {line}\n\n" for line in res.get("skipped", ()))
+    return (skipped + "net saved time fraction per policy [share of the LRU->Belady gap closed]; DRAM = "
             f"{res['dram_factor']}x, NVMe = {res['nvme_factor']}x HBM\n\n"
             + _table(["trace", "HBM blocks", *pols], rows) + "\n")
 
