@@ -226,7 +226,7 @@ def redis_round(stack: ExitStack, nbytes: int, count: int) -> Round | str:
         return str(exc)[:80]
     stack.callback(r.close)
     values = [os.urandom(nbytes) for _ in range(count)]
-    names = [f"bench:{i}" for i in range(count)]
+    names = [f"kvstore-bench:{os.getpid()}:{i}" for i in range(count)]  # NOTE: two runs shared "bench:i"
     stack.callback(lambda: r.delete(*names))
 
     def one() -> tuple[float, float]:
