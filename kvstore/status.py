@@ -59,6 +59,10 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, "internal error"
 
 
+#: what grpc answers past ``maximum_concurrent_rpcs`` (the server's workers + max_queued_calls)
+_GRPC_CONCURRENCY = "Concurrent RPC limit exceeded!"
+
+
 def from_rpc_error(err: grpc.RpcError) -> errors.KVStoreError:
     """The typed error matching a failed call's status (for the client)."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
@@ -70,6 +74,11 @@ def from_rpc_error(err: grpc.RpcError) -> errors.KVStoreError:
         exc.code = name
         return exc
     if cls is errors.ResourceExhausted:
+        if message == _GRPC_CONCURRENCY:  # NOTE: grpc's own words named no limit to raise
+            return errors.ResourceExhausted(
+                "the server is running and queueing as many calls as it takes (grpc: Concurrent RPC "
+                "limit exceeded): its workers + limits.max_queued_calls; retry later, or raise them",
+                resource="limits.max_queued_calls")
         return errors.ResourceExhausted(message or name)
     if cls is errors.NotFound:
         for sub in (errors.UnknownRegion, errors.ParentNotStored):

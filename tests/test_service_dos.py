@@ -168,6 +168,10 @@ def test_calls_past_workers_and_queue_are_refused_not_queued_for_ever(tmp_path):
             queued = next(c for c in calls if c is not refused)
             assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert not queued.done()
+            from kvstore.status import from_rpc_error
+
+            err = from_rpc_error(refused.exception())  # it passed on grpc's words, naming no limit
+            assert err.resource == "limits.max_queued_calls" and "max_queued_calls" in str(err)
         finally:
             release.set()
         for f in held:
