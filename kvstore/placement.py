@@ -373,6 +373,8 @@ class Placement:
         self._index.set_tier(meta, dest)
         self.counters.add(f"moved_{src.label}_to_{dest.label}")
         self.counters.add(f"bytes_{src.label}_to_{dest.label}", meta.nbytes)
+        if dest < src:  # NOTE: no promotions counter existed; the metrics name one
+            self.counters.add("promotions")
         return True
 
     def copy(self, meta: BlockMeta, ref: BlockRef, src: Tier, dest: Tier) -> bool:

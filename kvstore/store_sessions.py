@@ -127,6 +127,7 @@ class SessionPins:
                     moved += self._place.move(m, Tier.DRAM)
             finally:
                 self._place.protected.difference_update(idents)
+        self.counters.add("demotions", moved)  # NOTE: counted in moved_hbm_to_dram only, before
         return moved
 
     def resume_session(self, tenant: str, session: str) -> int:
