@@ -633,6 +633,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                 "misses": c.get("misses", 0),
                 "evictions": c.get("evictions", 0),
                 "demotions": c.get("demotions", 0),
+                "promotions": c.get("promotions", 0),
                 "integrity_failures": c.get("integrity_failures", 0),
                 "counters": c,
                 "policy": self.policy.name,
