@@ -229,6 +229,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
     # -- recovery -----------------------------------------------------------------------------
     def _recover(self, progress: Progress | None) -> None:
         assert self._nvme is not None
+        # a delete that met a damaged page of the LMDB file (the block is gone all the same)
+        self._nvme.on_damage = lambda: self.counters.add("nvme_damaged_deletes")
         records = self._nvme.records()
         # tenants with a data key: a block of any other tenant cannot be decrypted (its tenant
         # was deleted, and a crash came between the key's destruction and the blocks' deletion)

@@ -33,7 +33,7 @@ import json
 import logging
 import shutil
 import struct
-from collections.abc import Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -58,6 +58,11 @@ TENANT_PREFIX_BYTES = 16
 #: Inside a pipelined batch, commit (durably) once this many value bytes are pending, so the disk
 #: writes and syncs of the values stored so far overlap the encoding of the next ones.
 PIPELINE_COMMIT_BYTES = 4 << 20
+#: What LMDB raises where a page of its file is damaged: a page number past the last commit's,
+#: a page of the wrong kind, a cycle deeper than its cursor stack, a header it does not know.
+DAMAGE_ERRORS: tuple[type[lmdb.Error], ...] = (
+    lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.CursorFullError, lmdb.PageFullError,
+    lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.IncompatibleError)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -161,6 +166,24 @@ def _check_whole(env: lmdb.Environment, path: Path) -> None:
                              f"to start without its blocks")
 
 
+def damaged_file(path: Path, exc: BaseException) -> IntegrityError:
+    """The error for an LMDB environment at ``path`` whose file LMDB found damaged (``exc``),
+    with the way out (as :func:`_check_whole` gives for a truncated file). NOTE: before, a
+    damaged page made the open raise LMDB's own error (``mdb_cursor_get: MDB_PAGE_NOTFOUND``,
+    ``File is not an LMDB file``) with no word of what to do."""
+    return IntegrityError(f"{path / 'data.mdb'} is damaged ({exc}): restore it from a backup, or "
+                          f"move {path} away to start without its blocks")
+
+
+def _open_env(path: Path, **kw: Any) -> lmdb.Environment:
+    """``lmdb.open(path, **kw)``; a damaged file (a header LMDB cannot read) as
+    :func:`damaged_file`'s IntegrityError."""
+    try:
+        return lmdb.open(str(path), **kw)
+    except DAMAGE_ERRORS as exc:
+        raise damaged_file(path, exc) from None
+
+
 class NVMeTier:
     tier = Tier.NVME
 
@@ -179,8 +202,8 @@ class NVMeTier:
         # VM its gain did not stand out of the noise (see bench/RESULTS.md, tiers suite).
         map_size = map_size or max(capacity * 2 + (256 << 20), 1 << 26)
         try:
-            self._env = lmdb.open(
-                str(self.path), map_size=map_size, max_dbs=8, sync=durable, metasync=durable,
+            self._env = _open_env(
+                self.path, map_size=map_size, max_dbs=8, sync=durable, metasync=durable,
                 readahead=False, lock=True, writemap=writemap, mode=0o600)
         except (lmdb.MemoryError, OverflowError) as exc:  # the map does not fit the address space
             raise ResourceExhausted(
@@ -188,18 +211,29 @@ class NVMeTier:
                 f"a map of {format_size(map_size)}, and mapping it failed ({exc}); lower nvme_bytes",
                 resource="nvme") from None
         _check_whole(self._env, self.path)
-        self._blocks = self._env.open_db(b"blocks")
-        self._meta = self._env.open_db(b"meta")
-        self._specs = self._env.open_db(b"specs")
-        (self.path / "keys").mkdir(exist_ok=True, mode=0o700)  # NOTE: lmdb would make it 0600 (mode)
-        self._keys_env = lmdb.open(str(self.path / "keys"), map_size=64 << 20, max_dbs=2,
-                                   sync=True, metasync=True, readahead=False, lock=True, mode=0o600)
         try:
-            _check_whole(self._keys_env, self.path / "keys")
+            self._blocks, self._meta, self._specs = (
+                self._env.open_db(name) for name in (b"blocks", b"meta", b"specs"))
+        except DAMAGE_ERRORS as exc:  # the main database, which names them, is damaged
+            self._env.close()
+            raise damaged_file(self.path, exc) from None
+        (self.path / "keys").mkdir(exist_ok=True, mode=0o700)  # NOTE: lmdb would make it 0600 (mode)
+        try:
+            self._keys_env = _open_env(self.path / "keys", map_size=64 << 20, max_dbs=2, sync=True,
+                                       metasync=True, readahead=False, lock=True, mode=0o600)
         except IntegrityError:
             self._env.close()
             raise
-        self._keys = self._keys_env.open_db(b"keys")
+        try:
+            _check_whole(self._keys_env, self.path / "keys")
+            try:
+                self._keys = self._keys_env.open_db(b"keys")
+            except DAMAGE_ERRORS as exc:
+                self._keys_env.close()
+                raise damaged_file(self.path / "keys", exc) from None
+        except IntegrityError:
+            self._env.close()
+            raise
         self._batch: lmdb.Transaction | None = None
         self.codec: Any = None  # set by the Store once the keyring (which lives here) is built
         self._sizes: dict[tuple[str, bytes], int] = {}
@@ -212,9 +246,9 @@ class NVMeTier:
         self._ahead_exec: ThreadPoolExecutor | None = None
         self._ahead_buffers = BufferPool(keep=3)
         self._pending_bytes = 0  # value bytes written in the open batch since its last commit
-        # blocks put (ident, nbytes) and specs first recorded in the open batch since its last
-        # commit: forgotten again if that commit fails
-        self._unsynced: list[tuple[tuple[str, bytes], int]] = []
+        # blocks put (ident -> nbytes) and specs first recorded in the open batch since its last
+        # commit: forgotten again if that commit fails (and read in the batch's transaction)
+        self._unsynced: dict[tuple[str, bytes], int] = {}
         self._unsynced_specs: list[bytes] = []
         # deletions made in the open transaction, and those a failed commit did not make: the
         # latter are made again in every later write transaction until one commits (a deleted
@@ -222,6 +256,11 @@ class NVMeTier:
         self._deleting: list[bytes] = []
         self._undeleted: set[bytes] = set()
         self._damaged: list[bytes] = []  # db keys of records that records() could not read
+        #: called once for each block a delete could not remove for a damaged page (the Store
+        #: counts it); the block is gone from the tier all the same
+        self.on_damage: Callable[[], None] | None = None
+        self._damage_met = False  # a damaged page was met in the open write transaction
+        self._damage_warned = False
 
     # -- open / recovery ----------------------------------------------------------------------
     def key_backend(self) -> MutableMapping[str, bytes]:
@@ -230,7 +269,23 @@ class NVMeTier:
     def records(self) -> list[tuple[NVMeRecord, ModelSpec | None]]:
         """Every committed block's record and spec (rebuilds the Store's index on open); the
         spec is None where it cannot be read. A record that cannot be read at all is left out,
-        and its block is deleted by :meth:`drop_damaged`."""
+        and its block is deleted by :meth:`drop_damaged`. A damaged page of the file (LMDB's
+        own error while walking it) closes the tier and raises :func:`damaged_file`'s
+        IntegrityError, naming the file and the way out."""
+        try:
+            out = self._read_records()
+        except lmdb.Error as exc:
+            self._damaged.clear()
+            self.close()
+            raise damaged_file(self.path, exc) from None
+        for rec, spec in out:
+            self._sizes[(rec.tenant, rec.key)] = rec.nbytes
+            self._used += rec.nbytes
+            self._known_specs.add(rec.fingerprint)
+        return out
+
+    def _read_records(self) -> list[tuple[NVMeRecord, ModelSpec | None]]:
+        """The walk of :meth:`records` over the specs and meta databases."""
         with self._env.begin() as txn:
             specs: dict[bytes, ModelSpec | None] = {}
             for fp, raw in txn.cursor(db=self._specs):
@@ -247,10 +302,6 @@ class NVMeTier:
                     self._damaged.append(k)  # a lost block, not a crash at open
                     continue
                 out.append((rec, specs.get(rec.fingerprint)))
-        for rec, spec in out:
-            self._sizes[(rec.tenant, rec.key)] = rec.nbytes
-            self._used += rec.nbytes
-            self._known_specs.add(rec.fingerprint)
         return out
 
     def drop_damaged(self) -> int:
@@ -305,7 +356,7 @@ class NVMeTier:
             if staged is not None and ahead is not None:
                 ahead.release(buf)
         if self._batch is not None:
-            self._unsynced.append((ref.ident, ref.nbytes))
+            self._unsynced[ref.ident] = ref.nbytes
             if fp not in self._known_specs:
                 self._unsynced_specs.append(fp)
         self._known_specs.add(fp)
@@ -323,16 +374,24 @@ class NVMeTier:
         return self.put_record(ref, data, rec)
 
     def get_into(self, ref: BlockRef, out: np.ndarray) -> bool:
+        """Decode the block's value into ``out``; False when it is not held, or when it fails
+        its integrity check or sits behind a damaged page of the file (the block is deleted
+        then, as far as the damage lets it be, and the caller counts an integrity failure)."""
         if ref.ident not in self._sizes:
             return False
         try:
-            with self._read() as txn:
-                value = txn.get(self._dbkey(ref), db=self._blocks)
+            with self._read(ref.ident) as txn:
+                try:
+                    value = txn.get(self._dbkey(ref), db=self._blocks)
+                except lmdb.Error as exc:  # NOTE: escaped as LMDB's own error (see _read)
+                    self._damage_met |= txn is self._batch  # that transaction cannot commit now
+                    raise IntegrityError(f"a damaged page of {self.path / 'data.mdb'}: {exc}") from None
                 if value is None:
                     raise IntegrityError("value missing for a recorded block")
                 self.codec.decode(ref.tenant, ref.key, ref.spec, value, out=out)
             return True
-        except IntegrityError:
+        except IntegrityError as exc:
+            log.warning("NVMe block of tenant %r failed its integrity check: %s", ref.tenant, exc)
             self.delete(ref)
             return False
 
@@ -360,13 +419,63 @@ class NVMeTier:
         return True
 
     def _delete_in(self, txn: lmdb.Transaction, k: bytes) -> None:
-        txn.delete(k, db=self._blocks)
-        txn.delete(k, db=self._meta)
-        self._deleting.append(k)
+        """Delete the record and value under ``k`` in ``txn``. A damaged page of the file on the
+        way to ``k`` is counted (:attr:`on_damage`) and the block taken as gone: it is deleted
+        where the way is sound, and never tried again. NOTE: before, LMDB's error left ``txn``
+        unable to commit, so the call failed as a full disk, and the deletion was kept to make
+        again with every later write, failing them all: a drop_tenant never completed (its
+        data key stayed), and the next open failed.
+
+        How: a read-only look at ``k`` first (a write transaction that meets a damaged page
+        cannot commit). A damaged page that only the deletion itself meets (a neighbour it
+        merges with) still spoils ``txn``: that one commit fails, saying so
+        (:meth:`_why_not_committed`), and ``k`` alone is not deleted again; the deletions after
+        it in ``txn`` are left to its failed commit (made again with the next write)."""
+        if self._damage_met:  # LMDB would refuse any further use of ``txn`` (MDB_BAD_TXN)
+            self._deleting.append(k)
+            return
+        dbs, damage = self._sound_paths(k)
+        try:
+            for db in dbs:
+                txn.delete(k, db=db)
+        except DAMAGE_ERRORS as exc:
+            self._damage_met = True
+            damage = exc
+        if damage is None:
+            self._deleting.append(k)
+        else:
+            self._met_damage(damage)
+
+    def _sound_paths(self, k: bytes) -> tuple[list[Any], lmdb.Error | None]:
+        """The databases (record, then value) in which a read-only look reached ``k`` without
+        meeting a damaged page, and the error met in the others (None: none). Read-only: a
+        damaged page met by a write transaction leaves it unable to commit."""
+        sound, damage = [], None
+        for db in (self._meta, self._blocks):
+            try:
+                with self._env.begin() as ro:
+                    ro.get(k, db=db)
+            except lmdb.Error as exc:
+                damage = exc
+            else:
+                sound.append(db)
+        return sound, damage
+
+    def _met_damage(self, exc: lmdb.Error) -> None:
+        """Count a block that a deletion could not remove (or wholly) for a damaged page."""
+        if not self._damage_warned:  # once: a drop_tenant can meet it for every block of a page
+            self._damage_warned = True
+            log.warning("a damaged page of %s: an NVMe block could not be deleted (%s), nor will "
+                        "others there be (counted as nvme_damaged_deletes); restore the file from a "
+                        "backup, or move %s away to start without its blocks",
+                        self.path / "data.mdb", exc, self.path)
+        if self.on_damage is not None:
+            self.on_damage()
 
     def _begin(self, **kw: Any) -> lmdb.Transaction:
         """A write transaction that first makes again the deletions a failed commit lost."""
         txn = self._env.begin(write=True, **kw)
+        self._damage_met = False
         if self._undeleted:
             undeleted, self._undeleted = self._undeleted, set()
             for k in undeleted:
@@ -464,7 +573,7 @@ class NVMeTier:
             txn.commit()
         except lmdb.Error as exc:
             lost = []
-            for ident, nbytes in self._unsynced:
+            for ident, nbytes in self._unsynced.items():
                 if self._sizes.pop(ident, None) is not None:
                     self._used -= nbytes
                     lost.append(ident)
@@ -473,20 +582,28 @@ class NVMeTier:
             self._unsynced_specs.clear()
             self._undeleted.update(self._deleting)
             self._deleting.clear()
-            try:
-                free = f"{shutil.disk_usage(self.path).free} bytes free"
-            except OSError:
-                free = "free space unknown"
             undeleted = (f"; {len(self._undeleted)} deleted blocks are still on disk (gone from the "
                          f"index, deleted again with the next write that commits; a restart before "
                          f"that would bring them back)" if self._undeleted else "")
             raise NVMeWriteFailed(
-                f"the NVMe tier could not commit its writes ({exc}; {free} on the disk of "
-                f"{self.path}): free some space there or lower nvme_bytes; {len(lost)} blocks of "
-                f"this call were not stored{undeleted}", lost=tuple(lost)) from None
+                f"the NVMe tier could not commit its writes ({exc}; {self._why_not_committed()}; "
+                f"{len(lost)} blocks of this call were not stored{undeleted}", lost=tuple(lost)) from None
         self._unsynced.clear()
         self._unsynced_specs.clear()
         self._deleting.clear()
+
+    def _why_not_committed(self) -> str:
+        """What a failed commit's error says of its cause and the way out: a damaged page of the
+        file met in the transaction, else the disk's free space. NOTE: a damaged page was
+        reported as a full disk ("free some space there")."""
+        if self._damage_met:
+            return (f"a damaged page of {self.path / 'data.mdb'} was met in it): restore the file "
+                    f"from a backup, or move {self.path} away to start without its blocks")
+        try:
+            free = f"{shutil.disk_usage(self.path).free} bytes free"
+        except OSError:
+            free = "free space unknown"
+        return f"{free} on the disk of {self.path}): free some space there or lower nvme_bytes"
 
     @contextmanager
     def pipelined(self, jobs: Sequence[AheadJob]) -> Iterator[None]:
@@ -527,8 +644,12 @@ class NVMeTier:
         self._commit(txn)  # outside a batch nothing is recorded before it succeeds
 
     @contextmanager
-    def _read(self) -> Iterator[lmdb.Transaction]:
-        if self._batch is not None:
+    def _read(self, ident: tuple[str, bytes]) -> Iterator[lmdb.Transaction]:
+        """A transaction to read block ``ident`` in: the open batch's where the block was written
+        in it since its last commit, else a read-only one of its own. NOTE: every read ran in
+        the open batch's write transaction, and LMDB refuses to commit a transaction that met a
+        damaged page: a get that touched one failed the whole call as a full disk, every time."""
+        if self._batch is not None and ident in self._unsynced:
             yield self._batch
         else:
             with self._env.begin(buffers=True) as txn:
