@@ -4,7 +4,7 @@ Two sources:
 
 * :class:`ServiceMetrics` — counted by the service as calls happen: requests and latency per
   RPC and status code, limit/quota rejections per limit, bytes in/out per plane, blocks hit and
-  missed per lookup, prefill tokens saved (hit blocks x block tokens).
+  missed per lookup, prefill tokens saved (blocks served by Get and GetLocal x block tokens).
 * :class:`StoreCollector` — read from ``Store.stats()`` at scrape time (hits and misses per
   tier, bytes per tier and per tenant, evictions, demotions, promotions, bytes migrated per tier
   pair, integrity failures, ...). Every numeric leaf of the stats mapping becomes a gauge named
@@ -44,8 +44,9 @@ class ServiceMetrics:
                                    registry=registry)
         self.lookup_misses = Counter("kvstore_lookup_miss_blocks", "Blocks asked for and not found",
                                      ["tenant"], registry=registry)
-        self.saved_tokens = Counter("kvstore_saved_prefill_tokens", "Prefill tokens a hit saves",
-                                    ["tenant"], registry=registry)
+        self.saved_tokens = Counter("kvstore_saved_prefill_tokens",
+                                    "Prefill tokens of the blocks served by Get and GetLocal "
+                                    "(blocks served x block tokens)", ["tenant"], registry=registry)
 
     def observe(self, rpc: str, code: str, seconds: float) -> None:
         self.requests.labels(rpc=rpc, code=code).inc()
@@ -73,10 +74,16 @@ class ServiceMetrics:
         return {sample.labels["resource"] for family in self.rejections.collect()
                 for sample in family.samples if "resource" in sample.labels}
 
-    def lookup(self, tenant: str, asked: int, found: int, block_tokens: int) -> None:
+    def lookup(self, tenant: str, asked: int, found: int) -> None:
+        """Blocks a Lookup found and missed (what it would save is counted when it is served)."""
         self.lookup_hits.labels(tenant=tenant).inc(found)
         self.lookup_misses.labels(tenant=tenant).inc(asked - found)
-        self.saved_tokens.labels(tenant=tenant).inc(found * block_tokens)
+
+    def served(self, tenant: str, blocks: int, block_tokens: int) -> None:
+        """``blocks`` blocks of ``block_tokens`` tokens served to a client (a Get or GetLocal):
+        the prefill they save. NOTE: counted per Lookup before, so a client that looks up before
+        it saves (HF PrefixCache.save) or once per rank (vLLM) counted what it reused twice."""
+        self.saved_tokens.labels(tenant=tenant).inc(blocks * block_tokens)
 
 
 def _name(parts: list[str]) -> str:

@@ -233,9 +233,10 @@ class Placement:
 
     def fit_quota(self, tenant: str, tier: Tier, extra: int = 0) -> bool:
         """Evict ``tenant``'s own blocks from ``tier`` until ``extra`` more bytes fit within its
-        quota there (none: True); False (counted) when they cannot. A block it demotes finds
-        room below in free space or by pushing down the same tenant's blocks, else is dropped:
-        never by evicting another tenant's."""
+        quota there (none: True); False when they cannot (not counted: the caller that refuses
+        a put for it counts it). A block it demotes finds room below in free space or by
+        pushing down the same tenant's blocks, else is dropped: never by evicting another
+        tenant's."""
         quota = self._quota_of(tenant, tier)
         if quota is None:
             return True
@@ -246,7 +247,8 @@ class Placement:
         try:
             while not self.within_quota(tenant, tier, extra):
                 if not self.evict_some(tier, own):
-                    self.counters.add("quota_rejections")
+                    # NOTE: counted here, a quota lowered under pinned blocks (set_tenant_policy)
+                    # and a reservation that got no slot counted rejections that refused nothing
                     return False
         finally:
             self._quota_scope = scope

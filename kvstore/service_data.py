@@ -34,6 +34,7 @@ from kvstore.audit import AuditLog, Recorder
 from kvstore.auth import AuthRegistry, Principal, resolve_namespace
 from kvstore.block import SessionState, Tier
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, Unavailable
+from kvstore.frames import decoder
 from kvstore.keys import KEY_BYTES, ROOT_KEY, block_keys
 from kvstore.metrics import ServiceMetrics
 from kvstore.server_config import LimitsConfig
@@ -152,7 +153,7 @@ class DataPlane:
         """Longest usable prefix and the tier name of each of its blocks."""
         result = self.store.lookup(b.namespace, b.spec, b.keys, parent=b.parent)
         if self.metrics is not None:
-            self.metrics.lookup(b.namespace, len(b.keys), result.num_blocks, b.spec.block_tokens)
+            self.metrics.lookup(b.namespace, len(b.keys), result.num_blocks)
         return result.num_blocks, result.tiers[: result.num_blocks]
 
     def reserve_put(self, b: Blocks, since: int | None) -> PutReservation:
@@ -182,15 +183,51 @@ class DataPlane:
 
     def lease(self, b: Blocks, stage: Callable[[int], np.ndarray], plane: str = "stream") -> ReadLease:
         """The longest usable prefix under a read lease (``Store.lease_prefix``): each block's
-        bytes in place in its memory tier, or copied into ``stage(i)``. Release it in a finally."""
-        lease = self.store.lease_prefix(b.namespace, b.spec, b.keys, stage, parent=b.parent)
+        bytes in place in its memory tier, or copied into ``stage(i)``. Release it in a finally.
+        Nothing is counted here (``plane`` is unused): the bytes count as they are served
+        (:meth:`sent`, :meth:`served`)."""
+        # NOTE: kvstore_bytes_out counted every leased byte here, bytes never sent included
+        return self.store.lease_prefix(b.namespace, b.spec, b.keys, stage, parent=b.parent)
+
+    def sent(self, nbytes: int, plane: str) -> None:
+        """``nbytes`` block bytes delivered to a client over ``plane`` (``stream``, ``shm``)."""
         if self.metrics is not None:
-            try:
-                self.metrics.bytes_out.labels(plane=plane).inc(len(lease.views) * b.spec.block_nbytes)
-            except BaseException:
-                lease.release()
-                raise
-        return lease
+            self.metrics.bytes_out.labels(plane=plane).inc(nbytes)
+
+    def served(self, namespace: str, spec: ModelSpec, blocks: int) -> None:
+        """``blocks`` blocks of ``namespace`` delivered whole to a client: the prefill tokens
+        they save (kvstore_saved_prefill_tokens)."""
+        if self.metrics is not None:
+            self.metrics.served(namespace, blocks, spec.block_tokens)
+
+    def stream_out(self, principal: Principal, target: pb.Target, header: bytes,
+                   frames: Iterator[bytes]) -> Iterator[bytes]:
+        """A Get stream's ``header`` then its data ``frames`` (see
+        :func:`kvstore.service_streams.get_stream`, which checked ``target``), each counted as
+        sent once the consumer asks for the next item (grpc asks once it sent the frame: one
+        it could not send is not counted), and the blocks' prefill tokens once the last frame
+        was sent. Closing it closes ``frames`` (their lease goes back)."""
+        namespace = resolve_namespace(principal, target.namespace, write=False)
+        spec = spec_from_pb(target.spec, target.HasField("spec"))
+        return self._count_out(namespace, spec, header, frames)
+
+    def _count_out(self, namespace: str, spec: ModelSpec, header: bytes,
+                   frames: Iterator[bytes]) -> Iterator[bytes]:
+        """:meth:`stream_out`'s generator, for the ``namespace`` and ``spec`` it resolved."""
+        payload = decoder(pb.GetFrame)
+        total = 0
+        try:
+            yield header
+            for frame in frames:
+                yield frame
+                n = payload(frame).data.nbytes
+                total += n
+                self.sent(n, "stream")
+            self.served(namespace, spec, total // spec.block_nbytes)
+        finally:
+            close = getattr(frames, "close", None)
+            if close is not None:
+                close()
 
     @contextmanager
     def _region(self, principal: Principal, region_id: int, offsets: Sequence[int], nbytes: int,
@@ -302,9 +339,13 @@ class DataPlane:
                     # slot, or into staging
                     self._copy([(RegionSlot(region, offsets[i]), src) for i, src in enumerate(lease.views)
                                 if src is not mapped.get(i)])
-                    return len(lease.views)
+                    n = len(lease.views)
                 finally:
                     lease.release()
+                # NOTE: counted when leased before: a copy that failed counted bytes never served
+                self.sent(n * nbytes, "shm")
+                self.served(b.namespace, b.spec, n)
+                return n
             finally:
                 self._unstage(b.namespace, staged)
 

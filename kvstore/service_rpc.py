@@ -92,12 +92,17 @@ class RpcRunner:
         return replace(principal, epoch=epoch)
 
     def run(self, name: str, context: grpc.ServicerContext, fn: Callable[[Principal], Any],
-            audit: Recorder | None = None) -> Any:
+            audit: Recorder | None = None, *, stream: bool = False) -> Any:
         """Authenticate, call ``fn(principal)``, map errors; with ``audit``, require the admin
         role and record the action and its outcome (failed authentications included, as
-        principal ``?``)."""
+        principal ``?``). ``stream``: ``fn`` opens a server stream that :meth:`relay` sends,
+        and relay records the call's status and latency when the stream ends; run records
+        only a failure to open it."""
         start = time.perf_counter()
         code = "OK"
+        # NOTE: a stream's outcome was recorded here, once its header existed: its latency left
+        # out sending the data, and a stream that failed part-way counted as OK
+        observe = True
         who = "?"
         slot = None
         with self._ended:
@@ -121,6 +126,7 @@ class RpcRunner:
                 except KVStoreError as exc:  # the action is done; its record is not
                     audit = None  # NOTE: not once more below
                     raise FailedPrecondition(f"{name} was carried out, but {exc}") from None
+            observe = not stream  # opened: relay records how it ends
             return result
         except KVStoreError as exc:
             status, message = to_status(exc)
@@ -142,21 +148,38 @@ class RpcRunner:
         finally:
             if slot is not None:
                 slot.release()
-            if self.metrics is not None:
+            if self.metrics is not None and observe:
                 self.metrics.observe(name, code, time.perf_counter() - start)
             with self._ended:
                 self._running -= 1
                 self._ended.notify_all()
 
-    @staticmethod
-    def relay(context: grpc.ServicerContext, frames: Iterator[Any]) -> Iterator[Any]:
-        """The items of a response stream whose call :meth:`run` already started; a typed error
-        raised while producing them aborts the stream with its status (it ended as UNKNOWN)."""
+    def relay(self, name: str, context: grpc.ServicerContext, frames: Iterator[Any], start: float) -> Iterator[Any]:
+        """The items of a response stream that :meth:`run` opened (``stream=True``; ``start``:
+        when the call began), and the call's status and latency recorded once, when the stream
+        ends: OK at its end; a typed error raised while producing the items aborts the stream
+        with its status (it ended as UNKNOWN); CANCELLED when grpc stops asking for items (the
+        client went away, or an idle stream was cut); INTERNAL for any other error."""
+        # NOTE: errors raised here went unrecorded: a stream failed part-way counted as OK
+        code = "CANCELLED"  # closed before its end
         try:
             yield from frames
+            code = "OK"
         except KVStoreError as exc:
             status, message = to_status(exc)
+            code = status.name
+            if self.metrics is not None and isinstance(exc, ResourceExhausted):
+                self.metrics.rejections.labels(resource=exc.resource or "unknown").inc()
             context.abort(status, message)
+        except Exception:
+            if context.code() is not None or not context.is_active():
+                raise
+            code = "INTERNAL"
+            log.exception("%s failed", name)
+            context.abort(grpc.StatusCode.INTERNAL, "internal error")
+        finally:
+            if self.metrics is not None:
+                self.metrics.observe(name, code, time.perf_counter() - start)
 
     def guard(self, behavior: Callable[..., Any], client_streaming: bool,
               server_streaming: bool) -> Callable[..., Any]:

@@ -9,6 +9,7 @@ the servicer with :func:`add_kvstore_servicer`, which installs those codecs.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -75,10 +76,15 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     def Get(self, request, context):
         # the header is produced inside run(): errors abort before any data is sent; an error
-        # while sending (the caller's right to read gone meanwhile) aborts the stream
-        header, chunks = self.rpc.run("Get", context, lambda p: get_stream(self.plane, p, request))
-        yield header
-        yield from self.rpc.relay(context, chunks)
+        # while sending (the caller's right to read gone meanwhile) aborts the stream. relay
+        # sends the header and the data and records the call's status and latency at the end
+        start = time.perf_counter()
+
+        def call(p: Principal) -> Iterator[bytes]:
+            header, chunks = get_stream(self.plane, p, request)
+            return self.plane.stream_out(p, request.target, header, chunks)
+        frames = self.rpc.run("Get", context, call, stream=True)
+        yield from self.rpc.relay("Get", context, frames, start)
 
     def RegisterRegion(self, request, context):
         def call(p: Principal) -> pb.RegisterRegionResponse:

@@ -545,33 +545,61 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
             elif lift and m.tier > Tier.HBM:
                 up += 1
         most = self._place.most_blocks(tenant, spec.block_nbytes, floor, pinned)
+        tiers = [Tier.HBM] if lift else [t for t in self.tiers if t >= floor]
         if new > most:
             where = "hbm (session blocks)" if pinned else "the tiers it may use"
             # NOTE: say which quota binds, when one is set: "give the store more room" misled
             # an operator whose tenant had hit its own quota
-            tiers = [Tier.HBM] if pinned else [t for t in self.tiers if t >= floor]
             quotas = {t: q for t in tiers if (q := self._quota(tenant, t)) is not None}
-            if quotas:
-                limit = ", ".join(f"{t.label}={format_size(q)}" for t, q in quotas.items())
-                why, fix = f"capacity, and its quota {limit}", "raise its quota (kvstore policy set)"
-                resource = f"quota:{tenant}:{next(iter(quotas)).label}"
-            else:
-                why, fix, resource = "capacity", "give the store more room", floor.label
+            limit = ", ".join(f"{t.label}={format_size(q)}" for t, q in quotas.items())
+            why = f"capacity, and its quota {limit}" if quotas else "capacity"
+            bound = self._quota_bound(tenant, tiers, spec.block_nbytes, new, now=False)
+            fix = "raise its quota (kvstore policy set)" if bound is not None else "give the store more room"
             if not most:
-                raise ResourceExhausted(
+                raise self._refusal(tenant, bound, floor, (
                     f"a block of {spec.block_nbytes} bytes fits in none of {where} for tenant {tenant!r} "
-                    f"({why}): {fix}", resource=resource)
-            raise ResourceExhausted(
+                    f"({why}): {fix}"))
+            raise self._refusal(tenant, bound, floor, (
                 f"a put of {new} new blocks of {spec.block_nbytes} bytes can never fit: {where} hold "
                 f"at most {most} of them for tenant {tenant!r} ({why}); "
-                f"put fewer blocks at a time or {fix}", resource=resource)
+                f"put fewer blocks at a time or {fix}"))
         room = self._place.room_now(tenant, spec.block_nbytes, floor, pinned, new + up)
         if new + up > room:
-            raise ResourceExhausted(
+            bound = self._quota_bound(tenant, tiers, spec.block_nbytes, new + up, now=True)
+            raise self._refusal(tenant, bound, Tier.HBM if pinned else floor, (
                 f"no room for {new + up} blocks of {spec.block_nbytes} bytes of tenant {tenant!r} in "
                 f"{'hbm' if pinned else 'the tiers it may use'}: only {room} could be made, the rest is "
-                f"held by pinned (session) or in-flight blocks or by the tenant's quota; nothing was evicted",
-                resource=Tier.HBM.label if pinned else floor.label)
+                f"held by pinned (session) or in-flight blocks or by the tenant's quota; nothing was evicted"))
+
+    def _refusal(self, tenant: str, bound: Tier | None, tier: Tier, message: str) -> ResourceExhausted:
+        """The error of a put refused up front: by the quota of ``tenant`` in ``bound``
+        (resource ``quota:TENANT:TIER``, counted in ``quota_rejections``), else (``bound`` None)
+        by the capacity of ``tier`` (resource: its name)."""
+        # NOTE: the refusals disagreed: one a quota caused was not counted (a put that could never
+        # fit), another was labelled with the tier's name (a session put over its hbm quota), and
+        # quota_rejections counted inside Placement.fit_quota, a policy change's included
+        if bound is None:
+            return ResourceExhausted(message, resource=tier.label)
+        self.counters.add("quota_rejections")
+        return ResourceExhausted(message, resource=f"quota:{tenant}:{bound.label}")
+
+    def _quota_bound(self, tenant: str, tiers: Sequence[Tier], nbytes: int, need: int, *, now: bool) -> Tier | None:
+        """The tier whose quota refused a put of ``need`` blocks of ``nbytes`` of ``tenant`` in
+        ``tiers``: the first whose quota holds the tenant to fewer blocks than its capacity
+        would, when ``tiers`` would take ``need`` blocks were there no quotas; None when they
+        would not (capacity refused it). ``now``: capacity as ``Placement.room_now`` counts it
+        (less pinned, in-flight and protected blocks in a memory tier); else an empty store's
+        (``Placement.most_blocks``)."""
+        bound, room = None, 0
+        for t in tiers:
+            backend = self._place.backend(t)
+            held, own = self._place._held(t, tenant) if now and t in self._mem else (0, 0)
+            fit = max(backend.capacity - held, 0) // max(backend.charge(nbytes), 1)
+            room += fit
+            quota = self._quota(tenant, t)
+            if bound is None and quota is not None and max(quota - own, 0) // max(nbytes, 1) < fit:
+                bound = t
+        return bound if room >= need else None
 
     def _unput(self, metas: list[BlockMeta]) -> None:
         """Roll back the blocks a failed put inserted (those still indexed as themselves)."""
