@@ -50,17 +50,23 @@ def _delete_in_thread(client, keys) -> list:
     return outcome
 
 
+def _a_delete_held(tmp_path, monkeypatch, **overrides):
+    """A sidecar whose Delete of a stored block is inside the Store, held there."""
+    sc = start(tmp_path, **overrides)
+    c = sc.tenant("t")
+    keys = c.block_keys(SPEC, fresh_tokens(2))
+    c.put(SPEC, keys, random_kv(2))
+    held = _HeldDelete(monkeypatch, sc.server.store)
+    _delete_in_thread(c, keys[:1])
+    assert held.entered.wait(10)
+    return sc, held
+
+
 def test_stop_waits_for_a_running_delete_before_closing_the_audit_log(tmp_path, monkeypatch):
     """grpc's stop cancels a call but not its thread: a delete still in its Store part found the
     audit log closed and its outcome was never recorded (the STARTED entry was closed as
     UNKNOWN at the next open). The server now waits for it (``drain_s``) first."""
-    sc = start(tmp_path)
-    c = sc.tenant("t")
-    keys = c.block_keys(SPEC, fresh_tokens(3))
-    c.put(SPEC, keys, random_kv(3))
-    held = _HeldDelete(monkeypatch, sc.server.store)
-    _delete_in_thread(c, keys[:1])
-    assert held.entered.wait(10)
+    sc, held = _a_delete_held(tmp_path, monkeypatch)
     threading.Timer(0.5, held.go.set).start()  # the delete ends after grpc's stop returned
     sc.stop()
     deletes = _entries(sc, "blocks.delete")
@@ -69,13 +75,7 @@ def test_stop_waits_for_a_running_delete_before_closing_the_audit_log(tmp_path, 
 
 
 def test_stop_gives_up_on_a_call_after_drain_s_and_says_so(tmp_path, monkeypatch, caplog):
-    sc = start(tmp_path, drain_s=0.3)
-    c = sc.tenant("t")
-    keys = c.block_keys(SPEC, fresh_tokens(2))
-    c.put(SPEC, keys, random_kv(2))
-    held = _HeldDelete(monkeypatch, sc.server.store)
-    _delete_in_thread(c, keys[:1])
-    assert held.entered.wait(10)
+    sc, held = _a_delete_held(tmp_path, monkeypatch, drain_s=0.3)
     began = time.monotonic()
     try:
         with caplog.at_level(logging.WARNING, logger="kvstore.server"):
