@@ -69,6 +69,7 @@ from kvstore.errors import (
     IntegrityError,
     InvalidArgument,
     KVStoreError,
+    ResourceExhausted,
     ShapeMismatch,
     UnknownRegion,
 )
@@ -98,6 +99,15 @@ REGISTER_RETRY_S = 5.0
 _UNREACHABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
 #: how long a call waits for the server's fence of an earlier call in doubt
 HELD_FENCE_WAIT_S = 0.05
+#: seconds a shared-memory call that failed in doubt (its deadline passed, the server went
+#: quiet) waits more for the server's fence before it settles its slots. NOTE: it waited a whole
+#: ``timeout`` more: a hung sidecar held a call for twice the timeout the caller gave
+FENCE_AFTER_ERROR_S = 1.0
+
+
+class _InBand(Exception):
+    """The region is not registered (the server dropped it and would not take it back: the
+    principal's other regions are busy): the call goes in-band instead."""
 #: outcomes of a call that the server may not have seen the end of: it may still be running
 _IN_DOUBT = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN"})
 
@@ -303,12 +313,23 @@ class Client:
             raise FailedPrecondition(f"this Client was created in process {self._pid}, before a fork(): "
                                      f"create a new Client in process {os.getpid()}")
 
-    def _call(self, method: Any, request: Any) -> Any:
+    def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        """``method(request)``; ``timeout``: what is left of the caller's (default: the client's)."""
         self._usable()
         try:
-            return method(request, metadata=self._metadata, timeout=self.timeout)
+            return method(request, metadata=self._metadata, timeout=self.timeout if timeout is None else timeout)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
+
+    def _deadline(self) -> float | None:
+        """The monotonic time a public call that makes several RPCs must end by (None: no timeout)."""
+        return None if self.timeout is None else time.monotonic() + self.timeout
+
+    @staticmethod
+    def _left(deadline: float | None) -> float | None:
+        """Seconds left until ``deadline`` for the next RPC of a call (a past one: the smallest
+        wait, so grpc answers DEADLINE_EXCEEDED)."""
+        return None if deadline is None else max(1e-3, deadline - time.monotonic())
 
     def _register(self, required: bool) -> None:
         """Create the shared-memory region and register it: a sealed memfd, else (a server that
@@ -356,7 +377,19 @@ class Client:
                 due = self._retry_register_at
                 if self._local is None and due is not None and time.monotonic() >= due:
                     self._register(required=False)
-        return self._local
+        lp = self._local
+        if lp is not None and not lp.region_id:  # dropped by the server, not taken back (_InBand)
+            if due is None or time.monotonic() < due:
+                return None
+            with lp.lock:
+                if not lp.region_id:
+                    try:
+                        lp.region_id = self._register_region(lp.region)
+                        self._retry_register_at = None
+                    except KVStoreError:
+                        self._retry_register_at = time.monotonic() + REGISTER_RETRY_S
+                        return None
+        return lp
 
     def _register_region(self, region: ShmRegion) -> int:
         """Register ``region`` with the server; its id there."""
@@ -366,7 +399,8 @@ class Client:
             raise KVStoreError("the server mapped a different region (not on this host)")
         return resp.region_id
 
-    def _call_local(self, method: Any, request: Any, staged: int | None = None) -> Any:
+    def _call_local(self, method: Any, request: Any, staged: int | None = None,
+                    timeout: float | None = None) -> Any:
         """A PutLocal/GetLocal ``request`` on this client's region. A server that restarted has
         forgotten the region (UnknownRegion, answered before it touched anything): the region
         is registered again and the call made once more.
@@ -383,15 +417,29 @@ class Client:
         request.seq = lp.next_seq()
         try:
             try:
-                return self._call(method, request)
+                return self._call(method, request, timeout)
             except UnknownRegion:
                 with lp.lock:
                     if lp.region_id == request.region_id:  # NOTE: another thread may have done it
-                        lp.region_id = self._register_region(lp.region)
+                        try:
+                            lp.region_id = self._register_region(lp.region)
+                        except ResourceExhausted:
+                            # NOTE: every later put and get failed RESOURCE_EXHAUSTED while the
+                            # principal's other regions were busy: they go in-band until a
+                            # retry, REGISTER_RETRY_S later, registers the region again
+                            lp.region_id = 0
+                            self._retry_register_at = time.monotonic() + REGISTER_RETRY_S
+                    if not lp.region_id:
+                        raise _InBand from None
                     request.region_id = lp.region_id
-                return self._call(method, request)
+                return self._call(method, request, timeout)
+        except _InBand:
+            if staged is not None:
+                lp.release(staged)  # the server never saw this call
+            raise
         except BaseException as exc:
-            over = not _in_doubt(exc) or self._fence(request.region_id, request.seq)
+            wait = FENCE_AFTER_ERROR_S if self.timeout is None else min(self.timeout, FENCE_AFTER_ERROR_S)
+            over = not _in_doubt(exc) or self._fence(request.region_id, request.seq, wait_s=wait)
             if staged is not None:
                 if over:
                     lp.release(staged)
@@ -471,7 +519,9 @@ class Client:
         """Store ``kv`` ([len(keys), 2, L, H, T, D] of the spec's dtype: a tensor or a numpy
         array, whose shape and dtype are checked; a uint8 [len(keys), block_nbytes] array or any
         other buffer of the blocks' bytes is taken as raw bytes, checked only for its size)
-        under the key chain; ``parent``: the stored block ``keys[0]`` continues from."""
+        under the key chain; ``parent``: the stored block ``keys[0]`` continues from. All or
+        nothing; a DEADLINE_EXCEEDED that came while the server committed may leave the put
+        stored whole (puts are idempotent: retry)."""
         keys = check_keys(keys)
         if isinstance(kv, np.ndarray) and not (kv.dtype == np.uint8 and kv.shape == (len(keys), spec.block_nbytes)):
             # NOTE: its shape and dtype went unchecked (a wrong layout of the right byte count
@@ -507,10 +557,13 @@ class Client:
                    check_text("namespace", namespace))
         lp = self._plane()
         if lp is not None:
-            with lp.in_use():
-                self._put_local(put, rows, parent)
-        else:
-            self._put_stream(put, rows, parent)
+            try:
+                with lp.in_use():
+                    self._put_local(put, rows, parent)
+                return
+            except _InBand:
+                pass
+        self._put_stream(put, rows, parent)
 
     def _put_stream(self, put: _Put, rows: Any, parent: bytes | None) -> None:
         header = pb.PutHeader(session=put.session)
@@ -601,10 +654,14 @@ class Client:
         if not keys:
             return 0
         lp = self._plane()
+        n = None
         if lp is not None:
-            with lp.in_use():
-                n = self._get_local(spec, keys, rows, namespace, parent)
-        else:
+            try:
+                with lp.in_use():
+                    n = self._get_local(spec, keys, rows, namespace, parent)
+            except _InBand:
+                pass  # NOTE: pieces before the one refused are in rows: the stream reads all again
+        if n is None:
             n = self._get_stream(spec, keys, rows, namespace, parent)
         if host is not None and n:
             if isinstance(out, torch.Tensor):
@@ -614,14 +671,15 @@ class Client:
         return n
 
     def _get_stream(self, spec: ModelSpec, keys: list[bytes], rows: np.ndarray, namespace: str,
-                    parent: bytes | None) -> int:
+                    parent: bytes | None, timeout: float | None = None) -> int:
         req = pb.GetRequest(chunk_bytes=self.chunk_bytes, pack_blocks=True)
         self._target(req.target, spec, keys, None, namespace, parent)
         nbytes = spec.block_nbytes
         stream = None
         self._usable()
         try:
-            stream = self._get_frames(req, metadata=self._metadata, timeout=self.timeout)
+            stream = self._get_frames(req, metadata=self._metadata,
+                                      timeout=self.timeout if timeout is None else timeout)
             first: Frame = next(stream)
             if first.error or not first.meta.HasField("header"):
                 raise IntegrityError(first.error or "the Get stream did not start with its header")
@@ -650,12 +708,14 @@ class Client:
         # previous piece's last key; a get may end short, so pieces need no atomicity)
         self._settle_held(lp)
         got = 0
+        # NOTE: one deadline for the whole get: each piece had the client's whole timeout
+        deadline = self._deadline()
         while got < len(keys):
             off, count = lp.reserve_blocks(len(keys) - got, nbytes)
             if not count:
-                return got + self._get_stream(spec, keys[got:], rows[got:], namespace, parent)
+                return got + self._get_stream(spec, keys[got:], rows[got:], namespace, parent, self._left(deadline))
             k = self._get_slots(spec, keys[got : got + count], [off + j * nbytes for j in range(count)],
-                                namespace, parent, staged=off)
+                                namespace, parent, staged=off, timeout=self._left(deadline))
             try:
                 for j in range(k):
                     host_copy(rows[got + j], lp.arena[off + j * nbytes : off + (j + 1) * nbytes])
@@ -668,7 +728,7 @@ class Client:
         return got
 
     def _get_slots(self, spec: ModelSpec, keys: list[bytes], offsets: list[int], namespace: str,
-                   parent: bytes | None, staged: int | None = None) -> int:
+                   parent: bytes | None, staged: int | None = None, timeout: float | None = None) -> int:
         try:
             req = pb.GetLocalRequest(offsets=offsets)
             self._target(req.target, spec, keys, None, namespace, parent)
@@ -676,7 +736,7 @@ class Client:
             if staged is not None:
                 self._local.release(staged)  # type: ignore[union-attr]
             raise
-        return self._call_local(self._kv.GetLocal, req, staged).num_blocks
+        return self._call_local(self._kv.GetLocal, req, staged, timeout).num_blocks
 
     # -- sessions, prefetch, delete, stats -----------------------------------------------------
     def _session(self, method: Any, session_id: str, namespace: str) -> None:

@@ -235,11 +235,12 @@ class _MemfdRegion(AttachedRegion):
     copied with memcpy."""
 
     def __init__(self, name: str, size: int, header: bytes, st: os.stat_result, mm: mmap.mmap,
-                 pid: int) -> None:
+                 pid: int, fdnum: int = -1) -> None:
         super().__init__(name, size, header, st)
         self._mm = mm
         self._arr = np.frombuffer(mm, dtype=np.uint8)
         self._pid = pid
+        self._fdnum = fdnum
 
     def host_view(self, offset: int, length: int) -> np.ndarray | None:
         self.check(offset, length)
@@ -257,8 +258,22 @@ class _MemfdRegion(AttachedRegion):
     def gone(self) -> bool:
         # NOTE: its creator holds the memfd; once that process is gone only this mapping does
         if self.owner is None:
-            return proc_stat(self._pid) is None
-        return super().gone()
+            if proc_stat(self._pid) is None:
+                return True
+        elif super().gone():
+            return True
+        return self._fdnum >= 0 and not self._still_held()
+
+    def _still_held(self) -> bool:
+        """Whether the creator still holds the memfd at the fd it registered. NOTE: a Client
+        dropped without close() in a process that lives on closed its fd and unmapped it, but
+        the creator's pid lived: the region counted as alive and this mapping kept every page
+        it had touched until the process exited."""
+        try:
+            st = os.stat(f"/proc/{self._pid}/fd/{self._fdnum}")
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self.ident
 
     def close(self) -> None:
         arr, self._arr = self._arr, None
@@ -331,7 +346,7 @@ def _attach_memfd(name: str, base: str, pid: int, fdnum: int, size: int) -> Atta
             raise FailedPrecondition(f"cannot map memfd region {name!r}: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
-    return _MemfdRegion(name, size, header, st, mm, pid)
+    return _MemfdRegion(name, size, header, st, mm, pid, fdnum)
 
 
 def attach_region(kind: str, name: str, size: int, cuda_ipc_handle: bytes = b"") -> Region:
