@@ -232,6 +232,8 @@ def _audit_quietly(audit: Recorder, who: str, code: str, name: str) -> None:
         audit.end(who, code)
     except KVStoreError as exc:
         log.error("%s by %s failed with %s, and its audit record was not written: %s", name, who, code, exc)
+    except Exception:  # NOTE: a TypeError here replaced the call's own status with UNKNOWN
+        log.exception("%s by %s failed with %s, and its audit record was not written", name, who, code)
 
 
 _FACTORIES = {

@@ -31,6 +31,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import shutil
 import struct
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
@@ -44,7 +45,7 @@ import lmdb
 import numpy as np
 
 from kvstore.block import Tier
-from kvstore.errors import IntegrityError, NVMeWriteFailed, ResourceExhausted
+from kvstore.errors import FailedPrecondition, IntegrityError, NVMeWriteFailed, ResourceExhausted
 from kvstore.quantization import Quantization
 from kvstore.sizes import format_size
 from kvstore.spec import ModelSpec
@@ -184,6 +185,19 @@ def _open_env(path: Path, **kw: Any) -> lmdb.Environment:
         raise damaged_file(path, exc) from None
 
 
+def _make_dir(path: Path, *, parents: bool = True) -> None:
+    """Make the directory ``path`` (mode 0700) unless it is there. FailedPrecondition naming it
+    when it cannot be: NOTE: a file named ``nvme`` in the store directory gave a raw
+    FileExistsError."""
+    try:
+        path.mkdir(parents=parents, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        if os.path.lexists(path) and not path.is_dir():
+            raise FailedPrecondition(f"the NVMe tier's directory {path} is not a directory (a file of that "
+                                     f"name is in the way): move it away") from None
+        raise FailedPrecondition(f"cannot make the NVMe tier's directory {path}: {exc.strerror or exc}") from None
+
+
 class NVMeTier:
     tier = Tier.NVME
 
@@ -193,7 +207,7 @@ class NVMeTier:
                  writemap: bool = False) -> None:
         self.path = Path(path)
         # private: values are encrypted, but records name tenants and keys can be tested
-        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _make_dir(self.path)
         self.capacity = capacity
         # Room for LMDB's own pages and for values that do not compress (header overhead).
         # NOTE: writemap (values copied straight into the file mapping, no malloc'd dirty
@@ -217,7 +231,11 @@ class NVMeTier:
         except DAMAGE_ERRORS as exc:  # the main database, which names them, is damaged
             self._env.close()
             raise damaged_file(self.path, exc) from None
-        (self.path / "keys").mkdir(exist_ok=True, mode=0o700)  # NOTE: lmdb would make it 0600 (mode)
+        try:
+            _make_dir(self.path / "keys", parents=False)  # NOTE: lmdb would make it 0600 (mode)
+        except FailedPrecondition:
+            self._env.close()
+            raise
         try:
             self._keys_env = _open_env(self.path / "keys", map_size=64 << 20, max_dbs=2, sync=True,
                                        metasync=True, readahead=False, lock=True, mode=0o600)
