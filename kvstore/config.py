@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvstore.errors import InvalidArgument
 from kvstore.sizes import ByteCount
 from kvstore.validation import validation_error
 from tiers.remote_config import RemoteConfig
@@ -17,6 +19,47 @@ GiB = 1 << 30
 #: them as a bare ValueError). A smaller capacity the machine cannot allocate fails at open,
 #: naming the field (:class:`tiers.memory.MemoryTier`, :class:`tiers.nvme.NVMeTier`).
 MAX_CAPACITY = 1 << 50
+
+
+def _user_path(value: Any) -> Any:
+    """A path setting as given (text or a path): refused when empty, a leading ``~`` or
+    ``~user`` expanded; None and anything else are left to the field's own validation.
+
+    NOTE: ``path = ""`` became ``Path("")``, the current directory, and the server kept its
+    blocks, keys and tokens wherever it was started; ``path = "~/x"`` made a directory named
+    ``~`` there (while ``$KVSTORE_HOME`` was expanded)."""
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("must not be empty (an empty path is whatever directory the server is started in)")
+    if not isinstance(value, (str, os.PathLike)):
+        return value
+    try:
+        return Path(value).expanduser()
+    except RuntimeError as exc:  # ~nosuchuser, or no home directory to expand ~ to
+        raise ValueError(f"cannot expand the ~ of {os.fspath(value)[:200]!r}: {exc}") from None
+
+
+#: a path setting: never empty, its leading ``~`` expanded (every path field of the configs)
+UserPath = Annotated[Path, BeforeValidator(_user_path)]
+#: the same, or None
+OptionalUserPath = Annotated[Path | None, BeforeValidator(_user_path)]
+
+
+def _master_key(value: Any) -> Any:
+    """Key text (TOML has no bytes) read as ``$KVSTORE_MASTER_KEY`` is: hex or base64 of 32
+    bytes; bytes (given in Python) are the key itself, checked by the field.
+
+    NOTE: text was taken as its UTF-8 bytes: the hex or base64 form of a key was refused
+    ("must be 32 bytes, got 64") and a typed 32-character password became the key."""
+    if not isinstance(value, str):
+        return value
+    from kvstore.keyring import KEY_BYTES, parse_key_text  # local: keeps cryptography out of config import
+
+    try:
+        return parse_key_text(value, "store.master_key")
+    except InvalidArgument:
+        raise ValueError(f"as text, the key is {KEY_BYTES} bytes in hex (64 hex digits) or base64 (44 "
+                         f"characters), e.g. from `openssl rand -hex 32`; this text ({len(value)} characters) "
+                         f"is neither, and a password is not a key") from None
 
 
 def store_policies() -> list[str]:
@@ -33,8 +76,9 @@ def store_policies() -> list[str]:
 class StoreConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
-    path: Path
-    """Store directory: holds the NVMe tier (LMDB), the master key file and the audit log."""
+    path: UserPath
+    """Store directory: holds the NVMe tier (LMDB), the master key file and the audit log. Not
+    empty; a leading ``~`` is the home directory."""
 
     hbm_bytes: Annotated[ByteCount, Field(ge=0, le=MAX_CAPACITY)] = 1 * GiB
     """Capacity of the HBM tier (device block pool; a CPU arena where there is no GPU). 0 disables it;
@@ -52,12 +96,15 @@ class StoreConfig(BaseModel):
     device: str | None = None
     """Device of the HBM pool (``"cuda"``, ``"cuda:1"``, ``"cpu"``); None = cuda when available."""
 
-    master_key: bytes | None = None
-    """32-byte master key wrapping the tenants' data keys. None: env KVSTORE_MASTER_KEY, then
-    ``master_key_file`` (generated with mode 0600 on first open when absent)."""
+    master_key: Annotated[bytes | None, BeforeValidator(_master_key)] = None
+    """32-byte master key wrapping the tenants' data keys: as text (TOML), in hex (64 digits)
+    or base64, as ``$KVSTORE_MASTER_KEY`` takes it; as bytes (Python), the 32 bytes
+    themselves. None: env KVSTORE_MASTER_KEY, then ``master_key_file`` (generated with mode
+    0600 on first open when absent)."""
 
-    master_key_file: Path | None = None
-    """Where the master key lives; default ``<path>/master.key``."""
+    master_key_file: OptionalUserPath = None
+    """Where the master key lives; default ``<path>/master.key``. A leading ``~`` is the home
+    directory."""
 
     encrypt: bool = True
     """AES-256-GCM on the NVMe tier; False stores values with an xxh3 checksum instead."""

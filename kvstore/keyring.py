@@ -93,6 +93,13 @@ def _parse_key_text(text: str, source: str) -> bytes:
     return _check_key(key, source)
 
 
+def parse_key_text(text: str, source: str) -> bytes:
+    """A 32-byte key from hex (64 digits) or base64 text, as ``$KVSTORE_MASTER_KEY`` takes it;
+    InvalidArgument naming ``source`` (never the text) otherwise. The config's ``master_key``
+    uses it too (:class:`kvstore.config.StoreConfig`)."""
+    return _parse_key_text(text, source)
+
+
 def _check_key(key: object, source: str) -> bytes:
     if not isinstance(key, (bytes, bytearray, memoryview)):
         raise InvalidArgument(f"master key from {source} must be bytes, got {type(key).__name__}")

@@ -42,7 +42,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvstore.config import StoreConfig, validation_error
+from kvstore.config import OptionalUserPath, StoreConfig, UserPath, validation_error
 from kvstore.errors import InvalidArgument
 from kvstore.memtune import NONTEMPORAL_MIN as STREAMING_COPY_MIN
 from kvstore.sizes import ByteCount
@@ -57,13 +57,14 @@ class TLSConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    cert_file: Path
-    """PEM certificate chain of the server."""
+    cert_file: UserPath
+    """PEM certificate chain of the server. (Every path: not empty; a leading ``~`` is the home
+    directory.)"""
 
-    key_file: Path
+    key_file: UserPath
     """PEM private key of the server."""
 
-    client_ca_file: Path | None = None
+    client_ca_file: OptionalUserPath = None
     """PEM CA bundle that client certificates must chain to; set = mutual TLS required."""
 
 

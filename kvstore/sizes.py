@@ -9,6 +9,7 @@ Units are binary throughout (k = KiB = 2**10, m = MiB, g = GiB, t = TiB; a trail
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 from typing import Annotated, Any
 
 from pydantic import BeforeValidator
@@ -20,14 +21,33 @@ for _i, _p in enumerate("kmgt", start=1):
     for _suffix in (_p, _p + "b", _p + "ib"):
         _UNITS[_suffix] = 1 << (10 * _i)
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+#: a number with more digits than this before its point is more than 2**64-1 bytes (what the
+#: wire's uint64 fields carry) in any unit: too large, whatever it sizes
+MAX_SIZE = (1 << 64) - 1
+_MAX_DIGITS = len(str(MAX_SIZE))
 
 
 def parse_size(text: str) -> int:
-    """``"512MiB"`` / ``"2g"`` / ``"1048576"`` -> bytes; anything else -> InvalidArgument."""
+    """``"512MiB"`` / ``"2g"`` / ``"1048576"`` -> bytes (a fraction of a byte is dropped);
+    anything else -> InvalidArgument, as is a number of more digits than :data:`MAX_SIZE`
+    ("too large"). Other bounds are the caller's (a config field's ``le=``, which names the
+    field and its bound; the admin client's range of a quota).
+
+    The number is read exactly (a :class:`~fractions.Fraction`, not a float). NOTE: it went
+    through ``float``, so a number of 400 digits raised a bare OverflowError ("cannot convert
+    float infinity to integer") out of the config and the CLI, and byte counts above 2**53
+    came back rounded."""
     m = _SIZE.fullmatch(text)
     if not m or m.group(2).lower() not in _UNITS:
-        raise InvalidArgument(f"bad size {text!r}: use e.g. 512MiB, 2GiB or a byte count")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        raise InvalidArgument(f"bad size {text[:80]!r}: use e.g. 512MiB, 2GiB or a byte count")
+    whole, _, fraction = m.group(1).partition(".")
+    if len(whole.lstrip("0")) > _MAX_DIGITS:  # before any arithmetic on it
+        shown = text if len(text) <= 40 else f"{text[:20]}…{text[-12:]} ({len(text)} characters)"
+        raise InvalidArgument(f"bad size {shown!r}: too large; a size is at most {MAX_SIZE} bytes "
+                              f"(2**64-1, 16 EiB)")
+    # a fraction of 2**-40 (the smallest that makes a whole byte of a TiB) has 40 digits: more
+    # than 64 change no result, and Python refuses to read ints of over 4300
+    return int(Fraction(f"{whole}.{fraction[:64] or 0}") * _UNITS[m.group(2).lower()])
 
 
 def format_size(n: int) -> str:
@@ -39,7 +59,8 @@ def format_size(n: int) -> str:
 
 
 def _size_or_value(value: Any) -> Any:
-    """A string is parsed as a size; anything else is left for the int validation after it."""
+    """A string is parsed as a size; anything else is left for the int validation after it,
+    and the field's bound (``le=``) to say what is too large."""
     return parse_size(value) if isinstance(value, str) else value
 
 
