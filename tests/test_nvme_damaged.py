@@ -317,3 +317,29 @@ def test_a_deletion_that_meets_a_damaged_page_fails_its_commit_once_and_is_not_m
         assert s.stats()["counters"].get("nvme_damaged_deletes", 0) == 0
     finally:
         s.close()
+
+
+def test_a_put_into_a_damaged_page_says_so_and_others_go_on(damaged):
+    """It raised LMDB's own error inside the batch, whose commit then failed as a full disk
+    ("free some space there")."""
+    from kvstore.errors import KVStoreError
+
+    path, victim = damaged
+    other = next(t for t in TENANTS if t != victim)
+    s = Store.open(_config(path))
+    try:
+        failures = []
+        for c in range(20):  # new chains of the victim: some land in its damaged leaf
+            toks = list(range(500_000 + 1000 * c, 500_000 + 1000 * c + 4 * SPEC.block_tokens))
+            try:
+                s.put(victim, SPEC, s.block_keys(victim, SPEC, toks), _chain(victim, 0)[1])
+            except KVStoreError as exc:
+                failures.append(str(exc))
+        assert failures
+        assert all("damaged page" in f and "free some space" not in f for f in failures), failures[0]
+        toks, kv = list(range(900_000, 900_000 + 4 * SPEC.block_tokens)), _chain(other, 9)[1]
+        keys = s.block_keys(other, SPEC, toks)
+        s.put(other, SPEC, keys, kv)
+        assert torch.equal(s.get(other, SPEC, keys), kv)
+    finally:
+        s.close()

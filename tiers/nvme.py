@@ -370,6 +370,13 @@ class NVMeTier:
             if self._batch is not None:  # the open transaction is unusable now
                 raise ResourceExhausted("the NVMe tier's LMDB map is full", resource="nvme")
             return False
+        except DAMAGE_ERRORS as exc:
+            # NOTE: a put whose key lands in a damaged page raised LMDB's own error, and the
+            # batch's failed commit then said "free some space there"
+            self._damage_met |= self._batch is not None  # that transaction cannot commit now
+            raise IntegrityError(f"a damaged page of {self.path / 'data.mdb'} was met writing a block "
+                                 f"({exc}): restore the file from a backup, or move {self.path} away "
+                                 "to start without its blocks") from None
         finally:
             if staged is not None and ahead is not None:
                 ahead.release(buf)
