@@ -263,7 +263,10 @@ class AuthRegistry:
                                    priority=int(p.get("priority", 0)))
                 for name, p in data.get("policies", {}).items()
             }
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except OSError as exc:  # NOTE: a directory or an unreadable file was called "damaged"
+            raise FailedPrecondition(f"cannot read the principals file {self.path}: "
+                                     f"{exc.strerror or exc}") from None
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
             # NOTE: a damaged file fails closed, by name (it was a traceback): no token works
             # without it, and a new admin would not bring back the tenants' tokens
             raise IntegrityError(f"the principals file {self.path} is damaged ({type(exc).__name__}: "

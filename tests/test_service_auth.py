@@ -440,6 +440,19 @@ def test_a_damaged_principals_file_fails_closed_by_name(tmp_path, damage):
         AuthRegistry(path, clock=time.time)
 
 
+def test_a_principals_file_that_cannot_be_read_is_not_called_damaged(tmp_path):
+    """A directory in its place was reported as a damaged file to restore from a backup."""
+    import time
+
+    from kvstore.auth import AuthRegistry
+    from kvstore.errors import FailedPrecondition
+
+    path = tmp_path / "auth.json"
+    path.mkdir()
+    with pytest.raises(FailedPrecondition, match=f"cannot read the principals file {path}"):
+        AuthRegistry(path, clock=time.time)
+
+
 def test_an_invalid_saved_policy_stops_the_start_naming_tenant_and_file(tmp_path):
     """A NaN TTL saved before it was checked: the start failed on "ttl_s must be > 0, got nan"."""
     import json
