@@ -233,6 +233,15 @@ def decoder(cls: type[Message]) -> Callable[[bytes], Frame]:
     return decode
 
 
+def payload_nbytes(raw: bytes) -> int:
+    """The payload length of a frame :func:`encode` or :func:`data_frame` built (read from its
+    prefix and the ``data`` field's length, not parsed: the sender counts what it sent)."""
+    meta_len = _PREFIX.unpack_from(raw)[1]
+    if meta_len == len(raw):
+        return 0
+    return _read_varint(raw, meta_len + 1)[0]
+
+
 def intact(frame: Frame) -> bool:
     """Whether the payload matches the frame's xxh3 (a frame without payload is intact)."""
     return not len(frame.data) or checksum(frame.data) == frame.meta.xxh3

@@ -34,7 +34,6 @@ from kvstore.audit import AuditLog, Recorder
 from kvstore.auth import AuthRegistry, Principal, resolve_namespace
 from kvstore.block import SessionState, Tier
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, Unavailable
-from kvstore.frames import decoder
 from kvstore.keys import KEY_BYTES, ROOT_KEY, block_keys
 from kvstore.metrics import ServiceMetrics
 from kvstore.server_config import LimitsConfig
@@ -181,11 +180,10 @@ class DataPlane:
     def abort_put(self, reservation: PutReservation) -> None:
         self.store.abort_put(reservation)
 
-    def lease(self, b: Blocks, stage: Callable[[int], np.ndarray], plane: str = "stream") -> ReadLease:
+    def lease(self, b: Blocks, stage: Callable[[int], np.ndarray]) -> ReadLease:
         """The longest usable prefix under a read lease (``Store.lease_prefix``): each block's
         bytes in place in its memory tier, or copied into ``stage(i)``. Release it in a finally.
-        Nothing is counted here (``plane`` is unused): the bytes count as they are served
-        (:meth:`sent`, :meth:`served`)."""
+        Nothing is counted here: the bytes count as they are served (:meth:`sent`, :meth:`served`)."""
         # NOTE: kvstore_bytes_out counted every leased byte here, bytes never sent included
         return self.store.lease_prefix(b.namespace, b.spec, b.keys, stage, parent=b.parent)
 
@@ -199,35 +197,6 @@ class DataPlane:
         they save (kvstore_saved_prefill_tokens)."""
         if self.metrics is not None:
             self.metrics.served(namespace, blocks, spec.block_tokens)
-
-    def stream_out(self, principal: Principal, target: pb.Target, header: bytes,
-                   frames: Iterator[bytes]) -> Iterator[bytes]:
-        """A Get stream's ``header`` then its data ``frames`` (see
-        :func:`kvstore.service_streams.get_stream`, which checked ``target``), each counted as
-        sent once the consumer asks for the next item (grpc asks once it sent the frame: one
-        it could not send is not counted), and the blocks' prefill tokens once the last frame
-        was sent. Closing it closes ``frames`` (their lease goes back)."""
-        namespace = resolve_namespace(principal, target.namespace, write=False)
-        spec = spec_from_pb(target.spec, target.HasField("spec"))
-        return self._count_out(namespace, spec, header, frames)
-
-    def _count_out(self, namespace: str, spec: ModelSpec, header: bytes,
-                   frames: Iterator[bytes]) -> Iterator[bytes]:
-        """:meth:`stream_out`'s generator, for the ``namespace`` and ``spec`` it resolved."""
-        payload = decoder(pb.GetFrame)
-        total = 0
-        try:
-            yield header
-            for frame in frames:
-                yield frame
-                n = payload(frame).data.nbytes
-                total += n
-                self.sent(n, "stream")
-            self.served(namespace, spec, total // spec.block_nbytes)
-        finally:
-            close = getattr(frames, "close", None)
-            if close is not None:
-                close()
 
     @contextmanager
     def _region(self, principal: Principal, region_id: int, offsets: Sequence[int], nbytes: int,
@@ -333,7 +302,7 @@ class DataPlane:
                 return self._stage(b.namespace, nbytes, staged)
 
             try:
-                lease = self.lease(b, stage, plane="shm")
+                lease = self.lease(b, stage)
                 try:
                     # blocks leased in place are copied here; the others were decoded into their
                     # slot, or into staging

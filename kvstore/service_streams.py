@@ -40,7 +40,7 @@ import numpy as np
 
 from kvstore.auth import Principal
 from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvstore.frames import Frame, block_frames, encode, scatter, write_into
+from kvstore.frames import Frame, block_frames, encode, payload_nbytes, scatter, write_into
 from kvstore.service_data import Blocks, DataPlane
 from kvstore.service_resources import StagingPool
 from kvstore.store_lease import ReadLease
@@ -124,14 +124,16 @@ def receive(frames: Iterator[Frame], n: int, nbytes: int, destination: Callable[
     scatter(frames, n, nbytes, destination, write_into, InvalidArgument)
 
 
-def get_stream(plane: DataPlane, p: Principal, request: pb.GetRequest) -> tuple[bytes, Iterator[bytes]]:
-    """Serve the prefix under a read lease; returns the header frame and a generator of data
-    frames (packed across blocks when ``request.pack_blocks``), each built straight from the
-    blocks' bytes in their tier (one copy). Errors surface here, before any frame is sent.
+def get_stream(plane: DataPlane, p: Principal, request: pb.GetRequest) -> Iterator[bytes]:
+    """Serve the prefix under a read lease; returns a generator of the header frame, then the
+    data frames (packed across blocks when ``request.pack_blocks``), each built straight from
+    the blocks' bytes in their tier (one copy). Errors surface here, before any frame is sent.
     The generator holds the lease (and the staging buffers of
     the blocks that had to be decoded or copied off an accelerator) until it ends, is closed
     (grpc closes it on cancel) or is dropped, started or not. ``plane.auth`` re-validates ``p``
-    before each data frame (a typed error raised from the generator)."""
+    before each data frame (a typed error raised from the generator). A frame counts as sent
+    (``plane.sent``) once the consumer asks for the next one (grpc asks once it sent it), and
+    the blocks as served (``plane.served``: their prefill tokens) once the last one was."""
     b = plane.resolve(p, request.target)
     _check_size(plane, b, count_blocks=False)  # bounds what one Get holds (leased or staged)
     nbytes = b.spec.block_nbytes
@@ -143,7 +145,7 @@ def get_stream(plane: DataPlane, p: Principal, request: pb.GetRequest) -> tuple[
         return staged[-1]
 
     try:
-        lease = plane.lease(b, stage, plane="stream")
+        lease = plane.lease(b, stage)
     except BaseException:
         _give_all(plane.staging, staged)
         raise
@@ -155,21 +157,27 @@ def get_stream(plane: DataPlane, p: Principal, request: pb.GetRequest) -> tuple[
     header = encode(pb.GetFrame(header=pb.GetHeader(num_blocks=n, block_nbytes=nbytes)))
     auth = plane.auth
     check = (lambda: auth.check(p, b.namespace)) if auth is not None else None
-    frames = _chunks(lease, nbytes, chunk, request.pack_blocks, plane.staging, staged, check)
+    frames = _chunks(header, lease, nbytes, chunk, request.pack_blocks, plane.staging, staged, check,
+                     sent=lambda k: plane.sent(k, "stream"), done=lambda: plane.served(b.namespace, b.spec, n))
     next(frames)  # NOTE: started, so closing or dropping it runs its finally (an unstarted
-    return header, frames  # generator's never runs: a Get cancelled after its header would leak)
+    return frames  # generator's never runs: a Get cancelled after its header would leak)
 
 
-def _chunks(lease: ReadLease, nbytes: int, chunk: int, pack: bool, staging: StagingPool,
-            staged: list[np.ndarray], check: Callable[[], None] | None = None) -> Iterator[bytes]:
-    """Data frames of the leased blocks, ``check()`` before each; the first value (b"") only
-    primes the generator."""
+def _chunks(header: bytes, lease: ReadLease, nbytes: int, chunk: int, pack: bool, staging: StagingPool,
+            staged: list[np.ndarray], check: Callable[[], None] | None = None, *,
+            sent: Callable[[int], None], done: Callable[[], None]) -> Iterator[bytes]:
+    """``header``, then the data frames of the leased blocks, ``check()`` before each and
+    ``sent(payload bytes)`` after each was taken, ``done()`` after the last; the first value
+    (b"") only primes the generator."""
     try:
         yield b""
+        yield header
         for frame in block_frames(pb.GetFrame, lease.views, nbytes, chunk, pack=pack):
             if check is not None:
                 check()
             yield frame
+            sent(payload_nbytes(frame))
+        done()
     finally:
         lease.release()
         _give_all(staging, staged)

@@ -79,11 +79,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         # while sending (the caller's right to read gone meanwhile) aborts the stream. relay
         # sends the header and the data and records the call's status and latency at the end
         start = time.perf_counter()
-
-        def call(p: Principal) -> Iterator[bytes]:
-            header, chunks = get_stream(self.plane, p, request)
-            return self.plane.stream_out(p, request.target, header, chunks)
-        frames = self.rpc.run("Get", context, call, stream=True)
+        frames = self.rpc.run("Get", context, lambda p: get_stream(self.plane, p, request), stream=True)
         yield from self.rpc.relay("Get", context, frames, start)
 
     def RegisterRegion(self, request, context):
