@@ -431,15 +431,24 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                     raise
             log.warning("put stored its %d blocks, but %s", len(held), exc)
 
+    def _up_chain(self, blocks: Sequence[BlockMeta], top: Tier) -> list[BlockMeta]:
+        """``blocks`` with every ancestor they continue from that lies below ``top``, each once,
+        shallowest first: what :meth:`Placement.promote` takes to bring them all up to ``top``
+        (no block above its parent). Under the lock."""
+        chain = {(m.tenant, m.key): m for m in blocks}
+        for m in blocks:
+            p = self._index.get(m.tenant, m.parent)
+            while p is not None and p.tier > top and (p.tenant, p.key) not in chain:
+                chain[(p.tenant, p.key)] = p
+                p = self._index.get(p.tenant, p.parent)
+        return sorted(chain.values(), key=lambda m: m.depth)
+
     def _bring_up(self, m: BlockMeta, what: str) -> None:
         """Promote ``m`` with the ancestors it continues from into the top tier (ancestors
         first: no block sits above its parent); ResourceExhausted when they do not all fit (the
         tier is full of pinned blocks). Under the lock."""
         top = self.tiers[0]
-        chain = [m]
-        while (p := self._index.get(chain[-1].tenant, chain[-1].parent)) is not None and p.tier > top:
-            chain.append(p)
-        self._place.promote(chain[::-1], top)
+        self._place.promote(self._up_chain([m], top), top)
         if m.tier > top:
             pinned = sum(b.nbytes for b in self._index if b.tier == top and b.pins)
             raise ResourceExhausted(f"cannot bring {what} into {top.label} (it is in {m.tier.label}): "

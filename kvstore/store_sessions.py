@@ -144,13 +144,8 @@ class SessionPins:
         if blocks is None:
             return 0
         top = self.tiers[0]
-        chain = {(m.tenant, m.key): m for m in blocks}
-        for m in blocks:  # NOTE: a parent outside the session in a slower tier stopped it all
-            p = self._index.get(m.tenant, m.parent)
-            while p is not None and p.tier > top and (p.tenant, p.key) not in chain:
-                chain[(p.tenant, p.key)] = p
-                p = self._index.get(p.tenant, p.parent)
-        moved = self._place.promote(sorted(chain.values(), key=lambda m: m.depth), top)
+        # NOTE: with the ancestors outside the session in a slower tier (one stopped it all)
+        moved = self._place.promote(self._up_chain(blocks, top), top)
         left = sum(m.tier != top for m in blocks)
         if left:
             # NOTE: this returned a smaller count and left pinned blocks in DRAM, silently
