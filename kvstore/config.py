@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvstore.errors import InvalidArgument
+from kvstore.paths import OptionalUserPath, UserPath
 from kvstore.sizes import ByteCount
 from kvstore.validation import validation_error
 from tiers.remote_config import RemoteConfig
@@ -21,27 +20,6 @@ GiB = 1 << 30
 MAX_CAPACITY = 1 << 50
 
 
-def _user_path(value: Any) -> Any:
-    """A path setting as given (text or a path): refused when empty, a leading ``~`` or
-    ``~user`` expanded; None and anything else are left to the field's own validation.
-
-    NOTE: ``path = ""`` became ``Path("")``, the current directory, and the server kept its
-    blocks, keys and tokens wherever it was started; ``path = "~/x"`` made a directory named
-    ``~`` there (while ``$KVSTORE_HOME`` was expanded)."""
-    if isinstance(value, str) and not value.strip():
-        raise ValueError("must not be empty (an empty path is whatever directory the server is started in)")
-    if not isinstance(value, (str, os.PathLike)):
-        return value
-    try:
-        return Path(value).expanduser()
-    except RuntimeError as exc:  # ~nosuchuser, or no home directory to expand ~ to
-        raise ValueError(f"cannot expand the ~ of {os.fspath(value)[:200]!r}: {exc}") from None
-
-
-#: a path setting: never empty, its leading ``~`` expanded (every path field of the configs)
-UserPath = Annotated[Path, BeforeValidator(_user_path)]
-#: the same, or None
-OptionalUserPath = Annotated[Path | None, BeforeValidator(_user_path)]
 
 
 def _master_key(value: Any) -> Any:

@@ -42,9 +42,10 @@ from pydantic import (
     model_validator,
 )
 
-from kvstore.config import OptionalUserPath, StoreConfig, UserPath, validation_error
+from kvstore.config import StoreConfig, validation_error
 from kvstore.errors import InvalidArgument
 from kvstore.memtune import NONTEMPORAL_MIN as STREAMING_COPY_MIN
+from kvstore.paths import OptionalUserPath, UserPath
 from kvstore.sizes import ByteCount
 
 MiB = 1 << 20

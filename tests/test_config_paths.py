@@ -68,6 +68,21 @@ def test_a_leading_tilde_is_the_home_directory_in_every_path_setting(home) -> No
         home / "tls" / "server.pem", home / "tls" / "server.key", home / "tls" / "ca.pem")
 
 
+def test_the_remote_tiers_tls_files_take_a_leading_tilde_too(home) -> None:
+    """Before, ``tiers.remote_config`` kept a literal ``~`` in its TLS file fields (it could
+    not import the expanding type from ``kvstore.config``, which imports it)."""
+    config = server_config.build({"store": {"path": "/srv/kvstore", "remote": {
+        "urls": ["rediss://127.0.0.1:6380"], "tls_ca_file": "~/tls/ca.pem",
+        "tls_cert_file": "~/tls/client.pem", "tls_key_file": "~/tls/client.key"}}})
+    remote = config.store.remote
+    assert remote is not None
+    assert (remote.tls_ca_file, remote.tls_cert_file, remote.tls_key_file) == (
+        home / "tls" / "ca.pem", home / "tls" / "client.pem", home / "tls" / "client.key")
+    with pytest.raises(InvalidArgument, match=r"tls_ca_file: must not be empty"):
+        server_config.build({"store": {"path": "/srv/kvstore", "remote": {
+            "urls": ["rediss://127.0.0.1:6380"], "tls_ca_file": ""}}})
+
+
 def test_a_path_given_in_python_is_expanded_too_and_others_are_kept(home, tmp_path) -> None:
     assert StoreConfig(path=Path("~") / "x").path == home / "x"
     assert StoreConfig(path=tmp_path / "data").path == tmp_path / "data"

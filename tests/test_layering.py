@@ -18,7 +18,7 @@ _UPPER = ("kvstore.store", "kvstore.service", "kvstore.servicer", "kvstore.serve
           "kvstore.cli", "kvstore.admin_client", "kvstore.integrations")
 #: the data model: what tiers and policy build on
 _DATA_MODEL = ("block", "keys", "spec", "errors", "sizes", "codec", "codec_buffers", "codec_chunks",
-               "codec_config", "codec_format", "quantization", "validation")
+               "codec_config", "codec_format", "quantization", "validation", "paths")
 
 
 def _imports(path: Path) -> list[tuple[str, int]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 from pydantic import (
@@ -14,6 +13,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvstore.paths import OptionalUserPath
 from kvstore.sizes import ByteCount
 from kvstore.validation import validation_error
 
@@ -46,13 +46,13 @@ class RemoteConfig(BaseModel):
     tls: bool = False
     """Use TLS to every server (implied by a ``rediss://`` URL)."""
 
-    tls_ca_file: Path | None = None
+    tls_ca_file: OptionalUserPath = None
     """CA bundle that signs the servers' certificates; None = the system store."""
 
-    tls_cert_file: Path | None = None
+    tls_cert_file: OptionalUserPath = None
     """Client certificate for mutual TLS (with ``tls_key_file``); None = no client cert."""
 
-    tls_key_file: Path | None = None
+    tls_key_file: OptionalUserPath = None
     """Private key of ``tls_cert_file``."""
 
     tls_verify: bool = True
