@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -91,9 +92,9 @@ def check_certificates(path: Path, option: str) -> list[Any]:
 
 def check_key_pair(cert_file: Path, key_file: Path, *, cert_option: str = "tls.cert_file",
                    key_option: str = "tls.key_file") -> None:
-    """Check that ``key_file`` is an unencrypted PEM private key and that the first
-    certificate of ``cert_file`` is for it; InvalidArgument naming the options and files
-    otherwise. (grpc reported a mismatched pair as a failure to bind the port.)"""
+    """Check that ``key_file`` is an unencrypted PEM private key that other users cannot read
+    and that the first certificate of ``cert_file`` is for it; InvalidArgument naming the
+    options and files otherwise. (grpc reported a mismatched pair as a failure to bind the port.)"""
     from cryptography.exceptions import UnsupportedAlgorithm
     from cryptography.hazmat.primitives import serialization
 
@@ -111,6 +112,17 @@ def check_key_pair(cert_file: Path, key_file: Path, *, cert_option: str = "tls.c
     if key.public_key().public_bytes(*spki) != cert.public_key().public_bytes(*spki):
         raise InvalidArgument(f"{key_option} {str(key_file)!r} is not the key of the certificate in "
                               f"{cert_option} {str(cert_file)!r}: give the key the certificate was issued for")
+    _check_private(key_file, key_option)
+
+
+def _check_private(key_file: Path, option: str) -> None:
+    """InvalidArgument when other users may read or write the private key ``key_file``.
+    NOTE: a key at 0644 was taken, where a master key file at 0644 is refused. Group access
+    stays allowed: a key shared with a service group (``root:ssl-cert 0640``) is usual."""
+    mode = stat.S_IMODE(os.stat(key_file).st_mode)
+    if mode & 0o007:
+        raise InvalidArgument(f"{option} {str(key_file)!r} has permissions {mode:04o}: other users may "
+                              f"read this private key; chmod o-rwx (e.g. chmod 600) it")
 
 
 class LimitsConfig(BaseModel):

@@ -43,6 +43,7 @@ def _write(path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey |
     if key is not None:
         path.with_suffix(".key").write_bytes(key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        path.with_suffix(".key").chmod(0o600)
 
 
 @pytest.fixture(scope="module")
@@ -170,12 +171,15 @@ def _encrypted_key(pki: Path) -> Path:
     ({"key_file": "encrypted.key"}, "tls.key_file '{pki}/encrypted.key' is encrypted"),
     ({"cert_file": "server.key"}, "tls.cert_file '{pki}/server.key' holds no PEM certificate"),
     ({"client_ca_file": "client.key"}, "tls.client_ca_file '{pki}/client.key' holds no PEM certificate"),
+    ({"key_file": "open.key"}, "tls.key_file '{pki}/open.key' has permissions 0644: other users may read"),
 ])
 def test_a_bad_server_key_pair_is_a_config_error_naming_the_files(tmp_path, pki, change, says):
     """A key that is not the certificate's was reported as "cannot bind 127.0.0.1:0"."""
     from kvstore.errors import InvalidArgument
 
     _encrypted_key(pki)
+    (pki / "open.key").write_bytes((pki / "server.key").read_bytes())  # NOTE: was taken at 0644
+    (pki / "open.key").chmod(0o644)
     tls = {**_tls(pki, mutual=True), **{k: str(pki / v) for k, v in change.items()}}
     with pytest.raises(InvalidArgument) as err:
         start(tmp_path, tls=tls)
