@@ -6,6 +6,7 @@ put or get on them moves the bytes once). :class:`kvstore.client.Client` owns on
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -130,17 +131,33 @@ class LocalPlane:
         self.region.close()
 
 
+def _block_count(n: object) -> int:
+    """``n`` as a count of blocks, or InvalidArgument before anything is reserved. Why: -1 gave
+    a tensor over the whole rest of the region (other callers' slots, overwritten through it),
+    and 1.5 left a float offset in the allocator, which broke every later call of the client."""
+    if isinstance(n, bool):
+        raise InvalidArgument(f"n must be a number of blocks, got {n!r}")
+    try:
+        count = operator.index(n)
+    except TypeError:
+        raise InvalidArgument(f"n must be a whole number of blocks, got {type(n).__name__} {n!r}") from None
+    if count < 0:
+        raise InvalidArgument(f"n must be a non-negative number of blocks, got {count}")
+    return count
+
+
 class LocalBlocks:
     """Blocks allocated in the client's shared region; ``tensor`` is the view to fill or read.
     Call :meth:`free` (or use as a context manager) to give the slots back."""
 
     def __init__(self, plane: LocalPlane, spec: ModelSpec, n: int) -> None:
         self._plane = plane
+        n = _block_count(n)
         nbytes = spec.block_nbytes * n
-        off = plane.reserve(nbytes)
+        off = plane.reserve(nbytes) if n else 0  # NOTE: no blocks, no slots (offset -1: nothing to free)
         if off is None:
             raise InvalidArgument(f"{nbytes} bytes do not fit in the free part of the shared region")
-        self.offset = off
+        self.offset = off if n else -1
         flat = torch.from_numpy(plane.arena[off : off + nbytes])
         self.tensor = flat.view(spec.torch_dtype).view(n, *spec.block_shape)
 

@@ -8,12 +8,16 @@ Pure bookkeeping (no tensors), so property tests run anywhere. Guarantees:
   coalesced, so a pool of equal-sized blocks never fragments.
 
 Sizes are rounded up to ``alignment`` bytes. ``alloc`` returns ``None`` when no free range is
-large enough (an expected outcome, not an error).
+large enough (an expected outcome, not an error); a size that is not a positive whole number
+is a caller's bug, refused (InvalidArgument) before it touches the free list.
 """
 
 from __future__ import annotations
 
 import bisect
+import operator
+
+from kvstore.errors import InvalidArgument
 
 
 class ExtentAllocator:
@@ -33,7 +37,15 @@ class ExtentAllocator:
         return max(a, (nbytes + a - 1) // a * a)
 
     def alloc(self, nbytes: int) -> int | None:
-        size = self.rounded(nbytes)
+        try:
+            whole = operator.index(nbytes)
+        except TypeError:
+            whole = 0
+        if whole <= 0 or isinstance(nbytes, bool):
+            # NOTE: a float size left float offsets in the free list (every later slice of the
+            # arena failed); a negative or zero one was rounded up to one aligned extent
+            raise InvalidArgument(f"an extent is a positive whole number of bytes, got {nbytes!r}")
+        size = self.rounded(whole)
         for i, length in enumerate(self._lens):
             if length >= size:
                 start = self._starts[i]

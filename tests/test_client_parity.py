@@ -1,0 +1,55 @@
+"""The Client against the Store: the same input gives the same answer, or the same typed error.
+
+Found by a prober comparing the two:
+
+* ``local_blocks(spec, n)`` did not check n: -1 gave a tensor over the rest of the shared
+  region (other callers' slots), 1.5 left float offsets in the allocator (every later call of
+  the client failed with TypeError).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from service_harness import SPEC, fresh_tokens, random_kv
+
+from kvstore.errors import InvalidArgument
+from tiers.arena import ExtentAllocator
+
+PLANES = pytest.mark.parametrize("local", [True, False], ids=["shm", "stream"])
+
+
+# -- 1. local_blocks counts ------------------------------------------------------------------
+@pytest.mark.parametrize("n", [-1, 1.5, "2", None, True])
+def test_local_blocks_refuses_a_count_that_is_not_a_whole_number(sidecar, n):
+    c = sidecar.tenant("lb-count")
+    keys = c.block_keys(SPEC, fresh_tokens(2))
+    kv = random_kv(2)
+    mine = c.local_blocks(SPEC, 2)
+    mine.tensor.copy_(kv)
+    free_before = c._local.alloc.free_bytes
+    with pytest.raises(InvalidArgument, match="n must be"):
+        c.local_blocks(SPEC, n)
+    assert c._local.alloc.free_bytes == free_before  # nothing reserved
+    assert torch.equal(mine.tensor, kv)
+    c.put(SPEC, keys, mine.tensor)
+    assert torch.equal(c.get(SPEC, keys), kv)  # the client still works, staged or not
+    c.put(SPEC, keys, kv.clone())
+    mine.free()
+
+
+def test_local_blocks_of_zero_blocks_reserve_nothing(sidecar):
+    c = sidecar.tenant("lb-zero")
+    free_before = c._local.alloc.free_bytes
+    with c.local_blocks(SPEC, 0) as none:
+        assert tuple(none.tensor.shape) == (0, *SPEC.block_shape)
+        assert c._local.alloc.free_bytes == free_before
+    assert c._local.alloc.free_bytes == free_before
+
+
+@pytest.mark.parametrize("size", [0, -1, 1.5, "8", True])
+def test_extent_allocator_refuses_sizes_that_are_not_positive_whole_numbers(size):
+    a = ExtentAllocator(4096, alignment=256)
+    with pytest.raises(InvalidArgument, match="positive whole number"):
+        a.alloc(size)
+    assert a.used == 0 and a.extents() == [] and a.alloc(4096) == 0
