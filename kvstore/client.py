@@ -75,7 +75,7 @@ from kvstore.errors import (
 )
 from kvstore.expiry import check_ttl
 from kvstore.frames import Frame, block_frames, decoder, encode, scatter, write_into
-from kvstore.keys import KEY_BYTES, as_token_array, check_keys
+from kvstore.keys import KEY_BYTES, ExtraKeys, as_token_array, check_extra_keys, check_keys, extra_items
 from kvstore.service_convert import spec_to_pb, tier_names
 from kvstore.shm import ShmRegion, is_local_target
 from kvstore.spec import ModelSpec
@@ -491,14 +491,19 @@ class Client:
         r = self._call(self._kv.WhoAmI, pb.WhoAmIRequest())
         return {"principal": r.principal, "role": r.role, "readable": list(r.readable), "writable": list(r.writable)}
 
-    def block_keys(self, spec: ModelSpec, token_ids: Any, extra_keys: Sequence[Sequence[bytes] | None] | None = None,
+    def block_keys(self, spec: ModelSpec, token_ids: Any, extra_keys: Sequence[ExtraKeys | None] | None = None,
                    *, namespace: str = "") -> list[bytes]:
-        """Chained keys of every full block, computed by the server in the caller's namespace."""
+        """Chained keys of every full block, computed by the server in the caller's namespace;
+        ``extra_keys`` as :func:`kvstore.keys.block_keys` takes them (one entry per full block:
+        None, one bytes/str item or a sequence of them), giving the Store's keys."""
         req = pb.BlockKeysRequest(spec=spec_to_pb(spec), namespace=check_text("namespace", namespace))
         req.tokens.ids.extend(as_token_array(token_ids).tolist())
-        for extra in extra_keys or ():
-            req.tokens.extra.add(items=[check_text("an extra key", e).encode() if isinstance(e, str) else bytes(e)
-                                        for e in extra or ()])
+        # NOTE: normalised as the Store's keys are (kvstore.keys): a bare str or bytes entry was
+        # iterated, per character ("img-A" keyed as ["i", "m", "g", "-", "A"]) or per int (into
+        # zero bytes), and int items were taken
+        check_extra_keys(extra_keys)
+        for extra in extra_keys if extra_keys is not None else ():
+            req.tokens.extra.add(items=extra_items(extra))
         packed = self._call(self._kv.BlockKeys, req).keys
         return [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
 

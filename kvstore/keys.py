@@ -50,21 +50,34 @@ def as_token_array(token_ids: Any) -> np.ndarray:
     return arr.astype("<i8", copy=False)
 
 
-def _encode_extra(extra: ExtraKeys | None) -> bytes:
+def extra_items(extra: ExtraKeys | None) -> list[bytes]:
+    """One block's extra keys as the byte strings its key hashes (a str UTF-8 encoded). The
+    client sends these, so that the server's keys equal the Store's for the same input."""
     if not extra:
-        return b""
+        return []
     if isinstance(extra, (str, bytes, bytearray)):
         # NOTE: a bare str was iterated char by char ("img" keyed as ["i", "m", "g"]: a
         # collision) and bare bytes failed on its ints; either is one item
         extra = (extra,)
-    parts = []
+    items = []
     for item in extra:
         if isinstance(item, str):
             item = check_text("an extra key", item).encode()
         if not isinstance(item, (bytes, bytearray)):
             raise InvalidArgument(f"extra keys must be bytes or str, got {type(item).__name__}")
-        parts.append(struct.pack("<Q", len(item)) + bytes(item))
-    return b"".join(parts)
+        items.append(bytes(item))
+    return items
+
+
+def check_extra_keys(extra_keys: Any) -> None:
+    """InvalidArgument for an ``extra_keys`` that is one str or bytes, not one entry per block."""
+    if isinstance(extra_keys, (str, bytes, bytearray, memoryview)):
+        raise InvalidArgument(f"extra_keys must be a list with one entry per full block (None or "
+                              f"a list of bytes/str), got one {type(extra_keys).__name__}")
+
+
+def _encode_extra(extra: ExtraKeys | None) -> bytes:
+    return b"".join([struct.pack("<Q", len(item)) + item for item in extra_items(extra)])
 
 
 def _len(n: int) -> bytes:
@@ -109,9 +122,7 @@ def block_keys(
         raise InvalidArgument(f"parent key must be {KEY_BYTES} bytes")
     arr = as_token_array(token_ids)
     n_blocks = arr.size // block_tokens
-    if isinstance(extra_keys, (str, bytes, bytearray, memoryview)):
-        raise InvalidArgument(f"extra_keys must be a list with one entry per full block (None or "
-                              f"a list of bytes/str), got one {type(extra_keys).__name__}")
+    check_extra_keys(extra_keys)
     if extra_keys is not None and len(extra_keys) > n_blocks:
         raise InvalidArgument(
             f"extra_keys has {len(extra_keys)} entries but token_ids has only {n_blocks} full blocks"

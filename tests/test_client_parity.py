@@ -5,6 +5,9 @@ Found by a prober comparing the two:
 * ``local_blocks(spec, n)`` did not check n: -1 gave a tensor over the rest of the shared
   region (other callers' slots), 1.5 left float offsets in the allocator (every later call of
   the client failed with TypeError).
+* ``block_keys(..., extra_keys)`` encoded extra keys its own way: a bare str entry per
+  character (a collision with the list of its characters), a bare bytes entry per int (into
+  zero bytes), int items taken; the keys differed from the Store's for the same input.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 from service_harness import SPEC, fresh_tokens, random_kv
 
 from kvstore.errors import InvalidArgument
+from kvstore.keys import block_keys
 from tiers.arena import ExtentAllocator
 
 PLANES = pytest.mark.parametrize("local", [True, False], ids=["shm", "stream"])
@@ -53,3 +57,34 @@ def test_extent_allocator_refuses_sizes_that_are_not_positive_whole_numbers(size
     with pytest.raises(InvalidArgument, match="positive whole number"):
         a.alloc(size)
     assert a.used == 0 and a.extents() == [] and a.alloc(4096) == 0
+
+
+# -- 2. extra keys ---------------------------------------------------------------------------
+@pytest.mark.parametrize("extra", [
+    ["img-A", None], [b"\x03\x01", None], [["i", "m", "g", "-", "A"], None], [[b"\0\0\0", b"\0"]],
+    [None, [b"a", "b"]], [bytearray(b"xy")], [], None,
+], ids=["str", "bytes", "chars", "zeros", "list", "bytearray", "empty", "none"])
+def test_block_keys_with_extra_keys_equal_the_stores(sidecar, extra):
+    c = sidecar.tenant("bk-extra")
+    toks = list(range(1000, 1000 + 2 * SPEC.block_tokens))
+    assert c.block_keys(SPEC, toks, extra) == block_keys("bk-extra", SPEC.fingerprint, SPEC.block_tokens, toks, extra)
+
+
+def test_block_keys_bare_items_do_not_collide_with_their_parts(sidecar):
+    c = sidecar.tenant("bk-collide")
+    toks = list(range(1000, 1000 + SPEC.block_tokens))
+    assert c.block_keys(SPEC, toks, ["img-A"]) != c.block_keys(SPEC, toks, [list("img-A")])
+    assert c.block_keys(SPEC, toks, [b"\x03\x01"]) != c.block_keys(SPEC, toks, [[b"\0\0\0", b"\0"]])
+
+
+@pytest.mark.parametrize("extra", [[[7]], [[10**7]], "ab", b"ab", [[memoryview(b"m")]]],
+                         ids=["int", "big-int", "str", "bytes", "memoryview"])
+def test_block_keys_refuse_the_extra_keys_the_store_refuses(sidecar, extra):
+    c = sidecar.tenant("bk-bad")
+    toks = list(range(1000, 1000 + 2 * SPEC.block_tokens))
+    with pytest.raises(InvalidArgument) as store_err:
+        block_keys("bk-bad", SPEC.fingerprint, SPEC.block_tokens, toks, extra)
+    with pytest.raises(InvalidArgument) as client_err:
+        c.block_keys(SPEC, toks, extra)
+    assert type(client_err.value) is type(store_err.value)
+    assert str(client_err.value) == str(store_err.value)
