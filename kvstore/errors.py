@@ -88,6 +88,14 @@ class FailedPrecondition(KVStoreError):
     code = "FAILED_PRECONDITION"
 
 
+class Aborted(KVStoreError):
+    """A call that lost a race with another one and changed nothing; the same call, made
+    again, can succeed (e.g. a put into a shared namespace whose blocks an admin dropped
+    while it ran: the namespace and the caller's rights are still there)."""
+
+    code = "ABORTED"
+
+
 class StreamIdle(KVStoreError):
     """A stream moved no message for ``limits.stream_idle_s``; it was cancelled
     (:class:`kvstore.service_limits.IdleWatch`)."""
@@ -106,6 +114,7 @@ class KeyUnavailable(IntegrityError):
 
 
 __all__ = [
+    "Aborted",
     "DTypeMismatch",
     "FailedPrecondition",
     "IntegrityError",

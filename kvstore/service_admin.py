@@ -61,7 +61,8 @@ class AdminPlane:
     def _delete_tenant(self, name: str) -> None:
         if name.startswith(SHARED_PREFIX):
             check_shared(name)  # NOTE: "shared:BAD NAME/.." answered OK
-            self.store.drop_tenant(name)
+            # a publisher's put running meanwhile fails ABORTED (retry), not UNAUTHENTICATED
+            self.store.drop_tenant(name, namespace_stays=True)
             # the namespace stays (its publishers and grants do): so does the operator's policy
             # for it, which drop_tenant had taken out of the Store while `policy get` showed it
             policy = self.registry.policies().get(name)

@@ -32,6 +32,7 @@ _ERROR_FOR_CODE: dict[str, type[errors.KVStoreError]] = {
     "FAILED_PRECONDITION": errors.FailedPrecondition,
     "DATA_LOSS": errors.IntegrityError,
     "UNAVAILABLE": errors.Unavailable,
+    "ABORTED": errors.Aborted,
 }
 
 

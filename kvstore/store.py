@@ -51,6 +51,7 @@ from kvstore.block_buffers import block_views
 from kvstore.config import StoreConfig
 from kvstore.dirlock import LOCK_NAME, DirLock
 from kvstore.errors import (
+    Aborted,
     DTypeMismatch,
     FailedPrecondition,
     InvalidArgument,
@@ -123,9 +124,11 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         self._specs: dict[bytes, ModelSpec] = {}
         self._sessions = SessionTable()
         self._tenant_policy: dict[str, TenantPolicy] = {}
-        # drop_tenant calls so far, and the count at each tenant's last drop (see drop_epoch)
+        # drop_tenant calls so far, and the count at each tenant's last drop (see drop_epoch),
+        # and at its last drop that deleted the tenant (not only a namespace's blocks)
         self._drop_epoch = 0
         self._dropped_at: dict[str, int] = {}
+        self._deleted_at: dict[str, int] = {}
         # delete / drop_tenant / purge_model calls so far: a get promotes what it fetched from
         # the remote tier (with the lock released) only when none ran meanwhile (store_reads)
         self._removals = 0
@@ -344,9 +347,16 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         return self._drop_epoch
 
     def _check_not_dropped(self, tenant: str, since: int) -> None:
-        """Unauthenticated when ``tenant`` was dropped after epoch ``since``. Caller holds the lock."""
-        if self._dropped_at.get(tenant, -1) > since:
+        """Unauthenticated when ``tenant`` was deleted after epoch ``since``; Aborted (retry)
+        when only its blocks were dropped then (``drop_tenant(namespace_stays=True)``: a shared
+        namespace wiped by an admin, its publishers and grants kept). Caller holds the lock."""
+        if self._deleted_at.get(tenant, -1) > since:
             raise Unauthenticated(f"tenant {tenant!r} was deleted while this call ran: nothing was stored")
+        if self._dropped_at.get(tenant, -1) > since:
+            # NOTE: this was Unauthenticated too, though the caller's token and rights were intact
+            # and the same call made again succeeded
+            raise Aborted(f"the blocks of namespace {tenant!r} were dropped (by an admin) while this "
+                          f"call ran: nothing was stored; the namespace is still there, retry the call")
 
     @staticmethod
     def _check_tenant(tenant: str) -> None:

@@ -257,9 +257,13 @@ class TenantAdmin:
                 gone.add(m.key)
         return gone
 
-    def drop_tenant(self, tenant: str) -> int:
+    def drop_tenant(self, tenant: str, *, namespace_stays: bool = False) -> int:
         """Remove every block of ``tenant`` from every tier and destroy its data key; returns how
         many blocks were removed (each once, whatever copies it had).
+
+        A put reserved before the drop fails (:meth:`reserve_put` ``since``): Unauthenticated,
+        the tenant being gone; with ``namespace_stays`` (a shared namespace whose blocks an
+        admin drops, its publishers and grants kept), Aborted, which the caller may retry.
 
         With a remote tier, the remote part goes first (its tombstone, its shared data key,
         its values): when the remote tier cannot be reached, :class:`Unavailable` is raised
@@ -273,7 +277,7 @@ class TenantAdmin:
         with ExitStack() as stack:
             # the remote part destroys its shared data key, then its values
             cancel, gone = self._purge_remote(stack, lambda r: r.purge_tenant(tenant), tenant=tenant)
-            n = self._drop_locally(tenant, gone)
+            n = self._drop_locally(tenant, gone, namespace_stays)
             if cancel is not None:
                 cancel()  # demotions queued meanwhile by blocks now dropped
         return n
@@ -298,7 +302,7 @@ class TenantAdmin:
         cancel()  # NOTE: not under the lock: it waits for a write it matches in flight
         return cancel, purge(self._remote)
 
-    def _drop_locally(self, tenant: str, gone: set[bytes]) -> int:
+    def _drop_locally(self, tenant: str, gone: set[bytes], namespace_stays: bool = False) -> int:
         """The local part of :meth:`drop_tenant` (``gone``: the keys its remote part removed);
         returns how many blocks were removed in all."""
         with self._lock, self._batch():
@@ -306,6 +310,8 @@ class TenantAdmin:
             self._removals += 1  # a get that fetched meanwhile promotes nothing either
             self._drop_epoch += 1  # NOTE: a reservation made before fails its commit
             self._dropped_at[tenant] = self._drop_epoch
+            if not namespace_stays:
+                self._deleted_at[tenant] = self._drop_epoch
             gone |= self._remove_tenant_blocks(tenant)
             n = len(gone)
             self._sessions.drop_tenant(tenant)
