@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -123,13 +123,3 @@ class StoreCollector(Collector):
                 fam = families[(name, keys)] = GaugeMetricFamily(name, f"Store statistic {name}", labels=list(keys))
             fam.add_metric([labels[k] for k in keys], value)
         yield from families.values()
-
-
-def serve_metrics(registry: CollectorRegistry, listen: str) -> Any:
-    """Start the HTTP endpoint on ``host:port`` (an IPv6 host in brackets: ``[::1]:9464``);
-    returns the server (``shutdown()`` to stop)."""
-    from kvstore.server_config import split_host_port
-
-    host, port = split_host_port(listen)
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server

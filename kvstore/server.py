@@ -41,7 +41,8 @@ from kvstore.audit import AuditLog
 from kvstore.auth import SHARED_PREFIX, AuthRegistry
 from kvstore.dirlock import DirLock
 from kvstore.errors import FailedPrecondition, InvalidArgument
-from kvstore.metrics import ServiceMetrics, StoreCollector, serve_metrics
+from kvstore.metrics import ServiceMetrics, StoreCollector
+from kvstore.metrics_http import scrape_token, serve_metrics
 from kvstore.server_config import ServerConfig, check_certificates, check_key_pair
 from kvstore.service import AdminPlane, DataPlane, RpcRunner, add_services
 from kvstore.shm import is_local_target
@@ -97,7 +98,11 @@ class SidecarServer:
         m = self.config.metrics
         if m.enabled and m.listen:  # NOTE: first: a port in use fails the start before gRPC serves
             try:
-                self._metrics_http = serve_metrics(self.metrics_registry, m.listen)
+                token = scrape_token(self.config.metrics_token_file) if m.auth == "token" else None
+                self._metrics_http = serve_metrics(self.metrics_registry, m.listen, token)
+            except FailedPrecondition:
+                self.stop(0)
+                raise
             except OSError as exc:
                 self.stop(0)
                 raise FailedPrecondition(f"cannot serve metrics on {m.listen!r}: {exc.strerror or exc} "
@@ -132,6 +137,7 @@ class SidecarServer:
             self._sweeper.join()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
+            self._metrics_http.server_close()  # NOTE: shutdown() alone kept the port bound
         # NOTE: grpc's stop cancels the calls still running but not their threads: a delete in
         # its Redis part went on, and found the audit log closed (its outcome lost) and the
         # Store closing (whose wait for it serve() reported as the NVMe commit's time)
@@ -257,8 +263,8 @@ def create_server(config: ServerConfig, *, store: Any = None, clock: Callable[[]
     m = config.metrics
     if m.enabled and m.listen and not m.allow_remote and not is_local_target(m.listen):
         raise FailedPrecondition(
-            f"refusing to serve metrics on non-loopback address {m.listen!r}: the endpoint has no "
-            "authentication and names every tenant; set [metrics] allow_remote = true to allow it")
+            f"refusing to serve metrics on non-loopback address {m.listen!r}: the endpoint is plain "
+            "HTTP and names every tenant; set [metrics] allow_remote = true to allow it")
     _make_data_dir(config)
     # NOTE: the directory's lock first (a Store given in holds it already): a second server
     # started on a live directory was refused by its Store's lock only after its audit log had
@@ -370,7 +376,9 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
                  f"{len(orphans)} tenants: their tokens are gone; restore the file from a backup, or "
                  f"delete those tenants (a tenant created under one of their names reads its blocks)")
         if config.metrics.enabled and config.metrics.listen:
-            echo(f"metrics: http://{server.metrics_address}/metrics")
+            guard = (f" (bearer token in {config.metrics_token_file})" if config.metrics.auth == "token"
+                     else " (no authentication: [metrics] auth = \"none\")")
+            echo(f"metrics: http://{server.metrics_address}/metrics{guard}")
         echo("ready (Ctrl-C or SIGTERM to stop)")
         done.wait()
     finally:

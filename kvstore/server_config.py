@@ -18,6 +18,7 @@ there is no file. Every field is documented below; a minimal file is::
 
     [metrics]
     listen = "127.0.0.1:9464"
+    token_file = "/etc/kvstore/metrics.token"   # scrapes send it: Authorization: Bearer <token>
 
 Defaults: the data directory is ``$KVSTORE_HOME``, else ``./.kvstore`` when the current
 directory is writable, else ``~/.local/share/kvstore``; the Store generates its master key file
@@ -31,7 +32,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import tomllib
 from pydantic import (
@@ -283,7 +284,17 @@ class MetricsConfig(BaseModel):
 
     allow_remote: bool = False
     """Serve them on a non-loopback address. Off: such a server refuses to start. The endpoint
-    is plain HTTP without authentication, and its labels name every tenant."""
+    is plain HTTP (a bearer token travels in clear), and its labels name every tenant."""
+
+    auth: Literal["token", "none"] = "token"
+    """``token``: a scrape must send ``Authorization: Bearer <token>``, the token in
+    ``token_file`` (Prometheus: ``authorization: {credentials_file: <token_file>}``); other
+    requests get 401. ``none``: anyone who can connect reads every tenant's name and usage,
+    tenants' processes on this host included (their own Stats shows them only themselves)."""
+
+    token_file: OptionalUserPath = None
+    """The scrape token's file (one line; only this user may read it); None =
+    ``<store.path>/metrics.token``. Made with a new random token (mode 0600) when missing."""
 
 
 class ServerConfig(BaseModel):
@@ -398,6 +409,10 @@ class ServerConfig(BaseModel):
     @property
     def audit_file(self) -> Path:
         return self.data_dir / "audit.log"
+
+    @property
+    def metrics_token_file(self) -> Path:
+        return self.metrics.token_file or self.data_dir / "metrics.token"
 
 
 def default_data_dir(env: dict[str, str] | None = None, cwd: Path | None = None) -> Path:

@@ -18,7 +18,8 @@ from kvstore import server_config
 from kvstore.audit import AuditLog
 from kvstore.cli_serve import admin_app
 from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted
-from kvstore.metrics import ServiceMetrics, serve_metrics
+from kvstore.metrics import ServiceMetrics
+from kvstore.metrics_http import serve_metrics
 from proto.kvstore.v1 import admin_pb2 as apb
 from proto.kvstore.v1 import admin_pb2_grpc
 
@@ -209,7 +210,7 @@ def test_metrics_serve_on_a_bracketed_ipv6_address():
 
 
 def test_a_sidecar_serves_metrics_on_ipv6_loopback(tmp_path):
-    sc = start(tmp_path, metrics={"enabled": True, "listen": "[::1]:0"})
+    sc = start(tmp_path, metrics={"enabled": True, "listen": "[::1]:0", "auth": "none"})
     try:
         port = sc.server._metrics_http.server_address[1]
         with urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=10) as r:

@@ -78,7 +78,9 @@ def test_the_metrics_address_is_the_bound_port(tmp_path):
     try:
         addr = sc.server.metrics_address
         assert addr is not None and not addr.endswith(":0")
-        with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as r:
+        token = (tmp_path / "metrics.token").read_text().strip()
+        request = urllib.request.Request(f"http://{addr}/metrics", headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(request, timeout=10) as r:
             assert b"kvstore" in r.read()
     finally:
         sc.stop()
@@ -107,9 +109,13 @@ def test_serve_prints_its_stop_records_the_first_admin_and_shows_the_metrics_por
     try:
         while (line := proc.stdout.readline()) and not line.startswith("ready"):
             lines.append(line)
-        metrics = re.search(r"metrics: http://127\.0\.0\.1:(\d+)/metrics", "".join(lines))
+        metrics = re.search(r"metrics: http://127\.0\.0\.1:(\d+)/metrics \(bearer token in (\S+)\)", "".join(lines))
         assert metrics is not None and int(metrics.group(1)) > 0, "".join(lines)
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics.group(1)}/metrics", timeout=10) as r:
+        assert metrics.group(2) == str(tmp_path / "data" / "metrics.token")
+        token = Path(metrics.group(2)).read_text().strip()
+        request = urllib.request.Request(f"http://127.0.0.1:{metrics.group(1)}/metrics",
+                                         headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(request, timeout=10) as r:
             assert r.status == 200
     finally:
         proc.send_signal(signal.SIGTERM)
