@@ -143,9 +143,10 @@ def _names(namespaces: Any) -> str:
     return "[" + ", ".join(namespaces) + "]"
 
 
-def create_detail(role: Role, namespaces: list[str]) -> str:
-    """The audit detail of ``tenant.create``: ``role=tenant namespaces=[shared:a]``."""
-    return f"role={role.value} namespaces={_names(namespaces)}"
+def create_detail(role: Role | str, namespaces: list[str]) -> str:
+    """The audit detail of ``tenant.create``: ``role=tenant namespaces=[shared:a]`` (``role``
+    as sent when it names no role: the call is refused, and recorded)."""
+    return f"role={role.value if isinstance(role, Role) else role} namespaces={_names(namespaces)}"
 
 
 def grant_detail(before: tuple[str, ...], after: tuple[str, ...]) -> str:

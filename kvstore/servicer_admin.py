@@ -2,8 +2,9 @@
 
 Thin: every method decodes its request, calls :class:`~kvstore.service_admin.AdminPlane`
 through :meth:`RpcRunner.run` (which requires the admin role and writes the audit entry), and
-encodes the result. Reading the audit log and Stats are admin-only but not audited (reading the
-log must not grow it). A change's entry records what was done beyond its target (``detail``):
+encodes the result. Reading the audit log and Stats are admin-only; only their refused attempts
+are recorded (an outcome entry: UNAUTHENTICATED as principal ``?``, PERMISSION_DENIED), not the
+reads themselves (reading the log must not grow it). A change's entry records what was done beyond its target (``detail``):
 the role and namespaces a principal is created with, the grants and the policy before -> after.
 ReadAudit answers with the entries that fit under the server's message limit (and the caller's
 ``max_bytes``), its ``more`` set when entries follow.
@@ -15,9 +16,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.audit import DETAIL_CHARS, AuditEntry, Recorder, bounded
+from kvstore.audit import DETAIL_CHARS, AuditEntry, AuditLog, Recorder, bounded
 from kvstore.auth import Principal, Role, TenantPolicy
-from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.service_admin import AdminPlane, create_detail, grant_detail, policy_detail
 from kvstore.service_convert import spec_from_pb
 from kvstore.service_rpc import RpcRunner
@@ -43,11 +44,17 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return self.rpc.run(f"Admin.{name}", context, fn, audit=audit)
 
     def CreateTenant(self, request, context):
-        role = _ROLE_FROM_PB.get(request.role, Role.TENANT)
+        # NOTE: an unknown role value (a newer client's, or a mistake) created a full tenant
+        role = _ROLE_FROM_PB.get(request.role)
         namespaces = list(request.namespaces)
-        return self._run("CreateTenant", "tenant.create", request.name, context, lambda p: apb.TenantToken(
-            name=request.name, token=self.plane.create_tenant(request.name, role, namespaces)),
-            detail=create_detail(role, namespaces))
+
+        def call(p: Principal) -> apb.TenantToken:
+            if role is None:
+                known = ", ".join(f"{apb.Role.Name(v)}={v}" for v in sorted(_ROLE_FROM_PB))
+                raise InvalidArgument(f"role: unknown value {request.role} (known: {known})")
+            return apb.TenantToken(name=request.name, token=self.plane.create_tenant(request.name, role, namespaces))
+        return self._run("CreateTenant", "tenant.create", request.name, context, call,
+                         detail=create_detail(role if role is not None else str(request.role), namespaces))
 
     def RotateToken(self, request, context):
         return self._run("RotateToken", "tenant.rotate", request.name, context, lambda p: apb.TenantToken(
@@ -131,20 +138,27 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
             _, more = self.plane.audit.page(request.since_seq, request.limit or 1000, fits)
             return apb.ReadAuditResponse(entries=out, more=more)
-        return self.rpc.run("Admin.ReadAudit", context, _admin_only(call))
+        return self._run("ReadAudit", "audit.read", "", context, call,
+                         audit=RefusalsOnly(self.plane.audit, "audit.read"))
 
     def Stats(self, request, context):
-        return self.rpc.run("Admin.Stats", context, _admin_only(lambda p: pb.StatsResponse(
-            json=json.dumps(self.plane.store.stats(), default=str, sort_keys=True))))
+        return self._run("Stats", "stats.read", "", context, lambda p: pb.StatsResponse(
+            json=json.dumps(self.plane.store.stats(), default=str, sort_keys=True)),
+            audit=RefusalsOnly(self.plane.audit, "stats.read"))
 
 
-def _admin_only(fn: Callable[[Principal], Any]) -> Callable[[Principal], Any]:
-    """For read-only admin calls that are not audited (reading the audit log must not grow it)."""
-    def call(p: Principal) -> Any:
-        if p.role is not Role.ADMIN:
-            raise PermissionDenied(f"{p.name!r} is not an admin")
-        return fn(p)
-    return call
+class RefusalsOnly(Recorder):
+    """The record of an admin read that is not audited (reading the audit log must not grow
+    it): only a refused attempt is written, as its outcome entry. (These reads bypassed the
+    Recorder, so a tenant probing them left no trace, while a refused change was recorded.)"""
+
+    REFUSED = frozenset({"UNAUTHENTICATED", "PERMISSION_DENIED"})
+
+    def __init__(self, log: AuditLog, action: str) -> None:
+        super().__init__(log, action, "", changes=False)
+
+    def end(self, principal: str, result: str) -> AuditEntry | None:  # type: ignore[override]
+        return super().end(principal, result) if result in self.REFUSED else None
 
 
 def _audit_pb(e: AuditEntry) -> apb.AuditEntry:

@@ -78,3 +78,67 @@ def test_aborted_travels_as_its_own_typed_error():
             return "retry"
 
     assert isinstance(from_rpc_error(_Err()), errors.Aborted)
+
+
+# -- 3: refused admin reads are recorded; an unknown role is refused ----------------------------
+def _admin_stub(sidecar):
+    import grpc
+
+    from proto.kvstore.v1 import admin_pb2_grpc
+
+    ch = grpc.insecure_channel(sidecar.target)
+    return ch, admin_pb2_grpc.AdminStub(ch)
+
+
+def test_refused_reads_of_the_audit_log_and_stats_are_recorded(sidecar):
+    """A tenant calling Admin ReadAudit or Stats got PERMISSION_DENIED and nothing was recorded
+    (a refused DeleteTenant was): both are recorded now, as outcome entries, and so are
+    unauthenticated attempts (principal ``?``); an admin's reads still do not grow the log."""
+    import grpc
+
+    from proto.kvstore.v1 import admin_pb2 as apb
+    from proto.kvstore.v1 import kvstore_pb2 as pb
+
+    admin = sidecar.admin()
+    token = admin.create_tenant("alice")
+    ch, stub = _admin_stub(sidecar)
+    try:
+        for md, code in (([("authorization", "Bearer " + token)], grpc.StatusCode.PERMISSION_DENIED),
+                         ([("authorization", "Bearer kvs_not_a_token")], grpc.StatusCode.UNAUTHENTICATED)):
+            for call, req in ((stub.ReadAudit, apb.ReadAuditRequest()), (stub.Stats, pb.StatsRequest())):
+                with pytest.raises(grpc.RpcError) as err:
+                    call(req, metadata=md, timeout=10)
+                assert err.value.code() == code
+    finally:
+        ch.close()
+    entries = admin.audit()
+    refused = [(e["principal"], e["action"], e["result"]) for e in entries
+               if e["action"] in ("audit.read", "stats.read")]
+    assert refused == [("alice", "audit.read", "PERMISSION_DENIED"), ("alice", "stats.read", "PERMISSION_DENIED"),
+                       ("?", "audit.read", "UNAUTHENTICATED"), ("?", "stats.read", "UNAUTHENTICATED")]
+    assert all(e["ref"] == 0 for e in entries if e["action"] in ("audit.read", "stats.read"))  # outcome only
+    admin.stats()
+    assert len(admin.audit()) == len(entries)  # an admin's reads are not recorded
+
+
+def test_create_tenant_with_an_unknown_role_is_invalid_argument(sidecar):
+    """role=99 created a full tenant (an unknown value fell back to ROLE_TENANT)."""
+    import grpc
+
+    from proto.kvstore.v1 import admin_pb2 as apb
+
+    admin = sidecar.admin()
+    ch, stub = _admin_stub(sidecar)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.CreateTenant(apb.CreateTenantRequest(name="weird", role=99),
+                              metadata=[("authorization", "Bearer " + sidecar.admin_token)], timeout=10)
+    finally:
+        ch.close()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "role" in err.value.details() and "99" in err.value.details()
+    assert "weird" not in [t["name"] for t in admin.list_tenants()]
+    outcome = [e for e in admin.audit() if e["action"] == "tenant.create" and e["target"] == "weird"][-1]
+    assert outcome["result"] == "INVALID_ARGUMENT" and "role=99" in outcome["detail"]
+    assert admin.create_tenant("plain")  # ROLE_UNSPECIFIED is still a tenant
+    assert [t["role"] for t in admin.list_tenants() if t["name"] == "plain"] == ["tenant"]
