@@ -41,7 +41,6 @@ import base64
 import binascii
 import hashlib
 import os
-import stat
 import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
@@ -51,6 +50,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvstore.errors import FailedPrecondition, InvalidArgument, KeyUnavailable
+from kvstore.paths import private_file_problem
 
 KEY_BYTES = 32
 DEFAULT_ENV_VAR = "KVSTORE_MASTER_KEY"
@@ -110,14 +110,8 @@ def _check_key(key: object, source: str) -> bytes:
 
 
 def _read_key_file(path: Path) -> bytes:
-    st = os.stat(path)
-    if not stat.S_ISREG(st.st_mode):
-        raise InvalidArgument(f"master key file {path} is not a regular file")
-    if st.st_mode & 0o077:
-        raise InvalidArgument(
-            f"master key file {path} has permissions {stat.S_IMODE(st.st_mode):04o}: group/other "
-            f"access is not allowed; run `chmod 600 {path}`"
-        )
+    if problem := private_file_problem(path):
+        raise InvalidArgument(f"master key file {path} {problem}")
     data = path.read_bytes()
     if len(data) == KEY_BYTES:
         return data

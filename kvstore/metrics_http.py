@@ -19,7 +19,6 @@ import hmac
 import os
 import secrets
 import socket
-import stat
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -30,6 +29,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from kvstore.errors import FailedPrecondition
+from kvstore.paths import private_file_problem
 
 #: printable ASCII without spaces: what an HTTP header carries unchanged
 _TOKEN_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F))
@@ -55,13 +55,8 @@ def scrape_token(path: Path) -> str:
 
 def _read_token(path: Path) -> str:
     try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise FailedPrecondition(f"metrics token file {path} is not a regular file")
-        if st.st_mode & 0o077:
-            raise FailedPrecondition(
-                f"metrics token file {path} has permissions {stat.S_IMODE(st.st_mode):04o}: group/other "
-                f"access is not allowed (chmod 600 it)")
+        if problem := private_file_problem(path):
+            raise FailedPrecondition(f"metrics token file {path} {problem}")
         text = path.read_bytes().decode("ascii").strip()
     except UnicodeDecodeError:
         text = ""

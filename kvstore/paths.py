@@ -8,6 +8,7 @@ literal ``~`` (``tls_ca_file = "~/ca.pem"`` looked for a directory named ``~``).
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -35,3 +36,17 @@ def _user_path(value: Any) -> Any:
 UserPath = Annotated[Path, BeforeValidator(_user_path)]
 #: the same, or None
 OptionalUserPath = Annotated[Path | None, BeforeValidator(_user_path)]
+
+
+def private_file_problem(path: Path, *, group_ok: bool = False) -> str | None:
+    """Why ``path`` cannot hold a secret (it is not a regular file; users other than its owner
+    may read or write it, or, with ``group_ok``, users outside its group), as a phrase to put
+    after the file's name; None when it can. OSError when it cannot be stat'ed."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_mode & (0o007 if group_ok else 0o077):
+        who = "other users" if group_ok else "group/other users"
+        return (f"has permissions {stat.S_IMODE(st.st_mode):04o}: {who} may read or change it "
+                f"(chmod {'o-rwx' if group_ok else '600'} it)")
+    return None

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -47,7 +46,7 @@ from pydantic import (
 from kvstore.config import StoreConfig, validation_error
 from kvstore.errors import InvalidArgument
 from kvstore.memtune import NONTEMPORAL_MIN as STREAMING_COPY_MIN
-from kvstore.paths import OptionalUserPath, UserPath
+from kvstore.paths import OptionalUserPath, UserPath, private_file_problem
 from kvstore.sizes import ByteCount
 
 MiB = 1 << 20
@@ -120,10 +119,8 @@ def _check_private(key_file: Path, option: str) -> None:
     """InvalidArgument when other users may read or write the private key ``key_file``.
     NOTE: a key at 0644 was taken, where a master key file at 0644 is refused. Group access
     stays allowed: a key shared with a service group (``root:ssl-cert 0640``) is usual."""
-    mode = stat.S_IMODE(os.stat(key_file).st_mode)
-    if mode & 0o007:
-        raise InvalidArgument(f"{option} {str(key_file)!r} has permissions {mode:04o}: other users may "
-                              f"read this private key; chmod o-rwx (e.g. chmod 600) it")
+    if problem := private_file_problem(key_file, group_ok=True):
+        raise InvalidArgument(f"{option} {str(key_file)!r} {problem}")
 
 
 class LimitsConfig(BaseModel):
