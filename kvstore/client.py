@@ -26,7 +26,9 @@ Data planes, chosen automatically:
 Long chains: every verb takes ``parent=`` (the stored block ``keys[0]`` continues from), as the
 Store does. The client uses it itself when a staged get does not fit the free part of the
 shared region: it reads the chain in pieces that fit, each continuing from the previous piece's
-last key (a miss ends the prefix). A staged put that does not fit goes in-band as one stream
+last key (a miss ends the prefix). An in-band get does the same in pieces of at most the
+server's ``limits.max_stream_bytes``, which its first refusal of a bigger Get states (a Get
+asking for more was refused, however little of it was stored). A staged put that does not fit goes in-band as one stream
 instead, so that a put is all or nothing on either plane (in pieces, a failed later piece left
 the earlier ones stored); the stream's limits then apply (``limits.max_blocks_per_stream``,
 ``max_stream_bytes``): put a bigger one from :meth:`Client.local_blocks`, or in calls of your
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 import weakref
@@ -103,6 +106,11 @@ HELD_FENCE_WAIT_S = 0.05
 #: quiet) waits more for the server's fence before it settles its slots. NOTE: it waited a whole
 #: ``timeout`` more: a hung sidecar held a call for twice the timeout the caller gave
 FENCE_AFTER_ERROR_S = 1.0
+
+
+#: what a Get refused for its size names (kvstore.service_streams), and how it states the limit
+_STREAM_LIMIT = "limits.max_stream_bytes"
+_STREAM_LIMIT_RE = re.compile(r"limits\.max_stream_bytes=(\d+)")
 
 
 class _InBand(Exception):
@@ -295,6 +303,7 @@ class Client:
         self._region_bytes = region_bytes
         self._register_lock = threading.Lock()
         self._retry_register_at: float | None = None  # monotonic time of the next attempt
+        self._stream_cap: int | None = None  # the server's limits.max_stream_bytes, once a Get learned it
         auto = local is None
         if auto:
             local = is_local_target(target)
@@ -677,14 +686,46 @@ class Client:
 
     def _get_stream(self, spec: ModelSpec, keys: list[bytes], rows: np.ndarray, namespace: str,
                     parent: bytes | None, timeout: float | None = None) -> int:
+        """An in-band get, in pieces of at most the server's ``limits.max_stream_bytes``, each
+        continuing from the previous piece's last key (a miss ends the prefix), within one
+        deadline. Why: a Get stream asking for more bytes than that limit was refused
+        (RESOURCE_EXHAUSTED) however few of them were stored, where the Store and the
+        shared-memory plane return the stored prefix. No call tells a client the limit
+        before a Get: the server's refusal states it (``limits.max_stream_bytes=N``), and the
+        client keeps it for its later gets (one refused call per client, not per get); a
+        refusal that does not state it halves the piece until the server takes it."""
+        deadline = time.monotonic() + timeout if timeout is not None else self._deadline()
+        nbytes = spec.block_nbytes
+        got = 0
+        while got < len(keys):
+            cap = self._stream_cap
+            count = len(keys) - got if cap is None else min(len(keys) - got, max(1, cap // nbytes))
+            try:
+                k = self._get_piece(spec, keys[got : got + count], rows[got : got + count], namespace, parent,
+                                    self._left(deadline))
+            except ResourceExhausted as exc:
+                if count == 1 or _STREAM_LIMIT not in str(exc):
+                    raise
+                stated = _STREAM_LIMIT_RE.search(str(exc))
+                limit = int(stated.group(1)) if stated else (count // 2) * nbytes
+                self._stream_cap = min(limit, (count - 1) * nbytes)  # NOTE: always fewer blocks than refused
+                continue
+            got += k
+            if k < count:  # a miss ends the prefix
+                break
+            parent = keys[got - 1]
+        return got
+
+    def _get_piece(self, spec: ModelSpec, keys: list[bytes], rows: np.ndarray, namespace: str,
+                   parent: bytes | None, timeout: float | None) -> int:
+        """One Get stream of ``keys`` into ``rows``; how many leading blocks it wrote."""
         req = pb.GetRequest(chunk_bytes=self.chunk_bytes, pack_blocks=True)
         self._target(req.target, spec, keys, None, namespace, parent)
         nbytes = spec.block_nbytes
         stream = None
         self._usable()
         try:
-            stream = self._get_frames(req, metadata=self._metadata,
-                                      timeout=self.timeout if timeout is None else timeout)
+            stream = self._get_frames(req, metadata=self._metadata, timeout=timeout)
             first: Frame = next(stream)
             if first.error or not first.meta.HasField("header"):
                 raise IntegrityError(first.error or "the Get stream did not start with its header")

@@ -8,15 +8,19 @@ Found by a prober comparing the two:
 * ``block_keys(..., extra_keys)`` encoded extra keys its own way: a bare str entry per
   character (a collision with the list of its characters), a bare bytes entry per int (into
   zero bytes), int items taken; the keys differed from the Store's for the same input.
+* An in-band get asking for more bytes than ``limits.max_stream_bytes`` failed
+  RESOURCE_EXHAUSTED however little was stored; the Store (and the shared-memory plane)
+  return the longest stored prefix.
 """
 
 from __future__ import annotations
 
 import pytest
+import service_harness
 import torch
 from service_harness import SPEC, fresh_tokens, random_kv
 
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, ResourceExhausted
 from kvstore.keys import block_keys
 from tiers.arena import ExtentAllocator
 
@@ -88,3 +92,36 @@ def test_block_keys_refuse_the_extra_keys_the_store_refuses(sidecar, extra):
         c.block_keys(SPEC, toks, extra)
     assert type(client_err.value) is type(store_err.value)
     assert str(client_err.value) == str(store_err.value)
+
+
+# -- 3. in-band gets past limits.max_stream_bytes --------------------------------------------
+def test_in_band_get_past_the_stream_limit_returns_the_stored_prefix(tmp_path):
+    sc = service_harness.start(tmp_path, limits={"max_stream_bytes": 16 * SPEC.block_nbytes})
+    try:
+        c = sc.tenant("big-get", local=False)
+        keys = c.block_keys(SPEC, fresh_tokens(40))
+        kv = random_kv(40, seed=5)
+        c.put(SPEC, keys[:2], kv[:2])
+        assert torch.equal(c.get(SPEC, keys), kv[:2])  # 40 asked for, 2 stored
+        c.put(SPEC, keys[2:12], kv[2:12], parent=keys[1])
+        c.put(SPEC, keys[12:28], kv[12:28], parent=keys[11])
+        c.put(SPEC, keys[28:], kv[28:], parent=keys[27])
+        assert torch.equal(c.get(SPEC, keys), kv)  # read in pieces of at most 16 blocks
+        assert torch.equal(c.get(SPEC, keys[5:], parent=keys[4]), kv[5:])
+        c.delete([keys[20]])
+        assert torch.equal(c.get(SPEC, keys), kv[:20])  # a miss in a later piece ends the prefix
+        out = torch.zeros_like(kv)
+        assert c.get_into(SPEC, keys, out) == 20 and torch.equal(out[:20], kv[:20]) and not out[20:].any()
+    finally:
+        sc.stop()
+
+
+def test_in_band_get_of_a_block_bigger_than_the_stream_limit_is_refused(tmp_path):
+    sc = service_harness.start(tmp_path, limits={"max_stream_bytes": SPEC.block_nbytes // 2})
+    try:
+        c = sc.tenant("tiny-limit", local=False)
+        keys = c.block_keys(SPEC, fresh_tokens(3))
+        with pytest.raises(ResourceExhausted, match="max_stream_bytes"):
+            c.get(SPEC, keys)
+    finally:
+        sc.stop()
