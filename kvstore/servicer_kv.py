@@ -87,8 +87,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             if p.role is Role.ADMIN:
                 raise PermissionDenied("admin tokens have no data-plane access")
             kind = _REGION_KINDS.get(request.kind)
-            if kind is None:
-                raise InvalidArgument("region kind is required")
+            if kind is None:  # NOTE: an unknown kind (a newer client's) was called missing
+                raise InvalidArgument("region kind is required" if not request.kind else
+                                      f"unknown region kind {request.kind} (known: "
+                                      + ", ".join(f"{v} = {k}" for v, k in sorted(_REGION_KINDS.items())) + ")")
             rid, region = self.plane.regions.register(p.name, kind, request.name, request.size,
                                                       request.cuda_ipc_handle, request.nonce)
             return pb.RegisterRegionResponse(region_id=rid, nonce=getattr(region, "nonce", b""))
