@@ -339,7 +339,8 @@ class DataPlane:
 
     def delete(self, principal: Principal, namespace: str, packed: bytes) -> int:
         """Delete blocks (audited, whatever the outcome: a refused namespace or malformed keys
-        too, under the namespace as asked). The deletion is recorded before it is made, and not
+        too, under the namespace as asked; the outcome of one made says ``blocks=N``, the blocks
+        removed with their descendants). The deletion is recorded before it is made, and not
         made when that record cannot be written (:class:`~kvstore.audit.Recorder`)."""
         count = f"{len(packed) // KEY_BYTES} keys" if len(packed) % KEY_BYTES == 0 else f"{len(packed)} bytes of keys"
         audit = Recorder(self.audit, "blocks.delete", namespace or principal.name, count)
@@ -354,6 +355,9 @@ class DataPlane:
             except KVStoreError as failed:  # NOTE: the delete's own error goes on, not this one
                 log.error("a failed delete of %s was not audited: %s", audit.target, failed)
             raise
+        # NOTE: the outcome names how many blocks went (descendants included), as a model
+        # purge's does: "1 keys" alone left what a delete destroyed off the record
+        audit.detail = f"{count} blocks={n}"
         try:
             audit.end(principal.name, "OK")
         except KVStoreError as exc:

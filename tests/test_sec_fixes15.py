@@ -142,3 +142,15 @@ def test_create_tenant_with_an_unknown_role_is_invalid_argument(sidecar):
     assert outcome["result"] == "INVALID_ARGUMENT" and "role=99" in outcome["detail"]
     assert admin.create_tenant("plain")  # ROLE_UNSPECIFIED is still a tenant
     assert [t["role"] for t in admin.list_tenants() if t["name"] == "plain"] == ["tenant"]
+
+
+# -- 2: the audit of a deletion says what it removed -------------------------------------------
+def test_a_delete_records_how_many_blocks_it_removed(sidecar):
+    """A Delete of 1 key removing 5 blocks (its descendants go with it) was recorded as
+    ``'1 keys'``: its outcome entry says ``blocks=5`` now, as a model purge's does."""
+    a = sidecar.tenant("alice", local=False)
+    keys = a.block_keys(SPEC, fresh_tokens(5))
+    a.put(SPEC, keys, random_kv(5))
+    assert a.delete(keys[:1]) == 5
+    entries = [e for e in sidecar.admin().audit() if e["action"] == "blocks.delete"]
+    assert [(e["result"], e["detail"]) for e in entries] == [("STARTED", "1 keys"), ("OK", "1 keys blocks=5")]
