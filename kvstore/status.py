@@ -7,7 +7,9 @@ with :func:`to_status` and the client turns a failed call back into the same typ
 Contract:
 
 * ``to_status(exc)`` -> ``(grpc.StatusCode, message)``. Unknown exceptions map to INTERNAL with
-  a generic message (details are logged by the caller, never sent).
+  a generic message (details are logged by the caller, never sent). A long message is cut to
+  fit grpc's trailer limit as grpc encodes it (:data:`MAX_DETAILS_WIRE`), else the caller would
+  get RESOURCE_EXHAUSTED "Stream removed" in place of the status.
 * ``IntegrityError`` never reaches a caller as DATA_LOSS through the data plane (a failed block
   is a miss); if one escapes it maps to DATA_LOSS.
 * ``from_rpc_error(err)`` -> the ``KVStoreError`` subclass for the status (``KVStoreError`` with
@@ -45,6 +47,34 @@ def status_code(name: str) -> grpc.StatusCode:
 #: trailers, which grpc limits (8 KiB by default); a longer one failed the call with
 #: RESOURCE_EXHAUSTED "Stream removed" in place of its own status
 MAX_DETAILS = 1024
+#: the most bytes those details may take on the wire: grpc sends them as UTF-8, percent-encoded
+#: outside printable ASCII (a non-ASCII character costs up to 12 bytes). NOTE: 1024 characters
+#: of emoji were ~12 KiB there, past the 8 KiB limit: the caller got "Stream removed" instead
+MAX_DETAILS_WIRE = 3 * 1024
+
+
+def _wire_bytes(ch: str) -> int:
+    """Bytes ``ch`` takes in a grpc-message trailer (grpc percent-encodes every UTF-8 byte
+    outside 0x20..0x7E, and ``%`` itself)."""
+    if " " <= ch <= "~":
+        return 3 if ch == "%" else 1
+    return 3 * len(ch.encode("utf-8", "surrogatepass"))
+
+
+def _bounded(message: str) -> str:
+    """``message``, cut at a character boundary to fit :data:`MAX_DETAILS` characters and
+    :data:`MAX_DETAILS_WIRE` bytes once encoded, ending ``…(N chars)`` when cut."""
+    if len(message) <= MAX_DETAILS and sum(map(_wire_bytes, message)) <= MAX_DETAILS_WIRE:
+        return message
+    suffix = f"…({len(message)} chars)"
+    room = MAX_DETAILS_WIRE - sum(map(_wire_bytes, suffix))
+    cut = message[: MAX_DETAILS - 40]
+    for i, ch in enumerate(cut):
+        room -= _wire_bytes(ch)
+        if room < 0:
+            cut = cut[:i]
+            break
+    return cut + suffix
 
 
 def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -54,9 +84,7 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         resource = getattr(exc, "resource", "")
         if resource and resource not in message:
             message = f"{message} (limit: {resource})"
-        if len(message) > MAX_DETAILS:
-            message = f"{message[: MAX_DETAILS - 40]}…({len(message)} chars)"
-        return status_code(exc.code), message
+        return status_code(exc.code), _bounded(message)
     return grpc.StatusCode.INTERNAL, "internal error"
 
 

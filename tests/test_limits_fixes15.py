@@ -11,10 +11,15 @@
 
 from __future__ import annotations
 
+from urllib.parse import quote
+
 import grpc
 import pytest
-from service_harness import start
+from service_harness import SPEC, start
 
+from kvstore.client import spec_to_pb
+from kvstore.errors import PermissionDenied
+from kvstore.status import to_status
 from proto.kvstore.v1 import kvstore_pb2 as pb
 from proto.kvstore.v1 import kvstore_pb2_grpc
 
@@ -49,6 +54,27 @@ def small(tmp_path):
     yield sc, kvstore_pb2_grpc.KVStoreStub(ch), _md(token), ch
     ch.close()
     sc.stop()
+
+
+# -- 4. error messages fit grpc's metadata limit once percent-encoded -----------------------------
+def _wire_bytes(message: str) -> int:
+    """What grpc sends for a status message: UTF-8, percent-encoded outside printable ASCII."""
+    return len(quote(message.encode(), safe="".join(chr(c) for c in range(0x20, 0x7F) if c != 0x25)))
+
+
+@pytest.mark.parametrize("text", ["\U0001F600" * 3000, "\u4e2d" * 5000, "é" * 100_000, "%" * 10_000])
+def test_a_long_non_ascii_message_is_cut_by_its_encoded_size(text):
+    code, message = to_status(PermissionDenied("namespace " + text))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert _wire_bytes(message) <= 4096
+    assert message.startswith("namespace " + text[:50]) and message.endswith("chars)")
+
+
+def test_a_long_non_ascii_namespace_keeps_its_status(small):
+    _, kv, md, _ = small
+    target = pb.Target(spec=spec_to_pb(SPEC), keys=b"\x01" * 32, namespace="\U0001F600" * 3000)
+    codes = {_code(kv.Lookup, pb.LookupRequest(target=target), metadata=md)[0] for _ in range(20)}
+    assert codes == {"PERMISSION_DENIED"}
 
 
 # -- 6. RegisterRegion with an unknown kind ------------------------------------------------------
