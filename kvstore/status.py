@@ -15,7 +15,8 @@ Contract:
 * ``from_rpc_error(err)`` -> the ``KVStoreError`` subclass for the status (``KVStoreError`` with
   ``code`` set for codes without a dedicated class); NOT_FOUND whose message starts with
   ``UnknownRegion.PREFIX`` -> ``UnknownRegion`` (the client registers its region again);
-  ``ParentNotStored.PREFIX`` -> ``ParentNotStored``.
+  ``ParentNotStored.PREFIX`` -> ``ParentNotStored``. grpc's own RESOURCE_EXHAUSTED answers
+  (too many calls; a message past its size limit) become ``ResourceExhausted`` naming the limit.
 """
 
 from __future__ import annotations
@@ -90,6 +91,10 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 #: what grpc answers past ``maximum_concurrent_rpcs`` (the server's workers + max_queued_calls)
 _GRPC_CONCURRENCY = "Concurrent RPC limit exceeded!"
+#: in what grpc answers for a message past its size limit ("SERVER: Received message larger
+#: than max (640054 vs. 262144)", "Sent ...", "CLIENT: ..."): the server's and the clients'
+#: limit is ``limits.max_message_bytes`` (a client's own ``max_message_bytes``)
+_GRPC_TOO_LARGE = "message larger than max"
 
 
 def from_rpc_error(err: grpc.RpcError) -> errors.KVStoreError:
@@ -108,6 +113,11 @@ def from_rpc_error(err: grpc.RpcError) -> errors.KVStoreError:
                 "the server is running and queueing as many calls as it takes (grpc: Concurrent RPC "
                 "limit exceeded): its workers + limits.max_queued_calls; retry later, or raise them",
                 resource="limits.max_queued_calls")
+        if _GRPC_TOO_LARGE in message:  # NOTE: named no limit either
+            return errors.ResourceExhausted(
+                f"a message is larger than the gRPC message size limit, limits.max_message_bytes (the "
+                f"client's max_message_bytes for what it receives): send fewer keys or tokens per call, "
+                f"or raise it (grpc: {message})", resource="limits.max_message_bytes")
         return errors.ResourceExhausted(message or name)
     if cls is errors.NotFound:
         for sub in (errors.UnknownRegion, errors.ParentNotStored):

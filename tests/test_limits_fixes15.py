@@ -18,8 +18,8 @@ import pytest
 from service_harness import SPEC, start
 
 from kvstore.client import spec_to_pb
-from kvstore.errors import PermissionDenied
-from kvstore.status import to_status
+from kvstore.errors import PermissionDenied, ResourceExhausted
+from kvstore.status import from_rpc_error, to_status
 from proto.kvstore.v1 import kvstore_pb2 as pb
 from proto.kvstore.v1 import kvstore_pb2_grpc
 
@@ -75,6 +75,40 @@ def test_a_long_non_ascii_namespace_keeps_its_status(small):
     target = pb.Target(spec=spec_to_pb(SPEC), keys=b"\x01" * 32, namespace="\U0001F600" * 3000)
     codes = {_code(kv.Lookup, pb.LookupRequest(target=target), metadata=md)[0] for _ in range(20)}
     assert codes == {"PERMISSION_DENIED"}
+
+
+# -- 5. grpc's message size limit named ----------------------------------------------------------
+class _Failed(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+@pytest.mark.parametrize("details", ["SERVER: Received message larger than max (640054 vs. 262144)",
+                                     "SERVER: Sent message larger than max (4480005 vs. 4194304)",
+                                     "CLIENT: Received message larger than max (5000000 vs. 4194304)"])
+def test_a_message_over_the_size_limit_names_max_message_bytes(details):
+    exc = from_rpc_error(_Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, details))
+    assert isinstance(exc, ResourceExhausted)
+    assert exc.resource == "limits.max_message_bytes"
+    assert "limits.max_message_bytes" in str(exc) and details in str(exc)
+
+
+def test_a_lookup_over_the_size_limit_names_max_message_bytes(tmp_path):
+    sc = start(tmp_path, limits={"max_message_bytes": 256 * 1024, "chunk_bytes": 128 * 1024,
+                                 "max_keys_per_call": 4096})
+    try:
+        c = sc.tenant("t", local=False)
+        with pytest.raises(ResourceExhausted) as err:
+            c.lookup(SPEC, [bytes([i % 256, i // 256]) * 16 for i in range(20000)])
+        assert err.value.resource == "limits.max_message_bytes"
+    finally:
+        sc.stop()
 
 
 # -- 6. RegisterRegion with an unknown kind ------------------------------------------------------
