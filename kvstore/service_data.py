@@ -208,18 +208,20 @@ class DataPlane:
                 region.check(off, nbytes)
             yield region
 
-    def _stage(self, namespace: str, nbytes: int, staged: list[np.ndarray]) -> np.ndarray:
+    def _stage(self, principal: str, nbytes: int, staged: list[np.ndarray]) -> np.ndarray:
         """A staging buffer for a block that cannot go straight between the region and a tier
-        (a region read through its fd, a device tier), counted in the tenant's in-flight bytes
-        (:meth:`_unstage` gives them back)."""
-        self.inflight.take(namespace, nbytes)
+        (a region read through its fd, a device tier), counted in the caller's in-flight bytes
+        (``principal``'s, whatever namespace it targets; :meth:`_unstage` gives them back)."""
+        # NOTE: counted per target namespace, a publisher of N shared namespaces held N times
+        # the limit, and the other publishers of one were refused for its bytes
+        self.inflight.take(principal, nbytes)
         buf = self.staging.take(nbytes)
         staged.append(buf)
         return buf
 
-    def _unstage(self, namespace: str, staged: list[np.ndarray]) -> None:
+    def _unstage(self, principal: str, staged: list[np.ndarray]) -> None:
         for buf in staged:
-            self.inflight.give(namespace, buf.nbytes)
+            self.inflight.give(principal, buf.nbytes)
             self.staging.give(buf)
         staged.clear()
 
@@ -260,7 +262,7 @@ class DataPlane:
                         else:
                             pairs.append((dst, mapped))  # a device slot, from the mapping
                         continue
-                    buf = self._stage(b.namespace, nbytes, staged)
+                    buf = self._stage(principal.name, nbytes, staged)
                     pairs.append((buf, RegionSlot(region, off)))
                     if dst is None:
                         data[i] = buf
@@ -280,7 +282,7 @@ class DataPlane:
                 self.abort_put(reservation)
                 raise
             finally:
-                self._unstage(b.namespace, staged)
+                self._unstage(principal.name, staged)
 
     def get_local(self, principal: Principal, b: Blocks, region_id: int, offsets: Sequence[int],
                   seq: int = 0) -> int:
@@ -299,7 +301,7 @@ class DataPlane:
                 if view is not None:
                     mapped[i] = view
                     return view
-                return self._stage(b.namespace, nbytes, staged)
+                return self._stage(principal.name, nbytes, staged)
 
             try:
                 lease = self.lease(b, stage)
@@ -316,7 +318,7 @@ class DataPlane:
                 self.served(b.namespace, b.spec, n)
                 return n
             finally:
-                self._unstage(b.namespace, staged)
+                self._unstage(principal.name, staged)
 
     def session(self, principal: Principal, verb: str, session_id: str, namespace: str = "") -> SessionState:
         """``verb`` is one of open, pause, resume, close; the session's state after it. The

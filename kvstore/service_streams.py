@@ -85,7 +85,7 @@ def put_stream(plane: DataPlane, p: Principal, frames: Iterator[Frame], is_activ
     total = _check_size(plane, b)
     nbytes = b.spec.block_nbytes
     auth = plane.auth
-    plane.inflight.take(b.namespace, total)
+    plane.inflight.take(p.name, total)  # NOTE: the caller's budget (it was the target namespace's)
     staged: dict[int, np.ndarray] = {}
     reservation = None
     try:
@@ -113,7 +113,7 @@ def put_stream(plane: DataPlane, p: Principal, frames: Iterator[Frame], is_activ
             plane.abort_put(reservation)
         for buf in staged.values():
             plane.staging.give(buf)
-        plane.inflight.give(b.namespace, total)
+        plane.inflight.give(p.name, total)
 
 
 def receive(frames: Iterator[Frame], n: int, nbytes: int, destination: Callable[[int], Any]) -> None:

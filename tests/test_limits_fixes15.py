@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from urllib.parse import quote
 
 import grpc
@@ -54,6 +56,48 @@ def small(tmp_path):
     yield sc, kvstore_pb2_grpc.KVStoreStub(ch), _md(token), ch
     ch.close()
     sc.stop()
+
+
+# -- 3. in-flight bytes per principal -------------------------------------------------------------
+def test_inflight_bytes_are_counted_per_principal_not_per_namespace(tmp_path):
+    n = SPEC.block_nbytes
+    sc = start(tmp_path, limits={"max_inflight_bytes_per_tenant": 2 * n, "stream_idle_s": 20,
+                                 "max_streams_per_principal": 8, "max_calls_per_principal": 8})
+    ch = grpc.insecure_channel(sc.target)
+    kv = kvstore_pb2_grpc.KVStoreStub(ch)
+    hold = threading.Event()
+    try:
+        adm = sc.admin()
+        pub = _md(adm.create_tenant("pub", role="publisher", namespaces=["shared:s1", "shared:s2"]))
+        pub2 = _md(adm.create_tenant("pub2", role="publisher", namespaces=["shared:s1"]))
+
+        def stream(tag: int, ns: str, blocks: int):
+            keys = b"".join(bytes([tag]) * 31 + bytes([i]) for i in range(blocks))
+            yield pb.PutFrame(header=pb.PutHeader(target=pb.Target(spec=spec_to_pb(SPEC), keys=keys, namespace=ns)))
+            hold.wait(15)
+
+        held = kv.Put.future(stream(100, "shared:s1", 2), metadata=pub, timeout=20)
+        deadline = time.monotonic() + 10
+        while not sc.server.data.inflight._used and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sc.server.data.inflight._used == {"pub": 2 * n}
+        # the same publisher, another namespace: over its own limit
+        with pytest.raises(grpc.RpcError) as err:
+            kv.Put.future(stream(101, "shared:s2", 1), metadata=pub, timeout=20).result(timeout=10)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "'pub'" in err.value.details() and "shared:s2" not in err.value.details()
+        # another publisher of the same namespace: nothing of its own in flight
+        other = kv.Put.future(stream(102, "shared:s1", 1), metadata=pub2, timeout=20)
+        time.sleep(0.5)
+        assert not other.done(), other.exception()
+        assert sc.server.data.inflight._used == {"pub": 2 * n, "pub2": n}
+        hold.set()
+        held.cancel()
+        other.cancel()
+    finally:
+        hold.set()
+        ch.close()
+        sc.stop()
 
 
 # -- 4. error messages fit grpc's metadata limit once percent-encoded -----------------------------
