@@ -1,5 +1,6 @@
 """Caller buffers given one per block (``put_bytes`` and ``get_into`` of the Store and of the
-Client): checked once, here, and seen as flat byte views without a copy."""
+Client): checked once, here, and seen as flat byte views without a copy; and the KV tensor a
+``put`` of either takes (:func:`kv_blocks`), checked here for both."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstore.errors import InvalidArgument, ShapeMismatch
+from kvstore.errors import DTypeMismatch, InvalidArgument, ShapeMismatch
 from kvstore.spec import ModelSpec
 from tiers.memory import holding_data
 
@@ -47,3 +48,22 @@ def block_views(spec: ModelSpec, bufs: Sequence[Any], n_keys: int, what: str, *,
                                 f"{spec.block_nbytes}")
         views.append(v)
     return views
+
+
+def kv_blocks(spec: ModelSpec, kv: Any, n_keys: int) -> torch.Tensor:
+    """``kv`` as the tensor of ``n_keys`` blocks a put stores: a dense tensor of shape
+    ``[n_keys, 2, L, H, T, D]`` and the spec's dtype (ShapeMismatch, DTypeMismatch), a lazily
+    negated or conjugated view resolved to the values it shows."""
+    if not isinstance(kv, torch.Tensor):
+        raise InvalidArgument(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+    holding_data(kv, "kv")
+    if kv.layout != torch.strided:
+        raise InvalidArgument(f"kv must be a dense tensor, got layout {kv.layout}")
+    kv = kv.resolve_neg().resolve_conj()  # NOTE: lazy views show values their bytes do not hold
+    want = (n_keys, *spec.block_shape)
+    if tuple(kv.shape) != want:
+        raise ShapeMismatch(f"kv has shape {tuple(kv.shape)}, expected {want} "
+                            f"([num_keys, 2, layers, kv_heads, block_tokens, head_dim])")
+    if kv.dtype != spec.torch_dtype:
+        raise DTypeMismatch(f"kv has dtype {kv.dtype}, spec says {spec.torch_dtype}")
+    return kv

@@ -65,7 +65,7 @@ import torch
 from kernels.copy import copy_bytes, host_copy
 from kvstore import memtune
 from kvstore.block import Tier
-from kvstore.block_buffers import block_views
+from kvstore.block_buffers import block_views, kv_blocks
 from kvstore.client_shm import LocalBlocks, LocalPlane
 from kvstore.errors import (
     FailedPrecondition,
@@ -81,8 +81,9 @@ from kvstore.frames import Frame, block_frames, decoder, encode, scatter, write_
 from kvstore.keys import KEY_BYTES, ExtraKeys, as_token_array, check_extra_keys, check_keys, extra_items
 from kvstore.service_convert import spec_to_pb, tier_names
 from kvstore.shm import ShmRegion, is_local_target
-from kvstore.spec import ModelSpec
+from kvstore.spec import ModelSpec, check_spec
 from kvstore.status import from_rpc_error
+from kvstore.store_reserve import _parent
 from kvstore.validation import check_text
 from proto.kvstore.v1 import admin_pb2_grpc, kvstore_pb2_grpc
 from proto.kvstore.v1 import kvstore_pb2 as pb
@@ -200,6 +201,25 @@ def _flat_bytes(kv: Any, n: int, nbytes: int, what: str = "kv") -> np.ndarray:
     else:
         arr = np.ascontiguousarray(given).view(np.uint8)
     return arr.reshape(n, nbytes)
+
+
+def _check_call(spec: Any, parent: Any) -> None:
+    """The Store's checks of a verb's ``spec`` and ``parent`` (InvalidArgument), before the
+    client uses either: a str spec failed as AttributeError, a str or int parent as TypeError
+    from protobuf."""
+    check_spec(spec)
+    _parent(parent)
+
+
+def _overlapping(t: torch.Tensor) -> bool:
+    """Whether elements of ``t`` may share memory (an ``expand()``ed view: a stride 0): its
+    dimensions by stride, each must step past everything the smaller ones span."""
+    span = 0
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz > 1):
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
 
 
 def _host_staging(out: Any) -> Any:
@@ -505,6 +525,7 @@ class Client:
         """Chained keys of every full block, computed by the server in the caller's namespace;
         ``extra_keys`` as :func:`kvstore.keys.block_keys` takes them (one entry per full block:
         None, one bytes/str item or a sequence of them), giving the Store's keys."""
+        check_spec(spec)
         req = pb.BlockKeysRequest(spec=spec_to_pb(spec), namespace=check_text("namespace", namespace))
         req.tokens.ids.extend(as_token_array(token_ids).tolist())
         # NOTE: normalised as the Store's keys are (kvstore.keys): a bare str or bytes entry was
@@ -519,6 +540,7 @@ class Client:
     def lookup(self, spec: ModelSpec, keys: Sequence[bytes] | None = None, *, token_ids: Any = None,
                namespace: str = "", parent: bytes | None = None) -> LookupResult:
         """Longest usable prefix of ``keys`` (or of the keys of ``token_ids``, returned too)."""
+        _check_call(spec, parent)
         if keys is not None and token_ids is not None:  # NOTE: keys were silently ignored
             raise InvalidArgument("give keys or token_ids, not both")
         req = pb.LookupRequest()
@@ -536,6 +558,7 @@ class Client:
         under the key chain; ``parent``: the stored block ``keys[0]`` continues from. All or
         nothing; a DEADLINE_EXCEEDED that came while the server committed may leave the put
         stored whole (puts are idempotent: retry)."""
+        _check_call(spec, parent)
         keys = check_keys(keys)
         if isinstance(kv, np.ndarray) and not (kv.dtype == np.uint8 and kv.shape == (len(keys), spec.block_nbytes)):
             # NOTE: its shape and dtype went unchecked (a wrong layout of the right byte count
@@ -543,12 +566,9 @@ class Client:
             # array is the blocks' raw bytes, as put_bytes takes them.
             kv = _as_tensor(kv, spec)
         if isinstance(kv, torch.Tensor):
-            holding_data(kv, "kv")
-            want = (len(keys), *spec.block_shape)
-            if tuple(kv.shape) != want:
-                raise InvalidArgument(f"kv has shape {tuple(kv.shape)}, expected {want}")
-            if kv.dtype != spec.torch_dtype:
-                raise InvalidArgument(f"kv has dtype {kv.dtype}, spec says {spec.torch_dtype}")
+            # NOTE: the Store's checks (ShapeMismatch, DTypeMismatch: the base InvalidArgument
+            # here), and a lazily negated view resolved (its bytes failed in a byte view)
+            kv = kv_blocks(spec, kv, len(keys))
         self.put_bytes(spec, keys, _flat_bytes(kv, len(keys), spec.block_nbytes), session=session,
                        ttl_s=ttl_s, namespace=namespace, parent=parent)
 
@@ -556,6 +576,7 @@ class Client:
                   session: str | None = None, ttl_s: float | None = None, namespace: str = "",
                   parent: bytes | None = None) -> None:
         """Like :meth:`put`, blocks as a [n, block_nbytes] uint8 array or n buffers."""
+        _check_call(spec, parent)
         keys = check_keys(keys)
         nbytes = spec.block_nbytes
         rows: Any
@@ -640,6 +661,7 @@ class Client:
     def get(self, spec: ModelSpec, keys: Sequence[bytes], *, namespace: str = "",
             parent: bytes | None = None) -> torch.Tensor:
         """The blocks of the longest available prefix: ``[n, 2, L, H, T, D]``, n <= len(keys)."""
+        _check_call(spec, parent)
         keys = check_keys(keys)
         out = torch.empty((len(keys), *spec.block_shape), dtype=spec.torch_dtype)
         n = self.get_into(spec, keys, out, namespace=namespace, parent=parent)
@@ -652,7 +674,9 @@ class Client:
         buffer per block, as :meth:`kvstore.Store.get_into` takes); returns how many leading
         blocks were written. A device tensor or a
         non-contiguous ``out`` is filled through a host copy (the blocks past the prefix keep
-        their values)."""
+        their values). An ``out`` whose elements share memory (an ``expand()``ed view) is
+        ShapeMismatch, as a non-contiguous ``out`` of Store.get is, before anything is read."""
+        _check_call(spec, parent)
         keys = check_keys(keys)
         if isinstance(out, (list, tuple)):  # one buffer per block, as Store.get_into takes
             views = block_views(spec, out, len(keys), "output buffer", writable=True)
@@ -662,7 +686,12 @@ class Client:
                 copy_bytes(views[i], staged[i])
             return n
         if isinstance(out, torch.Tensor):
-            holding_data(out, "out")
+            holding_data(out, "out", writable=True)  # NOTE: a negated view failed in a byte view
+            if not out.is_contiguous() and _overlapping(out):
+                # NOTE: torch refused the copy back into it only after the whole fetch
+                raise ShapeMismatch(f"out has elements that share memory (an expand()ed view: shape "
+                                    f"{tuple(out.shape)}, strides {out.stride()}); pass a tensor that "
+                                    f"can hold every block, e.g. .clone()")
         host = _host_staging(out)
         rows = _flat_bytes(out if host is None else host, len(keys), spec.block_nbytes, "out")
         if not keys:
@@ -806,6 +835,7 @@ class Client:
 
     def prefetch(self, spec: ModelSpec, keys: Sequence[bytes], tier: str | Tier = "hbm", *,
                  namespace: str = "", parent: bytes | None = None) -> int:
+        _check_call(spec, parent)
         req = pb.PrefetchRequest(tier=int(Tier.parse(tier)) + 1)
         self._target(req.target, spec, keys, None, namespace, parent)
         return self._call(self._kv.Prefetch, req).blocks
@@ -820,6 +850,7 @@ class Client:
     # -- lifecycle ----------------------------------------------------------------------------
     def local_blocks(self, spec: ModelSpec, n: int) -> LocalBlocks:
         """A [n, 2, L, H, T, D] tensor inside the shared region: put/get on it copy once."""
+        check_spec(spec)
         plane = self._plane()
         if plane is None:
             raise InvalidArgument("no shared-memory region: the server is not local, or could not "

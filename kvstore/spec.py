@@ -147,3 +147,11 @@ class ModelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+
+def check_spec(spec: Any) -> ModelSpec:
+    """``spec``, or InvalidArgument when it is not a ModelSpec (a model name, None: the Store
+    and the Client both check it first; it failed later as an AttributeError)."""
+    if not isinstance(spec, ModelSpec):
+        raise InvalidArgument(f"spec must be a ModelSpec, got {type(spec).__name__}")
+    return spec

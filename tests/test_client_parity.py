@@ -11,6 +11,10 @@ Found by a prober comparing the two:
 * An in-band get asking for more bytes than ``limits.max_stream_bytes`` failed
   RESOURCE_EXHAUSTED however little was stored; the Store (and the shared-memory plane)
   return the longest stored prefix.
+* Bad input raised other exception types than the Store's: a str or int parent TypeError, a
+  spec that is not a ModelSpec AttributeError, a lazily negated kv or out RuntimeError (the
+  Store stores the former), an expand()ed out RuntimeError after the whole fetch, a kv of the
+  wrong dtype or shape the base InvalidArgument (Store: DTypeMismatch, ShapeMismatch).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import service_harness
 import torch
 from service_harness import SPEC, fresh_tokens, random_kv
 
-from kvstore.errors import InvalidArgument, ResourceExhausted
+from kvstore.errors import DTypeMismatch, InvalidArgument, ResourceExhausted, ShapeMismatch
 from kvstore.keys import block_keys
 from tiers.arena import ExtentAllocator
 
@@ -125,3 +129,74 @@ def test_in_band_get_of_a_block_bigger_than_the_stream_limit_is_refused(tmp_path
             c.get(SPEC, keys)
     finally:
         sc.stop()
+
+
+# -- 4. the Store's error types --------------------------------------------------------------
+def _same_error(store_call, client_call):
+    with pytest.raises(InvalidArgument) as on_store:
+        store_call()
+    with pytest.raises(InvalidArgument) as on_client:
+        client_call()
+    assert type(on_client.value) is type(on_store.value)
+    assert str(on_client.value) == str(on_store.value)
+
+
+@PLANES
+def test_bad_input_raises_what_the_store_raises(sidecar, open_store, local):
+    c = sidecar.tenant("types", local=local)
+    store = open_store(SPEC)
+    toks = fresh_tokens(3)
+    k, ks = c.block_keys(SPEC, toks), store.block_keys("types", SPEC, toks)
+    kv = random_kv(3)
+    c.put(SPEC, k, kv)
+    store.put("types", SPEC, ks, kv)
+    _same_error(lambda: store.put("types", SPEC, ks, kv.float()), lambda: c.put(SPEC, k, kv.float()))
+    _same_error(lambda: store.put("types", SPEC, ks, kv[:2]), lambda: c.put(SPEC, k, kv[:2]))
+    for parent in ("x" * 32, 1, b"short"):
+        _same_error(lambda: store.get("types", SPEC, ks[1:], parent=parent),
+                    lambda: c.get(SPEC, k[1:], parent=parent))
+        _same_error(lambda: store.lookup("types", SPEC, ks[1:], parent=parent),
+                    lambda: c.lookup(SPEC, k[1:], parent=parent))
+        _same_error(lambda: store.put("types", SPEC, ks[1:], kv[1:], parent=parent),
+                    lambda: c.put(SPEC, k[1:], kv[1:], parent=parent))
+    for spec in ("test/model", None):
+        _same_error(lambda: store.get("types", spec, ks), lambda: c.get(spec, k))
+        _same_error(lambda: store.lookup("types", spec, ks), lambda: c.lookup(spec, k))
+        _same_error(lambda: store.put("types", spec, ks, kv), lambda: c.put(spec, k, kv))
+        _same_error(lambda: store.block_keys("types", spec, toks), lambda: c.block_keys(spec, toks))
+        with pytest.raises(InvalidArgument, match="spec must be a ModelSpec"):
+            c.get_into(spec, k, torch.zeros_like(kv))
+        with pytest.raises(InvalidArgument, match="spec must be a ModelSpec"):
+            c.prefetch(spec, k)
+    _same_error(lambda: store.get("types", SPEC, ks, out=torch._neg_view(torch.zeros_like(kv))),
+                lambda: c.get_into(SPEC, k, torch._neg_view(torch.zeros_like(kv))))
+    with pytest.raises(DTypeMismatch):
+        c.put(SPEC, k, kv.float())
+    with pytest.raises(ShapeMismatch):
+        c.put(SPEC, k, kv[:2])
+
+
+@PLANES
+def test_put_of_a_negated_view_stores_the_values_it_shows(sidecar, local):
+    c = sidecar.tenant("neg", local=local)
+    k = c.block_keys(SPEC, fresh_tokens(3))
+    kv = random_kv(3, seed=9)
+    c.put(SPEC, k, torch._neg_view(kv))
+    assert torch.equal(c.get(SPEC, k), -kv)
+
+
+@PLANES
+def test_get_into_an_expanded_tensor_is_refused_before_the_fetch(sidecar, local, monkeypatch):
+    c = sidecar.tenant("expand", local=local)
+    k = c.block_keys(SPEC, fresh_tokens(3))
+    c.put(SPEC, k, random_kv(3))
+    out = torch.zeros((1, *SPEC.block_shape), dtype=SPEC.torch_dtype).expand(3, *SPEC.block_shape)
+    fetched = []
+    monkeypatch.setattr(type(c), "_get_stream", lambda *a, **kw: fetched.append(a) or 0)
+    monkeypatch.setattr(type(c), "_get_local", lambda *a, **kw: fetched.append(a) or 0)
+    with pytest.raises(ShapeMismatch, match="share memory"):
+        c.get_into(SPEC, k, out)
+    assert not fetched
+    monkeypatch.undo()
+    plain = torch.zeros((3, *SPEC.block_shape), dtype=SPEC.torch_dtype)
+    assert c.get_into(SPEC, k, plain.transpose(1, 2)) == 3  # non-contiguous, not overlapping: taken
