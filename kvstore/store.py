@@ -460,10 +460,10 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         top = self.tiers[0]
         self._place.promote(self._up_chain([m], top), top)
         if m.tier > top:
-            pinned = sum(b.nbytes for b in self._index if b.tier == top and b.pins)
+            # NOTE: no count: the bytes pinned, every tenant's, told a tenant others' session use
             raise ResourceExhausted(f"cannot bring {what} into {top.label} (it is in {m.tier.label}): "
-                                    f"{top.label} cannot make room ({pinned} bytes of it are pinned by "
-                                    f"sessions)", resource=top.label)
+                                    f"{top.label} cannot make room (the rest of it is pinned by sessions "
+                                    f"or in flight); retry once sessions close", resource=top.label)
 
     def _put_locked(self, tenant: str, spec: ModelSpec, keys: list[bytes], data: Callable[[int], Any],
                     session: str | None, ttl_s: float | None, parent0: bytes, held: list[BlockMeta]) -> bool:
@@ -585,10 +585,21 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         room = self._place.room_now(tenant, spec.block_nbytes, floor, pinned, new + up)
         if new + up > room:
             bound = self._quota_bound(tenant, tiers, spec.block_nbytes, new + up, now=True)
+            # NOTE: the message named how many blocks could be made: with the room other tenants'
+            # sessions and puts hold, it told a tenant how much of a tier they held pinned (which
+            # its Stats hide); only the tenant's own quota and usage are named now
+            if bound is not None:
+                quota = self._quota(tenant, bound) or 0
+                own = self._place.tenant_usage.get((tenant, bound), 0)
+                why = (f"its quota {bound.label}={format_size(quota)} binds (it holds {format_size(own)} "
+                       f"there); raise its quota (kvstore policy set), close its sessions or put fewer "
+                       f"blocks at a time")
+            else:
+                why = ("the room eviction could make is held by pinned (session) or in-flight blocks; "
+                       "retry once sessions close or puts end, or put fewer blocks at a time")
             raise self._refusal(tenant, bound, Tier.HBM if pinned else floor, (
                 f"no room for {new + up} blocks of {spec.block_nbytes} bytes of tenant {tenant!r} in "
-                f"{'hbm' if pinned else 'the tiers it may use'}: only {room} could be made, the rest is "
-                f"held by pinned (session) or in-flight blocks or by the tenant's quota; nothing was evicted"))
+                f"{'hbm' if pinned else 'the tiers it may use'} now: {why}; nothing was evicted"))
 
     def _refusal(self, tenant: str, bound: Tier | None, tier: Tier, message: str) -> ResourceExhausted:
         """The error of a put refused up front: by the quota of ``tenant`` in ``bound``

@@ -154,3 +154,67 @@ def test_a_delete_records_how_many_blocks_it_removed(sidecar):
     assert a.delete(keys[:1]) == 5
     entries = [e for e in sidecar.admin().audit() if e["action"] == "blocks.delete"]
     assert [(e["result"], e["detail"]) for e in entries] == [("STARTED", "1 keys"), ("OK", "1 keys blocks=5")]
+
+
+# -- 4: a refused session put does not tell a tenant what others hold pinned --------------------
+def _refused_session_put(s, spec, tenant: str, n: int, start: int) -> errors.ResourceExhausted:
+    s.open_session(tenant, f"probe{start}")
+    keys = s.block_keys(tenant, spec, list(range(start, start + n * spec.block_tokens)))
+    with pytest.raises(errors.ResourceExhausted) as err:
+        s.put(tenant, spec, keys, random_kv(n, spec), session=f"probe{start}")
+    s.close_session(tenant, f"probe{start}")
+    return err.value
+
+
+def test_a_refused_session_put_does_not_say_what_other_tenants_pin(open_store, spec):
+    """Bob's refused session put said "only 8 could be made" with alice's 2 blocks pinned and
+    "only 4" with 6: another tenant's session use, which Stats hides from him. The message is
+    the same whatever alice pins now, and still says why and what to do."""
+    s = open_store(spec, hbm_blocks=10, dram_blocks=10, nvme_blocks=64, high_watermark=1.0, low_watermark=1.0)
+    seen = []
+    for i, pinned in enumerate((2, 6)):
+        s.open_session("alice", f"s{i}")
+        keys = s.block_keys("alice", spec, list(range(10_000 * (i + 1), 10_000 * (i + 1) + pinned * spec.block_tokens)))
+        s.put("alice", spec, keys, random_kv(pinned, spec), session=f"s{i}")
+        err = _refused_session_put(s, spec, "bob", 10, 100_000)
+        assert err.resource == "hbm"
+        seen.append(str(err))
+        s.close_session("alice", f"s{i}")
+    assert seen[0] == seen[1], seen
+    assert "could be made" not in seen[0] and "pinned (session)" in seen[0] and "nothing was evicted" in seen[0]
+    assert "8" not in seen[0].replace(str(spec.block_nbytes), "")
+
+
+def test_a_refused_session_put_names_the_tenants_own_quota_when_it_binds(open_store, spec):
+    """When the tenant's own quota is what refuses it, the message names that quota and what the
+    tenant holds (its own numbers)."""
+    n = spec.block_nbytes
+    s = open_store(spec, hbm_blocks=10, dram_blocks=10, nvme_blocks=64, high_watermark=1.0, low_watermark=1.0)
+    s.set_tenant_policy("bob", quota_bytes={"hbm": 5 * n})
+    s.open_session("bob", "mine")
+    keys = s.block_keys("bob", spec, list(range(20_000, 20_000 + 2 * spec.block_tokens)))
+    s.put("bob", spec, keys, random_kv(2, spec), session="mine")
+    err = _refused_session_put(s, spec, "bob", 4, 200_000)
+    assert err.resource == "quota:bob:hbm"
+    from kvstore.sizes import format_size
+
+    assert f"hbm={format_size(5 * n)} binds" in str(err) and f"holds {format_size(2 * n)}" in str(err)
+
+
+def test_a_session_block_that_cannot_come_up_does_not_count_others_pins(open_store, spec):
+    """The session put that must bring a stored block up into a full HBM said how many bytes of
+    it were pinned, every tenant's sessions summed."""
+    s = open_store(spec, hbm_blocks=4, dram_blocks=16, nvme_blocks=64, policy="lru")
+    keys = s.block_keys("bob", spec, list(range(30_000, 30_000 + 2 * spec.block_tokens)))
+    s.put("bob", spec, keys, random_kv(2, spec))
+    for i in range(8):  # push bob's blocks down with traffic
+        other = s.block_keys("carol", spec, list(range(40_000 + i * 100, 40_000 + i * 100 + spec.block_tokens)))
+        s.put("carol", spec, other, random_kv(1, spec))
+    assert s.lookup("bob", spec, keys).tiers[0] != "hbm"
+    s.open_session("alice", "pins")
+    pins = s.block_keys("alice", spec, list(range(50_000, 50_000 + 4 * spec.block_tokens)))
+    s.put("alice", spec, pins, random_kv(4, spec), session="pins")
+    s.open_session("bob", "chat")
+    with pytest.raises(errors.ResourceExhausted, match="pinned by sessions") as err:
+        s.put("bob", spec, keys[1:], random_kv(1, spec), session="chat", parent=keys[0])
+    assert "bytes of it" not in str(err.value) and str(4 * spec.block_nbytes) not in str(err.value)
