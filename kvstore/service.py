@@ -22,10 +22,10 @@ import grpc
 
 from kvstore.service_admin import AdminPlane
 from kvstore.service_data import DataPlane
-from kvstore.service_rpc import RpcRunner
+from kvstore.service_rpc import RpcRunner, add_service
 from kvstore.servicer_admin import AdminServicer
 from kvstore.servicer_kv import KVStoreServicer, add_kvstore_servicer
-from proto.kvstore.v1 import admin_pb2_grpc
+from proto.kvstore.v1 import admin_pb2
 
 __all__ = ["AdminPlane", "AdminServicer", "DataPlane", "KVStoreServicer", "RpcRunner", "add_services"]
 
@@ -33,4 +33,7 @@ __all__ = ["AdminPlane", "AdminServicer", "DataPlane", "KVStoreServicer", "RpcRu
 def add_services(server: grpc.Server, data: DataPlane, admin: AdminPlane, rpc: RpcRunner) -> None:
     """Register the KVStore (with its frame codecs for Put/Get) and Admin servicers."""
     add_kvstore_servicer(KVStoreServicer(data, rpc), server)
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(admin, rpc), server)
+    # NOTE: the generated add_AdminServicer_to_server parsed with FromString: a request that
+    # did not parse answered INTERNAL, before authentication (see service_rpc.parser)
+    add_service(server, admin_pb2.DESCRIPTOR.services_by_name["Admin"], AdminServicer(admin, rpc),
+                prefix="Admin.", admin_only=True)

@@ -8,6 +8,11 @@
 * :func:`method_handlers`, :func:`add_service` — the grpc handlers of a service built from its
   descriptor, with per-method (de)serializers overridable: the KVStore service serves Put/Get as
   raw frames (:mod:`kvstore.frames`) and every other method with the generated protobuf classes.
+  Requests are parsed by :func:`parser`, which never raises: bytes that are not a valid request
+  become :class:`Malformed`, and the handler answers it through :meth:`RpcRunner.run` (so after
+  authentication, counted like any call) with INVALID_ARGUMENT. Why: an exception inside a grpc
+  deserializer answered INTERNAL "Exception deserializing request!" before anything else ran
+  (no authentication, no metrics, a traceback in the log).
 * With ``calls`` (:class:`~kvstore.server_config.CallLimits`) the runner also admits calls
   (:class:`~kvstore.service_limits.CallLimiter`) and cancels idle streams
   (:class:`~kvstore.service_limits.IdleWatch`), installed on the stream handlers by
@@ -25,11 +30,19 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 
 from kvstore.audit import Recorder
 from kvstore.auth import AuthRegistry, Principal, Role, bearer_token
-from kvstore.errors import FailedPrecondition, KVStoreError, PermissionDenied, ResourceExhausted, Unauthenticated
+from kvstore.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KVStoreError,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+)
 from kvstore.metrics import ServiceMetrics
 from kvstore.service_limits import CallLimiter, CallSlot, IdleWatch
 from kvstore.status import to_status
@@ -53,6 +66,32 @@ class _Call:
 
 #: (request_deserializer, response_serializer); None = pass bytes through unchanged
 Codec = tuple[Callable[[bytes], Any] | None, Callable[[Any], bytes] | None]
+
+
+class Malformed:
+    """What :func:`parser` gives the handler in place of a request that did not parse."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def parser(cls: type[Message]) -> Callable[[bytes], Any]:
+    """A grpc request deserializer of ``cls`` that never raises: bytes that are not a valid
+    ``cls`` (corrupt wire format, a string field that is not UTF-8) come back as
+    :class:`Malformed`, which the handlers of :func:`method_handlers` refuse with
+    INVALID_ARGUMENT once the caller is authenticated (as :func:`kvstore.frames.decoder` does
+    for Put frames)."""
+    parse = cls.FromString
+
+    def decode(raw: bytes) -> Any:
+        try:
+            return parse(raw)
+        except DecodeError as exc:  # a string field that is not UTF-8 too
+            return Malformed(f"malformed {cls.DESCRIPTOR.name}: {exc}")
+
+    return decode
 
 
 class RpcRunner:
@@ -244,9 +283,33 @@ _FACTORIES = {
 }
 
 
-def method_handlers(service: ServiceDescriptor, servicer: Any,
-                    overrides: Mapping[str, Codec] | None = None) -> dict[str, grpc.RpcMethodHandler]:
-    """One handler per method of ``service``, calling ``servicer.<Method>``."""
+def _refusing_malformed(behavior: Callable[..., Any], name: str, rpc: RpcRunner | None,
+                        admin_only: bool) -> Callable[..., Any]:
+    """``behavior`` of a method with one request, a :class:`Malformed` request refused: through
+    ``rpc.run`` (authenticated first, counted under ``name``; with ``admin_only`` a non-admin
+    is refused as by the method itself) with INVALID_ARGUMENT."""
+
+    def handle(request: Any, context: grpc.ServicerContext) -> Any:
+        if not isinstance(request, Malformed):
+            return behavior(request, context)
+
+        def refuse(p: Principal) -> Any:
+            if admin_only and p.role is not Role.ADMIN:
+                raise PermissionDenied(f"{p.name!r} is not an admin")
+            raise InvalidArgument(request.error)
+
+        if rpc is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        return rpc.run(name, context, refuse)
+
+    return handle
+
+
+def method_handlers(service: ServiceDescriptor, servicer: Any, overrides: Mapping[str, Codec] | None = None,
+                    *, prefix: str = "", admin_only: bool = False) -> dict[str, grpc.RpcMethodHandler]:
+    """One handler per method of ``service``, calling ``servicer.<Method>``; a request that does
+    not parse (:func:`parser`) is refused, named ``prefix + Method`` in the metrics (as the
+    servicer names its calls) and, with ``admin_only``, refused to a non-admin first."""
     overrides = overrides or {}
     unknown = set(overrides) - {m.name for m in service.methods}
     assert not unknown, f"overrides name unknown methods: {sorted(unknown)}"
@@ -254,19 +317,26 @@ def method_handlers(service: ServiceDescriptor, servicer: Any,
     for m in service.methods:
         codec = overrides.get(m.name)
         if codec is None:
-            codec = (GetMessageClass(m.input_type).FromString, GetMessageClass(m.output_type).SerializeToString)
+            codec = (parser(GetMessageClass(m.input_type)), GetMessageClass(m.output_type).SerializeToString)
         factory = _FACTORIES[(m.client_streaming, m.server_streaming)]
         behavior = getattr(servicer, m.name)
         rpc = getattr(servicer, "rpc", None)
-        if isinstance(rpc, RpcRunner):  # streams: counted, held and watched (see RpcRunner.guard)
+        if not isinstance(rpc, RpcRunner):
+            rpc = None
+        if not m.client_streaming:
+            behavior = _refusing_malformed(behavior, prefix + m.name, rpc, admin_only)
+        if rpc is not None:  # streams: counted, held and watched (see RpcRunner.guard)
             behavior = rpc.guard(behavior, m.client_streaming, m.server_streaming)
         handlers[m.name] = factory(behavior, request_deserializer=codec[0], response_serializer=codec[1])
     return handlers
 
 
 def add_service(server: grpc.Server, service: ServiceDescriptor, servicer: Any,
-                overrides: Mapping[str, Codec] | None = None) -> None:
-    """Register ``servicer`` for ``service`` on ``server`` (as the generated add_* functions do)."""
-    handlers = method_handlers(service, servicer, overrides)
+                overrides: Mapping[str, Codec] | None = None, *, prefix: str = "",
+                admin_only: bool = False) -> None:
+    """Register ``servicer`` for ``service`` on ``server`` (as the generated add_* functions do,
+    with requests parsed by :func:`parser`; ``prefix``, ``admin_only``: see
+    :func:`method_handlers`)."""
+    handlers = method_handlers(service, servicer, overrides, prefix=prefix, admin_only=admin_only)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)

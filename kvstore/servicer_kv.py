@@ -20,7 +20,7 @@ from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.frames import Frame, decoder
 from kvstore.service_convert import spec_from_pb, tier_codes, tier_from_pb
 from kvstore.service_data import DataPlane
-from kvstore.service_rpc import Codec, RpcRunner, add_service
+from kvstore.service_rpc import Codec, RpcRunner, add_service, parser
 from kvstore.service_streams import get_stream, put_stream
 from proto.kvstore.v1 import kvstore_pb2 as pb
 from proto.kvstore.v1 import kvstore_pb2_grpc
@@ -29,7 +29,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
 #: Put requests arrive as PutFrame frames; Get responses leave as already-encoded frames
 FRAME_CODECS: dict[str, Codec] = {
     "Put": (decoder(pb.PutFrame), pb.PutResponse.SerializeToString),
-    "Get": (pb.GetRequest.FromString, None),
+    "Get": (parser(pb.GetRequest), None),
 }
 _REGION_KINDS = {pb.REGION_KIND_POSIX_SHM: "posix_shm", pb.REGION_KIND_CUDA_IPC: "cuda_ipc"}
 _SESSION_STATES = {SessionState.ACTIVE: pb.SESSION_STATE_ACTIVE, SessionState.PAUSED: pb.SESSION_STATE_PAUSED,

@@ -58,6 +58,41 @@ def small(tmp_path):
     sc.stop()
 
 
+# -- 2. requests that are not valid protobuf ------------------------------------------------------
+_IDENT = (lambda b: b)
+_CORRUPT = b"\xff\xff\xff\xff"
+_BAD_UTF8 = b"\x0a\x02\xc3\x28"  # field 1 (a string: session_id, an admin request's name), not UTF-8
+
+
+def _raw(ch, path: str, payload: bytes, md, stream: bool = False) -> tuple[str, str]:
+    factory = ch.unary_stream if stream else ch.unary_unary
+    return _code(factory(path, request_serializer=_IDENT, response_deserializer=_IDENT), payload, metadata=md)
+
+
+@pytest.mark.parametrize(("method", "payload", "stream"), [
+    ("Lookup", _CORRUPT, False), ("Get", _CORRUPT, True), ("Delete", _CORRUPT, False),
+    ("OpenSession", _BAD_UTF8, False), ("BlockKeys", _CORRUPT, False),
+])
+def test_a_malformed_request_is_invalid_argument_after_authentication(small, method, payload, stream):
+    sc, _, md, ch = small
+    code, details = _raw(ch, f"/kvstore.v1.KVStore/{method}", payload, md, stream)
+    assert code == "INVALID_ARGUMENT" and "malformed" in details, details
+    assert _requests(sc, method, "INVALID_ARGUMENT") == 1
+    code, _ = _raw(ch, f"/kvstore.v1.KVStore/{method}", payload, (), stream)
+    assert code == "UNAUTHENTICATED"
+    assert _requests(sc, method, "UNAUTHENTICATED") == 1
+
+
+def test_a_malformed_admin_request_is_invalid_argument_for_the_admin_only(small):
+    sc, _, md, ch = small
+    path = "/kvstore.v1.Admin/CreateTenant"
+    code, details = _raw(ch, path, _BAD_UTF8, _md(sc.admin_token))
+    assert code == "INVALID_ARGUMENT" and "malformed" in details, details
+    assert _requests(sc, "Admin.CreateTenant", "INVALID_ARGUMENT") == 1
+    assert _raw(ch, path, _BAD_UTF8, md)[0] == "PERMISSION_DENIED"  # a tenant's token
+    assert _raw(ch, path, _BAD_UTF8, ())[0] == "UNAUTHENTICATED"
+
+
 # -- 3. in-flight bytes per principal -------------------------------------------------------------
 def test_inflight_bytes_are_counted_per_principal_not_per_namespace(tmp_path):
     n = SPEC.block_nbytes
