@@ -70,7 +70,8 @@ class ReservedPuts:
 
         ``since``: :attr:`drop_epoch` read before the caller checked its right to write (the
         service: before it authenticated the token); when :meth:`drop_tenant` drops the tenant
-        after that, this call or the commit fails (Unauthenticated) instead of storing blocks a
+        after that, this call or the commit fails (Unauthenticated; Aborted when only the
+        namespace's blocks were dropped and it stays, a shared one) instead of storing blocks a
         tenant created later under the same name would read. Default: now."""
         self._check_tenant(tenant)
         self._check_spec(spec)  # NOTE: spec=None raised AttributeError
