@@ -569,13 +569,21 @@ class Client:
             # NOTE: the Store's checks (ShapeMismatch, DTypeMismatch: the base InvalidArgument
             # here), and a lazily negated view resolved (its bytes failed in a byte view)
             kv = kv_blocks(spec, kv, len(keys))
-        self.put_bytes(spec, keys, _flat_bytes(kv, len(keys), spec.block_nbytes), session=session,
-                       ttl_s=ttl_s, namespace=namespace, parent=parent)
+        rows = _flat_bytes(kv, len(keys), spec.block_nbytes)
+        if not keys:
+            # NOTE: as Store.put: nothing to store, nothing asked (the server checked the session,
+            # namespace and parent of an in-band one, the shared-memory plane did not)
+            self._usable()
+            return
+        self.put_bytes(spec, keys, rows, session=session, ttl_s=ttl_s, namespace=namespace, parent=parent)
 
     def put_bytes(self, spec: ModelSpec, keys: Sequence[bytes], blocks: np.ndarray | Sequence[Any], *,
                   session: str | None = None, ttl_s: float | None = None, namespace: str = "",
                   parent: bytes | None = None) -> None:
-        """Like :meth:`put`, blocks as a [n, block_nbytes] uint8 array or n buffers."""
+        """Like :meth:`put`, blocks as a [n, block_nbytes] uint8 array or n buffers. A put of
+        no blocks stores nothing; as :meth:`kvstore.Store.put_bytes`, it still fails on an unknown
+        session, an unstored parent or a namespace the caller may not write (:meth:`put`
+        of none returns at once, as Store.put does)."""
         _check_call(spec, parent)
         keys = check_keys(keys)
         nbytes = spec.block_nbytes
@@ -590,6 +598,11 @@ class Client:
                     for v in block_views(spec, blocks, len(keys), "buffer")]
         put = _Put(spec, keys, check_text("session", session or ""), check_ttl(ttl_s),
                    check_text("namespace", namespace))
+        if not keys:
+            # NOTE: as Store.put_bytes, the server checks the session, namespace and parent of a
+            # put of no blocks, on either plane (the shared-memory one returned quietly)
+            self._put_stream(put, rows, parent)
+            return
         lp = self._plane()
         if lp is not None:
             try:

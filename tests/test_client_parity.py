@@ -15,16 +15,29 @@ Found by a prober comparing the two:
   spec that is not a ModelSpec AttributeError, a lazily negated kv or out RuntimeError (the
   Store stores the former), an expand()ed out RuntimeError after the whole fetch, a kv of the
   wrong dtype or shape the base InvalidArgument (Store: DTypeMismatch, ShapeMismatch).
+* A put of no blocks returned quietly over shared memory and failed in-band on an unknown
+  session, an unstored parent or a namespace not granted: put now does what Store.put does
+  (returns), put_bytes what Store.put_bytes does (fails), on either plane.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import pytest
 import service_harness
 import torch
 from service_harness import SPEC, fresh_tokens, random_kv
 
-from kvstore.errors import DTypeMismatch, InvalidArgument, ResourceExhausted, ShapeMismatch
+from kvstore.errors import (
+    DTypeMismatch,
+    InvalidArgument,
+    NotFound,
+    ParentNotStored,
+    PermissionDenied,
+    ResourceExhausted,
+    ShapeMismatch,
+)
 from kvstore.keys import block_keys
 from tiers.arena import ExtentAllocator
 
@@ -153,17 +166,16 @@ def test_bad_input_raises_what_the_store_raises(sidecar, open_store, local):
     _same_error(lambda: store.put("types", SPEC, ks, kv.float()), lambda: c.put(SPEC, k, kv.float()))
     _same_error(lambda: store.put("types", SPEC, ks, kv[:2]), lambda: c.put(SPEC, k, kv[:2]))
     for parent in ("x" * 32, 1, b"short"):
-        _same_error(lambda: store.get("types", SPEC, ks[1:], parent=parent),
-                    lambda: c.get(SPEC, k[1:], parent=parent))
-        _same_error(lambda: store.lookup("types", SPEC, ks[1:], parent=parent),
-                    lambda: c.lookup(SPEC, k[1:], parent=parent))
-        _same_error(lambda: store.put("types", SPEC, ks[1:], kv[1:], parent=parent),
-                    lambda: c.put(SPEC, k[1:], kv[1:], parent=parent))
+        _same_error(partial(store.get, "types", SPEC, ks[1:], parent=parent), partial(c.get, SPEC, k[1:], parent=parent))
+        _same_error(partial(store.lookup, "types", SPEC, ks[1:], parent=parent),
+                    partial(c.lookup, SPEC, k[1:], parent=parent))
+        _same_error(partial(store.put, "types", SPEC, ks[1:], kv[1:], parent=parent),
+                    partial(c.put, SPEC, k[1:], kv[1:], parent=parent))
     for spec in ("test/model", None):
-        _same_error(lambda: store.get("types", spec, ks), lambda: c.get(spec, k))
-        _same_error(lambda: store.lookup("types", spec, ks), lambda: c.lookup(spec, k))
-        _same_error(lambda: store.put("types", spec, ks, kv), lambda: c.put(spec, k, kv))
-        _same_error(lambda: store.block_keys("types", spec, toks), lambda: c.block_keys(spec, toks))
+        _same_error(partial(store.get, "types", spec, ks), partial(c.get, spec, k))
+        _same_error(partial(store.lookup, "types", spec, ks), partial(c.lookup, spec, k))
+        _same_error(partial(store.put, "types", spec, ks, kv), partial(c.put, spec, k, kv))
+        _same_error(partial(store.block_keys, "types", spec, toks), partial(c.block_keys, spec, toks))
         with pytest.raises(InvalidArgument, match="spec must be a ModelSpec"):
             c.get_into(spec, k, torch.zeros_like(kv))
         with pytest.raises(InvalidArgument, match="spec must be a ModelSpec"):
@@ -200,3 +212,28 @@ def test_get_into_an_expanded_tensor_is_refused_before_the_fetch(sidecar, local,
     monkeypatch.undo()
     plain = torch.zeros((3, *SPEC.block_shape), dtype=SPEC.torch_dtype)
     assert c.get_into(SPEC, k, plain.transpose(1, 2)) == 3  # non-contiguous, not overlapping: taken
+
+
+# -- 5. puts of no blocks --------------------------------------------------------------------
+@PLANES
+def test_a_put_of_no_blocks_does_what_the_stores_does(sidecar, open_store, local):
+    c = sidecar.tenant("empty-put", local=local)
+    store = open_store(SPEC)
+    none = torch.empty((0, *SPEC.block_shape), dtype=SPEC.torch_dtype)
+    unknown = b"\1" * 32
+    assert store.put("empty-put", SPEC, [], none, session="nosuch") is None
+    assert store.put("empty-put", SPEC, [], none, parent=unknown) is None
+    for kw in ({"session": "nosuch"}, {"parent": unknown}, {"namespace": "other"}):
+        assert c.put(SPEC, [], none, **kw) is None
+    with pytest.raises(NotFound, match="unknown session"):
+        store.put_bytes("empty-put", SPEC, [], [], session="nosuch")
+    with pytest.raises(ParentNotStored):
+        store.put_bytes("empty-put", SPEC, [], [], parent=unknown)
+    with pytest.raises(NotFound, match="unknown session"):
+        c.put_bytes(SPEC, [], [], session="nosuch")
+    with pytest.raises(ParentNotStored):
+        c.put_bytes(SPEC, [], [], parent=unknown)
+    with pytest.raises(PermissionDenied):
+        c.put_bytes(SPEC, [], [], namespace="other")
+    c.open_session("s")
+    assert c.put_bytes(SPEC, [], [], session="s") is None
