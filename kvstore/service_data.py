@@ -119,11 +119,20 @@ class DataPlane:
     def keys_for(self, principal: Principal, spec: ModelSpec, namespace: str, token_ids: Sequence[int],
                  extra: list[list[bytes]] | None, *, write: bool = False,
                  parent: bytes | None = None) -> tuple[str, list[bytes]]:
-        """The namespace and chained keys of every full block of ``token_ids``."""
+        """The namespace and chained keys of every full block of ``token_ids``: at most
+        ``limits.max_keys_per_call`` of them, checked before any is computed (BlockKeys and a
+        Lookup by tokens send them all back, and a key list that long fits max_message_bytes)."""
         ns = resolve_namespace(principal, namespace, write=write)
         if len(token_ids) > self.limits.max_tokens_per_call:
             raise InvalidArgument(
                 f"{len(token_ids)} token ids exceed limits.max_tokens_per_call={self.limits.max_tokens_per_call}")
+        # NOTE: BlockKeys had no bound (block_tokens=1, 140k tokens: every key computed, then
+        # grpc's "Sent message larger than max", counted as OK); a token Lookup checked after
+        n_blocks = len(token_ids) // spec.block_tokens
+        if n_blocks > self.limits.max_keys_per_call:
+            raise InvalidArgument(
+                f"{n_blocks} blocks of {spec.block_tokens} tokens exceed "
+                f"limits.max_keys_per_call={self.limits.max_keys_per_call}")
         keys = block_keys(ns, spec.fingerprint, spec.block_tokens, token_ids, extra or None,
                           parent=parent or ROOT_KEY)
         return ns, keys
@@ -138,9 +147,6 @@ class DataPlane:
             extra = [list(e.items) for e in target.tokens.extra]
             ns, keys = self.keys_for(principal, spec, target.namespace, list(target.tokens.ids), extra,
                                      write=write, parent=parent)
-            if len(keys) > self.limits.max_keys_per_call:
-                raise InvalidArgument(
-                    f"{len(keys)} blocks exceed limits.max_keys_per_call={self.limits.max_keys_per_call}")
             return Blocks(ns, spec, keys, True, parent)
         ns = resolve_namespace(principal, target.namespace, write=write)
         limit = self.limits.max_keys_per_call

@@ -19,6 +19,7 @@ import grpc
 import pytest
 from service_harness import SPEC, start
 
+from kvstore import service_data
 from kvstore.client import spec_to_pb
 from kvstore.errors import PermissionDenied, ResourceExhausted
 from kvstore.status import from_rpc_error, to_status
@@ -56,6 +57,34 @@ def small(tmp_path):
     yield sc, kvstore_pb2_grpc.KVStoreStub(ch), _md(token), ch
     ch.close()
     sc.stop()
+
+
+# -- 1. key count of BlockKeys and token Lookups --------------------------------------------------
+def _no_key_computation(monkeypatch):
+    def refuse(*a, **kw):
+        raise AssertionError("keys computed past limits.max_keys_per_call")
+    monkeypatch.setattr(service_data, "block_keys", refuse)
+
+
+def test_block_keys_past_max_keys_per_call_is_refused_before_computing_keys(small, monkeypatch):
+    sc, kv, md, _ = small
+    spec = spec_to_pb(SPEC)
+    spec.block_tokens = 1
+    ok = kv.BlockKeys(pb.BlockKeysRequest(spec=spec, tokens=pb.TokenIds(ids=[1] * 100)), metadata=md, timeout=20)
+    assert len(ok.keys) == 100 * 32
+    _no_key_computation(monkeypatch)
+    code, details = _code(kv.BlockKeys, pb.BlockKeysRequest(spec=spec, tokens=pb.TokenIds(ids=[1] * 101)),
+                          metadata=md)
+    assert code == "INVALID_ARGUMENT" and "limits.max_keys_per_call=100" in details
+    assert _requests(sc, "BlockKeys", "INVALID_ARGUMENT") == 1
+
+
+def test_token_lookup_past_max_keys_per_call_is_refused_before_computing_keys(small, monkeypatch):
+    _, kv, md, _ = small
+    _no_key_computation(monkeypatch)
+    target = pb.Target(spec=spec_to_pb(SPEC), tokens=pb.TokenIds(ids=[1] * (SPEC.block_tokens * 101)))
+    code, details = _code(kv.Lookup, pb.LookupRequest(target=target), metadata=md)
+    assert code == "INVALID_ARGUMENT" and "limits.max_keys_per_call=100" in details
 
 
 # -- 2. requests that are not valid protobuf ------------------------------------------------------
