@@ -64,7 +64,7 @@ import torch
 
 from kernels.copy import copy_bytes, host_copy
 from kvstore import memtune
-from kvstore.block import Tier
+from kvstore.block import SessionState, Tier
 from kvstore.block_buffers import block_views, kv_blocks
 from kvstore.client_shm import LocalBlocks, LocalPlane
 from kvstore.errors import (
@@ -827,24 +827,36 @@ class Client:
         return self._call_local(self._kv.GetLocal, req, staged, timeout).num_blocks
 
     # -- sessions, prefetch, delete, stats -----------------------------------------------------
-    def _session(self, method: Any, session_id: str, namespace: str) -> None:
+    def _session(self, method: Any, session_id: str, namespace: str) -> SessionState | None:
         """A session verb on ``session_id`` in ``namespace`` ("" the caller's own; a publisher
-        of several namespaces names the one its puts with ``session=`` name)."""
-        self._call(method, pb.SessionRequest(session_id=check_text("session_id", session_id),
-                                             namespace=check_text("namespace", namespace)))
+        of several namespaces names the one its puts with ``session=`` name); the session's
+        state after it, as the server read it (None from a server that does not say).
 
-    def open_session(self, session_id: str, *, namespace: str = "") -> None:
-        """Open a session (re-opening a paused one resumes it, as :meth:`resume_session`)."""
-        self._session(self._kv.OpenSession, session_id, namespace)
+        NOTE: every verb returned None: the state the server answers (a re-open of a PAUSED
+        session that could not resume stays PAUSED) was thrown away. The Store's pause and
+        resume return how many blocks moved; the service does not answer that count, so here
+        they return the state too."""
+        r = self._call(method, pb.SessionRequest(session_id=check_text("session_id", session_id),
+                                                 namespace=check_text("namespace", namespace)))
+        name = pb.SessionState.Name(r.state).removeprefix("SESSION_STATE_")
+        return SessionState[name] if name in SessionState.__members__ else None
 
-    def pause_session(self, session_id: str, *, namespace: str = "") -> None:
-        self._session(self._kv.PauseSession, session_id, namespace)
+    def open_session(self, session_id: str, *, namespace: str = "") -> SessionState | None:
+        """Open a session (re-opening a paused one resumes it, as :meth:`resume_session`);
+        its state after the call, as :meth:`kvstore.Store.open_session` returns it."""
+        return self._session(self._kv.OpenSession, session_id, namespace)
 
-    def resume_session(self, session_id: str, *, namespace: str = "") -> None:
-        self._session(self._kv.ResumeSession, session_id, namespace)
+    def pause_session(self, session_id: str, *, namespace: str = "") -> SessionState | None:
+        """Pause a session (its blocks unpinned, kept in DRAM); its state after the call."""
+        return self._session(self._kv.PauseSession, session_id, namespace)
 
-    def close_session(self, session_id: str, *, namespace: str = "") -> None:
-        self._session(self._kv.CloseSession, session_id, namespace)
+    def resume_session(self, session_id: str, *, namespace: str = "") -> SessionState | None:
+        """Resume a paused session (its blocks pinned in HBM again); its state after the call."""
+        return self._session(self._kv.ResumeSession, session_id, namespace)
+
+    def close_session(self, session_id: str, *, namespace: str = "") -> SessionState | None:
+        """Close a session (its blocks unpinned, kept as prefix cache); CLOSED."""
+        return self._session(self._kv.CloseSession, session_id, namespace)
 
     def prefetch(self, spec: ModelSpec, keys: Sequence[bytes], tier: str | Tier = "hbm", *,
                  namespace: str = "", parent: bytes | None = None) -> int:

@@ -18,6 +18,8 @@ Found by a prober comparing the two:
 * A put of no blocks returned quietly over shared memory and failed in-band on an unknown
   session, an unstored parent or a namespace not granted: put now does what Store.put does
   (returns), put_bytes what Store.put_bytes does (fails), on either plane.
+* The session verbs returned None, dropping the state the server answers (what
+  Store.open_session returns).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import service_harness
 import torch
 from service_harness import SPEC, fresh_tokens, random_kv
 
+from kvstore.block import SessionState
 from kvstore.errors import (
     DTypeMismatch,
     InvalidArgument,
@@ -237,3 +240,18 @@ def test_a_put_of_no_blocks_does_what_the_stores_does(sidecar, open_store, local
         c.put_bytes(SPEC, [], [], namespace="other")
     c.open_session("s")
     assert c.put_bytes(SPEC, [], [], session="s") is None
+
+
+# -- 6. session verbs ------------------------------------------------------------------------
+def test_session_verbs_return_the_sessions_state(sidecar, open_store):
+    c = sidecar.tenant("sess")
+    store = open_store(SPEC)
+    k = c.block_keys(SPEC, fresh_tokens(2))
+    assert c.open_session("s") is SessionState.ACTIVE is store.open_session("sess", "s")
+    assert c.open_session("s") is SessionState.ACTIVE  # re-opened: unchanged
+    c.put(SPEC, k, random_kv(2), session="s")
+    assert c.pause_session("s") is SessionState.PAUSED
+    assert c.open_session("s") is SessionState.RESUMED  # re-opening a paused one resumes it
+    assert c.pause_session("s") is SessionState.PAUSED
+    assert c.resume_session("s") is SessionState.RESUMED
+    assert c.close_session("s") is SessionState.CLOSED
