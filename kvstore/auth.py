@@ -57,7 +57,9 @@ from kvstore.errors import (
 
 SHARED_PREFIX = "shared:"
 ADMIN_NAME = "admin"
-_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+#: ``\Z``, not ``$``: ``$`` also matches before a trailing newline, which let ``"acme\n"`` be a
+#: principal distinct from ``acme`` (and 63 characters plus ``"\n"`` pass the limit)
+_NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}\Z")
 TOKEN_PREFIX = "kvs_"
 
 
@@ -123,7 +125,7 @@ class TenantPolicy:
 
 def check_name(name: str) -> str:
     """Validate a principal name (lower-case, digits, ``_.-``, at most 63 characters)."""
-    if not isinstance(name, str) or not _NAME_RE.match(name):
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         shown = repr(name[:80]) + (f"…({len(name)} chars)" if len(name) > 80 else "") \
             if isinstance(name, str) else type(name).__name__
         raise InvalidArgument(

@@ -40,10 +40,12 @@ import stat
 from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.shm import HEADER_BYTES, HEADER_USED, valid_header
 
+# Both end in ``\Z``, not ``$`` (which also matches before a trailing newline), so that the
+# ``.match`` of their callers takes the whole name: ``"kvs_x\n"`` is not a region's name.
 #: a ``/dev/shm`` segment's name
-NAME_RE = re.compile(r"^kvs_[A-Za-z0-9_-]{1,196}$")
+NAME_RE = re.compile(r"^kvs_[A-Za-z0-9_-]{1,196}\Z")
 #: a memfd region's name: ``kvs_<hex>@<pid>:<fd>`` (the base name, the pid, the fd)
-MEMFD_RE = re.compile(r"^(kvs_[0-9a-f]{8,64})@([1-9][0-9]{0,9}):([0-9]{1,10})$")
+MEMFD_RE = re.compile(r"^(kvs_[0-9a-f]{8,64})@([1-9][0-9]{0,9}):([0-9]{1,10})\Z")
 _TMPFS_MAGIC = 0x01021994
 
 
