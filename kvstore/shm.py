@@ -35,6 +35,7 @@ from __future__ import annotations
 import _posixshmem  # CPython's POSIX shm_open (what multiprocessing.shared_memory uses)
 import errno
 import fcntl
+import ipaddress
 import mmap
 import os
 import secrets
@@ -256,17 +257,40 @@ def _free_bytes(path: str) -> int:
 
 
 def is_local_target(target: str) -> bool:
-    """True when a gRPC target names this host: ``unix:`` paths and loopback hosts."""
-    import ipaddress
-
-    if target.startswith(("unix:", "unix-abstract:")):
+    """True when a gRPC target names this host: ``unix:`` paths and loopback hosts, also in
+    grpc's URI forms (``dns:///localhost:P``, ``dns://resolver/127.0.0.1:P``,
+    ``ipv4:127.0.0.1:P``, ``ipv6:[::1]:P``: every address of a list loopback) and in any case
+    (``LOCALHOST:P``). NOTE: those forms got the in-band plane, silently; a false positive costs
+    nothing but a refused registration (the region's nonce proves the server mapped it)."""
+    t = target.strip()
+    scheme, sep, rest = t.partition(":")
+    scheme = scheme.lower() if sep else ""
+    if scheme in ("unix", "unix-abstract"):
         return True
-    host = target.rpartition(":")[0] if ":" in target else target
-    host = host.strip("[]")
+    if scheme == "dns":
+        if rest.startswith("//"):  # dns://[authority]/host:port: the authority names a resolver
+            rest = rest[2:].partition("/")[2]
+        hosts = [rest]
+    elif scheme in ("ipv4", "ipv6"):
+        hosts = rest.split(",")
+    else:
+        hosts = [t]
+    return all(_is_loopback(h) for h in hosts)
+
+
+def _is_loopback(hostport: str) -> bool:
+    """Whether ``host[:port]`` (``[v6]:port``, a bare v6 address) is this host's loopback."""
+    hostport = hostport.strip()
+    if hostport.startswith("["):
+        host = hostport[1:].partition("]")[0]
+    elif hostport.count(":") > 1:
+        host = hostport  # a bare IPv6 address, no port
+    else:
+        host = hostport.partition(":")[0]
+    host = host.lower().rstrip(".")
     if host in ("localhost", "ip6-localhost"):
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-

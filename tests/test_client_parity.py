@@ -20,6 +20,8 @@ Found by a prober comparing the two:
   (returns), put_bytes what Store.put_bytes does (fails), on either plane.
 * The session verbs returned None, dropping the state the server answers (what
   Store.open_session returns).
+* grpc's URI forms of a target on this host (``dns:///localhost:P``, ``ipv4:127.0.0.1:P``,
+  ``ipv6:[::1]:P``) and ``LOCALHOST:P`` got the in-band plane.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from service_harness import SPEC, fresh_tokens, random_kv
 
 from kvstore.block import SessionState
+from kvstore.client import Client
 from kvstore.errors import (
     DTypeMismatch,
     InvalidArgument,
@@ -42,6 +45,7 @@ from kvstore.errors import (
     ShapeMismatch,
 )
 from kvstore.keys import block_keys
+from kvstore.shm import is_local_target
 from tiers.arena import ExtentAllocator
 
 PLANES = pytest.mark.parametrize("local", [True, False], ids=["shm", "stream"])
@@ -255,3 +259,35 @@ def test_session_verbs_return_the_sessions_state(sidecar, open_store):
     assert c.pause_session("s") is SessionState.PAUSED
     assert c.resume_session("s") is SessionState.RESUMED
     assert c.close_session("s") is SessionState.CLOSED
+
+
+# -- 7. targets on this host -----------------------------------------------------------------
+@pytest.mark.parametrize("target", [
+    "127.0.0.1:5", "localhost:5", "dns:///localhost:5", "dns:///127.0.0.1:5", "dns://8.8.8.8:53/localhost:5",
+    "dns:localhost:5", "ipv4:127.0.0.1:5", "ipv4:127.0.0.1:5,127.0.0.2:6", "ipv6:[::1]:5", "LOCALHOST:5",
+    "[::1]:5", "unix:/tmp/kv.sock", "unix-abstract:kv",
+])
+def test_targets_on_this_host_are_local(target):
+    assert is_local_target(target)
+
+
+@pytest.mark.parametrize("target", [
+    "10.0.0.1:5", "example.com:5", "dns:///example.com:5", "ipv4:127.0.0.1:5,10.0.0.1:5", "ipv6:[::2]:5",
+    "0.0.0.0:5", "[::]:5", "dns:5",
+])
+def test_targets_elsewhere_are_not_local(target):
+    assert not is_local_target(target)
+
+
+@pytest.mark.parametrize("form", ["dns:///localhost:{}", "dns:///127.0.0.1:{}", "ipv4:127.0.0.1:{}", "LOCALHOST:{}"])
+def test_a_client_of_a_uri_form_target_on_this_host_uses_shared_memory(sidecar, form):
+    token = sidecar.admin().create_tenant(f"uri-{form.partition(':')[0].lower()}-{len(form)}")
+    c = Client(form.format(sidecar.port), token)
+    try:
+        assert c.uses_shared_memory
+        keys = c.block_keys(SPEC, fresh_tokens(2))
+        kv = random_kv(2)
+        c.put(SPEC, keys, kv)
+        assert torch.equal(c.get(SPEC, keys), kv)
+    finally:
+        c.close()
