@@ -481,11 +481,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         guarded: list[Ident] = []
         parent_tier, base_depth = self.tiers[0], 0
         if parent0 != ROOT_KEY:
-            pm = self._index.get(tenant, parent0)
-            if (pm is None or pm.in_flight or pm.fingerprint != spec.fingerprint
-                    or self._place.expired(pm, now)):
-                raise ParentNotStored(f"{ParentNotStored.PREFIX} (never put, evicted or expired): put "
-                                      "the chain from its root")
+            pm = self._stored_parent(tenant, spec, parent0, now)
             if sess is not None and pm.tier > self.tiers[0]:
                 # NOTE: session blocks live in the top tier and no block sits above its parent:
                 # a parent demoted meanwhile (a shared prompt under other traffic) failed the put
@@ -548,6 +544,17 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                 self._place.protected.difference_update(guarded)
         self._published(inserted)
         return True
+
+    def _stored_parent(self, tenant: str, spec: ModelSpec, parent: bytes, now: float) -> BlockMeta:
+        """The stored block a put continues from (``parent``, not ROOT_KEY): visible, of the
+        put's model, not expired; else ParentNotStored. The one check of every put path
+        (:meth:`_put_locked`, :meth:`reserve_put`), made before any room is made. Lock held."""
+        pm = self._index.get(tenant, parent)
+        if (pm is None or pm.in_flight or pm.fingerprint != spec.fingerprint
+                or self._place.expired(pm, now)):
+            raise ParentNotStored(f"{ParentNotStored.PREFIX} (never put, evicted or expired): put "
+                                  "the chain from its root")
+        return pm
 
     def _refuse_what_cannot_fit(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes], floor: Tier,
                                 *, pinned: bool = False) -> None:

@@ -66,7 +66,8 @@ class ReservedPuts:
 
         Finish with :meth:`commit_put` (all or nothing, like :meth:`put_bytes`) or
         :meth:`abort_put`. Reserved bytes count against the tier and the tenant's quota
-        meanwhile (in-flight headroom), and making room for them may evict, as a put would.
+        meanwhile (in-flight headroom), and making room for them may evict, as a put would;
+        a ``parent`` that is not stored is refused first (ParentNotStored), nothing evicted.
 
         ``since``: :attr:`drop_epoch` read before the caller checked its right to write (the
         service: before it authenticated the token); when :meth:`drop_tenant` drops the tenant
@@ -89,7 +90,9 @@ class ReservedPuts:
                               tier=self.tiers[0], created=now, last_access=now)
             res = PutReservation(tenant, spec, keys, parent0, [None] * len(keys), [None] * len(keys), probe,
                                  since=since)
-            pm = self._index.get(tenant, parent0) if parent0 != ROOT_KEY else None
+            # NOTE: checked before any room is made: a put under a parent not stored was refused
+            # only at the commit, after making room had evicted and demoted the tenant's blocks
+            pm = self._stored_parent(tenant, spec, parent0, now) if parent0 != ROOT_KEY else None
             floor = pm.tier if pm is not None else self.tiers[0]
             self._refuse_what_cannot_fit(tenant, spec, keys, floor)
             # the stored blocks of the chain stay put while room is made for the others
