@@ -99,8 +99,13 @@ def _shown(value: object) -> str:
 
 
 def _fail(exc: KVStoreError) -> None:
+    """Print ``exc`` on stderr and exit 1. A message of several lines (a config's problems, one
+    per line) keeps its line breaks; each line is :func:`_shown` on its own, so every other
+    control character is still escaped (the whole message through ``_shown`` printed the
+    problems on one line joined by a literal ``\\x0a``)."""
+    text = "\n".join(_shown(line) for line in str(exc).split("\n"))
     # soft_wrap: an error is one line per problem, not broken at the terminal's width
-    Console(stderr=True).print(f"[red]error[/red] ({_shown(exc.code)}): {_shown(exc)}", soft_wrap=True)
+    Console(stderr=True).print(f"[red]error[/red] ({_shown(exc.code)}): {text}", soft_wrap=True)
     raise typer.Exit(1)
 
 

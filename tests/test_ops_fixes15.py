@@ -39,3 +39,35 @@ def test_the_admin_service_refuses_a_tenant_named_with_a_newline(sidecar):
         with pytest.raises(errors.InvalidArgument):
             admin.create_tenant(*args)
     assert sorted(t["name"] for t in admin.list_tenants()) == ["acme", "admin"]
+
+
+# -- a config's problems: one line each ------------------------------------------------------
+def test_serve_prints_each_config_problem_on_its_own_line(tmp_path, monkeypatch):
+    """The whole message went through the control-character escape: the problems came out on
+    one line joined by a literal ``\\x0a``. Other control characters stay escaped."""
+    from typer.testing import CliRunner
+
+    from kvstore.cli_serve import admin_app
+
+    monkeypatch.setenv("COLUMNS", "300")
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(f'workers = 0\ncopy_threads = 0\n[store]\npath = "{tmp_path / "data"}"\nhbm_bytes = -1\n')
+    result = CliRunner().invoke(admin_app, ["serve", "--config", str(cfg)])
+    assert result.exit_code == 1
+    assert "\\x0a" not in result.output
+    lines = result.output.splitlines()
+    assert any(line.strip().startswith("workers:") for line in lines), result.output
+    assert any(line.strip().startswith("copy_threads:") for line in lines), result.output
+    assert any(line.strip().startswith("store.hbm_bytes:") for line in lines), result.output
+
+
+def test_a_failure_message_keeps_other_control_characters_escaped(capsys):
+    import typer
+
+    from kvstore.cli_serve import _fail
+
+    with pytest.raises(typer.Exit):
+        _fail(errors.InvalidArgument("one\x1b[31m\r\ntwo"))
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\\x1b" in err and "\\x0d" in err
+    assert err.rstrip("\n").split("\n")[1] == "two"
