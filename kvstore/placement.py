@@ -34,6 +34,7 @@ from kvstore.errors import NVMeWriteFailed, ResourceExhausted
 from kvstore.index import Ident, PrefixIndex
 from kvstore.keys import ROOT_KEY
 from kvstore.sessions import SessionTable
+from kvstore.sizes import format_size
 from kvstore.spec import ModelSpec
 from kvstore.stats import Counters
 from kvstore.victims import VictimQueue
@@ -44,6 +45,10 @@ from tiers.memory import MemoryTier
 from tiers.nvme import NVMeRecord, NVMeTier
 from tiers.nvme_ahead import AheadJob
 from tiers.remote import RemoteTier
+
+#: ``refuse(tenant, bound, tier, message)``: the error of a put :meth:`Placement.insert_new`
+#: could not place (see there)
+Refuse = Callable[[str, Tier | None, Tier, str], ResourceExhausted]
 
 
 class Placement:
@@ -93,7 +98,11 @@ class Placement:
 
     def insert_new(self, tenant: str, spec: ModelSpec, key: bytes, parent: bytes, depth: int,
                     data: Any, now: float, deadline: float | None, parent_tier: Tier,
-                    pinned: bool) -> BlockMeta:
+                    pinned: bool, refuse: Refuse | None = None) -> BlockMeta:
+        """The new block, placed (see the module docstring); ResourceExhausted when no allowed
+        tier can make room. ``refuse(tenant, bound, tier, message)`` makes that error when
+        given (the Store's put: it labels and counts it): ``bound`` is the first tier whose
+        quota refused the block (None: capacity did), ``tier`` the fastest allowed."""
         meta = BlockMeta(key=key, tenant=tenant, fingerprint=spec.fingerprint, parent=parent,
                          depth=depth, nbytes=spec.block_nbytes, tokens=spec.block_tokens,
                          tier=parent_tier, created=now, last_access=now, access_count=1,
@@ -107,19 +116,32 @@ class Placement:
                     f"session blocks live in hbm, but the block they continue from is in "
                     f"{parent_tier.label} and could not be brought up", resource="hbm")
             choices = [Tier.HBM]
+        bound: Tier | None = None
         for tier in choices:
             meta.tier = tier
             if not self.make_room(tier, meta):
+                # make_room tries the quota first and then only frees bytes: still over it
+                # here means the quota refused (NOTE: this refusal was labelled and counted as
+                # the tier's capacity, and the metrics said NVMe was full when a quota bound)
+                if bound is None and not self.within_quota(tenant, tier, meta.nbytes):
+                    bound = tier
                 continue
             if self.write(tier, ref, meta, data):
                 self._index.add(meta)
                 self.charge(meta, tier, +1)
                 self.policy.on_insert(meta, now)
                 return meta
-        raise ResourceExhausted(
-            f"no room for a {spec.block_nbytes}-byte block of tenant {tenant!r} in "
-            f"{[t.label for t in choices]}: capacity is held by pinned or in-flight blocks, or "
-            f"the tenant's quota is reached", resource=choices[0].label)
+        where = f"no room for a {spec.block_nbytes}-byte block of tenant {tenant!r} in {[t.label for t in choices]}"
+        if bound is not None:
+            quota = self._quota_of(tenant, bound) or 0
+            message = (f"{where}: its quota {bound.label}={format_size(quota)} is reached and none of its "
+                       f"blocks there can make room (the chain this put continues holds them); raise its "
+                       f"quota (kvstore policy set)")
+        else:
+            message = f"{where}: capacity is held by pinned or in-flight blocks"
+        if refuse is not None:
+            raise refuse(tenant, bound, choices[0], message)
+        raise ResourceExhausted(message, resource=choices[0].label)
 
     def most_blocks(self, tenant: str, nbytes: int, floor: Tier, pinned: bool = False) -> int:
         """How many new blocks of ``nbytes`` one put could ever place from ``floor`` down

@@ -509,7 +509,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                                               f"from block_keys() for this spec")
                     if m is None:
                         m = self._place.insert_new(tenant, spec, key, parent, base_depth + i, data(i), now,
-                                             deadline, parent_tier, pinned=sess is not None)
+                                                   deadline, parent_tier, pinned=sess is not None,
+                                                   refuse=self._refusal)
                         inserted.append(m)
                     else:
                         existing.append(m)
@@ -609,9 +610,10 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                 f"{'hbm' if pinned else 'the tiers it may use'} now: {why}; nothing was evicted"))
 
     def _refusal(self, tenant: str, bound: Tier | None, tier: Tier, message: str) -> ResourceExhausted:
-        """The error of a put refused up front: by the quota of ``tenant`` in ``bound``
-        (resource ``quota:TENANT:TIER``, counted in ``quota_rejections``), else (``bound`` None)
-        by the capacity of ``tier`` (resource: its name)."""
+        """The error of a put refused up front (or by ``Placement.insert_new``, placing a
+        block): by the quota of ``tenant`` in ``bound`` (resource ``quota:TENANT:TIER``,
+        counted in ``quota_rejections``), else (``bound`` None) by the capacity of ``tier``
+        (resource: its name)."""
         # NOTE: the refusals disagreed: one a quota caused was not counted (a put that could never
         # fit), another was labelled with the tier's name (a session put over its hbm quota), and
         # quota_rejections counted inside Placement.fit_quota, a policy change's included
