@@ -270,18 +270,34 @@ def policy_set(
     cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
 ) -> None:
     """Replace a tenant's policy (TTL, per-tier quotas, priority)."""
-    quotas: dict[str, int] = {}
+    sized: list[tuple[str, int]] = []
     for item in quota or []:
         tier, sep, size = item.partition("=")
         if not sep:
             raise typer.BadParameter(f"--quota {item!r}: use TIER=SIZE")
-        quotas[tier.strip()] = parse_size(size)
+        sized.append((tier.strip(), parse_size(size)))
     try:
+        quotas = _quotas(sized)
         with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
             typer.echo(json.dumps(admin.set_policy(name, ttl_s=ttl, quota_bytes=quotas, priority=priority),
                                   indent=2, sort_keys=True))
     except KVStoreError as exc:
         _fail(exc)
+
+
+def _quotas(sized: list[tuple[str, int]]) -> dict[str, int]:
+    """``--quota`` values keyed by tier label; InvalidArgument for an unknown tier or one given
+    twice. (Keyed by spelling, ``hbm=1MiB`` and ``HBM=2MiB`` both went to the server, which
+    kept one of them silently.)"""
+    from kvstore.block import Tier
+
+    quotas: dict[str, int] = {}
+    for name, size in sized:
+        label = Tier.parse(name).label
+        if label in quotas:
+            raise InvalidArgument(f"--quota: tier {label!r} given twice")
+        quotas[label] = size
+    return quotas
 
 
 # -- stats and audit ------------------------------------------------------------------------------

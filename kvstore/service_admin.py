@@ -111,7 +111,7 @@ class AdminPlane:
 
     def set_policy(self, namespace: str, policy: TenantPolicy) -> TenantPolicy:
         self._policy_holder(namespace)
-        quota = {Tier.parse(t).label: int(v) for t, v in policy.quota_bytes.items()}
+        quota = quota_by_tier(policy.quota_bytes)
         policy = TenantPolicy(ttl_s=policy.ttl_s, quota_bytes=quota, priority=policy.priority)
         before = self.registry.policies().get(namespace) or TenantPolicy()
         # NOTE: the Store checks and applies it before it is saved: a value the Store refused
@@ -137,6 +137,21 @@ class AdminPlane:
         if len(fingerprint) != FINGERPRINT_BYTES:
             raise InvalidArgument(f"fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}")
         return int(self.store.purge_model(fingerprint))
+
+
+def quota_by_tier(quota_bytes: Any) -> dict[str, int]:
+    """``quota_bytes`` keyed by tier label (``{"HBM": 1}`` -> ``{"hbm": 1}``); InvalidArgument
+    naming the tier when two spellings name one tier. (They were folded into one dict here,
+    before the Store could refuse the duplicate: one value was kept silently, which one
+    depending on the order of the request's map.)"""
+    quota: dict[str, int] = {}
+    spelled: dict[str, str] = {}
+    for name, value in sorted(quota_bytes.items()):
+        label = Tier.parse(name).label
+        if label in quota:
+            raise InvalidArgument(f"quota for tier {label!r} given twice ({spelled[label]!r} and {name!r})")
+        quota[label], spelled[label] = int(value), name
+    return quota
 
 
 def _names(namespaces: Any) -> str:

@@ -71,3 +71,32 @@ def test_a_failure_message_keeps_other_control_characters_escaped(capsys):
     err = capsys.readouterr().err
     assert "\x1b" not in err and "\\x1b" in err and "\\x0d" in err
     assert err.rstrip("\n").split("\n")[1] == "two"
+
+
+# -- a tier given twice under two spellings --------------------------------------------------
+@pytest.mark.parametrize("quota", [{"hbm": 1 << 20, "HBM": 2 << 20}, {"HBM": 2 << 20, "hbm": 1 << 20},
+                                   {"dram": 1 << 20, "Dram": 3 << 20}])
+def test_set_policy_refuses_a_tier_given_twice(sidecar, quota):
+    """AdminPlane.set_policy folded the spellings into one dict before the Store could refuse
+    the duplicate: one value was kept silently, which one by the order of the request's map."""
+    admin = sidecar.admin()
+    admin.create_tenant("q")
+    with pytest.raises(errors.InvalidArgument, match="given twice"):
+        admin.set_policy("q", quota_bytes=quota)
+    assert admin.get_policy("q")["quota_bytes"] == {}
+    assert admin.set_policy("q", quota_bytes={"HBM": 1 << 20})["quota_bytes"] == {"hbm": 1 << 20}
+
+
+@pytest.mark.parametrize("quotas", [["hbm=1MiB", "HBM=2MiB"], ["dram=1MiB", " Dram =3MiB"]])
+def test_policy_set_cli_refuses_a_tier_given_twice(sidecar, quotas):
+    from typer.testing import CliRunner
+
+    from kvstore.cli_serve import admin_app
+
+    sidecar.admin().create_tenant("q")
+    args = [a for q in quotas for a in ("--quota", q)]
+    result = CliRunner().invoke(admin_app, ["policy", "set", "q", *args, "--target", sidecar.target,
+                                            "--token", sidecar.admin_token])
+    assert result.exit_code == 1, result.output
+    assert "given twice" in result.output and "INVALID_ARGUMENT" in result.output
+    assert sidecar.admin().get_policy("q")["quota_bytes"] == {}
