@@ -91,9 +91,18 @@ class AdminPlane:
     def _policy_holder(self, namespace: str) -> None:
         """NotFound for a tenant that does not exist, InvalidArgument for a principal that holds
         no blocks of its own (admin, publisher): policies are a tenant's or a shared
-        namespace's. (``policy get`` of a mistyped name showed an empty policy.)"""
+        namespace's. (``policy get`` of a mistyped name showed an empty policy.)
+
+        A shared namespace is one that some principal publishes or is granted, or that has a
+        policy already (which can then still be read and replaced after its last principal
+        went); any other is NotFound, as a mistyped tenant is. (Well formed was enough: a
+        policy set on ``shared:dosc`` was recorded, binding nothing, and answered OK.)"""
         if namespace.startswith(SHARED_PREFIX):
             check_shared(namespace)
+            if namespace not in self.registry.policies() and \
+                    not any(namespace in p.namespaces for p in self.registry.list()):
+                raise NotFound(f"no principal publishes or is granted {namespace!r}: create its "
+                               "publisher (tenant add --role publisher) first")
             return
         role = self.registry.get(namespace).role
         if role is not Role.TENANT:

@@ -100,3 +100,25 @@ def test_policy_set_cli_refuses_a_tier_given_twice(sidecar, quotas):
     assert result.exit_code == 1, result.output
     assert "given twice" in result.output and "INVALID_ARGUMENT" in result.output
     assert sidecar.admin().get_policy("q")["quota_bytes"] == {}
+
+
+# -- the policy of a shared namespace nobody uses --------------------------------------------
+def test_policy_of_a_shared_namespace_nobody_uses_is_not_found(sidecar):
+    """A mistyped shared namespace answered OK (``get`` an empty policy, ``set`` a policy
+    recorded that binds nothing) where a mistyped tenant is NOT_FOUND."""
+    admin = sidecar.admin()
+    admin.create_tenant("pub", "publisher", ["shared:docs"])
+    admin.create_tenant("reader", "tenant", ["shared:read"])
+    for call in (lambda: admin.set_policy("shared:dosc", quota_bytes={"hbm": 1 << 20}),
+                 lambda: admin.get_policy("shared:nothing")):
+        with pytest.raises(errors.NotFound, match="shared:"):
+            call()
+    with pytest.raises(errors.NotFound):  # the refused set recorded nothing
+        admin.get_policy("shared:dosc")
+    # published or granted: a policy can be set and read
+    assert admin.set_policy("shared:docs", ttl_s=5.0)["ttl_s"] == 5.0
+    assert admin.set_policy("shared:read", ttl_s=6.0)["ttl_s"] == 6.0
+    # its principals gone, the policy it has can still be read and replaced
+    admin.delete_tenant("pub")
+    assert admin.get_policy("shared:docs")["ttl_s"] == 5.0
+    assert admin.set_policy("shared:docs", ttl_s=None)["ttl_s"] is None
