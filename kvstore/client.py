@@ -347,8 +347,21 @@ class Client:
         self._usable()
         try:
             return method(request, metadata=self._metadata, timeout=self.timeout if timeout is None else timeout)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+        except (grpc.RpcError, ValueError) as err:
+            raise self._failure(err) from None
+
+    def _failure(self, err: grpc.RpcError | ValueError) -> KVStoreError:
+        """The typed error of a call that failed with ``err``. One that :meth:`close` cut short
+        (grpc cancels the calls in flight, "Channel closed!", and refuses one that starts as it
+        closes with ValueError) is FailedPrecondition, as a call made after close is. Why: a
+        call under way on another thread got a bare KVStoreError CANCELLED, or ValueError."""
+        if isinstance(err, grpc.RpcError):
+            exc = from_rpc_error(err)
+            if not (self._closed and exc.code in _IN_DOUBT):
+                return exc
+        elif not self._closed:
+            raise err  # NOTE: not grpc's refusal of a closed channel: a bug, let it surface
+        return FailedPrecondition("this Client is closed (it closed while this call was under way)")
 
     def _deadline(self) -> float | None:
         """The monotonic time a public call that makes several RPCs must end by (None: no timeout)."""
@@ -468,7 +481,9 @@ class Client:
             raise
         except BaseException as exc:
             wait = FENCE_AFTER_ERROR_S if self.timeout is None else min(self.timeout, FENCE_AFTER_ERROR_S)
-            over = not _in_doubt(exc) or self._fence(request.region_id, request.seq, wait_s=wait)
+            # NOTE: a call cut short by close() is FailedPrecondition, but still in doubt
+            doubt = _in_doubt(exc) or self._closed
+            over = not doubt or self._fence(request.region_id, request.seq, wait_s=wait)
             if staged is not None:
                 if over:
                     lp.release(staged)
@@ -777,8 +792,8 @@ class Client:
             # frames packed across blocks, or one block each from a server that predates
             # pack_blocks; either way straight into the rows (one copy)
             scatter(stream, n, nbytes, rows.__getitem__, write_into, IntegrityError)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+        except (grpc.RpcError, ValueError) as err:
+            raise self._failure(err) from None
         finally:
             if stream is not None:
                 stream.cancel()  # no-op once the stream completed; stops it on an error

@@ -22,10 +22,13 @@ Found by a prober comparing the two:
   Store.open_session returns).
 * grpc's URI forms of a target on this host (``dns:///localhost:P``, ``ipv4:127.0.0.1:P``,
   ``ipv6:[::1]:P``) and ``LOCALHOST:P`` got the in-band plane.
+* A call under way on another thread when close() ran failed with a bare KVStoreError
+  CANCELLED ("Channel closed!"); calls after close are FailedPrecondition.
 """
 
 from __future__ import annotations
 
+import threading
 from functools import partial
 
 import pytest
@@ -37,6 +40,7 @@ from kvstore.block import SessionState
 from kvstore.client import Client
 from kvstore.errors import (
     DTypeMismatch,
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     ParentNotStored,
@@ -291,3 +295,45 @@ def test_a_client_of_a_uri_form_target_on_this_host_uses_shared_memory(sidecar, 
         assert torch.equal(c.get(SPEC, keys), kv)
     finally:
         c.close()
+
+
+# -- 8. calls under way when the client closes -----------------------------------------------
+def test_a_put_under_way_when_the_client_closes_is_failed_precondition(sidecar, monkeypatch):
+    c = sidecar.tenant("close-put", local=False)
+    keys = c.block_keys(SPEC, fresh_tokens(2))
+    held = service_harness.HeldPut(monkeypatch, c, SPEC, keys, random_kv(2))
+    c.close()
+    exc = held.finish()
+    assert isinstance(exc, FailedPrecondition) and "closed" in str(exc), repr(exc)
+
+
+def test_a_get_under_way_when_the_client_closes_is_failed_precondition(sidecar, monkeypatch):
+    from kvstore import servicer_kv
+
+    c = sidecar.tenant("close-get", local=False)
+    keys = c.block_keys(SPEC, fresh_tokens(2))
+    c.put(SPEC, keys, random_kv(2))
+    started, go = threading.Event(), threading.Event()
+    real = servicer_kv.get_stream
+
+    def held_get(*args):
+        started.set()
+        assert go.wait(10)
+        return real(*args)
+
+    monkeypatch.setattr(servicer_kv, "get_stream", held_get)
+    outcome = []
+
+    def get():
+        try:
+            outcome.append(c.get(SPEC, keys))
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            outcome.append(exc)
+
+    t = threading.Thread(target=get)
+    t.start()
+    assert started.wait(10)
+    c.close()
+    go.set()
+    t.join(10)
+    assert isinstance(outcome[0], FailedPrecondition) and "closed" in str(outcome[0]), repr(outcome[0])
