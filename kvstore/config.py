@@ -8,7 +8,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from kvstore.errors import InvalidArgument
 from kvstore.paths import OptionalUserPath, UserPath
-from kvstore.sizes import ByteCount
+from kvstore.sizes import ByteCount, Float, Int
 from kvstore.validation import validation_error
 from tiers.remote_config import RemoteConfig
 
@@ -87,10 +87,10 @@ class StoreConfig(BaseModel):
     encrypt: bool = True
     """AES-256-GCM on the NVMe tier; False stores values with an xxh3 checksum instead."""
 
-    compression_level: Annotated[int, Field(ge=0, le=22)] = 1
+    compression_level: Annotated[Int, Field(ge=0, le=22)] = 1
     """zstd level of the NVMe codec; 0 turns compression off."""
 
-    min_compress_ratio: Annotated[float, Field(ge=1.0, le=64.0, allow_inf_nan=False)] = 1.5
+    min_compress_ratio: Annotated[Float, Field(ge=1.0, le=64.0, allow_inf_nan=False)] = 1.5
     """Compression has to pay for itself: the NVMe codec compresses an 8 KiB sample of each
     block first and stores the block uncompressed when the ratio estimated for the whole block
     (raw / stored bytes) is below this; each value's header records the choice, so reading
@@ -99,7 +99,7 @@ class StoreConfig(BaseModel):
     default both are stored raw. 1.0 = always compress (when ``compression_level`` > 0): for
     a disk much slower than zstd (~0.5-1 GB/s per core)."""
 
-    codec_threads: Annotated[int, Field(ge=1, le=64)] = 2
+    codec_threads: Annotated[Int, Field(ge=1, le=64)] = 2
     """Threads that encode/decode chunks of one value in parallel."""
 
     retain_freed_memory: bool = True
@@ -118,10 +118,10 @@ class StoreConfig(BaseModel):
     allows, ancestors first), so a restart finds the warm cache. A crash keeps only what was
     already committed."""
 
-    high_watermark: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.95
+    high_watermark: Annotated[Float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.95
     """A tier starts evicting when a new block would take it above this fraction of capacity."""
 
-    low_watermark: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.85
+    low_watermark: Annotated[Float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.85
     """... and evicts down to this fraction."""
 
     policy: str = "cost"
@@ -133,7 +133,7 @@ class StoreConfig(BaseModel):
     trace replay's offline reference) is refused: it needs to know the future
     (:func:`store_policies`)."""
 
-    default_ttl_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    default_ttl_s: Annotated[Float, Field(gt=0, allow_inf_nan=False)] | None = None
     """TTL of blocks whose tenant has no TTL policy: finite seconds > 0; None = no expiry
     (an infinite TTL is written as unset, as everywhere: :func:`kvstore.expiry.check_ttl`)."""
 

@@ -4,6 +4,8 @@ Units are binary throughout (k = KiB = 2**10, m = MiB, g = GiB, t = TiB; a trail
 ``ib`` changes nothing), so ``2GB`` in a config file and on the command line is the same
 2 GiB. :func:`parse_size` is the one parser: the CLI's ``--quota hbm=2GiB`` and every
 ``*_bytes`` field of the TOML config (:data:`ByteCount`) go through it; an int stays an int.
+:data:`Int` and :data:`Float` are the other numeric config fields: like ByteCount, they refuse
+a TOML boolean, which pydantic would take as 1 or 0.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import re
 from fractions import Fraction
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator
+from pydantic import AllowInfNan, BeforeValidator
 
 from kvstore.errors import InvalidArgument
 
@@ -58,11 +60,29 @@ def format_size(n: int) -> str:
     return f"{n} B"
 
 
+def _not_bool(value: Any) -> Any:
+    """``value``, unless it is a bool: ValueError. pydantic's int and float take ``True`` as 1
+    (and ``False`` as 0): ``hbm_bytes = true`` in a TOML config was a 1-byte tier,
+    ``default_ttl_s = true`` a 1-second TTL, ``workers = true`` one worker, all without a word."""
+    if isinstance(value, bool):
+        # a pydantic validator reports a ValueError as the field's problem (a TypeError escapes)
+        raise ValueError(f"{str(value).lower()} is a boolean, not a number: give a number")  # noqa: TRY004
+    return value
+
+
 def _size_or_value(value: Any) -> Any:
-    """A string is parsed as a size; anything else is left for the int validation after it,
-    and the field's bound (``le=``) to say what is too large."""
-    return parse_size(value) if isinstance(value, str) else value
+    """A string is parsed as a size; a bool is refused (:func:`_not_bool`); anything else is
+    left for the int validation after it, and the field's bound (``le=``) to say what is too
+    large."""
+    return parse_size(value) if isinstance(value, str) else _not_bool(value)
 
 
-#: an int field that also takes a size string (``hbm_bytes = "8GiB"``)
+#: an int field that also takes a size string (``hbm_bytes = "8GiB"``), never a bool
 ByteCount = Annotated[int, BeforeValidator(_size_or_value)]
+#: an int config field that refuses a bool (``workers = true``), as every numeric field does;
+#: with ``Field`` bounds as ``Annotated[Int, Field(ge=1)]``
+Int = Annotated[int, BeforeValidator(_not_bool)]
+#: a finite float config field that refuses a bool (``default_ttl_s = true``). NOTE: finite
+#: here, not only by the field's ``allow_inf_nan=False``: behind the BeforeValidator pydantic
+#: checks a field's bounds first, and NaN failed "greater than 0" instead of "a finite number"
+Float = Annotated[float, AllowInfNan(False), BeforeValidator(_not_bool)]

@@ -122,3 +122,29 @@ def test_policy_of_a_shared_namespace_nobody_uses_is_not_found(sidecar):
     admin.delete_tenant("pub")
     assert admin.get_policy("shared:docs")["ttl_s"] == 5.0
     assert admin.set_policy("shared:docs", ttl_s=None)["ttl_s"] is None
+
+
+# -- TOML booleans are not numbers -----------------------------------------------------------
+@pytest.mark.parametrize("field", ["hbm_bytes", "dram_bytes", "nvme_bytes", "compression_level",
+                                   "min_compress_ratio", "codec_threads", "high_watermark",
+                                   "low_watermark", "default_ttl_s"])
+@pytest.mark.parametrize("value", [True, False])
+def test_a_boolean_in_a_numeric_store_field_is_refused(tmp_path, field, value):
+    """pydantic took ``true`` as 1 and ``false`` as 0: ``hbm_bytes = true`` was a 1-byte tier,
+    ``default_ttl_s = true`` a 1-second TTL, ``compression_level = false`` no compression."""
+    from kvstore import server_config
+    from kvstore.config import StoreConfig
+
+    with pytest.raises(errors.InvalidArgument, match=rf"store\.{field}: {str(value).lower()} is a boolean"):
+        server_config.build({"store": {"path": str(tmp_path), field: value}})
+    with pytest.raises(errors.InvalidArgument, match=rf"{field}: {str(value).lower()} is a boolean"):
+        StoreConfig.build(path=tmp_path, **{field: value})
+
+
+def test_numbers_and_sizes_still_pass_in_store_fields(tmp_path):
+    from kvstore.config import StoreConfig
+
+    cfg = StoreConfig.build(path=tmp_path, hbm_bytes="1MiB", dram_bytes=2048, compression_level=0,
+                            min_compress_ratio=2, default_ttl_s=5, high_watermark=1, encrypt=False)
+    assert (cfg.hbm_bytes, cfg.dram_bytes, cfg.compression_level, cfg.default_ttl_s) == (1 << 20, 2048, 0, 5.0)
+    assert cfg.min_compress_ratio == 2.0 and cfg.encrypt is False
