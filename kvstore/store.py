@@ -136,6 +136,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         self._deletes_open = 0
         self._deletes_done = threading.Condition(self._lock)
         self.counters = Counters()
+        #: memory blocks :meth:`close` could not commit to NVMe (see there)
+        self.uncommitted_at_close = 0
         self.policy = make_policy(config.policy, self._specs.get)
 
         path = config.path
@@ -716,10 +718,17 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         ``progress(done, total)``: blocks considered so far (see :data:`Progress`)."""
         if self._remote is not None:
             self._remote.flush(remote_timeout_s)
+        return self._flush(progress, closing=False)[0]
+
+    def _flush(self, progress: Progress | None, *, closing: bool) -> tuple[int, int]:
+        """:meth:`flush`'s commit; ``(committed, not committed)`` of the memory blocks it
+        considered. ``closing`` (:meth:`close`: what is not committed now is gone): a block
+        that cannot be committed takes its NVMe descendants with it, and a block short of
+        NVMe quota or space first drops them, deepest first, to make room for itself."""
         with self._lock, self._batch():
             self._check_open()
             if self._nvme is None:
-                return 0
+                return 0, 0
             n = 0
             todo = [m for m in sorted(self._index, key=lambda m: m.depth)
                     if not (m.persisted or m.tier == Tier.NVME or m.in_flight)]
@@ -727,9 +736,13 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                 for i, m in enumerate(todo, 1):
                     if progress is not None and (i % FLUSH_STEP == 0 or i == len(todo)):
                         progress(i, len(todo))
+                    if self._index.get(m.tenant, m.key) is not m:
+                        continue  # dropped at close below an ancestor (see _room_at_close)
                     parent = self._index.get(m.tenant, m.parent)
                     if parent is not None and not parent.persisted:
                         continue  # a copy without its ancestors could never be served
+                    if closing and not self._room_at_close(m):
+                        continue
                     if not self._nvme.can_fit(m.nbytes):
                         break
                     if not self._place.within_quota(m.tenant, Tier.NVME, m.nbytes):
@@ -740,7 +753,37 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                         self._place.charge(m, Tier.NVME, +1)
                         n += 1
             self.counters.add("flushed", n)
-            return n
+            return n, len(todo) - n
+
+    def _room_at_close(self, m: BlockMeta) -> bool:
+        """Whether memory block ``m`` (its parent committed) fits in NVMe, within its tenant's
+        quota, after dropping its own NVMe descendants, deepest first, as far as needed; when
+        it cannot fit, all of them are dropped. Under the lock, at close.
+
+        NOTE: a tenant at its NVMe quota lost its whole cache on a graceful restart: its
+        memory blocks (a chain's ancestors) found no quota at close, and the NVMe blocks below
+        them were dropped at the next open as orphans. Those descendants cannot be served after
+        the close unless ``m`` is committed, so trading them for ``m`` keeps a usable prefix and
+        loses nothing that would have survived; dropping them when ``m`` cannot be committed
+        anyway gives their room (quota, disk) to the ancestors of other chains, and no block
+        is left on disk that the next open would count as recovered and then drop. Only
+        ``m``'s own subtree is touched: never another chain's blocks, nor another tenant's.
+        Only at close: a flush while the store runs keeps them (they are served until then)."""
+        assert self._nvme is not None
+
+        def fits() -> bool:
+            return (self._nvme.can_fit(m.nbytes)  # type: ignore[union-attr]
+                    and self._place.within_quota(m.tenant, Tier.NVME, m.nbytes))
+
+        if fits():
+            return True
+        below = [d for d in self._index.subtree(m) if d is not m and (d.tier == Tier.NVME or d.persisted)]
+        for d in below:  # deepest first
+            if self._index.get(d.tenant, d.key) is d:
+                self._place.drop(d, reason="dropped_at_close")
+                if fits():
+                    return True
+        return False
 
     def _flush_ahead(self, todo: list[BlockMeta]) -> AbstractContextManager[None]:
         """Encode-ahead of flush's host-resident blocks (flush frees no slot while it runs)."""
@@ -755,7 +798,13 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         """Close the store. Blocks committed to NVMe come back on the next :meth:`open`
         (with ``persist_on_close``, the warm blocks of HBM and DRAM are committed first,
         reported to ``progress`` as :meth:`flush` does); returns how many were committed.
-        When that commit fails (a full disk), the store still closes, then raises it."""
+        When that commit fails (a full disk), the store still closes, then raises it.
+
+        Committed ancestors first: a memory block short of NVMe quota or space makes room by
+        dropping its own NVMe descendants (they could not be served without it), and one that
+        cannot be committed takes them with it (counted: ``dropped_at_close``), so the next open
+        finds no orphans. How many memory blocks were not committed (lost) is logged and kept
+        in :attr:`uncommitted_at_close`."""
         flushed = 0
         failed: NVMeWriteFailed | None = None
         if self._remote is not None:  # NOTE: before the lock, which its reader may wait for
@@ -767,10 +816,17 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
             if self._closed:
                 return 0
             if self.config.persist_on_close:
+                if self._remote is not None:
+                    self._remote.flush(30.0)  # as flush() did here, with its default
                 try:
-                    flushed = self.flush(progress=progress)
+                    flushed, self.uncommitted_at_close = self._flush(progress, closing=True)
                 except NVMeWriteFailed as exc:
                     failed = exc
+                if self.uncommitted_at_close:
+                    log.warning("close: %d blocks of HBM and DRAM could not be committed to NVMe (NVMe "
+                                "space or their tenant's NVMe quota was short, or an ancestor was not "
+                                "committed): they are lost; %d NVMe blocks below them were dropped too",
+                                self.uncommitted_at_close, self.counters.get("dropped_at_close"))
             self._closed = True
             for t in self._mem.values():
                 t.close()

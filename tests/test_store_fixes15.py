@@ -4,11 +4,15 @@
   put) evicted and demoted the tenant's blocks before ``commit_put`` refused it.
 * A chained put refused by the tenant's NVMe quota was labelled as NVMe's capacity (resource
   "nvme") and not counted in ``quota_rejections``: the metrics said NVMe was full.
+* A tenant at its NVMe quota lost its whole cache on a graceful restart: close could not commit
+  its memory blocks (the chain's ancestors), and the NVMe blocks below them were dropped at the
+  next open as orphans, without a word at close.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import make_kv, tokens
 
 from kvstore.errors import ParentNotStored, ResourceExhausted
@@ -71,3 +75,24 @@ def test_a_chained_put_refused_by_nvme_capacity_stays_nvme(open_store, spec):
         s.put("q", spec, keys[2:], make_kv(spec, 1), parent=keys[1])
     assert err.value.resource == "nvme"
     assert s.stats()["counters"].get("quota_rejections", 0) == 0
+
+
+def test_close_at_the_nvme_quota_keeps_a_usable_prefix(open_store, spec, tmp_path):
+    s, keys = _at_quota(open_store, spec, path=tmp_path / "st")
+    assert s.lookup("q", spec, keys).num_blocks == 6
+    closed = s
+    assert s.close() == 2  # the two shallowest memory blocks, for the two NVMe blocks below them
+    s = open_store(spec, hbm_blocks=16, dram_blocks=16, nvme_blocks=64, path=tmp_path / "st")
+    assert s.lookup("q", spec, keys).num_blocks == 2  # it was 0
+    assert s.stats()["counters"].get("orphans_dropped", 0) == 0  # it dropped both: 0 found after
+    assert torch.equal(s.get("q", spec, keys), make_kv(spec, 6)[:2])
+    assert closed.uncommitted_at_close == 2  # the other two memory blocks are lost, and said so
+
+
+def test_close_commits_everything_that_fits_as_before(open_store, spec, tmp_path):
+    s = open_store(spec, hbm_blocks=2, dram_blocks=2, nvme_blocks=64, path=tmp_path / "st")
+    keys = s.block_keys("q", spec, tokens(6, spec))
+    s.put("q", spec, keys, make_kv(spec, 6))
+    assert s.close() == 4
+    s = open_store(spec, hbm_blocks=2, dram_blocks=2, nvme_blocks=64, path=tmp_path / "st")
+    assert torch.equal(s.get("q", spec, keys), make_kv(spec, 6))
