@@ -325,6 +325,10 @@ def create_server(config: ServerConfig, *, store: Any = None, clock: Callable[[]
                          rpc), port
 
 
+#: the Store's counters of NVMe records dropped as the index is rebuilt at open
+_DROPPED_AT_OPEN = ("orphans_dropped", "keyless_dropped", "unreadable_dropped")
+
+
 def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
           clock: Callable[[], float] = time.time,
           progress: Callable[[str, int, int], None] | None = None) -> None:
@@ -362,7 +366,13 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
             echo(f"kvstore serving on {config.listen.rpartition(':')[0]}:{port}")
         echo(f"data directory: {config.data_dir}")
         if recovered.total:
-            echo(f"recovered {recovered.total} blocks from NVMe ({recovered.seconds:.1f} s)")
+            # NOTE: the records read, less those dropped as they were read (orphans of a crash,
+            # deleted tenants', unreadable ones): it announced blocks the open had just dropped
+            stats = server.store.stats()
+            kept = stats["tiers"]["nvme"]["blocks"]
+            dropped = {k: n for k in _DROPPED_AT_OPEN if (n := stats["counters"].get(k, 0))}
+            why = f", dropped {', '.join(f'{n} {k}' for k, n in dropped.items())}" if dropped else ""
+            echo(f"recovered {kept} blocks from NVMe ({recovered.seconds:.1f} s{why})")
         if getattr(server.store, "disk_warning", None):
             echo(f"warning: {server.store.disk_warning}")
         if new_key and key_file.exists():
@@ -388,6 +398,10 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
             server.halt()  # NOTE: first: the calls' wait is not the commit's time below
             persisted = _Counted("committing memory blocks to NVMe", progress)
             committed = server.stop(progress=persisted)
+            lost = getattr(server.store, "uncommitted_at_close", 0)
+            if lost:  # NOTE: the Store only logged them, and serve said nothing of them
+                echo(f"warning: {lost} memory blocks could not be committed to NVMe (its capacity or a "
+                     f"tenant's NVMe quota is full): they are gone")
             if persisted.total:
                 echo(f"stopped: {committed} blocks of HBM and DRAM committed to NVMe "
                      f"({persisted.seconds:.1f} s)")

@@ -282,3 +282,37 @@ def test_serve_warns_when_the_principals_file_is_gone_but_tenants_data_is_not(tm
 
     serve(config, echo=echo)
     assert any("no principals file" in line and "data of 1 tenants" in line for line in lines), lines
+
+
+def test_serve_says_how_many_memory_blocks_its_stop_could_not_commit(tmp_path):
+    """A tenant at its NVMe quota: the stop commits the chain's ancestors and cannot commit
+    the rest of its memory blocks; the Store logged it, and serve said nothing of it."""
+    from kvstore.admin_client import AdminClient
+    from kvstore.client import Client
+    from kvstore.server import serve
+    from kvstore.server_config import load
+
+    config = load(_tiny_config(tmp_path), overrides={"listen": "127.0.0.1:0"})
+    lines: list[str] = []
+
+    def echo(line: str) -> None:
+        lines.append(line)
+        if line.startswith("ready") and (first := [x for x in lines if x.startswith("admin token")]):
+            port = next(x for x in lines if x.startswith("kvstore serving on")).rsplit(":", 1)[1]
+            admin_token = first[0].rsplit(" ", 1)[1]
+            with AdminClient(f"127.0.0.1:{port}", admin_token) as admin:
+                token = admin.create_tenant("q")
+                b = SPEC.block_nbytes
+                admin.set_policy("q", quota_bytes={"hbm": 2 * b, "dram": 2 * b, "nvme": 2 * b})
+            with Client(f"127.0.0.1:{port}", token) as client:
+                keys = client.block_keys(SPEC, fresh_tokens(6))
+                client.put(SPEC, keys, random_kv(6))
+                assert client.lookup(SPEC, keys).num_blocks == 6
+        if line.startswith("ready"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    serve(config, echo=echo)
+    assert any(line.startswith("warning: 2 memory blocks could not be committed to NVMe") for line in lines), lines
+    lines.clear()
+    serve(config, echo=echo)  # the same again: what the first stop committed comes back
+    assert any(line.startswith("recovered 2 blocks from NVMe") for line in lines), lines
