@@ -47,18 +47,16 @@ from typing import Any, Self
 import torch
 
 from kvstore.block import BlockMeta, Tier
-from kvstore.block_buffers import block_views
+from kvstore.block_buffers import block_views, kv_blocks
 from kvstore.config import StoreConfig
 from kvstore.dirlock import LOCK_NAME, DirLock
 from kvstore.errors import (
     Aborted,
-    DTypeMismatch,
     FailedPrecondition,
     InvalidArgument,
     NVMeWriteFailed,
     ParentNotStored,
     ResourceExhausted,
-    ShapeMismatch,
     Unauthenticated,
 )
 from kvstore.expiry import check_ttl
@@ -68,7 +66,7 @@ from kvstore.memtune import retain_freed_memory
 from kvstore.placement import Placement
 from kvstore.sessions import SessionTable
 from kvstore.sizes import format_size
-from kvstore.spec import FINGERPRINT_BYTES, ModelSpec
+from kvstore.spec import FINGERPRINT_BYTES, ModelSpec, check_spec
 from kvstore.stats import Counters
 from kvstore.store_admin import TenantAdmin, TenantPolicy
 from kvstore.store_lease import LeasedGets
@@ -82,7 +80,6 @@ from tiers.memory import (
     default_device,
     dram_tier,
     hbm_tier,
-    holding_data,
     usable_device,
 )
 from tiers.nvme import NVMeTier
@@ -339,8 +336,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
 
     @staticmethod
     def _check_spec(spec: Any) -> None:
-        if not isinstance(spec, ModelSpec):
-            raise InvalidArgument(f"spec must be a ModelSpec, got {type(spec).__name__}")
+        check_spec(spec)  # NOTE: one check, the client's too
 
     @property
     def drop_epoch(self) -> int:
@@ -392,19 +388,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         calls (default: ``keys[0]`` is the first block of a prefix)."""
         self._check_tenant(tenant)
         self._check_spec(spec)
-        if not isinstance(kv, torch.Tensor):
-            raise InvalidArgument(f"kv must be a torch.Tensor, got {type(kv).__name__}")
-        holding_data(kv, "kv")
-        if kv.layout != torch.strided:
-            raise InvalidArgument(f"kv must be a dense tensor, got layout {kv.layout}")
-        kv = kv.resolve_neg().resolve_conj()  # NOTE: lazy views show values their bytes do not hold
         keys = check_keys(keys)
-        want = (len(keys), *spec.block_shape)
-        if tuple(kv.shape) != want:
-            raise ShapeMismatch(f"kv has shape {tuple(kv.shape)}, expected {want} "
-                                f"([num_keys, 2, layers, kv_heads, block_tokens, head_dim])")
-        if kv.dtype != spec.torch_dtype:
-            raise DTypeMismatch(f"kv has dtype {kv.dtype}, spec says {spec.torch_dtype}")
+        kv = kv_blocks(spec, kv, len(keys))  # the client checks its kv with the same function
         if not keys:  # NOTE: after the tenant check, and not on a closed store (it returned quietly)
             self._check_open()
             return
