@@ -137,6 +137,20 @@ class StoreConfig(BaseModel):
     """TTL of blocks whose tenant has no TTL policy: finite seconds > 0; None = no expiry
     (an infinite TTL is written as unset, as everywhere: :func:`kvstore.expiry.check_ttl`)."""
 
+    session_idle_pause_s: Annotated[Float, Field(ge=0)] = 600.0
+    """An ACTIVE (or RESUMED) session not used for this many seconds — no session verb, no put
+    naming it — is PAUSED by :meth:`kvstore.store.Store.expire` (the sidecar runs it every
+    ``expire_interval_s``): its blocks are unpinned and demoted to DRAM as ``pause_session``
+    does; opening or resuming it brings them back. 0 = never. Why: a client that went away
+    without closing its session (a crash, a disconnect) kept its blocks pinned in HBM for as
+    long as the store ran, refusing every other session's puts once HBM was full of them."""
+
+    session_idle_close_s: Annotated[Float, Field(ge=0)] = 86400.0
+    """A session (in any state) not used for this many seconds is CLOSED by
+    :meth:`kvstore.store.Store.expire`: its blocks are unpinned (kept as prefix cache under the
+    policy) and its id is freed (it counted against ``limits.max_sessions_per_tenant``).
+    0 = never."""
+
     remote: RemoteConfig | None = None
     """The remote tier (Redis/Valkey, standalone or cluster) below the local tiers; None = off.
     Values are encrypted with tenant data keys kept (wrapped) in Redis, so every server with

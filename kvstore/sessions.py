@@ -1,11 +1,19 @@
-"""Session records (DESIGN.md §5): which blocks a session holds and in which state.
+"""Session records (DESIGN.md §5): which blocks a session holds, in which state, last used when.
 
 The table is bookkeeping only; the Store applies the state changes (pins, demotion, prefetch).
+
+Idle expiry: every lookup of a session (:meth:`SessionTable.get`, which the session verbs and a
+put naming the session go through) and every :meth:`SessionTable.open` is a use and refreshes
+its ``last_used``; :meth:`SessionTable.idle` names the sessions unused for too long, which the
+Store pauses or closes (``Store.expire``). Why: a client that goes away without closing its
+session (a crash, a disconnect) left its blocks pinned in HBM, and its id counted against the
+tenant's session limit, for as long as the store ran.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvstore.block import BlockMeta, SessionState
@@ -17,6 +25,7 @@ class Session:
     sid: str
     state: SessionState
     keys: dict[bytes, None] = field(default_factory=dict)  # insertion-ordered set
+    last_used: float = 0.0  # the table's clock at its last use (idle expiry)
 
     @property
     def pinning(self) -> bool:
@@ -25,7 +34,11 @@ class Session:
 
 
 class SessionTable:
-    def __init__(self) -> None:
+    """The sessions of every tenant; ``clock``: the Store's (injected in tests), which dates
+    each session's last use."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
         self._by_id: dict[tuple[str, str], Session] = {}
         self._count: dict[str, int] = {}  # sessions per tenant
 
@@ -36,9 +49,12 @@ class SessionTable:
         return iter(list(self._by_id))
 
     def get(self, tenant: str, sid: str) -> Session:
+        """The session, its last use refreshed (a lookup is a use: a session verb, a put naming
+        it); NotFound when unknown."""
         sess = self._by_id.get((tenant, sid))
         if sess is None:
             raise NotFound(f"unknown session {sid!r} of tenant {tenant!r}")
+        sess.last_used = self._clock()
         return sess
 
     def open(self, tenant: str, sid: str, limit: int | None = None) -> Session:
@@ -47,15 +63,31 @@ class SessionTable:
         one past ``limit`` sessions of the tenant -> ResourceExhausted."""
         sess = self._by_id.get((tenant, sid))
         if sess is not None:
+            sess.last_used = self._clock()
             return sess
         n = self._count.get(tenant, 0)
         if limit is not None and n >= limit:
             raise ResourceExhausted(f"tenant {tenant!r} has {n} open sessions, the most allowed "
                                     f"(limits.max_sessions_per_tenant): close some first",
                                     resource="limits.max_sessions_per_tenant")
-        sess = self._by_id[(tenant, sid)] = Session(sid, SessionState.ACTIVE)
+        sess = self._by_id[(tenant, sid)] = Session(sid, SessionState.ACTIVE, last_used=self._clock())
         self._count[tenant] = n + 1
         return sess
+
+    def idle(self, now: float, pause_after: float, close_after: float
+             ) -> tuple[list[tuple[str, Session]], list[tuple[str, Session]]]:
+        """``(to_close, to_pause)``: the sessions unused for ``close_after`` seconds or more (any
+        state), and the pinning ones (ACTIVE/RESUMED) unused for ``pause_after`` or more that
+        are not closed; each as ``(tenant, session)``. 0 turns either off."""
+        to_close: list[tuple[str, Session]] = []
+        to_pause: list[tuple[str, Session]] = []
+        for (tenant, _), sess in self._by_id.items():
+            idle = now - sess.last_used
+            if close_after and idle >= close_after:
+                to_close.append((tenant, sess))
+            elif pause_after and idle >= pause_after and sess.pinning:
+                to_pause.append((tenant, sess))
+        return to_close, to_pause
 
     def remove(self, tenant: str, sid: str) -> None:
         del self._by_id[(tenant, sid)]

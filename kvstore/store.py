@@ -15,7 +15,9 @@ Primitives and what each guarantees (see DESIGN.md §7 for the invariants):
   leaves (unpinned, not in flight) and the Store demotes or drops them down to the low
   watermark; moves are two-phase (in flight → published or aborted).
 * sessions    — ACTIVE/RESUMED pin their blocks in HBM; PAUSED demotes them to DRAM and keeps
-  them; CLOSED unpins them (:mod:`kvstore.store_sessions`, with ``prefetch``).
+  them; CLOSED unpins them (:mod:`kvstore.store_sessions`, with ``prefetch``). ``expire`` pauses
+  a session unused for ``session_idle_pause_s`` and closes one unused for
+  ``session_idle_close_s`` (a client gone without closing it pinned HBM for good).
 * TTL/quotas  — per tenant; expired blocks are invisible and deleted from every tier; a tenant
   over quota evicts its own blocks first, never another tenant's. The rules, ``expire`` and the
   verbs that delete blocks, tenants and models are in :mod:`kvstore.store_admin`.
@@ -119,7 +121,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         self.quant_policy = QuantizationPolicy.from_names(config.nvme_quantization)
         self._index = PrefixIndex()
         self._specs: dict[bytes, ModelSpec] = {}
-        self._sessions = SessionTable()
+        self._sessions = SessionTable(clock)  # dates each session's last use (idle expiry)
         self._tenant_policy: dict[str, TenantPolicy] = {}
         # drop_tenant calls so far, and the count at each tenant's last drop (see drop_epoch),
         # and at its last drop that deleted the tenant (not only a namespace's blocks)
@@ -650,6 +652,42 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         get = self._index.get
         return self._place.nvme_ahead([(BlockRef(tenant, k, spec), data(i))
                                        for i, k in enumerate(keys) if get(tenant, k) is None])
+
+    # -- expiry -------------------------------------------------------------------------------
+    def expire(self) -> int:
+        """Delete every expired block from every tier (:meth:`TenantAdmin.expire`) and return
+        how many; then pause the pinning sessions unused for ``config.session_idle_pause_s``
+        and close those unused for ``config.session_idle_close_s`` (counted:
+        ``sessions_idle_paused``, ``sessions_idle_closed``). The sidecar calls this every
+        ``expire_interval_s``.
+
+        NOTE: sessions had no expiry: a client gone without closing its session (a crash, a
+        disconnect) kept its blocks pinned in HBM and its id counted against the tenant's
+        session limit for as long as the store ran, and no verb of another principal could
+        end it."""
+        with self._lock, self._batch():
+            n = super().expire()
+            self._expire_idle_sessions(self._clock())
+            return n
+
+    def _expire_idle_sessions(self, now: float) -> None:
+        """Close, then pause, the sessions :meth:`SessionTable.idle` names. Under the lock.
+        A pause or close made here is no use of the session: its last use stays what it was
+        (the close timer runs from the client's last call, not from the idle pause)."""
+        cfg = self.config
+        to_close, to_pause = self._sessions.idle(now, cfg.session_idle_pause_s, cfg.session_idle_close_s)
+        for tenant, sess in to_close:
+            self.close_session(tenant, sess.sid)
+            self.counters.add("sessions_idle_closed")
+        for tenant, sess in to_pause:
+            last = sess.last_used
+            try:
+                self.pause_session(tenant, sess.sid)
+            finally:
+                sess.last_used = last
+            self.counters.add("sessions_idle_paused")
+        if to_close or to_pause:
+            log.info("idle sessions: %d paused, %d closed", len(to_pause), len(to_close))
 
     # -- room: quotas, watermarks, eviction ---------------------------------------------------
     # -- moves (two-phase) --------------------------------------------------------------------
