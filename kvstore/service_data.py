@@ -161,10 +161,13 @@ class DataPlane:
             self.metrics.lookup(b.namespace, len(b.keys), result.num_blocks)
         return result.num_blocks, result.tiers[: result.num_blocks]
 
-    def reserve_put(self, b: Blocks, since: int | None) -> PutReservation:
+    def reserve_put(self, b: Blocks, since: int | None, session: str = "") -> PutReservation:
         """Reserve tier slots for a put whose bytes arrive later (``Store.reserve_put``;
-        ``since``: the caller's ``Principal.epoch``)."""
-        return self.store.reserve_put(b.namespace, b.spec, b.keys, parent=b.parent, since=since)
+        ``since``: the caller's ``Principal.epoch``; ``session``: the put's, "" for none)."""
+        # NOTE: the session was not passed: reserving made room (evicting other tenants' blocks)
+        # before the commit found the session unknown, or HBM held by other sessions' pins
+        return self.store.reserve_put(b.namespace, b.spec, b.keys, parent=b.parent, since=since,
+                                      session=session or None)
 
     def commit_put(self, b: Blocks, reservation: PutReservation, data: Callable[[int], Any], session: str,
                    ttl_s: float | None, plane: str = "stream", *, p: Principal | None = None) -> int:
@@ -250,7 +253,7 @@ class DataPlane:
         nbytes = b.spec.block_nbytes
         check_slots(offsets, nbytes, len(b.keys))
         with self._region(principal, region_id, offsets, nbytes, seq) as region:
-            reservation = self.reserve_put(b, principal.epoch)
+            reservation = self.reserve_put(b, principal.epoch, session)
             staged: list[np.ndarray] = []
             try:
                 pairs: list[tuple[Any, Any]] = []

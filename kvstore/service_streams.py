@@ -89,7 +89,7 @@ def put_stream(plane: DataPlane, p: Principal, frames: Iterator[Frame], is_activ
     staged: dict[int, np.ndarray] = {}
     reservation = None
     try:
-        reservation = plane.reserve_put(b, p.epoch)
+        reservation = plane.reserve_put(b, p.epoch, header.session)
         slots = reservation.views
 
         def destination(i: int) -> Any:

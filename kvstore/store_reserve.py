@@ -42,6 +42,7 @@ class PutReservation:
     probe: BlockMeta  # charges the reserved bytes to the tenant
     charged: bool = True  # the reserved slots count for the tenant
     since: int = 0  # the Store's drop epoch the caller's right to write was checked at
+    session: str | None = None  # the session the put pins its blocks in (checked at the reserve)
     done: bool = False
 
 
@@ -57,7 +58,8 @@ class ReservedPuts:
     """Store methods of the two-phase put (see the module docstring)."""
 
     def reserve_put(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes], *,
-                    parent: bytes | None = None, since: int | None = None) -> PutReservation:
+                    parent: bytes | None = None, since: int | None = None,
+                    session: str | None = None) -> PutReservation:
         """Prepare a put whose bytes arrive later (e.g. streamed over the network): reserve a
         slot in the fastest memory tier that can make room (the tier order along the chain
         kept) for each block not stored yet, up to the first that finds no room, so the caller
@@ -68,6 +70,13 @@ class ReservedPuts:
         :meth:`abort_put`. Reserved bytes count against the tier and the tenant's quota
         meanwhile (in-flight headroom), and making room for them may evict, as a put would;
         a ``parent`` that is not stored is refused first (ParentNotStored), nothing evicted.
+
+        ``session``: the session the commit pins the blocks in (:meth:`commit_put` takes it
+        from here). Checked before any room is made, as :meth:`put` checks it: an unknown one
+        is NotFound, and a put whose blocks (with the ancestors it continues from) cannot all
+        be made room for in HBM now (the rest pinned by sessions or in flight, or the tenant's
+        HBM quota) is ResourceExhausted, nothing evicted. Its slots are reserved in HBM only
+        (session blocks live there; where HBM has none, the commit places them).
 
         ``since``: :attr:`drop_epoch` read before the caller checked its right to write (the
         service: before it authenticated the token); when :meth:`drop_tenant` drops the tenant
@@ -88,13 +97,24 @@ class ReservedPuts:
             probe = BlockMeta(key=ROOT_KEY, tenant=tenant, fingerprint=spec.fingerprint,
                               parent=ROOT_KEY, depth=0, nbytes=nbytes, tokens=spec.block_tokens,
                               tier=self.tiers[0], created=now, last_access=now)
+            # NOTE: the session was checked only at the commit, after making room for the slots
+            # had evicted and demoted other tenants' blocks: an unknown session was NotFound, a
+            # put HBM could not take (other sessions' pins) ResourceExhausted "nothing was
+            # evicted", both after eviction; they are refused here first, as Store.put does
+            if session is not None:
+                self._sessions.get(tenant, session)
             res = PutReservation(tenant, spec, keys, parent0, [None] * len(keys), [None] * len(keys), probe,
-                                 since=since)
+                                 since=since, session=session)
             # NOTE: checked before any room is made: a put under a parent not stored was refused
             # only at the commit, after making room had evicted and demoted the tenant's blocks
             pm = self._stored_parent(tenant, spec, parent0, now) if parent0 != ROOT_KEY else None
             floor = pm.tier if pm is not None else self.tiers[0]
-            self._refuse_what_cannot_fit(tenant, spec, keys, floor)
+            pinned = session is not None
+            lift: list[bytes] = []  # the ancestors a session put brings up into HBM with it
+            if pinned and pm is not None and Tier.HBM in self._mem and pm.tier > Tier.HBM:
+                lift = [m.key for m in self._up_chain([pm], Tier.HBM)]
+            self._refuse_what_cannot_fit(tenant, spec, [*lift, *keys], floor, pinned=pinned)
+            tiers = [Tier.HBM] if pinned and Tier.HBM in self._mem else self.tiers
             # the stored blocks of the chain stay put while room is made for the others
             guarded = [(tenant, k) for k in (parent0, *keys)
                        if (tenant, k) not in self._place.protected and self._index.get(tenant, k) is not None]
@@ -105,7 +125,7 @@ class ReservedPuts:
                     if m is not None:
                         floor = max(floor, m.tier)
                         continue
-                    slot = self._reserve_slot(probe, floor)
+                    slot = self._reserve_slot(probe, floor, tiers)
                     if slot is None:
                         break  # no memory tier has room: the rest is stored by copy at commit
                     tier, offset = res.slots[i] = slot
@@ -118,8 +138,8 @@ class ReservedPuts:
                 self._place.protected.difference_update(guarded)
             return res
 
-    def _reserve_slot(self, probe: BlockMeta, floor: Tier) -> tuple[Tier, int] | None:
-        for tier in self.tiers:
+    def _reserve_slot(self, probe: BlockMeta, floor: Tier, tiers: Sequence[Tier]) -> tuple[Tier, int] | None:
+        for tier in tiers:
             if tier < floor or tier not in self._mem:
                 continue
             if not self._place.make_room(tier, probe):
@@ -150,7 +170,8 @@ class ReservedPuts:
                    session: str | None = None, ttl_s: float | None = None) -> None:
         """Publish a reserved put once every slot holds its block's bytes, all or nothing, with
         :meth:`put_bytes`' semantics. ``data(i)``: the bytes of block i where ``res.views[i]``
-        is None. The reservation is done either way (its unused slots freed).
+        is None. The reservation is done either way (its unused slots freed). ``session``:
+        the reservation's (see :meth:`reserve_put`) when not given; another one is InvalidArgument.
 
         The reserved blocks become visible in their slots, without a copy; the blocks around
         them that had no slot (stored already, or past the memory tiers) go through the
@@ -166,6 +187,11 @@ class ReservedPuts:
                 with self._batch():
                     self._check_open()
                     self._check_not_dropped(res.tenant, res.since)
+                    if session is None:
+                        session = res.session
+                    elif res.session is not None and session != res.session:
+                        raise InvalidArgument(f"this reservation was made for session {res.session!r}, "
+                                              f"not {session!r}")
                     bufs = [v if v is not None else data(i) for i, v in enumerate(res.views)]
                     views = block_views(res.spec, bufs, len(res.keys), "buffer")
                     self._commit_reserved(res, views, session, ttl_s)

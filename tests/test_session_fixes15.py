@@ -1,0 +1,120 @@
+"""Session and prefetch defects a prober found (each test failed before its fix).
+
+* A session put refused over gRPC (Put stream, PutLocal) made room first: ``reserve_put`` took
+  no session, so other tenants' unpinned blocks were evicted, demoted or dropped before the
+  commit found the session unknown (NOT_FOUND) or HBM held by other sessions' pins
+  (RESOURCE_EXHAUSTED "... nothing was evicted").
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+from conftest import make_kv, tokens
+
+from kvstore.errors import InvalidArgument, KVStoreError, NotFound, ResourceExhausted
+
+MOVES = ("evictions", "demotions", "promotions", "moved_hbm_to_dram", "moved_dram_to_nvme",
+         "moved_dram_to_hbm", "moved_nvme_to_dram", "moved_nvme_to_hbm")
+
+
+def _tiers(s, tenant, keys):
+    return [(m.tier.label if (m := s._index.get(tenant, k)) is not None else None) for k in keys]
+
+
+def _moves(s):
+    c = s.stats()["counters"]
+    return {k: c.get(k, 0) for k in MOVES}
+
+
+def _others(s, spec, n=6):
+    """Tenant "c": ``n`` unpinned one-block chains, the last ones in HBM, the first in DRAM."""
+    keys = [s.block_keys("c", spec, tokens(1, spec, start=10_000 * (i + 1))) for i in range(n)]
+    for i, k in enumerate(keys):
+        s.put("c", spec, k, make_kv(spec, 1, seed=i))
+    return [k[0] for k in keys]
+
+
+# -- 1. a session put is refused by reserve_put before any room is made ------------------------
+
+@pytest.mark.parametrize("nvme", [0, 64])
+def test_reserve_put_refuses_an_unknown_session_before_making_room(open_store, spec, nvme):
+    s = open_store(spec, hbm_blocks=4, dram_blocks=4, nvme_blocks=nvme)
+    kc = _others(s, spec)
+    before, moves = _tiers(s, "c", kc), _moves(s)
+    assert "hbm" in before
+    keys = s.block_keys("a", spec, tokens(2, spec))
+    with pytest.raises(NotFound):
+        s.reserve_put("a", spec, keys, session="nope")
+    assert _tiers(s, "c", kc) == before and _moves(s) == moves
+
+
+@pytest.mark.parametrize("nvme", [0, 64])
+def test_reserve_put_refuses_a_session_put_hbm_cannot_take_before_making_room(open_store, spec, nvme):
+    s = open_store(spec, hbm_blocks=4, dram_blocks=4, nvme_blocks=nvme)
+    kc = _others(s, spec)
+    s.open_session("b", "y")
+    s.put("b", spec, s.block_keys("b", spec, tokens(3, spec)), make_kv(spec, 3), session="y")
+    s.open_session("a", "x")
+    before, moves = _tiers(s, "c", kc), _moves(s)
+    assert "dram" in before  # HBM: 3 pinned blocks and 1 free, no room for a put of 2
+    keys = s.block_keys("a", spec, tokens(2, spec))
+    with pytest.raises(ResourceExhausted) as err:
+        s.reserve_put("a", spec, keys, session="x")
+    assert err.value.resource == "hbm"
+    assert _tiers(s, "c", kc) == before and _moves(s) == moves
+
+
+def test_a_session_reservation_lands_in_hbm_pinned_and_commits_its_session(open_store, spec):
+    s = open_store(spec, hbm_blocks=4, dram_blocks=4, nvme_blocks=64)
+    s.open_session("a", "x")
+    keys = s.block_keys("a", spec, tokens(2, spec))
+    res = s.reserve_put("a", spec, keys, session="x")
+    assert [slot[0].label for slot in res.slots] == ["hbm", "hbm"]
+    s.commit_put(res, lambda i: None)  # the session is the reservation's
+    assert [(m.tier.label, m.pins) for m in (s._index.get("a", k) for k in keys)] == [("hbm", 1)] * 2
+    res = s.reserve_put("a", spec, s.block_keys("a", spec, tokens(3, spec))[2:], parent=keys[1], session="x")
+    with pytest.raises(InvalidArgument, match="session 'x'"):
+        s.commit_put(res, lambda i: None, session="other")
+    assert res.done and s.lookup("a", spec, s.block_keys("a", spec, tokens(3, spec))).num_blocks == 2
+
+
+def _service_case(tmp: Path, local: bool, case: str, nvme: int):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from service_harness import SPEC, fresh_tokens, random_kv, start
+
+    B = SPEC.block_nbytes
+    sc = start(tmp, store={"hbm_bytes": 4 * B, "dram_bytes": 4 * B, "nvme_bytes": nvme * B})
+    try:
+        a = sc.tenant("a", local=True) if local else sc.tenant("a")
+        b, c = sc.tenant("b"), sc.tenant("c")
+        kc = [c.block_keys(SPEC, fresh_tokens(1)) for _ in range(6)]
+        for k in kc:
+            c.put(SPEC, k, random_kv(1))
+        session = "nope"
+        if case == "pinned":
+            b.open_session("y")
+            b.put(SPEC, b.block_keys(SPEC, fresh_tokens(3)), random_kv(3), session="y")
+            a.open_session("x")
+            session = "x"
+        before = [tuple(c.lookup(SPEC, k).tiers) for k in kc]
+        ka = a.block_keys(SPEC, fresh_tokens(2))
+        with pytest.raises(KVStoreError) as err:
+            a.put(SPEC, ka, random_kv(2), session=session)
+        after = [tuple(c.lookup(SPEC, k).tiers) for k in kc]
+        return type(err.value).__name__, before, after
+    finally:
+        sc.stop()
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["stream", "local"])
+@pytest.mark.parametrize("case", ["unknown", "pinned"])
+def test_a_refused_session_put_over_grpc_evicts_nothing(local, case):
+    with tempfile.TemporaryDirectory() as d:
+        kind, before, after = _service_case(Path(d), local, case, nvme=0)
+    assert kind == ("NotFound" if case == "unknown" else "ResourceExhausted")
+    assert after == before
