@@ -133,8 +133,9 @@ class SessionPins:
     def resume_session(self, tenant: str, session: str) -> int:
         """Pin the session's blocks again and bring them (with any ancestors they continue
         from) up to the fastest tier; returns blocks moved. All or nothing: when that tier
-        cannot take them all (it is full of pinned blocks), the session stays PAUSED, what
-        moved goes back down, and ResourceExhausted says so; retry when room is freed."""
+        cannot take them all (it is full of pinned blocks), the session stays PAUSED and
+        ResourceExhausted says so; retry when room is freed. Checked before anything moves,
+        as a put's room is (``Placement.room_now``): a refused resume evicts nothing."""
         with self._lock, self._batch():
             return self._resume_locked(tenant, session)
 
@@ -145,10 +146,22 @@ class SessionPins:
             return 0
         top = self.tiers[0]
         # NOTE: with the ancestors outside the session in a slower tier (one stopped it all)
-        moved = self._place.promote(self._up_chain(blocks, top), top)
+        chain = self._up_chain(blocks, top)
+        up = [m for m in chain if m.tier > top]
+        # NOTE: the room was found out by promoting: a resume refused in the end had evicted,
+        # demoted or dropped other tenants' unpinned blocks first, and every retry did again
+        room = self._place.room_now(tenant, min(m.nbytes for m in up), top, True, len(up)) if up else 0
+        if room < len(up):
+            self._turn(tenant, session, pause=True)  # nothing moved: the pins as they were
+            raise ResourceExhausted(
+                f"session {session!r}: {len(up) - room} of {len(up)} blocks do not fit in "
+                f"{top.label} (it is full of pinned blocks); the session stays paused, "
+                f"resume it when room is freed", resource=top.label)
+        moved = self._place.promote(chain, top)
         left = sum(m.tier != top for m in blocks)
         if left:
             # NOTE: this returned a smaller count and left pinned blocks in DRAM, silently
+            # (the check above is an upper bound: what it let through may still not fit)
             self._turn(tenant, session, pause=True)
             self._park(blocks)
             raise ResourceExhausted(

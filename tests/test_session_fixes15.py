@@ -4,6 +4,8 @@
   no session, so other tenants' unpinned blocks were evicted, demoted or dropped before the
   commit found the session unknown (NOT_FOUND) or HBM held by other sessions' pins
   (RESOURCE_EXHAUSTED "... nothing was evicted").
+* A refused resume (all or nothing, the session stays paused) promoted blocks into HBM first,
+  evicting other tenants' blocks, then parked its own back; every retry churned again.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import make_kv, tokens
 
+from kvstore.block import SessionState
 from kvstore.errors import InvalidArgument, KVStoreError, NotFound, ResourceExhausted
 
 MOVES = ("evictions", "demotions", "promotions", "moved_hbm_to_dram", "moved_dram_to_nvme",
@@ -118,3 +121,27 @@ def test_a_refused_session_put_over_grpc_evicts_nothing(local, case):
         kind, before, after = _service_case(Path(d), local, case, nvme=0)
     assert kind == ("NotFound" if case == "unknown" else "ResourceExhausted")
     assert after == before
+
+
+# -- 2. a refused resume moves nothing ---------------------------------------------------------
+
+@pytest.mark.parametrize("nvme", [0, 64])
+def test_a_refused_resume_moves_nothing(open_store, spec, nvme):
+    s = open_store(spec, hbm_blocks=4, dram_blocks=4, nvme_blocks=nvme)
+    s.open_session("a", "x")
+    kx = s.block_keys("a", spec, tokens(3, spec))
+    s.put("a", spec, kx, make_kv(spec, 3), session="x")
+    s.pause_session("a", "x")
+    s.open_session("b", "y")
+    s.put("b", spec, s.block_keys("b", spec, tokens(2, spec, start=500)), make_kv(spec, 2), session="y")
+    kz = s.block_keys("c", spec, tokens(1, spec, start=900))
+    s.put("c", spec, kz, make_kv(spec, 1))
+    assert _tiers(s, "c", kz) == ["hbm"] and _tiers(s, "a", kx) == ["dram"] * 3
+    moves = _moves(s)
+    for _ in range(2):
+        with pytest.raises(ResourceExhausted):
+            s.resume_session("a", "x")
+        assert _tiers(s, "c", kz) == ["hbm"] and _tiers(s, "a", kx) == ["dram"] * 3
+        assert _moves(s) == moves
+        assert s.session_state("a", "x") == SessionState.PAUSED
+        assert [(m.pins, m.paused) for m in (s._index.get("a", k) for k in kx)] == [(0, 1)] * 3
