@@ -2,6 +2,12 @@
 
 The table is bookkeeping only; the Store applies the state changes (pins, demotion, prefetch).
 
+Sessions live in memory only: they do not survive a restart of the store. Their blocks do (those
+committed to NVMe come back there, as ordinary blocks: unpinned, in no session), and a session
+id the table does not know is NotFound with a message that says so: a client cannot otherwise
+tell a session lost to a restart from one it never opened. Persisting sessions is not done:
+after a restart the client opens the session again and puts (or re-pins) what it needs.
+
 Idle expiry: every lookup of a session (:meth:`SessionTable.get`, which the session verbs and a
 put naming the session go through) and every :meth:`SessionTable.open` is a use and refreshes
 its ``last_used``; :meth:`SessionTable.idle` names the sessions unused for too long, which the
@@ -50,10 +56,13 @@ class SessionTable:
 
     def get(self, tenant: str, sid: str) -> Session:
         """The session, its last use refreshed (a lookup is a use: a session verb, a put naming
-        it); NotFound when unknown."""
+        it); NotFound when unknown, saying that sessions do not survive a restart."""
         sess = self._by_id.get((tenant, sid))
         if sess is None:
-            raise NotFound(f"unknown session {sid!r} of tenant {tenant!r}")
+            # NOTE: "unknown session" alone: a client whose session was lost to a restart of
+            # the store (the sidecar) could not tell it from one it never opened
+            raise NotFound(f"unknown session {sid!r} of tenant {tenant!r} (sessions do not survive "
+                           f"a restart of the store; open it again)")
         sess.last_used = self._clock()
         return sess
 

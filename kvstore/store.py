@@ -17,7 +17,9 @@ Primitives and what each guarantees (see DESIGN.md §7 for the invariants):
 * sessions    — ACTIVE/RESUMED pin their blocks in HBM; PAUSED demotes them to DRAM and keeps
   them; CLOSED unpins them (:mod:`kvstore.store_sessions`, with ``prefetch``). ``expire`` pauses
   a session unused for ``session_idle_pause_s`` and closes one unused for
-  ``session_idle_close_s`` (a client gone without closing it pinned HBM for good).
+  ``session_idle_close_s`` (a client gone without closing it pinned HBM for good). Sessions do
+  not survive :meth:`close` / a restart: their blocks come back as ordinary blocks (unpinned),
+  and a session verb or ``put(session=)`` naming one is NotFound, saying so.
 * TTL/quotas  — per tenant; expired blocks are invisible and deleted from every tier; a tenant
   over quota evicts its own blocks first, never another tenant's. The rules, ``expire`` and the
   verbs that delete blocks, tenants and models are in :mod:`kvstore.store_admin`.
@@ -821,7 +823,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         """Close the store. Blocks committed to NVMe come back on the next :meth:`open`
         (with ``persist_on_close``, the warm blocks of HBM and DRAM are committed first,
         reported to ``progress`` as :meth:`flush` does); returns how many were committed.
-        When that commit fails (a full disk), the store still closes, then raises it.
+        Sessions do not come back (they live in memory only): their blocks do, as ordinary
+        unpinned blocks. When that commit fails (a full disk), the store still closes, then raises it.
 
         Committed ancestors first: a memory block short of NVMe quota or space makes room by
         dropping its own NVMe descendants (they could not be served without it), and one that

@@ -179,3 +179,46 @@ def test_sidecar_an_abandoned_session_stops_blocking_other_tenants(tmp_path):
         a.open_session("next")  # a's leaked id is freed
     finally:
         sc.stop()
+
+
+# -- sessions do not survive a restart: NotFound says so -------------------------------------------
+_LOST = r"unknown session 'chat' .*sessions do not survive a restart of the store; open it again"
+
+
+def test_store_reopened_has_no_sessions_and_says_why(open_store, spec, tmp_path):
+    s = open_store(spec, hbm_blocks=4, dram_blocks=8, nvme_blocks=64, path=tmp_path / "st")
+    keys = s.block_keys("t", spec, tokens(2, spec))
+    s.open_session("t", "chat")
+    s.put("t", spec, keys, make_kv(spec, 2), session="chat")
+    s.close()
+    s = open_store(spec, hbm_blocks=4, dram_blocks=8, nvme_blocks=64, path=tmp_path / "st")
+    assert s.lookup("t", spec, keys).tiers == ["nvme", "nvme"]  # the blocks come back, unpinned
+    assert _pins(s, "t", keys) == [0, 0]
+    with pytest.raises(NotFound, match=_LOST):
+        s.session_state("t", "chat")
+    more = s.block_keys("t", spec, tokens(3, spec))[2:]
+    with pytest.raises(NotFound, match=_LOST):
+        s.put("t", spec, more, make_kv(spec, 1), session="chat", parent=keys[-1])
+
+
+def test_sidecar_restart_session_verbs_say_sessions_do_not_survive_it(tmp_path):
+    from service_harness import restart, start
+
+    sc = start(tmp_path, store={"hbm_bytes": 8 * B, "dram_bytes": 8 * B, "nvme_bytes": 64 * B})
+    try:
+        tok = sc.admin().create_tenant("a")
+        a = sc.client(tok, local=False)
+        a.open_session("chat")
+        keys = a.block_keys(SPEC, fresh_tokens(2))
+        a.put(SPEC, keys, random_kv(2), session="chat")
+        sc = restart(sc)
+        a = sc.client(tok, local=False)
+        assert a.lookup(SPEC, keys).num_blocks == 2
+        for verb in (a.pause_session, a.resume_session, a.close_session):
+            with pytest.raises(NotFound, match=_LOST):
+                verb("chat")
+        with pytest.raises(NotFound, match=_LOST):
+            a.put(SPEC, a.block_keys(SPEC, fresh_tokens(1)), random_kv(1), session="chat")
+        assert a.open_session("chat") is SessionState.ACTIVE  # what the message tells it to do
+    finally:
+        sc.stop()
