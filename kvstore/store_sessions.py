@@ -22,6 +22,7 @@ from kvstore.block import BlockMeta, SessionState, Tier
 from kvstore.errors import InvalidArgument, ResourceExhausted
 from kvstore.keys import check_keys
 from kvstore.sessions import Session
+from kvstore.sizes import format_size
 from kvstore.spec import ModelSpec
 from kvstore.store_reserve import _parent
 
@@ -133,9 +134,10 @@ class SessionPins:
     def resume_session(self, tenant: str, session: str) -> int:
         """Pin the session's blocks again and bring them (with any ancestors they continue
         from) up to the fastest tier; returns blocks moved. All or nothing: when that tier
-        cannot take them all (it is full of pinned blocks), the session stays PAUSED and
-        ResourceExhausted says so; retry when room is freed. Checked before anything moves,
-        as a put's room is (``Placement.room_now``): a refused resume evicts nothing."""
+        cannot take them all (the rest of it is pinned by sessions or in flight, or the
+        tenant's quota there binds), the session stays PAUSED and ResourceExhausted says so;
+        retry when room is freed. Checked before anything moves, as a put's room is
+        (``Placement.room_now``): a refused resume evicts nothing."""
         with self._lock, self._batch():
             return self._resume_locked(tenant, session)
 
@@ -150,25 +152,41 @@ class SessionPins:
         up = [m for m in chain if m.tier > top]
         # NOTE: the room was found out by promoting: a resume refused in the end had evicted,
         # demoted or dropped other tenants' unpinned blocks first, and every retry did again
-        room = self._place.room_now(tenant, min(m.nbytes for m in up), top, True, len(up)) if up else 0
-        if room < len(up):
+        if up and self._place.room_now(tenant, min(m.nbytes for m in up), top, True, len(up)) < len(up):
             self._turn(tenant, session, pause=True)  # nothing moved: the pins as they were
-            raise ResourceExhausted(
-                f"session {session!r}: {len(up) - room} of {len(up)} blocks do not fit in "
-                f"{top.label} (it is full of pinned blocks); the session stays paused, "
-                f"resume it when room is freed", resource=top.label)
+            raise self._resume_refusal(tenant, session, top, up, moved=False)
         moved = self._place.promote(chain, top)
-        left = sum(m.tier != top for m in blocks)
-        if left:
+        if any(m.tier != top for m in blocks):
             # NOTE: this returned a smaller count and left pinned blocks in DRAM, silently
             # (the check above is an upper bound: what it let through may still not fit)
             self._turn(tenant, session, pause=True)
             self._park(blocks)
-            raise ResourceExhausted(
-                f"session {session!r}: {left} of {len(blocks)} blocks do not fit in "
-                f"{top.label} (it is full of pinned blocks); the session stays paused, "
-                f"resume it when room is freed", resource=top.label)
+            raise self._resume_refusal(tenant, session, top, up, moved=True)
         return moved
+
+    def _resume_refusal(self, tenant: str, session: str, top: Tier, up: list[BlockMeta], *,
+                        moved: bool) -> ResourceExhausted:
+        """The error of a refused resume of ``session``, whose blocks ``up`` (and ancestors)
+        did not fit in ``top`` (``moved``: they were moved up and back down). Under the lock.
+
+        NOTE: it said how many blocks did not fit, which told a tenant how much of the tier
+        other tenants' sessions pinned ("1 of 6", "4 of 6"); and one refused by the tenant's own
+        quota (the tier empty) said the tier was full of pinned blocks. Now the count is left
+        out, and only the tenant's own quota and usage are named when it binds (as a put's)."""
+        nbytes = min((m.nbytes for m in up), default=0)
+        bound = self._quota_bound(tenant, [top], nbytes, len(up), now=True) if up else None
+        if bound is not None:
+            quota = self._quota(tenant, bound) or 0
+            own = self._place.tenant_usage.get((tenant, bound), 0)
+            why = (f"its quota {bound.label}={format_size(quota)} binds (it holds {format_size(own)} "
+                   f"there); raise its quota (kvstore policy set) or close its other sessions")
+        else:
+            why = (f"{top.label} cannot make room for them (the rest of it is pinned by sessions or in "
+                   f"flight); resume it once sessions close")
+        return ResourceExhausted((
+            f"session {session!r} cannot be resumed: its blocks do not all fit in {top.label} for tenant "
+            f"{tenant!r}: {why}; the session stays paused"
+            + ("" if moved else ", nothing was moved")), resource=top.label)
 
     def close_session(self, tenant: str, session: str) -> None:
         """Unpin the session's blocks; they stay as shareable prefix cache under policy."""

@@ -6,6 +6,8 @@
   (RESOURCE_EXHAUSTED "... nothing was evicted").
 * A refused resume (all or nothing, the session stays paused) promoted blocks into HBM first,
   evicting other tenants' blocks, then parked its own back; every retry churned again.
+* The refused resume's message said how many blocks did not fit, which told a tenant how much
+  of HBM other tenants pinned.
 """
 
 from __future__ import annotations
@@ -145,3 +147,48 @@ def test_a_refused_resume_moves_nothing(open_store, spec, nvme):
         assert _moves(s) == moves
         assert s.session_state("a", "x") == SessionState.PAUSED
         assert [(m.pins, m.paused) for m in (s._index.get("a", k) for k in kx)] == [(0, 1)] * 3
+
+
+# -- 3/4. what a refused resume says --------------------------------------------------------------
+
+def _refused_resume(open_store, spec, path, pinned):
+    s = open_store(spec, hbm_blocks=10, dram_blocks=10, nvme_blocks=64, path=path,
+                   high_watermark=1.0, low_watermark=1.0)
+    s.open_session("bob", "chat")
+    kb = s.block_keys("bob", spec, tokens(6, spec))
+    s.put("bob", spec, kb, make_kv(spec, 6), session="chat")
+    s.pause_session("bob", "chat")
+    s.open_session("alice", "s")
+    ka = s.block_keys("alice", spec, tokens(pinned, spec, start=10_000))
+    s.put("alice", spec, ka, make_kv(spec, pinned, 1), session="s")
+    with pytest.raises(ResourceExhausted) as err:
+        s.resume_session("bob", "chat")
+    s.close()
+    return err.value
+
+
+def test_a_refused_resume_does_not_tell_how_much_others_pin(open_store, spec, tmp_path):
+    five = _refused_resume(open_store, spec, tmp_path / "5", 5)
+    eight = _refused_resume(open_store, spec, tmp_path / "8", 8)
+    assert str(five) == str(eight)
+    assert "stays paused" in str(five) and five.resource == "hbm"
+
+
+def _at_hbm_quota(open_store, spec):
+    s = open_store(spec, hbm_blocks=10, dram_blocks=10, nvme_blocks=64)
+    s.open_session("bob", "chat")
+    kb = s.block_keys("bob", spec, tokens(4, spec))
+    s.put("bob", spec, kb, make_kv(spec, 4), session="chat")
+    s.pause_session("bob", "chat")
+    s.set_tenant_policy("bob", quota_bytes={"hbm": 2 * spec.block_nbytes})
+    assert s.stats()["tiers"]["hbm"]["blocks"] == 0
+    return s, kb
+
+
+def test_a_resume_refused_by_the_quota_names_it(open_store, spec):
+    s, kb = _at_hbm_quota(open_store, spec)
+    with pytest.raises(ResourceExhausted) as err:
+        s.resume_session("bob", "chat")
+    assert "quota hbm=" in str(err.value) and "pinned" not in str(err.value)
+    assert _tiers(s, "bob", kb) == ["dram"] * 4
+    assert s.session_state("bob", "chat") == SessionState.PAUSED
