@@ -135,8 +135,9 @@ class SessionPins:
         """Pin the session's blocks again and bring them (with any ancestors they continue
         from) up to the fastest tier; returns blocks moved. All or nothing: when that tier
         cannot take them all (the rest of it is pinned by sessions or in flight, or the
-        tenant's quota there binds), the session stays PAUSED and ResourceExhausted says so;
-        retry when room is freed. Checked before anything moves, as a put's room is
+        tenant's quota there binds), the session stays PAUSED and ResourceExhausted says so
+        (resource ``quota:TENANT:TIER`` when the quota binds, as a put's refusal); retry when
+        room is freed. Checked before anything moves, as a put's room is
         (``Placement.room_now``): a refused resume evicts nothing."""
         with self._lock, self._batch():
             return self._resume_locked(tenant, session)
@@ -167,12 +168,13 @@ class SessionPins:
     def _resume_refusal(self, tenant: str, session: str, top: Tier, up: list[BlockMeta], *,
                         moved: bool) -> ResourceExhausted:
         """The error of a refused resume of ``session``, whose blocks ``up`` (and ancestors)
-        did not fit in ``top`` (``moved``: they were moved up and back down). Under the lock.
+        did not fit in ``top`` (``moved``: they were moved up and back down); made by the put's
+        ``Store._refusal``. Under the lock.
 
         NOTE: it said how many blocks did not fit, which told a tenant how much of the tier
         other tenants' sessions pinned ("1 of 6", "4 of 6"); and one refused by the tenant's own
-        quota (the tier empty) said the tier was full of pinned blocks. Now the count is left
-        out, and only the tenant's own quota and usage are named when it binds (as a put's)."""
+        quota (the tier empty) said the tier was full of pinned blocks, uncounted. Now the
+        count is left out, and only the tenant's own quota and usage are named when it binds."""
         nbytes = min((m.nbytes for m in up), default=0)
         bound = self._quota_bound(tenant, [top], nbytes, len(up), now=True) if up else None
         if bound is not None:
@@ -183,10 +185,10 @@ class SessionPins:
         else:
             why = (f"{top.label} cannot make room for them (the rest of it is pinned by sessions or in "
                    f"flight); resume it once sessions close")
-        return ResourceExhausted((
+        return self._refusal(tenant, bound, top, (
             f"session {session!r} cannot be resumed: its blocks do not all fit in {top.label} for tenant "
             f"{tenant!r}: {why}; the session stays paused"
-            + ("" if moved else ", nothing was moved")), resource=top.label)
+            + ("" if moved else ", nothing was moved")))
 
     def close_session(self, tenant: str, session: str) -> None:
         """Unpin the session's blocks; they stay as shareable prefix cache under policy."""

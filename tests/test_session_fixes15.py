@@ -8,6 +8,8 @@
   evicting other tenants' blocks, then parked its own back; every retry churned again.
 * The refused resume's message said how many blocks did not fit, which told a tenant how much
   of HBM other tenants pinned.
+* A resume refused by the tenant's own HBM quota (HBM empty) was reported as HBM "full of pinned
+  blocks" (resource "hbm"), not ``quota:TENANT:hbm``, and not counted in quota_rejections.
 """
 
 from __future__ import annotations
@@ -192,3 +194,11 @@ def test_a_resume_refused_by_the_quota_names_it(open_store, spec):
     assert "quota hbm=" in str(err.value) and "pinned" not in str(err.value)
     assert _tiers(s, "bob", kb) == ["dram"] * 4
     assert s.session_state("bob", "chat") == SessionState.PAUSED
+
+
+def test_a_resume_refused_by_the_quota_is_a_quota_rejection(open_store, spec):
+    s, _ = _at_hbm_quota(open_store, spec)
+    with pytest.raises(ResourceExhausted) as err:
+        s.resume_session("bob", "chat")
+    assert err.value.resource == "quota:bob:hbm"
+    assert s.stats()["counters"].get("quota_rejections") == 1
