@@ -209,7 +209,9 @@ class SessionPins:
 
     def prefetch(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes],
                  tier: str | Tier = "hbm", *, parent: bytes | None = None) -> int:
-        """Bring the longest usable prefix up to ``tier`` ahead of use; returns blocks moved."""
+        """Bring the longest usable prefix up to ``tier`` ahead of use, with the ancestors it
+        continues from (``parent`` and up) that lie below ``tier``: no block sits above its
+        parent; returns blocks moved, those ancestors included."""
         self._check_tenant(tenant)  # NOTE: a tenant of None or of 10,000 characters returned 0
         self._check_spec(spec)
         t = Tier.parse(tier)
@@ -220,4 +222,8 @@ class SessionPins:
         keys = check_keys(keys)
         with self._lock, self._batch():
             self._check_open()
-            return self._place.promote(self._chain(tenant, spec, keys, self._clock(), _parent(parent)), t)
+            chain = self._chain(tenant, spec, keys, self._clock(), _parent(parent))
+            # NOTE: only the keys' blocks were promoted: under a parent below ``tier`` (a chain
+            # continued with parent= whose start was demoted) the first could not go above it,
+            # and nothing moved (0), though the tier had room
+            return self._place.promote(self._up_chain(chain, t), t)

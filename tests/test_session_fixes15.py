@@ -10,6 +10,8 @@
   of HBM other tenants pinned.
 * A resume refused by the tenant's own HBM quota (HBM empty) was reported as HBM "full of pinned
   blocks" (resource "hbm"), not ``quota:TENANT:hbm``, and not counted in quota_rejections.
+* Prefetch of a chain continued with ``parent=`` whose parent lies below the target tier moved
+  nothing (0), though the tier had room.
 """
 
 from __future__ import annotations
@@ -202,3 +204,17 @@ def test_a_resume_refused_by_the_quota_is_a_quota_rejection(open_store, spec):
         s.resume_session("bob", "chat")
     assert err.value.resource == "quota:bob:hbm"
     assert s.stats()["counters"].get("quota_rejections") == 1
+
+
+# -- 5. prefetch under a parent below the target tier ----------------------------------------------
+
+def test_prefetch_with_a_parent_below_the_tier_brings_the_ancestors(open_store, spec, tmp_path):
+    s = open_store(spec, hbm_blocks=8, dram_blocks=8, nvme_blocks=64, path=tmp_path / "s")
+    keys = s.block_keys("a", spec, tokens(4, spec))
+    s.put("a", spec, keys, make_kv(spec, 4))
+    s.close()  # committed to NVMe: after the open every block is there
+    s = open_store(spec, hbm_blocks=8, dram_blocks=8, nvme_blocks=64, path=tmp_path / "s")
+    assert _tiers(s, "a", keys) == ["nvme"] * 4
+    assert s.prefetch("a", spec, keys[2:], "hbm", parent=keys[1]) == 4
+    assert _tiers(s, "a", keys) == ["hbm"] * 4
+    assert s.prefetch("a", spec, keys, "hbm") == 0
