@@ -344,7 +344,11 @@ class ServerConfig(BaseModel):
     """fsync every audit entry (admin actions and deletions are durable before the reply)."""
 
     local_data_plane: bool = True
-    """Accept shared-memory region registration from same-host clients."""
+    """Accept shared-memory region registration from same-host clients. False: RegisterRegion
+    is refused FAILED_PRECONDITION (as with ``limits.max_regions_per_principal = 0``, which
+    :attr:`limits` then holds) and clients move blocks over the in-band streams; a client
+    that chose shared memory itself (a local target) falls back to them, one built with
+    ``local=True`` fails."""
 
     expire_interval_s: Annotated[float, Field(ge=0, le=86400, allow_inf_nan=False)] = 30.0
     """Seconds between sweeps that delete expired blocks from every tier (0 = no sweeper;
@@ -365,6 +369,15 @@ class ServerConfig(BaseModel):
         if 0 < self.streaming_copy_bytes < STREAMING_COPY_MIN:
             raise ValueError(f"streaming_copy_bytes must be 0 or at least {STREAMING_COPY_MIN} "
                              f"(glibc's minimum)")
+        return self
+
+    @model_validator(mode="after")
+    def _local_data_plane_off(self) -> ServerConfig:
+        # NOTE: the field was read nowhere (regions were registered and used with it false).
+        # Off is what the region table already does at max_regions_per_principal = 0 (the
+        # limit the data plane is built with): no region is taken, FAILED_PRECONDITION
+        if not self.local_data_plane and self.limits.max_regions_per_principal:
+            object.__setattr__(self, "limits", self.limits.model_copy(update={"max_regions_per_principal": 0}))
         return self
 
     @model_validator(mode="after")

@@ -163,7 +163,10 @@ class RegionTable:
         a caller of the same uid can read it). What :func:`~kvstore.shm_attach.attach_region` maps
         at all: see :mod:`kvstore.shm_checks`."""
         if self._max_per == 0:
-            raise FailedPrecondition("the local data plane is disabled on this server")
+            # FAILED_PRECONDITION: a client that chose shared memory itself goes on with streams
+            raise FailedPrecondition("the local data plane is disabled on this server (local_data_plane = "
+                                     "false, or limits.max_regions_per_principal = 0): use the in-band "
+                                     "streams (Client(local=False))")
         if size <= 0 or size > self._max_bytes:
             raise InvalidArgument(f"region size {size} must be in (0, limits.max_region_bytes={self._max_bytes}]")
         self.prune(owner)  # regions of this principal's clients that are gone

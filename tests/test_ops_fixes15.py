@@ -148,3 +148,33 @@ def test_numbers_and_sizes_still_pass_in_store_fields(tmp_path):
                             min_compress_ratio=2, default_ttl_s=5, high_watermark=1, encrypt=False)
     assert (cfg.hbm_bytes, cfg.dram_bytes, cfg.compression_level, cfg.default_ttl_s) == (1 << 20, 2048, 0, 5.0)
     assert cfg.min_compress_ratio == 2.0 and cfg.encrypt is False
+
+
+# -- local_data_plane = false ----------------------------------------------------------------
+def test_local_data_plane_false_refuses_regions_and_clients_use_streams(tmp_path):
+    """The field was read nowhere: with ``local_data_plane = false`` clients still registered
+    regions and moved blocks through shared memory."""
+    from service_harness import SPEC, fresh_tokens, random_kv, start
+
+    from kvstore.client import Client
+
+    sc = start(tmp_path, local_data_plane=False)
+    try:
+        token = sc.admin().create_tenant("t1")
+        c = sc.client(token)  # local chosen by itself (a loopback target): falls back to streams
+        assert not c.uses_shared_memory
+        keys = c.block_keys(SPEC, fresh_tokens(2))
+        kv = random_kv(2)
+        c.put(SPEC, keys, kv)
+        assert torch.equal(c.get(SPEC, keys), kv)
+        assert not sc.server.data.regions._regions  # nothing was registered
+        with pytest.raises(errors.FailedPrecondition, match="local_data_plane = false"):
+            Client(sc.target, token, local=True)  # shared memory asked for: the refusal says why
+    finally:
+        sc.stop()
+    sc = start(tmp_path / "on")  # the default: regions are taken
+    try:
+        assert sc.tenant("t1").uses_shared_memory
+    finally:
+        sc.stop()
+
