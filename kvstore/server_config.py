@@ -47,7 +47,7 @@ from kvstore.config import StoreConfig, validation_error
 from kvstore.errors import InvalidArgument
 from kvstore.memtune import NONTEMPORAL_MIN as STREAMING_COPY_MIN
 from kvstore.paths import OptionalUserPath, UserPath, private_file_problem
-from kvstore.sizes import ByteCount
+from kvstore.sizes import ByteCount, Float, Int
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -137,10 +137,10 @@ class LimitsConfig(BaseModel):
     framing under max_message_bytes). 2 MiB: frames of 4 MiB moved 15–25 % less than 2 MiB
     ones through the sidecar (see ``kvstore.client.DEFAULT_CHUNK_BYTES``)."""
 
-    max_keys_per_call: Annotated[int, Field(ge=1)] = 65536
+    max_keys_per_call: Annotated[Int, Field(ge=1)] = 65536
     """Most blocks one Lookup/Get/Prefetch/Delete/PutLocal/GetLocal may name."""
 
-    max_blocks_per_stream: Annotated[int, Field(ge=1)] = 4096
+    max_blocks_per_stream: Annotated[Int, Field(ge=1)] = 4096
     """Most blocks one Put stream may carry."""
 
     max_stream_bytes: Annotated[ByteCount, Field(ge=1)] = 2 * GiB
@@ -149,19 +149,19 @@ class LimitsConfig(BaseModel):
     max_inflight_bytes_per_tenant: Annotated[ByteCount, Field(ge=1)] = 4 * GiB
     """Payload bytes one tenant may have buffered across its concurrent Put streams."""
 
-    max_tokens_per_call: Annotated[int, Field(ge=1)] = 4 * MiB
+    max_tokens_per_call: Annotated[Int, Field(ge=1)] = 4 * MiB
     """Most token ids a request may send for key computation."""
 
-    max_sessions_per_tenant: Annotated[int, Field(ge=1)] = 4096
+    max_sessions_per_tenant: Annotated[Int, Field(ge=1)] = 4096
     """Sessions one tenant may have open at once (a session lives until closed)."""
 
-    max_session_id_bytes: Annotated[int, Field(ge=1, le=65536)] = 256
+    max_session_id_bytes: Annotated[Int, Field(ge=1, le=65536)] = 256
     """Longest session id, in UTF-8 bytes."""
 
-    max_regions_per_principal: Annotated[int, Field(ge=0)] = 64
+    max_regions_per_principal: Annotated[Int, Field(ge=0)] = 64
     """Shared-memory regions one principal may have registered at once (0 disables the local plane)."""
 
-    region_idle_evict_s: Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)] = 60.0
+    region_idle_evict_s: Annotated[Float, Field(gt=0, le=86400, allow_inf_nan=False)] = 60.0
     """At ``max_regions_per_principal``, a new registration drops that principal's least
     recently used region that no call is using and that has been idle this many seconds (its
     live client registers it again at its next call) instead of being refused. Finite, at
@@ -173,31 +173,31 @@ class LimitsConfig(BaseModel):
     staging_cache_bytes: Annotated[ByteCount, Field(ge=0)] = 256 * MiB
     """Block buffers of the in-band streams kept for reuse between calls (0 = allocate per call)."""
 
-    max_calls_per_principal: Annotated[int, Field(ge=1, le=1024)] | None = None
+    max_calls_per_principal: Annotated[Int, Field(ge=1, le=1024)] | None = None
     """Calls one principal may have running at once, streams included; past it the call is
     refused with RESOURCE_EXHAUSTED naming this limit (the client may retry). None = half the
     ``workers`` (8 of 16). The admin principal is not counted. At most ``workers -
     admin_workers``: each running call holds one worker thread."""
 
-    max_streams_per_principal: Annotated[int, Field(ge=1, le=1024)] | None = None
+    max_streams_per_principal: Annotated[Int, Field(ge=1, le=1024)] | None = None
     """In-band Put and Get streams one principal may have running at once (they count as calls
     too); past it RESOURCE_EXHAUSTED naming this limit. None = a quarter of the ``workers``
     (4 of 16). At most ``max_calls_per_principal``. Engines with many ranks on one token that
     stream in-band: raise ``workers`` and these two together."""
 
-    admin_workers: Annotated[int, Field(ge=0, le=1024)] | None = None
+    admin_workers: Annotated[Int, Field(ge=0, le=1024)] | None = None
     """Worker threads kept for the admin principal and health checks: the calls of all tenants
     together may hold at most ``workers - admin_workers`` of them (past that: RESOURCE_EXHAUSTED
     naming this limit). None = an eighth of the ``workers``, at least 1 (2 of 16; 0 with one
     worker). Below ``workers``."""
 
-    max_queued_calls: Annotated[int, Field(ge=0, le=65536)] | None = None
+    max_queued_calls: Annotated[Int, Field(ge=0, le=65536)] | None = None
     """Calls accepted while every worker is busy, waiting for one; past ``workers +
     max_queued_calls`` calls at once, grpc refuses new ones at once with RESOURCE_EXHAUSTED
     ("Concurrent RPC limit exceeded") instead of queueing them without end. None = as many as
     ``workers``."""
 
-    stream_idle_s: Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)] = 30.0
+    stream_idle_s: Annotated[Float, Field(gt=0, le=86400, allow_inf_nan=False)] = 30.0
     """A Put stream that receives no message, or a Get stream whose client takes no message,
     for this many seconds is cancelled (the client sees CANCELLED; a Put stores nothing) and
     gives its worker back. Checked every ``stream_idle_s / 2``: a stalled stream ends within
@@ -311,10 +311,10 @@ class ServerConfig(BaseModel):
     tls: TLSConfig | None = None
     """TLS/mTLS settings; None = plaintext (loopback/unix only unless allowed above)."""
 
-    workers: Annotated[int, Field(ge=1, le=1024)] = 16
+    workers: Annotated[Int, Field(ge=1, le=1024)] = 16
     """Threads serving RPCs (each stream holds one while it runs)."""
 
-    copy_threads: Annotated[int, Field(ge=1, le=64)] = 2
+    copy_threads: Annotated[Int, Field(ge=1, le=64)] = 2
     """Threads that copy one shared-memory Put's or Get's blocks between the client's region
     and the memory tiers (the RPC's own thread is one of them; 1 = it alone). The copies run
     outside the Store's lock either way. On the 2-core development machine, one client, 32
@@ -322,7 +322,7 @@ class ServerConfig(BaseModel):
     single copy of before 3.88/4.15 and 4.63/5.18, 1 thread 3.48/4.50 and 4.41/5.41, 2 threads
     4.53/5.52 and 4.71/5.90."""
 
-    torch_threads: Annotated[int, Field(ge=0, le=1024)] = 1
+    torch_threads: Annotated[Int, Field(ge=0, le=1024)] = 1
     """torch intra-op threads of ``kvstore serve`` (0 = torch's default). Block copies are
     memory-bound; extra intra-op threads slowed 2 MiB copies by an order of magnitude whenever
     another core was busy (see LIMITS.md)."""
@@ -350,15 +350,15 @@ class ServerConfig(BaseModel):
     that chose shared memory itself (a local target) falls back to them, one built with
     ``local=True`` fails."""
 
-    expire_interval_s: Annotated[float, Field(ge=0, le=86400, allow_inf_nan=False)] = 30.0
+    expire_interval_s: Annotated[Float, Field(ge=0, le=86400, allow_inf_nan=False)] = 30.0
     """Seconds between sweeps that delete expired blocks from every tier (0 = no sweeper;
     expired blocks are invisible to lookups either way); at most a day."""
 
-    grace_s: Annotated[float, Field(ge=0, le=3600, allow_inf_nan=False)] = 5.0
+    grace_s: Annotated[Float, Field(ge=0, le=3600, allow_inf_nan=False)] = 5.0
     """On shutdown, how long in-flight calls may finish: finite seconds, at most an hour (an
     infinite grace made grpc's stop raise OverflowError at SIGINT)."""
 
-    drain_s: Annotated[float, Field(ge=0, le=3600, allow_inf_nan=False)] = 60.0
+    drain_s: Annotated[Float, Field(ge=0, le=3600, allow_inf_nan=False)] = 60.0
     """On shutdown, after ``grace_s``, how long to wait for handlers still running (grpc
     cancels their calls but cannot stop their threads: a delete in its Redis part, say) before
     the audit log and the Store close under them; one still running then is logged, and its

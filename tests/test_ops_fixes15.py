@@ -178,3 +178,18 @@ def test_local_data_plane_false_refuses_regions_and_clients_use_streams(tmp_path
     finally:
         sc.stop()
 
+
+
+@pytest.mark.parametrize("path", ["workers", "copy_threads", "torch_threads", "streaming_copy_bytes",
+                                  "expire_interval_s", "grace_s", "drain_s", "limits.max_keys_per_call",
+                                  "limits.max_message_bytes", "limits.max_regions_per_principal",
+                                  "limits.region_idle_evict_s", "limits.max_calls_per_principal",
+                                  "limits.stream_idle_s"])
+def test_a_boolean_in_a_numeric_server_field_is_refused(tmp_path, path):
+    """``workers = true`` was one worker, ``max_keys_per_call = true`` one key per call."""
+    from kvstore import server_config
+
+    *table, field = path.split(".")
+    data = {field: True} if not table else {table[0]: {field: True}}
+    with pytest.raises(errors.InvalidArgument, match=rf"{path}: true is a boolean"):
+        server_config.build(data, data_dir=tmp_path)
