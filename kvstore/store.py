@@ -471,15 +471,21 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         existing: list[BlockMeta] = []  # already stored: touched and re-timed on success
         guarded: list[Ident] = []
         parent_tier, base_depth = self.tiers[0], 0
-        if parent0 != ROOT_KEY:
-            pm = self._stored_parent(tenant, spec, parent0, now)
-            if sess is not None and pm.tier > self.tiers[0]:
+        pm = self._stored_parent(tenant, spec, parent0, now) if parent0 != ROOT_KEY else None
+        lift: list[bytes] = []  # the ancestors a session put brings up with it
+        if sess is not None and pm is not None and pm.tier > self.tiers[0]:
+            lift = [m.key for m in self._up_chain([pm], self.tiers[0])]
+        # NOTE: checked before the ancestors come up, as reserve_put does: bringing them up
+        # first could evict other tenants' blocks for a put then refused
+        self._refuse_what_cannot_fit(tenant, spec, [*lift, *keys], pm.tier if pm is not None else parent_tier,
+                                     pinned=sess is not None)
+        if pm is not None:
+            if lift:
                 # NOTE: session blocks live in the top tier and no block sits above its parent:
                 # a parent demoted meanwhile (a shared prompt under other traffic) failed the put
                 # as "could not be brought up", and nothing had tried to
                 self._bring_up(pm, f"the block session {session!r} continues from")
             parent_tier, base_depth = pm.tier, pm.depth + 1
-        self._refuse_what_cannot_fit(tenant, spec, keys, parent_tier, pinned=sess is not None)
         # New blocks bound for NVMe are encoded ahead while the previous ones are written.
         with self._put_ahead(tenant, spec, keys, data, parent_tier):
             # NOTE: guarded here, next to the try whose finally lets go: a put refused

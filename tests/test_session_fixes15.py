@@ -218,3 +218,23 @@ def test_prefetch_with_a_parent_below_the_tier_brings_the_ancestors(open_store, 
     assert s.prefetch("a", spec, keys[2:], "hbm", parent=keys[1]) == 4
     assert _tiers(s, "a", keys) == ["hbm"] * 4
     assert s.prefetch("a", spec, keys, "hbm") == 0
+
+
+def test_store_put_of_a_session_under_a_demoted_parent_refused_moves_nothing(open_store, spec):
+    """Store.put brought a session put's demoted parent (and its ancestors) up into HBM before
+    its up-front check, evicting other tenants' blocks for a put then refused."""
+    s = open_store(spec, hbm_blocks=4, dram_blocks=8, nvme_blocks=64)
+    base = s.block_keys("a", spec, tokens(3, spec))
+    s.put("a", spec, base, make_kv(spec, 3))
+    kc = _others(s, spec, n=4)  # push the chain down to DRAM
+    s.open_session("b", "y")
+    s.put("b", spec, s.block_keys("b", spec, tokens(2, spec, start=500_000)), make_kv(spec, 2), session="y")
+    s.open_session("a", "x")
+    before, moves = _tiers(s, "c", kc), _moves(s)
+    parent_tiers = _tiers(s, "a", base)
+    assert parent_tiers[-1] != "hbm", parent_tiers
+    more = s.block_keys("a", spec, tokens(5, spec))[3:]  # 3 ancestors to lift + 2 new > 2 free of 4
+    with pytest.raises(ResourceExhausted):
+        s.put("a", spec, more, make_kv(spec, 2), session="x", parent=base[-1])
+    assert _tiers(s, "c", kc) == before and _moves(s) == moves
+    assert _tiers(s, "a", base) == parent_tiers
