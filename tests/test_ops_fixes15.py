@@ -193,3 +193,14 @@ def test_a_boolean_in_a_numeric_server_field_is_refused(tmp_path, path):
     data = {field: True} if not table else {table[0]: {field: True}}
     with pytest.raises(errors.InvalidArgument, match=rf"{path}: true is a boolean"):
         server_config.build(data, data_dir=tmp_path)
+
+
+@pytest.mark.parametrize("field", ["retries", "op_timeout_s", "compression_level", "breaker_failures",
+                                   "rewrite_window_s"])
+def test_a_boolean_in_a_numeric_remote_field_is_refused(field):
+    """The remote tier's numbers took ``true`` as 1 (one retry, a 1 s timeout)."""
+    from kvstore.errors import InvalidArgument
+    from tiers.remote_config import RemoteConfig
+
+    with pytest.raises(InvalidArgument, match=rf"{field}: true is a boolean"):
+        RemoteConfig.build(urls=["redis://127.0.0.1:6379"], **{field: True})
