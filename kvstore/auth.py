@@ -29,6 +29,17 @@ or a principal deleted since -> ``Unauthenticated``, the namespace written no lo
 ``PermissionDenied``, and nothing of the call is stored. Changes wait for the commits holding
 the registry to end, so once a rotation or revocation has returned, no call authenticated
 before it stores anything. (Before, such a stream committed its blocks after the rotation.)
+
+Deletion in two steps, each saved: :meth:`AuthRegistry.begin_delete` marks a principal as being
+deleted (its token refused from then on, the mark saved in the file under ``"deleting"``), the
+caller drops its data and destroys its data key, and :meth:`AuthRegistry.end_delete` removes
+the principal. A principal being deleted is no principal to :meth:`~AuthRegistry.get`,
+:meth:`~AuthRegistry.list` or :meth:`~AuthRegistry.authenticate`; :meth:`~AuthRegistry.deleting`
+names them, so that the next start (or a later call) finishes what a crash interrupted. Why: the
+principal was removed (saved) before its data was gone for good; killed in between, a restart
+found no principal but the tenant's blocks and key, and a tenant created later under the name
+read them. Only a mark says a deletion is under way: a name with data and no principal at all
+(a principals file lost, to be restored from a backup) is left alone.
 """
 
 from __future__ import annotations
@@ -251,6 +262,7 @@ class AuthRegistry:
         self._hashes: dict[str, str] = {}  # token hash -> name
         self._epoch = 0  # the auth epoch: advanced after every change of principals
         self._token_epoch: dict[str, int] = {}  # name -> the epoch its current token was set at
+        self._deleting: dict[str, Principal] = {}  # marked by begin_delete: no token, data going
         self._gate = _Gate()
         try:
             data = _load(self.path)
@@ -260,6 +272,11 @@ class AuthRegistry:
                     created=float(rec.get("created", 0.0)),
                 )
                 self._hashes[rec["token_sha256"]] = name
+            for name, rec in data.get("deleting", {}).items():
+                self._deleting[name] = Principal(
+                    name=name, role=Role(rec["role"]), namespaces=tuple(rec.get("namespaces", ())),
+                    created=float(rec.get("created", 0.0)),
+                )
             self._policies: dict[str, TenantPolicy] = {
                 name: TenantPolicy(ttl_s=p.get("ttl_s"), quota_bytes=dict(p.get("quota_bytes", {})),
                                    priority=int(p.get("priority", 0)))
@@ -285,6 +302,11 @@ class AuthRegistry:
             },
             "policies": {name: asdict(p) for name, p in sorted(self._policies.items())},
         }
+        if self._deleting:  # NOTE: only then: a file without deletions reads as it always did
+            data["deleting"] = {
+                name: {"role": p.role.value, "namespaces": list(p.namespaces), "created": p.created}
+                for name, p in sorted(self._deleting.items())
+            }
         tmp = self.path.with_suffix(".tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -305,12 +327,13 @@ class AuthRegistry:
         """A change of principals, tokens or policies: saved when the block ends, or undone in
         memory when it raises or the save fails (a deletion or rotation that memory had made
         and the file had not would bring the old token back at the next start)."""
-        before = (dict(self._principals), dict(self._hashes), dict(self._policies), dict(self._token_epoch))
+        before = (dict(self._principals), dict(self._hashes), dict(self._policies), dict(self._token_epoch),
+                  dict(self._deleting))
         try:
             yield
             self._save()
         except BaseException:
-            self._principals, self._hashes, self._policies, self._token_epoch = before
+            self._principals, self._hashes, self._policies, self._token_epoch, self._deleting = before
             raise
 
     @contextmanager
@@ -398,6 +421,9 @@ class AuthRegistry:
         with self._changing_rights():
             if name in self._principals:
                 raise AlreadyExists(f"principal {name!r} already exists")
+            if name in self._deleting:  # NOTE: its data may still be there: finish the deletion first
+                raise FailedPrecondition(f"principal {name!r} is being deleted: delete it again to finish "
+                                         "the deletion, then create it")
             self._principals[name] = Principal(name, role, ns, created=self._clock())
             token = self._set_token(name)
         return token
@@ -410,15 +436,47 @@ class AuthRegistry:
         return token
 
     def delete(self, name: str) -> Principal:
+        """Remove a principal at once (:meth:`begin_delete` and :meth:`end_delete` in one):
+        for principals that hold no data."""
         with self._changing_rights():
-            p = self.get(name)
-            if p.role is Role.ADMIN and sum(q.role is Role.ADMIN for q in self._principals.values()) == 1:
-                raise FailedPrecondition("cannot delete the last admin")
-            del self._principals[name]
-            self._hashes = {h: n for h, n in self._hashes.items() if n != name}
-            self._token_epoch.pop(name, None)
+            p = self._mark(name)
+            self._deleting.pop(name, None)
             self._policies.pop(name, None)
         return p
+
+    def _mark(self, name: str) -> Principal:
+        p = self.get(name)
+        if p.role is Role.ADMIN and sum(q.role is Role.ADMIN for q in self._principals.values()) == 1:
+            raise FailedPrecondition("cannot delete the last admin")
+        del self._principals[name]
+        self._hashes = {h: n for h, n in self._hashes.items() if n != name}
+        self._token_epoch.pop(name, None)
+        self._deleting[name] = p
+        return p
+
+    def begin_delete(self, name: str) -> Principal:
+        """Mark ``name`` as being deleted, saved: its token is refused from now on (a call
+        authenticated before fails its next :meth:`check`), and it is no principal to
+        :meth:`get` or :meth:`list`; it stays in :meth:`deleting` until :meth:`end_delete`.
+        Returns the principal as it was. A name marked already is returned as it is (a
+        deletion run again). NotFound for a name that is neither."""
+        if name in self._deleting:
+            return self._deleting[name]
+        with self._changing_rights():
+            return self._mark(name)
+
+    def end_delete(self, name: str) -> None:
+        """Remove a principal marked by :meth:`begin_delete` (with its policy), saved; call it
+        once its data and data key are gone. No-op for a name not marked."""
+        if name not in self._deleting:
+            return
+        with self._lock, self._changing():
+            self._deleting.pop(name, None)
+            self._policies.pop(name, None)
+
+    def deleting(self) -> dict[str, Principal]:
+        """The principals marked as being deleted, by name (a deletion left unfinished)."""
+        return dict(self._deleting)
 
     def grant(self, name: str, namespace: str, *, revoke: bool = False) -> Principal:
         """Add (or remove) a shared namespace to a tenant's read grants / a publisher's list."""

@@ -4,10 +4,16 @@
 the admin role and audits every call (who, what, target, result) around these methods. The
 ``*_detail`` functions word what an entry records of a change beyond its target: the role and
 namespaces a principal was created with, the grants and the policy before and after.
+
+A tenant's deletion is crash-safe and resumable (:meth:`AdminPlane.delete_tenant`): the
+principal is marked as being deleted first (saved), then its data and key go, then the
+principal; :meth:`AdminPlane.finish_deletions` (at every start) and :meth:`AdminPlane.create_tenant`
+(of that name) finish a deletion left marked, and audit it.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from kvstore.audit import AuditLog
@@ -16,6 +22,11 @@ from kvstore.block import Tier
 from kvstore.errors import InvalidArgument, KVStoreError, NotFound
 from kvstore.service_resources import RegionTable
 from kvstore.spec import FINGERPRINT_BYTES
+
+log = logging.getLogger(__name__)
+
+#: the principal the audit log names for what the server does itself (a deletion it finishes)
+SERVER_PRINCIPAL = "kvstore serve"
 
 
 class AdminPlane:
@@ -31,8 +42,47 @@ class AdminPlane:
         self.max_message_bytes = max_message_bytes
 
     def create_tenant(self, name: str, role: Role, namespaces: list[str]) -> str:
-        """Create a principal; returns its token (shown once)."""
+        """Create a principal; returns its token (shown once). A deletion of the name left
+        unfinished (a step failed) is finished first: the new principal must not find the
+        deleted one's blocks or data key; when it cannot be finished, nothing is created."""
+        if name in self.registry.deleting():
+            self._finish(name, "before tenant.create of the same name")
         return self.registry.create(name, role, namespaces)
+
+    def finish_deletions(self) -> list[str]:
+        """Finish every deletion left marked (the server stopped, or a step failed, part-way):
+        the data and data key go, then the principal; each audited. Called at start, before
+        the server serves. One that fails again is logged and left marked (its token stays
+        refused; the next start, ``tenant delete`` or ``tenant add`` of the name retries it).
+        Returns the names finished."""
+        done = []
+        for name in self.registry.deleting():
+            try:
+                self._finish(name, "at start: the server stopped during its deletion")
+                done.append(name)
+            except KVStoreError as exc:
+                log.warning("the deletion of %r could not be finished (%s); it is retried at the next start, "
+                            "or by deleting it again", name, exc)
+        return done
+
+    def _finish(self, name: str, why: str) -> None:
+        """Finish the marked deletion of ``name`` and append its audit entry (OK, or the
+        error's code before it is raised again)."""
+        try:
+            self._delete_marked(name)
+        except KVStoreError as exc:
+            self._record(name, exc.code, f"not finished {why}: {exc}")
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.forget_tenant(name)
+        self._record(name, "OK", f"finished {why}")
+
+    def _record(self, name: str, result: str, detail: str) -> None:
+        try:
+            self.audit.append(SERVER_PRINCIPAL, "tenant.delete", name, result, detail)
+        except KVStoreError as exc:  # the deletion is done (or not) either way
+            log.warning("the audit entry of the deletion of %r could not be written: %s", name, exc)
 
     def grant(self, tenant: str, namespace: str, *, revoke: bool = False) -> tuple[Principal, tuple[str, ...]]:
         """Grant (or revoke) a shared namespace; returns the principal as it now is and the
@@ -47,11 +97,17 @@ class AdminPlane:
         """Remove a principal (its token stops working) and, for a tenant or a shared namespace,
         destroy its data key and blocks on every tier.
 
-        A tenant's data goes first and its principal after, then its data once more (what it
-        put in between): when a step fails (a full disk), the principal is still there and the
-        deletion can be run again. A name whose principal is gone but whose data key or blocks
-        are left (a deletion that failed half-way in an earlier version) is cleaned up: else a
-        tenant created later under that name would read them."""
+        A principal is first marked as being deleted, saved (:meth:`AuthRegistry.begin_delete`:
+        its token is refused from then on, and a put authenticated before fails its commit),
+        then a tenant's blocks and data key go (a put reserved before fails on the Store's drop
+        epoch), then the principal. When a step fails (a full disk, the remote tier down) or
+        the server stops between them, the mark stays: running the deletion again, creating a
+        tenant of the name, or the next start finishes it. (The principal was removed before
+        the data was gone for good, and its data dropped again after: a crash in between left
+        the blocks put meanwhile and the data key, with no principal, and a tenant created
+        later under the name read them.) A name whose principal is gone but whose data key or
+        blocks are left (a deletion that failed half-way in an earlier version) is cleaned up:
+        else a tenant created later under that name would read them."""
         try:
             self._delete_tenant(name)
         finally:
@@ -70,23 +126,30 @@ class AdminPlane:
                 self._apply(name, policy)
             return
         check_name(name)
-        try:
-            principal = self.registry.get(name)
-        except NotFound:
-            keyring = getattr(self.store, "keyring", None)
-            had_key = keyring is not None and name in keyring.tenants()
-            if self.store.drop_tenant(name) or had_key:
-                return
-            raise
-        if principal.role is Role.TENANT:
-            self.store.drop_tenant(name)
-        self.registry.delete(name)
+        if name not in self.registry.deleting():
+            try:
+                self.registry.get(name)
+            except NotFound:
+                keyring = getattr(self.store, "keyring", None)
+                had_key = keyring is not None and name in keyring.tenants()
+                if self.store.drop_tenant(name) or had_key:
+                    return
+                raise
+        self.registry.begin_delete(name)  # saved: from here on the deletion is finished, whatever stops it
+        self._delete_marked(name)
+
+    def _delete_marked(self, name: str) -> None:
+        """The steps after the mark: regions, blocks and data key, then the principal."""
+        principal = self.registry.deleting()[name]
         if self.regions is not None:
             # NOTE: a principal created later under the same name must not reach the memory
             # of the deleted one's clients through their region ids
             self.regions.drop_owner(name)
         if principal.role is Role.TENANT:
+            # NOTE: once: no put of the tenant commits after the mark (its auth epoch check),
+            # and one reserved before fails on the drop epoch this advances
             self.store.drop_tenant(name)
+        self.registry.end_delete(name)
 
     def _policy_holder(self, namespace: str) -> None:
         """NotFound for a tenant that does not exist, InvalidArgument for a principal that holds
