@@ -25,8 +25,12 @@ Contracts:
   e.g. ``[2, layers, page_size, heads, head_dim]`` for MHA). It is stored under a *flat bytes*
   :class:`~kvstore.spec.ModelSpec` — one layer, one head, one token, ``head_dim =
   page_bytes / (2 * itemsize)`` of the page dtype — whose fingerprint still separates model,
-  page geometry, SGLang layout, TP shard (MLA pages are shared by all TP ranks) and PP stage
-  (in the ``layout`` tag). Round trips are bit-exact (kvstore's codecs are lossless unless an
+  page geometry, SGLang layout, TP shard (MLA pages are shared by all TP ranks), PP stage and
+  attention CP rank (in the ``layout`` tag). With decode context parallelism (``dcp_size > 1``,
+  SGLang 0.5.23 on; MLA) each DCP rank stores its own shard of every page: the shard is the
+  spec's rank among ``dcp_size``, and TP size and logical page size join the tag, so shards never
+  share a key (DCP groups, which hold the same shards, do). Configs of SGLang releases without
+  the DCP fields are read as no DCP; keys without DCP are unchanged. Round trips are bit-exact (kvstore's codecs are lossless unless an
   operator enables NVMe quantization for the tenant or model). The host pool SGLang registers
   fixes the spec: its page size, dtype and layout (so a backend configured with
   ``kvstore_page_bytes`` and one that is not share pages once the pool is registered);
@@ -141,9 +145,34 @@ def page_spec(cfg: KVStoreBackendConfig, storage_config: Any, page_bytes: int, d
     tp_rank, tp_size = (0, 1) if mla else (storage_config.tp_rank, storage_config.tp_size)
     tag = (f"sglang-page:{layout or 'flat'}:pp{storage_config.pp_rank}/{storage_config.pp_size}"
            f":cp{storage_config.attn_cp_rank}/{storage_config.attn_cp_size}:mla={int(mla)}")
+    dcp_rank, dcp_size = _dcp_shard(storage_config)
+    if dcp_size > 1:
+        # NOTE: under DCP each rank of a group holds (and writes) its own shard of every page;
+        # keyed as one MLA page, the first shard written was served to every rank. The shard
+        # index is the spec's rank (equal across DCP groups, which hold the same shards), and
+        # the tag carries the topology the shard's contents depend on, as SGLang's file and
+        # Mooncake backends do. Without DCP the tag is unchanged (keys stay as they were).
+        if mla:
+            tp_rank, tp_size = dcp_rank, dcp_size
+        tag += (f":dcp{dcp_rank}/{dcp_size}:tp{storage_config.tp_size}"
+                f":page{getattr(storage_config, 'logical_page_size', None)}")
     return ModelSpec(model=cfg.model, revision=cfg.revision, num_layers=1, num_kv_heads=1,
                      head_dim=page_bytes // (2 * itemsize), dtype=dtype, block_tokens=1,
                      layout=tag, tp_rank=tp_rank, tp_size=tp_size)
+
+
+def _dcp_shard(storage_config: Any) -> tuple[int, int]:
+    """``(dcp_rank, dcp_size)`` of the config: decode-context-parallel shard of each page.
+    SGLang releases before DCP storage have neither field, meaning (0, 1)."""
+    size = getattr(storage_config, "dcp_size", None)
+    rank = getattr(storage_config, "dcp_rank", None)
+    size = 1 if size is None else size
+    rank = 0 if rank is None else rank
+    if isinstance(size, bool) or isinstance(rank, bool) or not isinstance(size, int) \
+            or not isinstance(rank, int) or size < 1 or not 0 <= rank < size:
+        raise InvalidArgument(f"storage config has dcp_rank {rank!r} of dcp_size {size!r}: "
+                              f"need ints with 0 <= dcp_rank < dcp_size")
+    return rank, size
 
 
 def page_key(spec: ModelSpec, key: str) -> bytes:
