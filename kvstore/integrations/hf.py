@@ -17,6 +17,12 @@ Primitives and what each guarantees:
   uncached suffix is prefilled), then save the new full blocks. A store that fails or does not
   answer (any error but a bad argument) costs the reuse, not the generation: the restore is a
   miss and the save is skipped, each logged. ``save`` and ``restore`` called directly raise.
+  Calls the store cannot serve exactly are generated without it (no restore, no save; the
+  reason in ``Generation.bypassed``, logged once at info): an ``attention_mask`` with a zero
+  (padding or holes: blocks are keyed by token ids alone, and KV computed under one mask is not
+  the KV of another), and beam search or several return sequences (the cache holds one row
+  per beam or sequence, and row 0 need not be the sequence returned). A cache must not change
+  what ``model.generate`` returns, so these are not refused either.
 
 NOTE: keys are stored after RoPE, so a block is only valid at its position after exactly its
 prefix: the block key is the *chained* key over the full token prefix (``block_keys`` of the
@@ -249,12 +255,14 @@ class Restored:
 @dataclass(frozen=True, slots=True)
 class Generation:
     """``sequences`` as ``model.generate`` returns them; ``reused_tokens`` came from the store;
-    ``cache`` holds the KV of the sequence (all but its last token), to continue from."""
+    ``cache`` holds the KV of the sequence (all but its last token), to continue from;
+    ``bypassed`` says why the store was not used for this call ("" when it was)."""
 
     sequences: torch.Tensor
     reused_tokens: int
     saved: Saved
     cache: Any
+    bypassed: str = ""
 
 
 def _token_list(token_ids: Any) -> list[int]:
@@ -274,6 +282,21 @@ def _token_list(token_ids: Any) -> list[int]:
     return as_token_array(arr).tolist()
 
 
+def _bypass_reason(model: Any, generate_kwargs: dict[str, Any]) -> str:
+    """Why ``generate`` with these arguments must not restore or save ("" when it may); see
+    the module docstring. Decided before generating, so that a finished generation is never
+    lost to a save that cannot take its cache."""
+    mask = generate_kwargs.get("attention_mask")
+    if mask is not None and bool((torch.as_tensor(mask) == 0).any()):
+        return "attention_mask has zeros (padding or holes)"
+    config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    for name in ("num_beams", "num_return_sequences"):
+        value = generate_kwargs.get(name, getattr(config, name, 1))
+        if value is not None and value > 1:
+            return f"{name}={value} (one cache row per beam or sequence)"
+    return ""
+
+
 class PrefixCache:
     """Save and restore prompt-prefix KV of one model through a :class:`KVTarget`.
 
@@ -286,6 +309,7 @@ class PrefixCache:
         self.spec = spec
         self.device = device
         self.stage_device = stage_device
+        self._bypasses_logged: set[str] = set()
 
     def save(self, token_ids: Any, cache: Any) -> Saved:
         """Store every full block of ``token_ids`` that ``cache`` holds (batch 1).
@@ -334,25 +358,35 @@ class PrefixCache:
     def generate(self, model: Any, input_ids: torch.Tensor, *, save: bool = True,
                  **generate_kwargs: Any) -> Generation:
         """Restore the prompt's stored prefix, ``model.generate`` from it (batch 1), and save
-        the full blocks of the whole sequence (prompt and generated tokens) if ``save``."""
-        try:
-            restored = self.restore(input_ids, device=self.device or model.device)
-        except InvalidArgument:
-            raise
-        except KVStoreError as exc:
-            log.warning("kvstore restore failed, prefilling the whole prompt: %s", exc)
+        the full blocks of the whole sequence (prompt and generated tokens) if ``save``.
+
+        With a padded ``attention_mask`` or several beams or return sequences this is plain
+        ``model.generate``: no restore, no save (``Generation.bypassed`` says why)."""
+        bypassed = _bypass_reason(model, generate_kwargs)
+        if bypassed:
+            if bypassed not in self._bypasses_logged:
+                self._bypasses_logged.add(bypassed)
+                log.info("kvstore not used by generate (no restore, no save): %s", bypassed)
             restored = Restored(None, 0, [])
+        else:
+            try:
+                restored = self.restore(input_ids, device=self.device or model.device)
+            except InvalidArgument:
+                raise
+            except KVStoreError as exc:
+                log.warning("kvstore restore failed, prefilling the whole prompt: %s", exc)
+                restored = Restored(None, 0, [])
         cache = restored.cache if restored.cache is not None else DynamicCache()
         kwargs = {cache_argument(model): cache, "use_cache": True, **generate_kwargs}
         with torch.no_grad():
             out = model.generate(input_ids, return_dict_in_generate=True, **kwargs)
         sequences, cache = out.sequences, output_cache(out)
         saved = Saved(0, 0)
-        if save:
+        if save and not bypassed:
             try:
                 saved = self.save(sequences, cache)
             except InvalidArgument:
                 raise
             except KVStoreError as exc:
                 log.warning("kvstore save failed, the blocks of this sequence are not stored: %s", exc)
-        return Generation(sequences, restored.num_tokens, saved, cache)
+        return Generation(sequences, restored.num_tokens, saved, cache, bypassed)
