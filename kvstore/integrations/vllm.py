@@ -49,21 +49,35 @@ Contracts:
   of every TP rank's shard (one lookup per rank; two with a ``cache_salt``, keys then lookup)
   and takes the shortest, so a hit is offered only where every rank has its blocks; capped so
   that at least one prompt token is left to compute, it returns the part beyond vLLM's own
-  (block-aligned) local hit. Loads are synchronous (``load_kv_async`` is False).
+  (block-aligned) local hit. Loads are synchronous (``load_kv_async`` is False). A lookup that
+  fails is a miss; the request's keys are looked up again when its blocks are planned for
+  saving (once per step until one answers), so it is still saved once the sidecar is back.
 * **Load.** :meth:`start_load_kv` gets every scheduled load's blocks (under this rank's keys) and
   scatters all layers before the forward pass (so :meth:`wait_for_layer_load` has nothing to
   wait for). Blocks the sidecar no longer has (evicted since the lookup, on any rank) are
   reported through :meth:`get_block_ids_with_load_errors`, and vLLM recomputes them.
+  **Nothing computed over a failed load is stored** (such a block holds whatever the engine
+  block held, and the blocks after it were computed over it): a worker drops every save whose
+  chain holds a block that did not load, in that step and after, until the scheduler sends the
+  save from that block again. It does so when vLLM runs the request from fewer computed tokens
+  than it planned: vLLM's recompute cuts them back to the first failed block, and everything
+  saved from there on is computed in that rerun. With TP > 1 the ranks whose load succeeded
+  stored that step's blocks (computed over the other rank's garbage, and a put keeps what a
+  key holds): the scheduler deletes every rank's blocks the request sent since its lookup, at
+  the rollback, or when vLLM ends the request for the failure (``kv_load_failure_policy="fail"``).
+  NOTE: until then they are no hit, as the failing rank lacks them, unless another request
+  stores those very blocks on that rank in the step between.
 * **Save.** Each step, full prompt blocks that become computed in that step and were not yet
   stored or sent to be saved are saved: :meth:`save_kv_layer` gathers each layer into a staging
   buffer right after the layer's attention wrote it, and :meth:`wait_for_save` fills any layer
   it did not see from the registered caches and puts the blocks (chained on the previous
   block's key). When that stored previous block is gone (evicted or expired since the lookup,
   or its own save failed), the put is refused and the whole chain is sent again from the
-  prompt's first block (the request still holds those blocks in the engine). Any other failed
-  save is logged and dropped (a future miss, never wrong data), so :meth:`request_finished`
-  never delays freeing blocks. The scheduler cannot see a worker's outcome: its report says how
-  many blocks it *sent* to be saved; each worker counts what it stored (``counts``).
+  prompt's first block (the request still holds those blocks in the engine, each loaded or
+  computed: see Load). Any other failed save is logged and dropped (a future miss, never wrong
+  data), so :meth:`request_finished` never delays freeing blocks. The scheduler cannot see a
+  worker's outcome: its report says how many blocks it *sent* to be saved; each worker counts
+  what it stored (``counts``).
 * **Limits.** One KV cache group (no hybrid/HMA models); prompt tokens only; no multimodal
   requests. A save's metadata carries every rank's keys of the prompt's blocks up to the saved
   ones (32 bytes per block and rank), so the workers can resend a chain from its root.
@@ -209,7 +223,7 @@ class ConnectorCounts:
     skipped_requests: int = 0  # scheduler: neither looked up nor saved (multimodal, prompt embeds)
     stored_blocks: int = 0  # worker: blocks of saves the sidecar acknowledged
     resent_blocks: int = 0  # worker: earlier blocks sent again because their stored chain was gone
-    failed_blocks: int = 0  # worker: blocks of saves that failed (logged, dropped)
+    failed_blocks: int = 0  # worker: blocks of saves that failed or followed a failed load (logged, dropped)
     failed_loads: int = 0  # worker: blocks a load did not get (reported to vLLM, recomputed)
 
 
@@ -217,13 +231,16 @@ class ConnectorCounts:
 class _ReqState:
     """Scheduler-side record of one request."""
 
-    keys: list[list[bytes]]  # per TP rank: keys of the prompt's full blocks
+    keys: list[list[bytes]]  # per TP rank: keys of the prompt's full blocks; [] until a lookup answers
     adapter: str = ""
     saved: int = 0  # leading blocks found stored by the lookup or sent to the workers to save
     sent: int = 0  # blocks sent to the workers to save
     block_ids: list[int] = field(default_factory=list)
     load: tuple[int, int] | None = None  # (first block, count) to load at the next schedule
     loaded_tokens: int = 0
+    found: int = 0  # leading blocks the lookup found stored on every rank
+    planned: int = 0  # tokens computed once the last planned step ran: a step starting lower is vLLM's rollback
+    retry: tuple[list[int], str | None] | None = None  # (tokens, cache_salt) to look up again while keys are []
 
 
 class KVStoreConnector(KVConnectorBase_V1):
@@ -261,8 +278,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._layers: list[torch.Tensor] = []  # the engine's caches, in layer order
         self._layout = PagedLayout.BLOCKS_FIRST  # theirs (set by register_kv_caches)
         self._layer_pos: dict[str, int] = {}
-        self._staged: list[tuple[Transfer, torch.Tensor, set[int]]] = []
+        self._staged: list[tuple[Transfer, torch.Tensor, set[int]]] | None = None  # None: not planned this step
         self._load_errors: set[int] = set()
+        # engine blocks whose load failed and that no save has seen computed since; and this step's
+        self._unloaded: set[int] = set()
+        self._failed_now: set[int] = set()
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -309,19 +329,31 @@ class KVStoreConnector(KVConnectorBase_V1):
             return 0, False
         adapter = request_adapter(request)
         salt = getattr(request, "cache_salt", None)
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            # NOTE: kept even when the lookup fails: a request with no record was never saved,
+            # even once the sidecar answered again (its keys are looked up again, see _plan)
+            st = self._reqs[request.request_id] = _ReqState(keys=[], adapter=adapter,
+                                                            retry=(prompt[: full * bs], salt))
         try:
             keys, found = self._lookup(prompt[: full * bs], adapter, salt)
         except KVStoreError as exc:
             log.log(self._guard.level(), "kvstore lookup failed for %s: %s", request.request_id, exc)
+            st.load = None
             return 0, False
-        st = self._reqs.get(request.request_id)
-        if st is None:
-            st = self._reqs[request.request_id] = _ReqState(keys=keys, adapter=adapter)
-        st.saved = max(st.saved, found)
+        self._found(st, keys, found)
         usable = min(found, (len(prompt) - 1) // bs)
         local = num_computed_tokens // bs
         st.load = (local, usable - local) if usable > local else None
         return (usable - local) * bs if st.load else 0, False
+
+    @staticmethod
+    def _found(st: _ReqState, keys: list[list[bytes]], found: int) -> None:
+        """Record a lookup's answer: the request's keys (if not known yet) and its stored blocks."""
+        if not st.keys:
+            st.keys, st.retry = keys, None
+        st.found = max(st.found, found)
+        st.saved = max(st.saved, found)
 
     def _lookup(self, tokens: list[int], adapter: str, salt: str | None) -> tuple[list[list[bytes]], int]:
         """Every TP rank's keys of ``tokens``' full blocks, and how many leading blocks every
@@ -370,10 +402,47 @@ class KVStoreConnector(KVConnectorBase_V1):
             ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 st.block_ids = list(self._group0(ids)) if ids is not None else []
-            elif ids is not None:
-                st.block_ids.extend(self._group0(ids))
+            else:
+                if ids is not None:
+                    st.block_ids.extend(self._group0(ids))
+                self._rolled_back(req_id, st, cached.num_computed_tokens[i])
             self._plan(req_id, st, cached.num_computed_tokens[i] + sched.get(req_id, 0), meta)
         return meta
+
+    def _rolled_back(self, req_id: str, st: _ReqState, start: int) -> None:
+        """vLLM runs a request from fewer computed tokens than the last step left it with when
+        a load failed (its own or a block it shares): the blocks from there were recomputed
+        over KV that never arrived, and are computed again now. The saves resume from there.
+
+        NOTE: why resuming is right. The workers never store a block computed in the step of a
+        failed load, nor any later block until a save starts at or before the failed block
+        (:meth:`_computable`): that is this one, and everything it sends is computed in this
+        step or after, by vLLM rerunning from ``start`` (or was loaded fine before it). With
+        TP > 1 a rank whose own load succeeded cannot know another's failed: it stored its
+        blocks computed in that step, over the other rank's garbage (the hidden state is
+        reduced across ranks), and a put keeps what a key already holds. So every rank's
+        blocks this request sent since its lookup are deleted here, before the resave. Until
+        then they are no hit: the failing rank lacks them, and a hit needs every rank (unless
+        another request stores those very blocks on that rank in the step between)."""
+        first = start // self._block_size
+        if start >= st.planned or first >= st.saved or not st.keys:
+            return  # no rollback, or past the prompt's saved blocks (e.g. rejected draft tokens)
+        log.info("kvstore connector: vLLM recomputes %s from block %d (a load failed): saving it again "
+                 "from there", req_id, first)
+        self._forget(req_id, st, max(first, st.found))
+        st.saved = first
+
+    def _forget(self, req_id: str, st: _ReqState, first: int) -> None:
+        """Delete every rank's blocks ``first..st.saved`` of the request (TP > 1 only: one rank
+        alone never keeps a block computed over a failed load, see :meth:`_rolled_back`)."""
+        if len(st.keys) < 2 or first >= st.saved:
+            return
+        try:
+            for rank_keys in st.keys:
+                self._guard.call(self._client().delete, rank_keys[first : st.saved], namespace=self._namespace)
+        except KVStoreError as exc:
+            log.warning("kvstore connector: could not delete %s's blocks %d..%d, computed over a failed load "
+                        "on another rank: %s", req_id, first, st.saved, exc)
 
     @staticmethod
     def _group0(block_ids: tuple[list[int], ...]) -> list[int]:
@@ -383,6 +452,9 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def _plan(self, req_id: str, st: _ReqState, computed_end: int, meta: KVStoreConnectorMetadata) -> None:
         """Add this step's load (if pending) and the newly completed full blocks to save."""
+        st.planned = computed_end
+        if not st.keys and not self._keys_again(req_id, st):
+            return
         if st.load is not None:
             first, n = st.load
             meta.loads.append(Transfer(req_id, [k[: first + n] for k in st.keys], first,
@@ -398,6 +470,22 @@ class KVStoreConnector(KVConnectorBase_V1):
             # block whose own save failed is refused, and then sends the chain from its root
             st.saved = done
 
+    def _keys_again(self, req_id: str, st: _ReqState) -> bool:
+        """Look up the keys of a request whose lookup failed, once per step until one answers
+        (each a skipped call while the breaker is open); the blocks it finds stored are not
+        sent again. Without keys nothing of the request is saved."""
+        if st.retry is None:
+            return False
+        tokens, salt = st.retry
+        try:
+            keys, found = self._lookup(tokens, st.adapter, salt)
+        except KVStoreError as exc:
+            log.log(self._guard.level(), "kvstore lookup failed again for %s (its blocks are not saved "
+                    "until one answers): %s", req_id, exc)
+            return False
+        self._found(st, keys, found)
+        return True
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Saves are synchronous, so blocks are never held; reports what kvstore did as far as
         the scheduler knows: tokens loaded, blocks sent to the workers to save (each worker
@@ -406,6 +494,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
+        if st.loaded_tokens and getattr(getattr(request, "status", None), "name", "") == "FINISHED_ERROR":
+            # NOTE: kv_load_failure_policy="fail" ends the request without a rollback: with TP > 1
+            # the blocks other ranks saved over the failed load are deleted here (see _rolled_back)
+            self._forget(request.request_id, st, st.found)
         return False, {"kvstore": {"loaded_tokens": st.loaded_tokens, "sent_blocks": st.sent}}
 
     # == worker side ==============================================================================
@@ -466,8 +558,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             n = 0 if blocks is None else blocks.shape[0]
             if n:
                 scatter_blocks(blocks, self._layers, ids[:n], self._layout)
+                self._unloaded.difference_update(ids[:n])
             if n < len(ids):
                 self._load_errors.update(ids[n:])
+                self._failed_now.update(ids[n:])
+                self._unloaded.update(ids[n:])
                 self.counts.failed_loads += len(ids) - n
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -483,18 +578,39 @@ class KVStoreConnector(KVConnectorBase_V1):
             seen.add(pos)
 
     def _staging(self) -> list[tuple[Transfer, torch.Tensor, set[int]]]:
-        if not self._staged:
+        if self._staged is None:
             meta = self._get_connector_metadata()
             assert isinstance(meta, KVStoreConnectorMetadata)
             s = self._spec
             self._staged = [(t, torch.empty((len(t.block_ids) - t.start, *s.block_shape), dtype=s.torch_dtype),
-                             set()) for t in meta.saves]
+                             set()) for t in meta.saves if self._computable(t)]
         return self._staged
+
+    def _computable(self, t: Transfer) -> bool:
+        """Whether every block the save puts, or may send again from the root, holds KV that
+        was loaded or computed; else the save is dropped (a future miss, counted failed).
+
+        A block whose load failed holds whatever was there before, and vLLM computed the blocks
+        after it in that step over it: nothing of such a request is saved in that step, nor
+        later while the chain before the save holds such a block. vLLM then reruns the request
+        from the first failed block and the scheduler sends the save from there
+        (``_rolled_back``): a failed block at or after the save's start, not failed in this
+        step, was computed since, and is clean again."""
+        bad = [i for i, b in enumerate(t.block_ids) if b in self._unloaded]
+        if not bad:
+            return True
+        if bad[0] >= t.start and self._failed_now.isdisjoint(t.block_ids):
+            self._unloaded.difference_update(t.block_ids[t.start :])
+            return True
+        log.info("kvstore: %s's block %d did not load: its blocks %d..%d are not saved (computed over it)",
+                 t.req_id, bad[0], t.start, len(t.block_ids))
+        self.counts.failed_blocks += len(t.block_ids) - t.start
+        return False
 
     def wait_for_save(self) -> None:
         """Complete the staged blocks from the caches and put them; failures are logged."""
         staged = self._staging() if self.has_connector_metadata() else []
-        self._staged = []
+        self._staged, self._failed_now = None, set()
         if staged and len(self._layers) != self._spec.num_layers:
             # NOTE: staging buffers are torch.empty: without a cache for every layer (none was
             # registered) uninitialised memory was put as KV, and offered to every engine as a hit
@@ -524,6 +640,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         try:
             self._guard.call(put, spec, keys[t.start :], blocks, parent=keys[t.start - 1], namespace=self._namespace)
         except ParentNotStored:
+            # NOTE: the blocks before ``start`` were loaded or computed: _computable dropped the
+            # save otherwise (a failed load left whatever the engine block held)
             log.info("kvstore: the stored prefix of %s is gone; saving its %d blocks from the root",
                      t.req_id, len(keys))
             head = gather_blocks(self._layers, t.block_ids[: t.start], self._layout,
