@@ -9,6 +9,16 @@ backoff period from ``redis.backoff``; the first call after the period is a prob
 the breaker on success. Command retries are redis-py's ``Retry`` (see
 :func:`tiers.remote_redis.connect`).
 
+Only a node that cannot serve counts toward its breaker: a connection or a timeout error, a
+cluster redirection or outage (``MOVED``/``ASK``/``CLUSTERDOWN``/``TRYAGAIN``), a busy server.
+An error *reply* (:func:`error_reply`: ``OOM`` from a full Redis under ``noeviction``,
+``NOPERM``, ``READONLY``, a wrong type, ...) fails that command only: the node answered, and
+the commands it still serves (a full Redis serves every ``GET``) are not skipped. Such replies
+are counted under their own counters (``oom``, ``error_replies``) and logged, at most once a
+minute per kind, with Redis' own text. (Every error counted as a node fault: a Redis that was
+full refused the demotions, the breaker opened and the blocks it held were misses, with the OOM
+shown nowhere.)
+
 * ``_call(key, fn)`` — one command (any callable that talks to the node of ``key``): its result,
   or :data:`SKIPPED` (the breaker is open: nothing sent), or the fault it raised (one of
   :data:`FAULTS`), never an exception.
@@ -22,12 +32,21 @@ the breaker on success. Command retries are redis-py's ``Retry`` (see
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.backoff import EqualJitterBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    OutOfMemoryError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 
 from tiers.remote_redis import CircuitBreaker
 
@@ -38,6 +57,21 @@ SKIPPED = object()
 #: one command for ``_multi``: (the key that routes it, (name, *args))
 Command = tuple[bytes | str, tuple[Any, ...]]
 _STANDALONE = "server"
+#: least seconds between two log lines of error replies of one kind
+_LOG_EVERY_S = 60.0
+
+log = logging.getLogger(__name__)
+
+
+def error_reply(exc: BaseException) -> str | None:
+    """The counter of an error reply (the node answered, refusing this command): ``oom`` or
+    ``error_replies``; None for a fault of the node (not reached, timed out, not serving the
+    slot: ``MOVED``/``ASK``/``CLUSTERDOWN``/``TRYAGAIN``; ``BUSY`` running a script)."""
+    if not isinstance(exc, ResponseError) or isinstance(exc, (AskError, TryAgainError, ClusterDownError)):
+        return None
+    if isinstance(exc, OutOfMemoryError):
+        return "oom"
+    return None if str(exc).startswith("BUSY") else "error_replies"
 
 
 def succeeded(reply: Any) -> bool:
@@ -55,6 +89,25 @@ class BreakerCalls:
 
     def _init_breakers(self) -> None:
         self._breakers: dict[str, CircuitBreaker] = {}  # node name -> its breaker (under _lock)
+        self._replies_logged: dict[str, float] = {}  # error reply kind -> monotonic time logged
+
+    def _error_reply(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is an error reply (counted and logged, see :func:`error_reply`)
+        rather than a fault of its node."""
+        kind = error_reply(exc)
+        if kind is None:
+            return False
+        self._count(kind)
+        now = self._monotonic()
+        with self._lock:
+            last = self._replies_logged.get(kind)
+            if last is not None and now - last < _LOG_EVERY_S:
+                return True
+            self._replies_logged[kind] = now
+        log.warning("remote tier %r: Redis refused a command (%s)%s", self.config.namespace, exc,
+                    ": it is full (maxmemory) with nothing it may evict; writes fail until it has room"
+                    if kind == "oom" else "")
+        return True
 
     def _node(self, key: bytes | str) -> str:
         if not isinstance(self._client, RedisCluster):
@@ -90,7 +143,7 @@ class BreakerCalls:
         try:
             res = fn()
         except FAULTS as exc:
-            self._outcome(node, False)
+            self._outcome(node, self._error_reply(exc))  # NOTE: an error reply: the node answered
             return exc
         self._outcome(node, True)
         return res
@@ -122,7 +175,7 @@ class BreakerCalls:
             replies = pipe.execute(raise_on_error=False)
         except FAULTS as exc:
             if not isinstance(self._client, RedisCluster):
-                self._outcome(_STANDALONE, False)
+                self._outcome(_STANDALONE, self._error_reply(exc))
                 for i in send:
                     out[i] = exc
                 return out
@@ -132,11 +185,11 @@ class BreakerCalls:
         failed: set[str] = set()
         for i, r in zip(send, replies):
             out[i] = r
-            if isinstance(r, BaseException):
+            if isinstance(r, BaseException) and not self._error_reply(r):
                 failed.add(nodes[i])
         for n in {nodes[i] for i in send}:
             self._outcome(n, n not in failed)
         return out
 
 
-__all__ = ["FAULTS", "SKIPPED", "BreakerCalls", "Command", "fault_text", "succeeded"]
+__all__ = ["FAULTS", "SKIPPED", "BreakerCalls", "Command", "error_reply", "fault_text", "succeeded"]
