@@ -106,8 +106,13 @@ class AdminPlane:
         the data was gone for good, and its data dropped again after: a crash in between left
         the blocks put meanwhile and the data key, with no principal, and a tenant created
         later under the name read them.) A name whose principal is gone but whose data key or
-        blocks are left (a deletion that failed half-way in an earlier version) is cleaned up:
-        else a tenant created later under that name would read them."""
+        blocks are left here (a deletion that failed half-way in an earlier version) is cleaned
+        up: else a tenant created later under that name would read them. That clean-up is
+        local only, and a name with no principal and nothing left here is NotFound with no
+        effect: the servers sharing a remote tier share tenants by name, and this server's
+        registry says nothing of theirs (a mistyped name, or a tenant of another sidecar, had
+        its tombstone written, its shared data key and blocks destroyed and its drop published
+        to every server, answered NotFound here)."""
         try:
             self._delete_tenant(name)
         finally:
@@ -132,7 +137,8 @@ class AdminPlane:
             except NotFound:
                 keyring = getattr(self.store, "keyring", None)
                 had_key = keyring is not None and name in keyring.tenants()
-                if self.store.drop_tenant(name) or had_key:
+                # NOTE: local only: the remote tier's copies may be another server's tenant
+                if self.store.drop_tenant(name, local_only=True) or had_key:
                     return
                 raise
         self.registry.begin_delete(name)  # saved: from here on the deletion is finished, whatever stops it

@@ -257,7 +257,7 @@ class TenantAdmin:
                 gone.add(m.key)
         return gone
 
-    def drop_tenant(self, tenant: str, *, namespace_stays: bool = False) -> int:
+    def drop_tenant(self, tenant: str, *, namespace_stays: bool = False, local_only: bool = False) -> int:
         """Remove every block of ``tenant`` from every tier and destroy its data key; returns how
         many blocks were removed (each once, whatever copies it had).
 
@@ -272,11 +272,17 @@ class TenantAdmin:
         it all. The remote part (a ``SCAN`` of the whole keyspace) runs without the Store's
         lock, under the remote writer's filter for the tenant (as :meth:`purge_model`'s): a put
         of the tenant meanwhile is dropped by the local part, and none of its blocks is
-        written to the remote tier."""
+        written to the remote tier.
+
+        ``local_only``: this server's blocks, data key and queued demotions of ``tenant`` go,
+        and nothing in the remote tier (no tombstone, its shared data key, values and the
+        other servers' copies stay, nothing is published): for leftovers of a name this server
+        has no principal of, which another server sharing the remote tier may serve."""
         self._check_tenant(tenant)
         with ExitStack() as stack:
             # the remote part destroys its shared data key, then its values
-            cancel, gone = self._purge_remote(stack, lambda r: r.purge_tenant(tenant), tenant=tenant)
+            purge = (lambda r: set()) if local_only else (lambda r: r.purge_tenant(tenant))
+            cancel, gone = self._purge_remote(stack, purge, tenant=tenant)
             n = self._drop_locally(tenant, gone, namespace_stays)
             if cancel is not None:
                 cancel()  # demotions queued meanwhile by blocks now dropped

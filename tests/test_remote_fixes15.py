@@ -10,8 +10,10 @@ namespace). Nothing is flushed.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
+import pytest
 import redis
 from conftest import MASTER, make_kv, tokens
 from redis.exceptions import (
@@ -24,7 +26,11 @@ from redis.exceptions import (
     TryAgainError,
 )
 
+from kvstore.audit import AuditLog
+from kvstore.auth import AuthRegistry, Role
 from kvstore.config import StoreConfig
+from kvstore.errors import NotFound
+from kvstore.service_admin import AdminPlane
 from kvstore.spec import ModelSpec
 from kvstore.store import Store
 from tiers.base import BlockRef
@@ -91,3 +97,47 @@ def test_a_full_redis_fails_writes_but_keeps_serving_reads(private_redis, tmp_pa
             raw.close()
     finally:
         a.close()
+
+
+# -- 2: deleting a name with no principal here -------------------------------------------------------
+def _admin(tmp: Path, store: Store) -> AdminPlane:
+    return AdminPlane(store, AuthRegistry(tmp / "principals.json", clock=time.time),
+                      AuditLog(tmp / "audit.log", clock=time.time, fsync=False))
+
+
+def test_deleting_a_name_without_a_principal_here_leaves_the_remote_tier_alone(servers, tmp_path: Path) -> None:
+    """Sidecar A's admin deleting a name whose principal lives on sidecar B only (same Redis):
+    A answered NotFound (or OK) but had written the tenant's tombstone, destroyed its shared
+    data key and blocks in Redis and published the drop: B's tenant lost every block."""
+    a, b = servers("a"), servers("b")
+    adm_a = _admin(tmp_path / "adm-a", a)
+    adm_b = _admin(tmp_path / "adm-b", b)
+    adm_b.create_tenant("acme", Role.TENANT, [])
+    keys = b.block_keys("acme", SPEC, tokens(4, SPEC))
+    b.put("acme", SPEC, keys, make_kv(SPEC, 4))
+    b.flush()
+    raw = redis.Redis.from_url(servers.url)
+    try:
+        with pytest.raises(NotFound):
+            adm_a.delete_tenant("acme")
+        assert not raw.exists(f"{servers.ns}:dropped:" + b"acme".hex())
+        assert raw.exists(f"{servers.ns}:keyring:" + b"acme".hex())
+        assert [raw.exists(b._remote.redis_key(r)) for r in _refs("acme", keys)] == [1] * 4
+        assert b._remote.metrics().get("deletions_applied", 0) == 0
+        assert b.lookup("acme", SPEC, keys).num_blocks == 4
+        assert b.get("acme", SPEC, keys).shape[0] == 4
+    finally:
+        raw.close()
+
+
+def test_local_leftovers_of_a_name_without_principal_are_dropped_here_only(servers, tmp_path: Path) -> None:
+    """The clean-up of a name with no principal drops this server's blocks; the Redis copies
+    (another server's tenant of the name) stay."""
+    a, b = servers("a"), servers("b")
+    adm_a = _admin(tmp_path / "adm-a", a)
+    keys = a.block_keys("acme", SPEC, tokens(3, SPEC))
+    a.put("acme", SPEC, keys, make_kv(SPEC, 3))  # leftovers here: no principal of acme on A
+    a.flush()
+    adm_a.delete_tenant("acme")  # something was left: cleaned up, OK
+    assert a.lookup("acme", SPEC, keys).tiers == ["remote"] * 3  # no local copy left
+    assert b.get("acme", SPEC, keys).shape[0] == 3
