@@ -29,7 +29,13 @@ Primitives and what each guarantees:
   ``""`` is stored in the backend on first use) and when a wrapped key fails to unwrap; both raise
   :class:`~kvstore.errors.FailedPrecondition` — deliberately NOT an IntegrityError, so a store
   that treats integrity failures as "delete the block" never wipes data because it was opened
-  with the wrong key.
+  with the wrong key. With ``recheck`` (a backend that can lose entries: the remote tier's
+  Redis, restarted empty, flushed or evicting) the check entry is asserted again at every key
+  read from or created in the backend (not at cached uses): written when missing (the backend's
+  create-if-absent), then read back and unwrapped. Checked at open only, a Redis restarted empty
+  let a server with another master key open, write its own check entry and tenant keys, after
+  which the original servers read none of its blocks and could not restart. ``where`` names the
+  backend in those errors (the Redis namespace).
 
 NOTE: Python cannot reliably zero ``bytes``; destroyed keys leave the in-memory cache but may
 linger in freed memory until reused. Crypto-shredding is about the persisted wrapped key.
@@ -212,6 +218,8 @@ class Keyring:
         random_bytes: RandomBytes = os.urandom,
         cache_ttl_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        recheck: bool = False,
+        where: str | None = None,
     ) -> None:
         if cache_ttl_s is not None and not cache_ttl_s > 0:
             raise InvalidArgument(f"Keyring(cache_ttl_s) must be positive or None, got {cache_ttl_s!r}")
@@ -224,12 +232,26 @@ class Keyring:
         self._cache: dict[str, tuple[bytes, float, bytes]] = {}
         self._lock = threading.Lock()  # the cache
         self._io = threading.Lock()  # backend access; taken before _lock, never after
+        self._recheck = recheck
+        self._where = f" in {where}" if where else ""
         with self._io:
-            check = self._backend.get(_CHECK_NAME)
-            if check is None:
+            self._assert_check()
+
+    def _assert_check(self) -> None:
+        """The backend's check entry unwraps under this master key; written when absent (a
+        creation that lost a race to another writer is read back). FailedPrecondition when it
+        does not unwrap. Caller holds ``_io``."""
+        check = self._backend.get(_CHECK_NAME)
+        if check is None:
+            try:
                 self._backend[_CHECK_NAME] = self._wrap(_CHECK_NAME, _CHECK_PLAINTEXT)
-            elif self._unwrap(_CHECK_NAME, check) != _CHECK_PLAINTEXT:
-                raise FailedPrecondition("keyring check entry is corrupted")
+                return
+            except FailedPrecondition:  # NOTE: another writer's entry came first: check it
+                check = self._backend.get(_CHECK_NAME)
+                if check is None:
+                    return
+        if self._unwrap(_CHECK_NAME, check) != _CHECK_PLAINTEXT:
+            raise FailedPrecondition(f"keyring check entry{self._where} is corrupted")
 
     # -- wrapping ---------------------------------------------------------------------------
     def _wrap(self, tenant: str, key: bytes) -> bytes:
@@ -238,7 +260,7 @@ class Keyring:
 
     def _unwrap(self, tenant: str, wrapped: bytes) -> bytes:
         wrapped = bytes(wrapped)
-        who = "the keyring check entry" if tenant == _CHECK_NAME else f"tenant {tenant!r}'s data key"
+        who = f"the keyring check entry{self._where}" if tenant == _CHECK_NAME else f"tenant {tenant!r}'s data key"
         if len(wrapped) != _WRAPPED_BYTES or not wrapped.startswith(_WRAP_MAGIC):
             raise FailedPrecondition(f"{who} is not a wrapped key of this format (corrupted keyring?)")
         nonce = wrapped[len(_WRAP_MAGIC) : len(_WRAP_MAGIC) + _NONCE_BYTES]
@@ -267,6 +289,8 @@ class Keyring:
             if key is not None:
                 return key
             now = self._clock()
+            if self._recheck:
+                self._assert_check()  # NOTE: the backend may have lost it (see the module doc)
             wrapped = self._backend.get(tenant)
             if wrapped is not None:
                 key = self._unwrap(tenant, wrapped)

@@ -29,7 +29,8 @@ from redis.exceptions import (
 from kvstore.audit import AuditLog
 from kvstore.auth import AuthRegistry, Role
 from kvstore.config import StoreConfig
-from kvstore.errors import NotFound
+from kvstore.errors import FailedPrecondition, NotFound
+from kvstore.keyring import Keyring
 from kvstore.service_admin import AdminPlane
 from kvstore.spec import ModelSpec
 from kvstore.store import Store
@@ -141,3 +142,39 @@ def test_local_leftovers_of_a_name_without_principal_are_dropped_here_only(serve
     adm_a.delete_tenant("acme")  # something was left: cleaned up, OK
     assert a.lookup("acme", SPEC, keys).tiers == ["remote"] * 3  # no local copy left
     assert b.get("acme", SPEC, keys).shape[0] == 3
+
+
+# -- 3: the keyring's check entry lost by Redis ----------------------------------------------------
+def test_a_lost_check_entry_is_written_again_when_a_key_is_read(private_redis, tmp_path: Path) -> None:
+    """Written only when the keyring opened: once Redis lost it (restarted empty, evicted), a
+    server with another master key opened the namespace, and the first servers then could
+    neither read its blocks nor restart."""
+    a = _store(tmp_path, "a", private_redis.url, "k1")
+    raw = private_redis.raw()
+    try:
+        for k in raw.scan_iter(match="k1:*"):  # what a restart of a Redis without persistence does
+            raw.unlink(k)
+        keys = a.block_keys("acme", SPEC, tokens(2, SPEC))
+        a.put("acme", SPEC, keys, make_kv(SPEC, 2))  # a data key made: the check entry with it
+        a.flush()
+        assert raw.exists("k1:keyring:")
+        with pytest.raises(FailedPrecondition, match="'k1'"):
+            _store(tmp_path, "c", private_redis.url, "k1", master=OTHER_MASTER)
+    finally:
+        raw.close()
+        a.close()
+
+
+def test_a_check_entry_of_another_master_key_refuses_key_reads() -> None:
+    """A backend that lost the check entry, then got another master key's: this keyring refuses
+    every key it reads or creates there, naming where."""
+    backend: dict[str, bytes] = {}
+    mine = Keyring(MASTER, backend, recheck=True, where="the Redis namespace 'ns'")
+    mine.data_key("acme")
+    backend.clear()  # lost
+    Keyring(OTHER_MASTER, backend)  # another deployment's keyring writes its check entry
+    with pytest.raises(FailedPrecondition, match="the Redis namespace 'ns'"):
+        mine.data_key("beta")
+    mine.forget("acme")
+    with pytest.raises(FailedPrecondition, match="the Redis namespace 'ns'"):
+        mine.data_key("acme", create=False)

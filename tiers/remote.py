@@ -106,8 +106,11 @@ class RemoteTier(Reads, Writes, Deletes, SharedDeletions, DemotionQueue, TenantK
         keyring = None
         try:
             if config.encrypt:
+                # NOTE: recheck: a Redis restarted empty (or evicting) loses the check entry,
+                # and a server with another master key could then make its own
                 keyring = Keyring(master_key, RedisKeyBackend(client, config.namespace),
-                                  cache_ttl_s=config.key_cache_ttl_s, clock=monotonic)
+                                  cache_ttl_s=config.key_cache_ttl_s, clock=monotonic, recheck=True,
+                                  where=f"the Redis namespace {config.namespace!r}")
         except FAULTS as exc:
             client.close()
             raise FailedPrecondition(f"remote tier unreachable at open: {exc}") from None

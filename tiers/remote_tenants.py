@@ -8,7 +8,9 @@ breaker: a hung Redis stalled every write for its timeouts and never opened it);
 The tenants' data keys are kept, wrapped by the master key, in the same Redis
 (``<namespace>:keyring:...``) so every node with the same master key reads every other node's
 blocks; a node with another master key fails at open (the keyring's check entry does not
-unwrap).
+unwrap). The keyring asserts the check entry again whenever it reads a key from Redis or makes
+one there (``recheck``: a Redis restarted empty or evicting loses it, and a node with another
+master key then wrote its own), refusing with FailedPrecondition naming the namespace.
 
 Tombstones: a tenant deletion (``_shred_tenant``) records the deletion time in
 ``<namespace>:dropped:<hex tenant>`` (:class:`~tiers.remote_redis.TenantTombstones`, never
