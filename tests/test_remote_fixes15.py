@@ -178,3 +178,59 @@ def test_a_check_entry_of_another_master_key_refuses_key_reads() -> None:
     mine.forget("acme")
     with pytest.raises(FailedPrecondition, match="the Redis namespace 'ns'"):
         mine.data_key("acme", create=False)
+
+
+# -- 4: eviction policies that evict the bookkeeping keys ----------------------------------------------
+@pytest.mark.parametrize(("policy", "flag"), [("allkeys-lru", 1), ("volatile-lru", 0), ("noeviction", 0)])
+def test_an_allkeys_eviction_policy_is_warned_of(private_redis, tmp_path: Path, caplog, policy: str,
+                                                 flag: int) -> None:
+    raw = private_redis.raw()
+    raw.config_set("maxmemory-policy", policy)
+    raw.close()
+    with caplog.at_level(logging.WARNING, logger="tiers.remote"):
+        a = _store(tmp_path, "a", private_redis.url, "e1")
+    try:
+        assert a.stats()["counters"]["remote_allkeys_eviction"] == flag
+        assert any("allkeys-lru" in r.getMessage() for r in caplog.records) == bool(flag)
+    finally:
+        a.close()
+
+
+def test_a_refused_config_get_is_skipped_silently(private_redis, tmp_path: Path) -> None:
+    """ACLs (or a managed Redis) refuse CONFIG GET: the tier opens, nothing is counted."""
+    raw = private_redis.raw()
+    raw.config_set("maxmemory-policy", "allkeys-lru")
+    raw.acl_setuser("kv", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+                    commands=["+@all", "-config"])
+    raw.close()
+    a = _store(tmp_path, "a", private_redis.url, "e2", username="kv", password="pw")
+    try:
+        keys = a.block_keys("acme", SPEC, tokens(2, SPEC))
+        a.put("acme", SPEC, keys, make_kv(SPEC, 2))
+        a.flush()
+        m = a._remote.metrics()
+        assert m["allkeys_eviction"] == 0 and m.get("error_replies", 0) == 0 and m["puts"] == 2
+    finally:
+        a.close()
+
+
+def test_a_lost_models_set_is_made_again_by_the_next_write(servers) -> None:
+    """The models set was added to once per model per process: evicted (or lost with a
+    restarted Redis), it was never made again, and a delete on a server that never saw the
+    model (restarted, another replica) removed nothing while answering as if done."""
+    a, b = servers("a"), servers("b")
+    x = a.block_keys("acme", SPEC, tokens(4, SPEC))
+    a.put("acme", SPEC, x, make_kv(SPEC, 4))
+    a.flush()
+    raw = redis.Redis.from_url(servers.url)
+    try:
+        raw.unlink(f"{servers.ns}:models")  # what an allkeys-* eviction did
+        more = a.block_keys("acme", SPEC, tokens(4, SPEC, start=500))
+        a.put("acme", SPEC, more, make_kv(SPEC, 4, seed=1))
+        a.flush()
+        assert raw.smembers(f"{servers.ns}:models") == {SPEC.fingerprint}
+    finally:
+        raw.close()
+    c = servers("c")  # never saw the model
+    assert c.delete("acme", x) == 4
+    assert b.get("acme", SPEC, x).shape[0] == 0

@@ -28,6 +28,13 @@
   (``connect``), the keyring's Redis store, the tombstones and the breaker themselves —
   :mod:`tiers.remote_redis`.
 
+Eviction policy: at :meth:`open` the servers' ``maxmemory-policy`` is read (``CONFIG GET``; a
+server that refuses it, an ACL or a managed Redis, is skipped silently). An ``allkeys-*`` policy
+evicts the tier's bookkeeping keys (the check entry, data keys, tombstones, the models set, the
+deletions stream), which have no expiry, with the blocks: a warning is logged and the gauge
+``allkeys_eviction`` is 1. A ``volatile-*`` policy (blocks carry a TTL, ``ttl_cap_s``) or
+``noeviction`` is required.
+
 This module keeps the tier's shared state (config, client, codec, keyring, clocks, the lock of
 counters, accounting, breakers and tombstone copies), its Redis keys, counters and lifecycle.
 
@@ -42,6 +49,7 @@ Thread-safe.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -66,6 +74,8 @@ from tiers.remote_redis import Clock, RedisKeyBackend, connect
 from tiers.remote_tenants import KEY_REFRESH_S, TenantKeys
 from tiers.remote_writer import DemotionQueue
 
+log = logging.getLogger(__name__)
+
 
 class RemoteTier(Reads, Writes, Deletes, SharedDeletions, DemotionQueue, TenantKeys, Accounting,
                  BreakerCalls):
@@ -86,6 +96,7 @@ class RemoteTier(Reads, Writes, Deletes, SharedDeletions, DemotionQueue, TenantK
         self._ns = config.namespace
         self._th: dict[str, str] = {}  # tenant -> its hash, hex (see _tenant_hex)
         self._counts: Counter[str] = Counter()
+        self._allkeys_eviction = False  # a server's maxmemory-policy is allkeys-* (see open)
         self._lock = threading.Lock()  # counters, accounting, breakers, tombstone copies
         self._init_breakers()
         self._init_accounting()
@@ -117,9 +128,37 @@ class RemoteTier(Reads, Writes, Deletes, SharedDeletions, DemotionQueue, TenantK
         codec = Codec(CodecConfig(compression_level=config.compression_level,
                                   min_compress_ratio=config.min_compress_ratio,
                                   encrypt=config.encrypt, threads=config.codec_threads), keyring)
-        return cls(config, client, codec, keyring=keyring,
+        tier = cls(config, client, codec, keyring=keyring,
                    deletions_key=derive_deletions_key(master_key, config.namespace),
                    clock=clock, monotonic=monotonic)
+        tier._check_eviction_policy()
+        return tier
+
+    def _eviction_policies(self) -> dict[str, str]:
+        """Each server's (each primary's) ``maxmemory-policy``; Redis faults and refusals
+        propagate."""
+        client = self._client
+        if not isinstance(client, RedisCluster):
+            return {"server": str(client.config_get("maxmemory-policy").get("maxmemory-policy"))}
+        return {n.name: str(client.config_get("maxmemory-policy", target_nodes=n).get("maxmemory-policy"))
+                for n in client.get_primaries()}
+
+    def _check_eviction_policy(self) -> None:
+        """Warn (log, gauge ``allkeys_eviction``) when a server evicts keys without a TTL: the
+        tier's bookkeeping keys went with the blocks (a deletion then left blocks readable, a
+        deleted tenant's tombstone went, another master key could join). Skipped silently when
+        ``CONFIG GET`` is refused (ACLs, managed Redis) or fails."""
+        try:
+            policies = self._eviction_policies()
+        except FAULTS:
+            return
+        bad = sorted({p for p in policies.values() if p.startswith("allkeys-")})
+        if not bad:
+            return
+        self._allkeys_eviction = True
+        log.warning("remote tier %r: Redis evicts keys without a TTL (maxmemory-policy %s): the tier's "
+                    "data keys, tombstones, models set and deletions stream can be evicted with the blocks; "
+                    "use a volatile-* policy (blocks expire, ttl_cap_s) or noeviction", self._ns, "/".join(bad))
 
     # -- keys, counters -------------------------------------------------------------------------
     def _tenant_hex(self, tenant: str) -> str:
@@ -142,10 +181,12 @@ class RemoteTier(Reads, Writes, Deletes, SharedDeletions, DemotionQueue, TenantK
             self._counts[name] += n
 
     def metrics(self) -> dict[str, int]:
-        """Monotonic counters plus gauges (``queue_blocks``, ``queue_bytes``, ``breakers_open``)."""
+        """Monotonic counters plus gauges (``queue_blocks``, ``queue_bytes``, ``breakers_open``,
+        ``allkeys_eviction``: 1 when a server's ``maxmemory-policy`` is ``allkeys-*``)."""
         with self._lock:
             out = dict(self._counts)
             out["breakers_open"] = sum(b.is_open for b in self._breakers.values())
+            out["allkeys_eviction"] = int(self._allkeys_eviction)
         out.update(self._queue_gauges())
         return out
 

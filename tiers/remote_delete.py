@@ -16,10 +16,14 @@ tenants' ``_shred_tenant`` and the deletions stream's ``_deletion_entries``, ``_
   under them by any server, found through the children sets (below). ``delete_tenant`` leaves
   a tombstone, then destroys the tenant's data key in the shared keyring, so a straggler (or a
   copy the operator kept) is unreadable (see :mod:`tiers.remote_tenants`).
-* ``models`` — the set ``<namespace>:models``: the fingerprints of every model written (each
-  server adds one the first time it writes a block of it, ``_add_model``), so a server that
+* ``models`` — the set ``<namespace>:models``: the fingerprints of every model written (every
+  write adds its model, ``_add_model``: a ``SADD`` in the write's round trip), so a server that
   never saw a model (restarted, another replica; a service Delete carries keys, no model)
-  deletes its blocks too.
+  deletes its blocks too. (Added once per model per process, a set lost to an eviction or a
+  restarted Redis was never made again, and deletions on such servers left the blocks readable.)
+  The write's success needs the ``SADD`` only the first time this server writes the model
+  (``_model_added``); later it is a repair, so a cluster node down (the set's) fails no other
+  node's writes.
 
 Children sets: a write that knows the block's parent (``parent=``: the Store always passes it)
 adds the block's key to the Redis set ``<parent's key>:c`` in the same pipelined round trip
@@ -112,12 +116,11 @@ class Deletes:
         ckey = self._children_key(ref.tenant, ref.spec.fingerprint, parent)
         return [(ckey, ("EVAL", _ADD_CHILD, 1, ckey, ref.key, "" if px is None else str(px)))]
 
-    def _add_model(self, fingerprint: bytes) -> list[Command]:
-        """The command that adds ``fingerprint`` to ``<namespace>:models``; none once this server
-        added it (:meth:`_model_added`)."""
-        if fingerprint in self._models_seen:
-            return []
-        return [(self._models_key, ("SADD", self._models_key, fingerprint))]
+    def _add_model(self, fingerprint: bytes) -> tuple[list[Command], bool]:
+        """The command that adds ``fingerprint`` to ``<namespace>:models`` (with every write:
+        the set may have been lost since this server last added it), and whether a write needs
+        it to succeed: until this server added it once (:meth:`_model_added`)."""
+        return [(self._models_key, ("SADD", self._models_key, fingerprint))], fingerprint not in self._models_seen
 
     def _model_added(self, fingerprint: bytes) -> None:
         with self._lock:

@@ -120,9 +120,10 @@ class Writes:
         # delete of any ancestor finds it (see delete_subtrees); its model into the models set,
         # so a server that never saw the model can delete its blocks
         fp = ref.spec.fingerprint
-        add_model = self._add_model(fp)
+        add_model, model_needed = self._add_model(fp)
         cmds = self._add_child(ref, parent, px) + add_model
         at = len(cmds)
+        optional = set() if model_needed else {at - 1}  # NOTE: the SADD repairs a lost set
         cmds.append((key, ("SET", key, value) if px is None else ("SET", key, value, "PX", px)))
         if keyring is not None:
             # NOTE: the tenant's key as Redis holds it now, in the same round trip: a key cached
@@ -134,7 +135,7 @@ class Writes:
         if replies[at] is not True:
             self._count("put_failures")
             return 0, scratch
-        unsure = not all(succeeded(r) for i, r in enumerate(replies) if i != at)
+        unsure = not all(succeeded(r) for i, r in enumerate(replies) if i != at and i not in optional)
         stale = keyring is not None and not unsure and self._key_replaced(kid, *replies[at + 1:])
         if stale or unsure:
             # stored, but with a key that is not the tenant's any more, or not where a delete
@@ -146,7 +147,7 @@ class Writes:
                 return _STALE, scratch
             self._count("put_failures")
             return 0, scratch
-        if add_model:
+        if model_needed:
             self._model_added(fp)
         return ENVELOPE.size + n, scratch
 
