@@ -724,8 +724,11 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                 tiers["remote"] = {"used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes,
                                    "blocks": u.blocks}
                 c.update({f"remote_{k}": v for k, v in self._remote.metrics().items()})
-                for tenant, row in tenants.items():
-                    row["remote"] = self._remote.tenant_bytes(tenant)
+                # NOTE: every tenant the remote tier holds bytes of: a tenant whose blocks had
+                # all gone down to it had no row (it showed only next to local blocks)
+                remote = self._remote.tenants_bytes()
+                for tenant in {*tenants, *remote}:
+                    tenants.setdefault(tenant, {})["remote"] = remote.get(tenant, 0)
             return {
                 "tiers": tiers,
                 "blocks": len(self._index),

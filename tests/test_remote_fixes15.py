@@ -234,3 +234,17 @@ def test_a_lost_models_set_is_made_again_by_the_next_write(servers) -> None:
     c = servers("c")  # never saw the model
     assert c.delete("acme", x) == 4
     assert b.get("acme", SPEC, x).shape[0] == 0
+
+
+# -- stats: a tenant whose blocks all went down to the remote tier ---------------------------------
+def test_a_tenant_held_only_by_the_remote_tier_has_its_stats_row(servers) -> None:
+    """stats()["tenants"] (and the kvstore_store_tenants gauges) showed a tenant's remote bytes
+    only next to local ones: once every block of it was demoted to Redis, it had no row."""
+    s = servers("a", hbm=4, remote_write="demote", high_watermark=1.0, low_watermark=1.0)
+    ka = s.block_keys("acme", SPEC, tokens(4, SPEC))
+    s.put("acme", SPEC, ka, make_kv(SPEC, 4))
+    s.put("globex", SPEC, s.block_keys("globex", SPEC, tokens(4, SPEC, start=500)), make_kv(SPEC, 4))
+    s.flush()
+    assert set(s.lookup("acme", SPEC, ka).tiers) == {"remote"}
+    row = s.stats()["tenants"]["acme"]
+    assert row == {"remote": 4 * N}

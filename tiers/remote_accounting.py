@@ -106,6 +106,12 @@ class Accounting:
         with self._lock:
             return self._tenant_used.get(tenant, 0)
 
+    def tenants_bytes(self) -> dict[str, int]:
+        """:meth:`tenant_bytes` of every tenant that has any."""
+        self._prune_expired()
+        with self._lock:
+            return {t: n for t, n in self._tenant_used.items() if n}
+
     def can_fit(self, nbytes: int) -> bool:
         with self._lock:
             return self._used + nbytes <= self.capacity
