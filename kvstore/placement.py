@@ -12,6 +12,10 @@ API (the Store validates, locks and calls it). Primitives and what each guarante
 * ``move``       — two-phase: the block is in flight (not a hit, not evictable) while its bytes
   are copied; then published in the destination, or left where it was. Moving up out of NVMe
   keeps the NVMe copy (``persisted``) so a crash cannot lose a committed block.
+* closure        — what NVMe holds is closed under parents: a block goes to NVMe (demoted, or
+  put there) only once each of its ancestors is there or keeps an NVMe copy (``make_room``
+  writes the missing copies first), and a copy is not evicted while a descendant is on NVMe.
+  Recovery drops a block whose parent is not on NVMe, so anything else is lost at a crash.
 * ``serve``      — copies one block out (promoting it first when its parent is already in the
   top tier); a failed integrity check deletes the block and its dependants and counts it.
 
@@ -123,7 +127,9 @@ class Placement:
                 # make_room tries the quota first and then only frees bytes: still over it
                 # here means the quota refused (NOTE: this refusal was labelled and counted as
                 # the tier's capacity, and the metrics said NVMe was full when a quota bound)
-                if bound is None and not self.within_quota(tenant, tier, meta.nbytes):
+                need = meta.nbytes + (sum(a.nbytes for a in self._uncommitted_ancestors(meta))
+                                      if tier == Tier.NVME else 0)  # the copies it needs first
+                if bound is None and not self.within_quota(tenant, tier, need):
                     bound = tier
                 continue
             if self.write(tier, ref, meta, data):
@@ -139,6 +145,10 @@ class Placement:
                        f"quota (kvstore policy set)")
         else:
             message = f"{where}: capacity is held by pinned or in-flight blocks"
+            copies = len(self._uncommitted_ancestors(meta)) if Tier.NVME in choices else 0
+            if copies:  # see _nvme_room
+                message += (f" (a block goes to NVMe only with its ancestors: NVMe had no room for the copies of "
+                            f"the {copies} blocks above it in memory)")
         if refuse is not None:
             raise refuse(tenant, bound, choices[0], message)
         raise ResourceExhausted(message, resource=choices[0].label)
@@ -227,7 +237,59 @@ class Placement:
                           meta.nbytes, meta.created, meta.ttl_deadline, meta.fingerprint)
 
     def make_room(self, tier: Tier, meta: BlockMeta) -> bool:
-        """Evict until ``meta`` fits in ``tier`` within capacity, watermark and quota."""
+        """Evict until ``meta`` fits in ``tier`` within capacity, watermark and quota. For NVMe,
+        first commits an NVMe copy of each ancestor of ``meta`` that has none (see
+        :meth:`_nvme_room`); False, as for no room, when one cannot be had."""
+        if tier == Tier.NVME:
+            return self._nvme_room(meta)
+        return self._make_room(tier, meta)
+
+    def _uncommitted_ancestors(self, meta: BlockMeta) -> list[BlockMeta]:
+        """``meta``'s ancestors with no NVMe copy, shallowest first: those above the deepest
+        one on NVMe (or keeping a copy there). One look-up when the parent has its copy."""
+        out: list[BlockMeta] = []
+        p = self._index.get(meta.tenant, meta.parent)
+        while p is not None and p.tier != Tier.NVME and not p.persisted:
+            out.append(p)
+            p = self._index.get(p.tenant, p.parent)
+        out.reverse()
+        return out
+
+    def _nvme_room(self, meta: BlockMeta) -> bool:
+        """Write NVMe copies of ``meta``'s ancestors that have none (shallowest first; they stay
+        where they live, marked persisted, like a promoted block's kept copy), then make room
+        in NVMe for ``meta``; False when a copy or ``meta`` finds no room or quota.
+
+        NOTE: a block was written to NVMe with its ancestors in HBM or DRAM only (a system
+        prompt kept hot in HBM while leaf-first eviction demoted every conversation's tail):
+        committed, and dropped as an orphan by the next open after a crash (every block under
+        the prompt). The copies go in the caller's NVMe batch before ``meta`` (ancestor first:
+        a commit that stores a block stores its ancestors' copies, or a commit before it did).
+        The copies written stay when a later one fails: they are closed under parents too.
+        Meanwhile they and the ancestor copy they hang from are protected: a copy with no
+        descendant on NVMe yet is evictable, and making room for ``meta`` (the quota's own
+        victims first) dropped its parent's copy just before ``meta`` was written."""
+        missing = self._uncommitted_ancestors(meta)
+        anchor = self._index.get(meta.tenant, (missing[0] if missing else meta).parent)
+        idents = [(m.tenant, m.key) for m in (*missing, anchor)
+                  if m is not None and m.tier < Tier.NVME and (m.tenant, m.key) not in self.protected]
+        self.protected.update(idents)
+        try:
+            for a in missing:
+                if a.tier not in self._mem or not self._make_room(Tier.NVME, a):
+                    return False
+                ref = self.ref(a)
+                if not self.write(Tier.NVME, ref, a, self._mem[a.tier].host_bytes(ref)):
+                    return False
+                self._index.set_persisted(a, True)
+                self.charge(a, Tier.NVME, +1)
+                self.counters.add("nvme_ancestor_copies")
+            return self._make_room(Tier.NVME, meta)
+        finally:
+            self.protected.difference_update(idents)
+
+    def _make_room(self, tier: Tier, meta: BlockMeta) -> bool:
+        """:meth:`make_room` for ``meta`` alone (its ancestors' NVMe copies are not looked at)."""
         backend = self.backend(tier)
         need = backend.charge(meta.nbytes)
         if not self.fit_quota(meta.tenant, tier, meta.nbytes):
@@ -306,7 +368,8 @@ class Placement:
         # what goes first is not only the policy's call: (1) the NVMe copies of blocks living
         # above go before any block (dropping one loses nothing: a tenant under an NVMe quota
         # lost its NVMe-only blocks just by reading others, whose promoted copies kept their
-        # NVMe copy and stayed, the recent ones, under LRU); (2) a paused session's blocks go
+        # NVMe copy and stayed, the recent ones, under LRU), those with no descendant on NVMe
+        # only (:meth:`_nvme_copy_evictable`); (2) a paused session's blocks go
         # after every other block (they are what pause promises to keep: under lru and gdsf,
         # other traffic dropped them, and the session resumed with nothing)
         def order(m: BlockMeta) -> tuple[int, int]:
@@ -315,9 +378,21 @@ class Placement:
         return VictimQueue(self.policy, tier, candidates, valid, self._clock(), order)
 
     def _nvme_copy_evictable(self, m: BlockMeta, tenant: str | None) -> bool:
+        """Whether ``m``'s NVMe copy (``m`` living above NVMe) may be evicted now.
+
+        NOTE: dropping the copy of a block with a descendant on NVMe (a hot prompt's copy,
+        under conversations demoted there) loses nothing now, but every such descendant at
+        the next crash (recovery drops a block whose parent is not on NVMe). Such a copy is
+        skipped, as a block with a child in its tier is: the copies go leaf-first, each once
+        its last descendant left NVMe (:meth:`evict_some` offers the parent again). Dropping
+        the descendants with it would throw away blocks only NVMe holds to save one copy of
+        a block memory still holds; skipping keeps NVMe's usage the same as leaf-first
+        eviction of NVMe's own blocks, which come next in the order."""
         return (m.persisted and m.tier < Tier.NVME and self._index.get(m.tenant, m.key) is m
                 and not m.in_flight and (m.tenant, m.key) not in self.protected
-                and (tenant is None or m.tenant == tenant))
+                and (tenant is None or m.tenant == tenant)
+                and not (m.children and any(c.tier == Tier.NVME or c.persisted
+                                            for c in self._index.children(m))))
 
     def evict_some(self, tier: Tier, queue: VictimQueue) -> bool:
         """Evict the next victim of ``queue`` (a :meth:`victims` of ``tier``) that can go;
@@ -325,7 +400,8 @@ class Placement:
         while (victim := queue.pop()) is not None:
             if tier == Tier.NVME and victim.tier < Tier.NVME:
                 self.drop_copy(victim)
-                queue.evicted(None)
+                # its parent's copy may be evictable now (see _nvme_copy_evictable)
+                queue.evicted(self._index.get(victim.tenant, victim.parent) if victim.parent else None)
                 return True
             if self.evict(victim, tier, self._clock()):
                 queue.evicted(self._index.get(victim.tenant, victim.parent) if victim.parent else None)

@@ -3,7 +3,9 @@
 Usage: python crash_child.py PATH MODE START
 Prints ``ack <i>`` (flushed) after put number i returned. MODE ``nvme`` stores straight to
 NVMe (every put is committed when it returns); ``tiered`` uses small HBM/DRAM so blocks are
-demoted to NVMe while the process is killed.
+demoted to NVMe while the process is killed. MODE ``hot`` first reads the shared prefix (it
+comes up into HBM), then puts: the prefix stays hot in HBM while each chain's own blocks are
+demoted to NVMe under it (tests/test_nvme_closure15.py).
 """
 
 import sys
@@ -43,6 +45,11 @@ def config(path: Path, mode: str) -> StoreConfig:
         # evicted chains were (rightly) gone.
         return StoreConfig(path=path, hbm_bytes=0, dram_bytes=0, nvme_bytes=40_000 * n,
                            master_key=MASTER)
+    if mode == "hot":
+        # lru demotes every victim (the cost policy may drop a leaf not worth writing): each
+        # chain older than what HBM and DRAM hold is on NVMe
+        return StoreConfig(path=path, hbm_bytes=8 * n, dram_bytes=8 * n, nvme_bytes=4000 * n,
+                           master_key=MASTER, persist_on_close=False, durable=True, policy="lru")
     return StoreConfig(path=path, hbm_bytes=6 * n, dram_bytes=6 * n, nvme_bytes=4000 * n,
                        master_key=MASTER, persist_on_close=False)
 
@@ -50,6 +57,9 @@ def config(path: Path, mode: str) -> StoreConfig:
 def main() -> None:
     path, mode, start = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     store = Store.open(config(path, mode))
+    if mode == "hot":  # an engine reading its system prompt from the cache brings it up
+        toks, _ = chain(0)
+        store.get("t", SPEC, store.block_keys("t", SPEC, toks[: PREFIX_BLOCKS * SPEC.block_tokens]))
     print("ready", flush=True)
     i = start
     while True:

@@ -63,13 +63,15 @@ def test_blocks_evicted_from_the_last_local_tier_are_demoted_to_remote(tmp_path:
                                                                       redis_ns) -> None:
     url, ns = redis_ns
     n = SPEC.block_nbytes
-    cfg = StoreConfig(path=tmp_path / "s", hbm_bytes=2 * n, dram_bytes=2 * n, nvme_bytes=2 * n,
+    # NOTE: NVMe holds a chain of 3: a block goes there only with copies of its ancestors
+    # (tests/test_nvme_closure15.py); with 2 none could, and every victim was dropped locally
+    cfg = StoreConfig(path=tmp_path / "s", hbm_bytes=2 * n, dram_bytes=2 * n, nvme_bytes=3 * n,
                       master_key=MASTER, remote=RemoteConfig(urls=[url], namespace=ns),
                       high_watermark=1.0, low_watermark=1.0)
     s = Store.open(cfg)
     try:
         chains = []
-        for c in range(4):  # 12 blocks through 6 local slots: the oldest go remote
+        for c in range(4):  # 12 blocks through 7 local slots: the oldest go remote
             toks = list(range(1000 * c, 1000 * c + 3 * SPEC.block_tokens))
             keys = s.block_keys("acme", SPEC, toks)
             kv = torch.randn((3, *SPEC.block_shape),

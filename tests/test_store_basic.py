@@ -78,7 +78,9 @@ def test_other_spec_never_matches(open_store, spec):
 
 
 def test_tenant_isolation_lookup_and_get(open_store, spec):
-    s = open_store(spec, hbm_blocks=1, dram_blocks=1, nvme_blocks=8)
+    # NOTE: NVMe room for both tenants' chains with the copies of their blocks above NVMe
+    # (a block goes to NVMe only with its ancestors: tests/test_nvme_closure15.py)
+    s = open_store(spec, hbm_blocks=1, dram_blocks=1, nvme_blocks=16)
     toks = tokens(4, spec)
     ka = s.block_keys("a", spec, toks)
     s.put("a", spec, ka, make_kv(spec, 4))
@@ -268,13 +270,15 @@ def test_a_put_that_can_never_fit_is_refused_before_it_evicts_anything(open_stor
     """A put holds its own blocks until it ends, so one with more new blocks than the tiers
     could ever hold (capacity; the tenant's quota; HBM alone for a session) used to evict
     everything it could and fail anyway. It is refused up front, and nothing is lost."""
-    s = open_store(spec, hbm_blocks=2, dram_blocks=2, nvme_blocks=4)
+    # NOTE: NVMe holds 8: the blocks that go there need copies of their ancestors in memory
+    # (tests/test_nvme_closure15.py), so a chain of 8 takes 4 in memory and 8 in NVMe
+    s = open_store(spec, hbm_blocks=2, dram_blocks=2, nvme_blocks=8)
     keys = s.block_keys("a", spec, tokens(3, spec))
     kv = make_kv(spec, 3)
     s.put("a", spec, keys, kv)
     before = s.stats()["evictions"]
-    with pytest.raises(ResourceExhausted, match="9 new blocks .* at most 8"):
-        s.put("a", spec, s.block_keys("a", spec, tokens(9, spec, start=500)), make_kv(spec, 9))
+    with pytest.raises(ResourceExhausted, match="13 new blocks .* at most 12"):
+        s.put("a", spec, s.block_keys("a", spec, tokens(13, spec, start=500)), make_kv(spec, 13))
     assert s.stats()["evictions"] == before
     assert s.lookup("a", spec, keys).num_blocks == 3 and torch.equal(s.get("a", spec, keys), kv)
     # blocks already stored do not count: the same 3 plus 5 new ones fit
@@ -283,8 +287,8 @@ def test_a_put_that_can_never_fit_is_refused_before_it_evicts_anything(open_stor
     assert s.lookup("a", spec, more).num_blocks == 8
     # the tenant's quota bounds it too
     s.set_tenant_policy("q", quota_bytes={"hbm": spec.block_nbytes, "dram": spec.block_nbytes})
-    with pytest.raises(ResourceExhausted, match="at most 6"):
-        s.put("q", spec, s.block_keys("q", spec, tokens(7, spec)), make_kv(spec, 7))
+    with pytest.raises(ResourceExhausted, match="at most 10"):
+        s.put("q", spec, s.block_keys("q", spec, tokens(11, spec)), make_kv(spec, 11))
     # a refused continuation leaves its parent as evictable as before
     with pytest.raises(ResourceExhausted, match="can never fit"):
         s.put("a", spec, s.block_keys("a", spec, tokens(9, spec, start=700)), make_kv(spec, 9), parent=more[-1])
