@@ -123,6 +123,18 @@ def _check_private(key_file: Path, option: str) -> None:
         raise InvalidArgument(f"{option} {str(key_file)!r} {problem}")
 
 
+#: bytes per key of the longest reply that lists a call's keys (a Lookup by token ids sends back
+#: each 32-byte key and its block's tier code), and the room kept for the rest of a message
+_KEY_REPLY_BYTES = 33
+_MESSAGE_FRAMING = 1024
+
+
+def max_keys_in(max_message_bytes: int) -> int:
+    """The most keys a call may name (``limits.max_keys_per_call``) for a message listing them
+    all (a BlockKeys or token Lookup reply, a request sending them) to fit ``max_message_bytes``."""
+    return (max_message_bytes - _MESSAGE_FRAMING) // _KEY_REPLY_BYTES
+
+
 class LimitsConfig(BaseModel):
     """Bounds on what one call may ask for. Past them: RESOURCE_EXHAUSTED / INVALID_ARGUMENT
     with a message naming the limit."""
@@ -138,7 +150,10 @@ class LimitsConfig(BaseModel):
     ones through the sidecar (see ``kvstore.client.DEFAULT_CHUNK_BYTES``)."""
 
     max_keys_per_call: Annotated[Int, Field(ge=1)] = 65536
-    """Most blocks one Lookup/Get/Prefetch/Delete/PutLocal/GetLocal may name."""
+    """Most blocks one BlockKeys/Lookup/Get/Prefetch/Delete/PutLocal/GetLocal may name (token
+    ids: full blocks, refused before any key is computed). A message listing that many keys must
+    fit ``max_message_bytes``: 33 bytes a key (a token Lookup's reply: key and tier code) plus
+    1 KiB, at most :func:`max_keys_in` (127,069 at 4 MiB; 1,954 at 64 KiB)."""
 
     max_blocks_per_stream: Annotated[Int, Field(ge=1)] = 4096
     """Most blocks one Put stream may carry."""
@@ -147,7 +162,8 @@ class LimitsConfig(BaseModel):
     """Most payload bytes one Put stream may buffer before it commits (and one Get stream may stage)."""
 
     max_inflight_bytes_per_tenant: Annotated[ByteCount, Field(ge=1)] = 4 * GiB
-    """Payload bytes one tenant may have buffered across its concurrent Put streams."""
+    """Payload bytes one principal (a tenant or a publisher, whatever namespaces it writes) may
+    have buffered across its concurrent Put streams and shared-memory staging."""
 
     max_tokens_per_call: Annotated[Int, Field(ge=1)] = 4 * MiB
     """Most token ids a request may send for key computation."""
@@ -207,6 +223,19 @@ class LimitsConfig(BaseModel):
     def _chunk_fits(self) -> LimitsConfig:
         if self.chunk_bytes > self.max_message_bytes - 1024:
             raise ValueError("limits.chunk_bytes must be at least 1 KiB below max_message_bytes")
+        return self
+
+    @model_validator(mode="after")
+    def _key_list_fits(self) -> LimitsConfig:
+        # NOTE: nothing tied them: BlockKeys or a token Lookup under a smaller max_message_bytes
+        # did all the work, then failed in grpc ("Sent message larger than max"), counted as OK
+        most = max_keys_in(self.max_message_bytes)
+        if self.max_keys_per_call > most:
+            raise ValueError(
+                f"limits.max_keys_per_call={self.max_keys_per_call} keys do not fit in one message of "
+                f"limits.max_message_bytes={self.max_message_bytes} ({_KEY_REPLY_BYTES} bytes a key in a "
+                f"Lookup's reply, plus {_MESSAGE_FRAMING}): set max_keys_per_call to at most {most}, or raise "
+                f"max_message_bytes")
         return self
 
 

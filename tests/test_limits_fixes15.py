@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from urllib.parse import quote
 
 import grpc
 import pytest
-from service_harness import SPEC, start
+from service_harness import SPEC, random_kv, start
 
-from kvstore import service_data
+from kvstore import server_config, service_data
 from kvstore.client import spec_to_pb
 from kvstore.errors import PermissionDenied, ResourceExhausted
 from kvstore.status import from_rpc_error, to_status
@@ -226,3 +227,31 @@ def test_register_region_with_an_unknown_kind_says_so(small):
     assert code == "INVALID_ARGUMENT" and "unknown" in details and "99" in details, details
     code, details = _code(kv.RegisterRegion, pb.RegisterRegionRequest(name="x", size=4096), metadata=md)
     assert code == "INVALID_ARGUMENT" and "required" in details, details
+
+
+# -- 7. a full key list fits max_message_bytes (LimitsConfig) ------------------------------------
+def test_a_full_key_list_must_fit_in_max_message_bytes():
+    with pytest.raises(ValueError, match="max_keys_per_call"):
+        server_config.LimitsConfig(max_message_bytes=256 * 1024, chunk_bytes=128 * 1024)
+    server_config.LimitsConfig(max_message_bytes=256 * 1024, chunk_bytes=128 * 1024, max_keys_per_call=7000)
+    server_config.LimitsConfig()  # the defaults fit
+
+
+def test_the_largest_key_list_allowed_fits_the_message_limit(tmp_path):
+    """At the most keys the validator allows for a message limit, a BlockKeys reply and a token
+    Lookup's reply (the keys, and a tier code per stored block) still go out."""
+    limit = 64 * 1024
+    most = server_config.max_keys_in(limit)
+    sc = start(tmp_path, limits={"max_message_bytes": limit, "chunk_bytes": 32 * 1024, "max_keys_per_call": most})
+    try:
+        c = sc.tenant("t", local=False)
+        spec = replace(SPEC, block_tokens=1)
+        tokens = list(range(1, most + 1))
+        keys = c.block_keys(spec, tokens)
+        assert len(keys) == most
+        for lo in range(0, most, 64):  # within max_blocks_per_stream and max_stream_bytes
+            c.put(spec, keys[lo : lo + 64], random_kv(len(keys[lo : lo + 64]), spec), parent=keys[lo - 1] if lo else None)
+        found = c.lookup(spec, token_ids=tokens)
+        assert found.num_blocks == most
+    finally:
+        sc.stop()

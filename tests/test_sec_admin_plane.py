@@ -76,7 +76,8 @@ def _grow(log: AuditLog, n: int) -> None:
 
 def test_read_audit_pages_a_log_larger_than_the_message_limit(tmp_path):
     """ReadAudit answered "message too large" once the entries asked for passed the limit."""
-    sc = start(tmp_path, limits={"max_message_bytes": 64 * 1024, "chunk_bytes": 32 * 1024})
+    sc = start(tmp_path, limits={"max_message_bytes": 64 * 1024, "chunk_bytes": 32 * 1024,
+                                 "max_keys_per_call": 1024})
     try:
         _grow(sc.server.audit, 600)  # ~180 KiB of entries
         admin = sc.admin()

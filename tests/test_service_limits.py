@@ -251,7 +251,8 @@ def test_quota_is_resource_exhausted(sidecar):
 
 
 def test_message_size_limit_is_enforced_by_the_transport(tmp_path):
-    sc = start(tmp_path, limits={"max_message_bytes": 256 * 1024, "chunk_bytes": 128 * 1024})
+    sc = start(tmp_path, limits={"max_message_bytes": 256 * 1024, "chunk_bytes": 128 * 1024,
+                                 "max_keys_per_call": 4096})
     try:
         token = sc.admin().create_tenant("big")
         with grpc.insecure_channel(sc.target, options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
