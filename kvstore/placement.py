@@ -415,13 +415,7 @@ class Placement:
         dest = self.policy.demote_to(meta, tier, slower, now)
         if dest == Tier.REMOTE:
             if self.policy.admit(meta, dest, now):
-                # NOTE: a block the remote tier holds already (written through at its put, or
-                # spilled before and promoted since: its deadline moves go there too) is not
-                # written again: write-through wrote every evicted block twice
-                if self.remote.holds(self.ref(meta)):
-                    self.counters.add("remote_spill_skipped_held")
-                else:
-                    self.spill_remote(meta)
+                self.spill_remote(meta)
                 if self._index.get(meta.tenant, meta.key) is not meta:
                     return True  # it failed its integrity check while being read: gone
             dest = None  # the local copy goes either way

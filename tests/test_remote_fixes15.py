@@ -248,20 +248,3 @@ def test_a_tenant_held_only_by_the_remote_tier_has_its_stats_row(servers) -> Non
     assert set(s.lookup("acme", SPEC, ka).tiers) == {"remote"}
     row = s.stats()["tenants"]["acme"]
     assert row == {"remote": 4 * N}
-
-
-# -- write-through: a block evicted later is not written to the remote tier again -----------------
-def test_write_through_blocks_are_not_written_again_when_evicted(servers) -> None:
-    """remote_write="through" wrote each block at its put and, when the last local tier evicted
-    it, encoded, queued and wrote it again (same bytes, same key): twice the writer's work."""
-    s = servers("a", hbm=4, high_watermark=1.0, low_watermark=1.0)
-    chains = [s.block_keys("acme", SPEC, tokens(4, SPEC, start=1000 * c)) for c in range(4)]
-    for keys in chains:
-        s.put("acme", SPEC, keys, make_kv(SPEC, 4))
-        s.flush()
-    c = s.stats()["counters"]
-    assert c["blocks_put"] == 16
-    assert c["remote_puts"] == 16  # it was 28: the 12 evicted blocks were written twice
-    assert c.get("remote_spill_skipped_held", 0) == 12
-    for keys in chains:  # every block is still served, from wherever it is
-        assert s.lookup("acme", SPEC, keys).num_blocks == 4

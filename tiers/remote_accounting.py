@@ -112,14 +112,6 @@ class Accounting:
         with self._lock:
             return {t: n for t, n in self._tenant_used.items() if n}
 
-    def holds(self, ref: BlockRef) -> bool:
-        """Whether this node wrote ``ref``'s block and its copy has not expired or gone, as far
-        as the accounting knows (Redis may have lost it since: a restart, its own eviction)."""
-        now = self._clock()
-        with self._lock:
-            h = self._held.get(ref.ident)
-            return h is not None and (h.deadline is None or now < h.deadline)
-
     def can_fit(self, nbytes: int) -> bool:
         with self._lock:
             return self._used + nbytes <= self.capacity
