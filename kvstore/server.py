@@ -42,7 +42,7 @@ from kvstore.auth import SHARED_PREFIX, AuthRegistry
 from kvstore.dirlock import DirLock
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.metrics import ServiceMetrics, StoreCollector
-from kvstore.metrics_http import scrape_token, serve_metrics
+from kvstore.metrics_http import TokenFile, scrape_token, serve_metrics
 from kvstore.server_config import ServerConfig, check_certificates, check_key_pair
 from kvstore.service import AdminPlane, DataPlane, RpcRunner, add_services
 from kvstore.shm import is_local_target
@@ -98,7 +98,8 @@ class SidecarServer:
         m = self.config.metrics
         if m.enabled and m.listen:  # NOTE: first: a port in use fails the start before gRPC serves
             try:
-                token = scrape_token(self.config.metrics_token_file) if m.auth == "token" else None
+                path = self.config.metrics_token_file
+                token = TokenFile(path, scrape_token(path)) if m.auth == "token" else None
                 self._metrics_http = serve_metrics(self.metrics_registry, m.listen, token)
             except FailedPrecondition:
                 self.stop(0)

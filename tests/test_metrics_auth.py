@@ -98,3 +98,59 @@ def test_the_token_file_defaults_to_the_data_directory_and_takes_a_tilde(tmp_pat
     assert config.metrics_token_file == tmp_path / "d" / "metrics.token"
     config = server_config.build({"store": {"path": str(tmp_path / "d")}, "metrics": {"token_file": "~/m.token"}})
     assert config.metrics_token_file == tmp_path / "m.token"
+
+
+def test_replacing_the_token_file_rotates_the_token(tmp_path) -> None:
+    """The token was read once at start: a new one in the file was refused, and the old
+    (leaked) one kept working after the file was replaced or deleted."""
+    sc = start(tmp_path, metrics={"enabled": True, "listen": "127.0.0.1:0"})
+    try:
+        address, path = sc.server.metrics_address, tmp_path / "metrics.token"
+        old = path.read_text().strip()
+        new = tmp_path / "new.token"
+        new.write_text("rotated-token-0123456789abcdef\n")
+        new.chmod(0o600)
+        os.replace(new, path)
+        assert _scrape(address, f"Bearer {old}")[0] == 401
+        assert _scrape(address, "Bearer rotated-token-0123456789abcdef")[0] == 200
+        path.chmod(0o644)  # loose: nothing is accepted until it is fixed
+        os.utime(path, ns=(1, 1))
+        assert _scrape(address, "Bearer rotated-token-0123456789abcdef")[0] == 401
+        path.unlink()
+        assert _scrape(address, "Bearer rotated-token-0123456789abcdef")[0] == 401
+        assert _scrape(address, f"Bearer {old}")[0] == 401
+    finally:
+        sc.stop()
+
+
+def test_idle_connections_to_the_metrics_port_hold_no_thread_for_long(tmp_path, monkeypatch) -> None:
+    """One thread per connection, without a timeout: ~1,000 idle connections (no token
+    needed) took every file descriptor of the sidecar, and its gRPC service failed too."""
+    import socket
+    import threading
+    import time
+
+    from kvstore import metrics_http
+    from kvstore.client import Client
+
+    monkeypatch.setattr(metrics_http, "HANDLER_TIMEOUT_S", 1.0)
+    sc = start(tmp_path, metrics={"enabled": True, "listen": "127.0.0.1:0"})
+    idle: list[socket.socket] = []
+    try:
+        host, port = sc.server.metrics_address.rsplit(":", 1)
+        before = threading.active_count()
+        for _ in range(3 * metrics_http.MAX_CONNECTIONS):
+            s = socket.create_connection((host, int(port)))
+            s.sendall(b"GET /metr")  # half a request line, then silence
+            idle.append(s)
+        time.sleep(0.3)
+        assert threading.active_count() - before <= metrics_http.MAX_CONNECTIONS
+        with Client(sc.target, sc.admin_token, local=False) as c:  # the service still answers
+            assert "tiers" in c.stats()
+        time.sleep(1.5)  # the idle ones time out
+        token = (tmp_path / "metrics.token").read_text().strip()
+        assert _scrape(sc.server.metrics_address, f"Bearer {token}")[0] == 200
+    finally:
+        for s in idle:
+            s.close()
+        sc.stop()
