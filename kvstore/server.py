@@ -176,7 +176,7 @@ class _Counted:
 
     def __init__(self, what: str, progress: Callable[[str, int, int], None] | None) -> None:
         self.what, self._progress = what, progress
-        self.total = 0
+        self.total = self.done = 0
         self._began = time.monotonic()
 
     @property
@@ -184,7 +184,7 @@ class _Counted:
         return time.monotonic() - self._began
 
     def __call__(self, done: int, total: int) -> None:
-        self.total = total
+        self.done, self.total = done, total
         if self._progress is not None:
             self._progress(self.what, done, total)
 
@@ -335,6 +335,33 @@ def create_server(config: ServerConfig, *, store: Any = None, clock: Callable[[]
 _DROPPED_AT_OPEN = ("orphans_dropped", "keyless_dropped", "unreadable_dropped")
 
 
+class _Abandoned(BaseException):
+    """A second signal during the stop: the commit of memory blocks is given up."""
+
+
+def _second_signal_abandons(echo: Callable[[str], None], persisted: _Counted) -> None:
+    """While the server stops: a signal says the stop is under way (with the commit's
+    progress), the next one abandons it. NOTE: the handlers were restored before the stop, so
+    a second Ctrl-C or SIGTERM during a commit of many blocks killed the process at once,
+    without a word (the progress bar erased), most of the blocks lost."""
+    signals = 0
+
+    def during_stop(signum: int, frame: Any) -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            raise _Abandoned
+        if persisted.total:
+            echo(f"stopping: committing memory blocks to NVMe ({persisted.done} of {persisted.total} so "
+                 f"far); signal again to abandon the rest (they are lost)")
+        else:
+            echo("stopping: waiting for the calls in flight to end; signal again to stop at once "
+                 "(memory blocks are not committed to NVMe then)")
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, during_stop)
+
+
 def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
           clock: Callable[[], float] = time.time,
           progress: Callable[[str, int, int], None] | None = None) -> None:
@@ -398,12 +425,22 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
         echo("ready (Ctrl-C or SIGTERM to stop)")
         done.wait()
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if server is not None:
-            server.halt()  # NOTE: first: the calls' wait is not the commit's time below
+        if server is None:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        else:
             persisted = _Counted("committing memory blocks to NVMe", progress)
-            committed = server.stop(progress=persisted)
+            _second_signal_abandons(echo, persisted)
+            try:
+                server.halt()  # NOTE: first: the calls' wait is not the commit's time below
+                committed = server.stop(progress=persisted)
+            except _Abandoned:
+                echo(f"abandoned: {persisted.done} of {persisted.total} memory blocks were committed to "
+                     f"NVMe, the rest are lost")
+                raise SystemExit(130) from None
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
             lost = getattr(server.store, "uncommitted_at_close", 0)
             if lost:  # NOTE: the Store only logged them, and serve said nothing of them
                 echo(f"warning: {lost} memory blocks could not be committed to NVMe (its capacity or a "

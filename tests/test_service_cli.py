@@ -318,3 +318,41 @@ def test_serve_says_how_many_memory_blocks_its_stop_could_not_commit(tmp_path):
     lines.clear()
     serve(config, echo=echo)  # the same again: what the first stop committed comes back
     assert any(line.startswith("recovered 2 blocks from NVMe") for line in lines), lines
+
+
+def test_a_second_signal_during_the_stop_says_so_and_a_third_abandons_with_a_count(tmp_path):
+    """The handlers were restored before the stop: a second Ctrl-C or SIGTERM during the commit
+    of memory blocks killed the process at once, silently, most of the blocks lost."""
+    from kvstore.admin_client import AdminClient
+    from kvstore.client import Client
+    from kvstore.server import serve
+    from kvstore.server_config import load
+
+    config = load(_tiny_config(tmp_path), overrides={"listen": "127.0.0.1:0"})
+    lines: list[str] = []
+    signals = 0
+
+    def echo(line: str) -> None:
+        lines.append(line)
+        if line.startswith("ready"):
+            port = next(x for x in lines if x.startswith("kvstore serving on")).rsplit(":", 1)[1]
+            admin_token = next(x for x in lines if x.startswith("admin token")).rsplit(" ", 1)[1]
+            with AdminClient(f"127.0.0.1:{port}", admin_token) as admin:
+                token = admin.create_tenant("t")
+            with Client(f"127.0.0.1:{port}", token) as client:
+                client.put(SPEC, client.block_keys(SPEC, fresh_tokens(6)), random_kv(6))
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def progress(what: str, done: int, total: int) -> None:
+        nonlocal signals
+        while what.startswith("committing") and total and signals < 2:
+            signals += 1
+            os.kill(os.getpid(), signal.SIGINT)  # the handler runs here, in this thread
+            time.sleep(0.05)
+
+    with pytest.raises(SystemExit) as stopped:
+        serve(config, echo=echo, progress=progress)
+    assert stopped.value.code == 130
+    assert any(x.startswith("stopping: committing memory blocks to NVMe") for x in lines), lines
+    assert any(x.startswith("abandoned: ") and "memory blocks were committed" in x for x in lines), lines
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
