@@ -24,7 +24,7 @@ Unsafe unless the caller holds the Store's lock.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -160,27 +160,55 @@ class Placement:
         tiers = [Tier.HBM] if pinned and Tier.HBM in self._mem else [t for t in self.tiers if t >= floor]
         return sum(self._fit(tenant, t, nbytes, self.backend(t).capacity, 0) for t in tiers)
 
-    def room_now(self, tenant: str, nbytes: int, floor: Tier, pinned: bool, need: int) -> int:
+    def room_now(self, tenant: str, nbytes: int, floor: Tier, pinned: bool, need: int,
+                 held: Iterable[BlockMeta] = (), under: BlockMeta | None = None,
+                 quotas: bool = True) -> int:
         """How many of ``need`` new blocks of ``nbytes`` one put could place from ``floor``
         down (session blocks: HBM alone) if it evicted everything it may, at most ``need``: in
         each memory tier the bytes not held by pinned, in-flight or protected blocks (nor by
-        the ancestors they keep in their tier), within the tenant's quota; NVMe at capacity,
-        as in :meth:`most_blocks`. An upper bound: a put of more can only fail. Scans a memory
-        tier's blocks only when free room and NVMe cannot take ``need`` blocks."""
+        the ancestors they keep in their tier), within the tenant's quota; NVMe at capacity
+        less what the chain holds there. An upper bound: a put of more can only fail.
+
+        ``held``: the stored blocks the operation holds while it runs (a put's chain, a
+        resume's session blocks): they and all their ancestors (:meth:`lineage`) are held
+        where they are, as if protected already. ``under``: the stored block the put's first
+        new block continues from: it and its ancestors with no NVMe copy must get one before
+        a block of the put goes to NVMe (:meth:`uncommitted`, :meth:`_nvme_room`).
+
+        NOTE: closure makes NVMe all or nothing: once one new block goes there, every new block
+        placed above it gets an NVMe copy too, as do those of ``under``; so the put fits in the
+        memory tiers or in NVMe (every new block and those copies), never in their sum.
+        Counting the sum, and the chain's own blocks as room, let puts through that could only
+        be refused after they had evicted and demoted other tenants' blocks.
+
+        ``quotas``: False counts capacity alone (which refusal a quota caused). Walks the chain
+        only when the memory tiers' free room cannot take ``need`` blocks, and scans a memory
+        tier's blocks only when NVMe cannot either."""
         tiers = [Tier.HBM] if pinned and Tier.HBM in self._mem else [t for t in self.tiers if t >= floor]
-        fits: dict[Tier, int] = {}
-        for t in tiers:
-            backend = self.backend(t)
-            used = backend.used_bytes if t in self._mem else 0
-            fits[t] = self._fit(tenant, t, nbytes, backend.capacity - used,
-                                self.tenant_usage.get((tenant, t), 0) if t in self._mem else 0)
-        if sum(fits.values()) >= need:
+        mem = [t for t in tiers if t in self._mem]
+
+        def fit(t: Tier, room: int, quota_used: int) -> int:
+            if quotas:
+                return self._fit(tenant, t, nbytes, room, quota_used)
+            return max(room, 0) // max(self.backend(t).charge(nbytes), 1)
+
+        free = sum(fit(t, self.backend(t).capacity - self.backend(t).used_bytes,
+                       self.tenant_usage.get((tenant, t), 0)) for t in mem)
+        if free >= need:
             return need
-        for t in tiers:
-            if t in self._mem:
-                held, held_own = self._held(t, tenant)
-                fits[t] = self._fit(tenant, t, nbytes, self.backend(t).capacity - held, held_own)
-        return min(need, sum(fits.values()))
+        chain = self.lineage(held)
+        nvme = 0
+        if Tier.NVME in tiers:
+            used, own = self._held(Tier.NVME, tenant, chain)
+            copies = len(self.uncommitted(under))
+            nvme = max(fit(Tier.NVME, self.backend(Tier.NVME).capacity - used, own) - copies, 0)
+            if nvme >= need:
+                return need
+        room = 0
+        for t in mem:
+            used, own = self._held(t, tenant, chain)
+            room += fit(t, self.backend(t).capacity - used, own)
+        return min(need, max(room, nvme))
 
     def _fit(self, tenant: str, tier: Tier, nbytes: int, room: int, quota_used: int) -> int:
         """Blocks of ``nbytes`` that ``room`` bytes of ``tier`` take, within what the tenant's
@@ -191,23 +219,42 @@ class Placement:
             fit = min(fit, (quota - quota_used) // max(nbytes, 1))
         return max(fit, 0)
 
-    def _held(self, tier: Tier, tenant: str) -> tuple[int, int]:
+    def _held(self, tier: Tier, tenant: str, chain: Collection[BlockMeta] = ()) -> tuple[int, int]:
         """Bytes of ``tier`` that no eviction can free now (all tenants', and ``tenant``'s own
         within them): pinned, in-flight and protected blocks, and their ancestors in the same
-        tier (leaf-first eviction, and a parent never sits in a slower tier than its child)."""
+        tier (leaf-first eviction, and a parent never sits in a slower tier than its child);
+        and the blocks of ``chain`` there (see :meth:`room_now`), in NVMe their copies too.
+        Only ``chain`` is looked at in NVMe: nothing there is pinned, and no operation but
+        the caller's runs under the lock."""
         backend = self.backend(tier)
         seen: set[tuple[str, bytes]] = set()
         held = own = 0
-        for m in self._index.in_tier(tier):
-            if not (m.pins or m.in_flight or (m.tenant, m.key) in self.protected):
-                continue
+
+        def there(m: BlockMeta) -> bool:
+            return m.tier == tier or (tier == Tier.NVME and m.persisted)
+
+        starts = [m for m in chain if there(m)]
+        if tier in self._mem:
+            starts += [m for m in self._index.in_tier(tier)
+                       if m.pins or m.in_flight or (m.tenant, m.key) in self.protected]
+        for m in starts:
             cur: BlockMeta | None = m
-            while cur is not None and cur.tier == tier and (cur.tenant, cur.key) not in seen:
+            while cur is not None and there(cur) and (cur.tenant, cur.key) not in seen:
                 seen.add((cur.tenant, cur.key))
                 held += backend.charge(cur.nbytes)
                 own += cur.nbytes if cur.tenant == tenant else 0
                 cur = self._index.get(cur.tenant, cur.parent)
         return held, own
+
+    def lineage(self, blocks: Iterable[BlockMeta]) -> list[BlockMeta]:
+        """``blocks`` and every ancestor of theirs in the index, each once."""
+        out: dict[tuple[str, bytes], BlockMeta] = {}
+        for m in blocks:
+            cur: BlockMeta | None = m
+            while cur is not None and (cur.tenant, cur.key) not in out:
+                out[(cur.tenant, cur.key)] = cur
+                cur = self._index.get(cur.tenant, cur.parent) if cur.parent != ROOT_KEY else None
+        return list(out.values())
 
     def write(self, tier: Tier, ref: BlockRef, meta: BlockMeta, data: Any) -> bool:
         if tier == Tier.NVME:
@@ -247,8 +294,13 @@ class Placement:
     def _uncommitted_ancestors(self, meta: BlockMeta) -> list[BlockMeta]:
         """``meta``'s ancestors with no NVMe copy, shallowest first: those above the deepest
         one on NVMe (or keeping a copy there). One look-up when the parent has its copy."""
+        return self.uncommitted(self._index.get(meta.tenant, meta.parent))
+
+    def uncommitted(self, meta: BlockMeta | None) -> list[BlockMeta]:
+        """``meta`` (if given) and its ancestors, up to the first on NVMe or keeping a copy
+        there, shallowest first: the NVMe copies a block put under ``meta`` into NVMe needs."""
         out: list[BlockMeta] = []
-        p = self._index.get(meta.tenant, meta.parent)
+        p = meta
         while p is not None and p.tier != Tier.NVME and not p.persisted:
             out.append(p)
             p = self._index.get(p.tenant, p.parent)
@@ -640,10 +692,17 @@ class Placement:
 
     def promote(self, chain: list[BlockMeta], tier: Tier | None = None) -> int:
         """Move a chain (ancestors first) up to ``tier``; stops at the first block that cannot
-        move, so the tier order holds at every step. The chain is protected meanwhile."""
+        move, so the tier order holds at every step. The chain and every ancestor of it are
+        protected meanwhile.
+
+        NOTE: only the chain was: an ancestor already in ``tier`` (left out of the chain) whose
+        children were all below it was a leaf there, and making room for the chain's first
+        block evicted it; the block then sat in ``tier`` under a parent below (a session
+        resumed under a prefix in HBM: ['dram', 'dram', 'hbm'], and lookups stopped at the
+        prefix)."""
         target = tier if tier is not None else self.tiers[0]
         moved = 0
-        idents = [(m.tenant, m.key) for m in chain if (m.tenant, m.key) not in self.protected]
+        idents = [(m.tenant, m.key) for m in self.lineage(chain) if (m.tenant, m.key) not in self.protected]
         self.protected.update(idents)
         try:
             for m in chain:

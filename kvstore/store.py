@@ -478,7 +478,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         # NOTE: checked before the ancestors come up, as reserve_put does: bringing them up
         # first could evict other tenants' blocks for a put then refused
         self._refuse_what_cannot_fit(tenant, spec, [*lift, *keys], pm.tier if pm is not None else parent_tier,
-                                     pinned=sess is not None)
+                                     pinned=sess is not None, parent=pm)
         if pm is not None:
             if lift:
                 # NOTE: session blocks live in the top tier and no block sits above its parent:
@@ -555,19 +555,37 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         return pm
 
     def _refuse_what_cannot_fit(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes], floor: Tier,
-                                *, pinned: bool = False) -> None:
+                                *, pinned: bool = False, parent: BlockMeta | None = None) -> None:
         """ResourceExhausted, before anything is evicted, for a put whose new blocks outnumber
         what the tiers it may use could ever hold for this tenant (a put holds its own blocks
         until it ends, so such a put would evict everything it could and still fail), or what
-        they could hold now, with pinned, in-flight and protected blocks where they are."""
+        they could hold now, with pinned, in-flight and protected blocks where they are.
+        ``parent``: the stored block ``keys[0]`` continues from.
+
+        NOTE: it counted the put's new blocks only, as if the chain's stored blocks (which the
+        put holds while it runs; a session put pins them in HBM) could be evicted for them, and
+        as if NVMe took what memory could not besides the memory blocks (a block goes to NVMe
+        only once its ancestors have copies there, the put's own blocks above it included):
+        puts that could never fit evicted and demoted other tenants' blocks, then were
+        refused. Now the chain (with every ancestor) is held where it is, the new blocks start
+        no higher than the stored block they continue from, and NVMe must take them all with
+        the copies (``Placement.room_now``)."""
         lift = pinned and Tier.HBM in self.tiers  # session blocks stored below HBM come up
         new = up = 0
+        stored: list[BlockMeta] = [parent] if parent is not None else []
+        before = parent  # the stored block the first new block continues from
         for k in keys:
             m = self._index.get(tenant, k)
             if m is None:
                 new += 1
-            elif lift and m.tier > Tier.HBM:
+                continue
+            stored.append(m)
+            if not new:
+                before = m
+            if lift and m.tier > Tier.HBM:
                 up += 1
+        if not lift and before is not None:
+            floor = max(floor, before.tier)  # the put's new blocks go no higher
         most = self._place.most_blocks(tenant, spec.block_nbytes, floor, pinned)
         tiers = [Tier.HBM] if lift else [t for t in self.tiers if t >= floor]
         if new > most:
@@ -587,9 +605,11 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                 f"a put of {new} new blocks of {spec.block_nbytes} bytes can never fit: {where} hold "
                 f"at most {most} of them for tenant {tenant!r} ({why}); "
                 f"put fewer blocks at a time or {fix}"))
-        room = self._place.room_now(tenant, spec.block_nbytes, floor, pinned, new + up)
+        under = None if lift else before
+        room = self._place.room_now(tenant, spec.block_nbytes, floor, pinned, new + up, stored, under)
         if new + up > room:
-            bound = self._quota_bound(tenant, tiers, spec.block_nbytes, new + up, now=True)
+            bound = self._quota_bound(tenant, tiers, spec.block_nbytes, new + up, now=True,
+                                      pinned=pinned, held=stored, under=under)
             # NOTE: the message named how many blocks could be made: with the room other tenants'
             # sessions and puts hold, it told a tenant how much of a tier they held pinned (which
             # its Stats hide); only the tenant's own quota and usage are named now
@@ -600,7 +620,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                        f"there); raise its quota (kvstore policy set), close its sessions or put fewer "
                        f"blocks at a time")
             else:
-                why = ("the room eviction could make is held by pinned (session) or in-flight blocks; "
+                why = ("the room eviction could make is held by pinned (session) or in-flight blocks, or by "
+                       "the stored blocks of this chain, which the put keeps; "
                        "retry once sessions close or puts end, or put fewer blocks at a time")
             raise self._refusal(tenant, bound, Tier.HBM if pinned else floor, (
                 f"no room for {new + up} blocks of {spec.block_nbytes} bytes of tenant {tenant!r} in "
@@ -619,22 +640,28 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         self.counters.add("quota_rejections")
         return ResourceExhausted(message, resource=f"quota:{tenant}:{bound.label}")
 
-    def _quota_bound(self, tenant: str, tiers: Sequence[Tier], nbytes: int, need: int, *, now: bool) -> Tier | None:
+    def _quota_bound(self, tenant: str, tiers: Sequence[Tier], nbytes: int, need: int, *, now: bool,
+                     pinned: bool = False, held: Sequence[BlockMeta] = (),
+                     under: BlockMeta | None = None) -> Tier | None:
         """The tier whose quota refused a put of ``need`` blocks of ``nbytes`` of ``tenant`` in
         ``tiers``: the first whose quota holds the tenant to fewer blocks than its capacity
         would, when ``tiers`` would take ``need`` blocks were there no quotas; None when they
         would not (capacity refused it). ``now``: capacity as ``Placement.room_now`` counts it
-        (less pinned, in-flight and protected blocks in a memory tier); else an empty store's
-        (``Placement.most_blocks``)."""
+        (less pinned, in-flight and protected blocks, and the chain of ``held``, with the NVMe
+        copies ``under`` needs; ``tiers`` are those of its ``pinned`` and floor ``tiers[0]``);
+        else an empty store's (``Placement.most_blocks``)."""
+        chain = self._place.lineage(held) if now else []
         bound, room = None, 0
         for t in tiers:
             backend = self._place.backend(t)
-            held, own = self._place._held(t, tenant) if now and t in self._mem else (0, 0)
-            fit = max(backend.capacity - held, 0) // max(backend.charge(nbytes), 1)
+            used, own = self._place._held(t, tenant, chain) if now else (0, 0)
+            fit = max(backend.capacity - used, 0) // max(backend.charge(nbytes), 1)
             room += fit
             quota = self._quota(tenant, t)
             if bound is None and quota is not None and max(quota - own, 0) // max(nbytes, 1) < fit:
                 bound = t
+        if now and tiers:
+            room = self._place.room_now(tenant, nbytes, tiers[0], pinned, need, held, under, quotas=False)
         return bound if room >= need else None
 
     def _unput(self, metas: list[BlockMeta]) -> None:

@@ -76,7 +76,9 @@ class ReservedPuts:
         is NotFound, and a put whose blocks (with the ancestors it continues from) cannot all
         be made room for in HBM now (the rest pinned by sessions or in flight, or the tenant's
         HBM quota) is ResourceExhausted, nothing evicted. Its slots are reserved in HBM only
-        (session blocks live there; where HBM has none, the commit places them).
+        (session blocks live there; where HBM has none, the commit places them), and only when
+        no block of the chain is stored and every new block gets one: otherwise the commit is
+        the ordinary put of the whole chain, which would need the room of the slots again.
 
         ``since``: :attr:`drop_epoch` read before the caller checked its right to write (the
         service: before it authenticated the token); when :meth:`drop_tenant` drops the tenant
@@ -113,20 +115,30 @@ class ReservedPuts:
             lift: list[bytes] = []  # the ancestors a session put brings up into HBM with it
             if pinned and pm is not None and Tier.HBM in self._mem and pm.tier > Tier.HBM:
                 lift = [m.key for m in self._up_chain([pm], Tier.HBM)]
-            self._refuse_what_cannot_fit(tenant, spec, [*lift, *keys], floor, pinned=pinned)
+            self._refuse_what_cannot_fit(tenant, spec, [*lift, *keys], floor, pinned=pinned, parent=pm)
             tiers = [Tier.HBM] if pinned and Tier.HBM in self._mem else self.tiers
             # the stored blocks of the chain stay put while room is made for the others
             guarded = [(tenant, k) for k in (parent0, *keys)
                        if (tenant, k) not in self._place.protected and self._index.get(tenant, k) is not None]
+            # NOTE: a session put whose chain holds stored blocks, or that did not get a slot for
+            # every new block, is committed by the ordinary put of the whole chain, copying out
+            # of its slots while they stay reserved: its blocks then needed HBM room twice, and
+            # a put that fitted was refused at the commit after the reservation had evicted and
+            # demoted blocks for slots it did not use. Such a put reserves no slot (or gives
+            # back those it got): its bytes wait outside the tier for the commit.
+            copied = pinned and any(self._index.get(tenant, k) is not None for k in keys)
             self._place.protected.update(guarded)
             try:
-                for i, key in enumerate(keys):
+                for i, key in enumerate(() if copied else keys):
                     m = self._index.get(tenant, key)
                     if m is not None:
                         floor = max(floor, m.tier)
                         continue
                     slot = self._reserve_slot(probe, floor, tiers)
                     if slot is None:
+                        if pinned:
+                            self._release_reservation(res)  # (see the NOTE above)
+                            res.done = False
                         break  # no memory tier has room: the rest is stored by copy at commit
                     tier, offset = res.slots[i] = slot
                     res.views[i] = self._mem[tier].pending_view(offset, nbytes)

@@ -152,31 +152,35 @@ class SessionPins:
         chain = self._up_chain(blocks, top)
         up = [m for m in chain if m.tier > top]
         # NOTE: the room was found out by promoting: a resume refused in the end had evicted,
-        # demoted or dropped other tenants' unpinned blocks first, and every retry did again
-        if up and self._place.room_now(tenant, min(m.nbytes for m in up), top, True, len(up)) < len(up):
+        # demoted or dropped other tenants' unpinned blocks first, and every retry did again.
+        # The session's blocks and all their ancestors are held where they are (promote
+        # protects them): an ancestor already in ``top`` (a prefix outside the session) was
+        # counted as room, and the resume was refused only after it had moved blocks
+        if up and self._place.room_now(tenant, min(m.nbytes for m in up), top, True, len(up), blocks) < len(up):
             self._turn(tenant, session, pause=True)  # nothing moved: the pins as they were
-            raise self._resume_refusal(tenant, session, top, up, moved=False)
+            raise self._resume_refusal(tenant, session, top, up, blocks, moved=False)
         moved = self._place.promote(chain, top)
         if any(m.tier != top for m in blocks):
             # NOTE: this returned a smaller count and left pinned blocks in DRAM, silently
             # (the check above is an upper bound: what it let through may still not fit)
             self._turn(tenant, session, pause=True)
             self._park(blocks)
-            raise self._resume_refusal(tenant, session, top, up, moved=True)
+            raise self._resume_refusal(tenant, session, top, up, blocks, moved=True)
         return moved
 
-    def _resume_refusal(self, tenant: str, session: str, top: Tier, up: list[BlockMeta], *,
-                        moved: bool) -> ResourceExhausted:
+    def _resume_refusal(self, tenant: str, session: str, top: Tier, up: list[BlockMeta],
+                        held: list[BlockMeta], *, moved: bool) -> ResourceExhausted:
         """The error of a refused resume of ``session``, whose blocks ``up`` (and ancestors)
-        did not fit in ``top`` (``moved``: they were moved up and back down); made by the put's
-        ``Store._refusal``. Under the lock.
+        did not fit in ``top`` (``moved``: they were moved up and back down), ``held`` its
+        blocks; made by the put's ``Store._refusal``. Under the lock.
 
         NOTE: it said how many blocks did not fit, which told a tenant how much of the tier
         other tenants' sessions pinned ("1 of 6", "4 of 6"); and one refused by the tenant's own
         quota (the tier empty) said the tier was full of pinned blocks, uncounted. Now the
         count is left out, and only the tenant's own quota and usage are named when it binds."""
         nbytes = min((m.nbytes for m in up), default=0)
-        bound = self._quota_bound(tenant, [top], nbytes, len(up), now=True) if up else None
+        bound = (self._quota_bound(tenant, [top], nbytes, len(up), now=True, pinned=True, held=held)
+                 if up else None)
         if bound is not None:
             quota = self._quota(tenant, bound) or 0
             own = self._place.tenant_usage.get((tenant, bound), 0)

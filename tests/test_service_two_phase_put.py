@@ -202,14 +202,18 @@ def test_making_room_for_the_slots_never_moves_the_stored_part_of_the_chain(open
 def test_a_failed_commit_leaves_the_stored_prefix_deadlines_as_they_were(open_store, spec, clock):
     """The commit's first part (the stored prefix) extends its blocks' TTLs; when a later part
     fails, the put changed nothing, those deadlines included."""
-    store = open_store(spec, hbm_blocks=2, dram_blocks=0, nvme_blocks=0)
+    store = open_store(spec, hbm_blocks=3, dram_blocks=0, nvme_blocks=0)
     keys = store.block_keys(T, spec, tokens(3, spec))
     kv = make_kv(spec, 3, seed=6)
     store.put(T, spec, keys[:1], kv[:1], ttl_s=5.0)
+    # another stream put's slot (in flight, no block) takes the room the up-front check counts
+    # on (a put that can never fit in the 2 blocks of HBM left is refused before any slot)
+    other = store.reserve_put(T, spec, store.block_keys(T, spec, tokens(1, spec, start=900)))
     res = store.reserve_put(T, spec, keys)
     assert res.views[0] is None and res.views[1] is not None and res.views[2] is None
     with pytest.raises(ResourceExhausted):
         store.commit_put(res, _fill(res, _rows(kv)).__getitem__, ttl_s=100.0)
+    store.abort_put(other)
     assert store.lookup(T, spec, keys).num_blocks == 1
     clock.advance(5.0)
     assert store.lookup(T, spec, keys).num_blocks == 0, "the failed put extended the prefix's TTL"
