@@ -179,7 +179,11 @@ class Placement:
         placed above it gets an NVMe copy too, as do those of ``under``; so the put fits in the
         memory tiers or in NVMe (every new block and those copies), never in their sum.
         Counting the sum, and the chain's own blocks as room, let puts through that could only
-        be refused after they had evicted and demoted other tenants' blocks.
+        be refused after they had evicted and demoted other tenants' blocks. A put whose NVMe
+        part cannot have those copies (NVMe room, or the tenant's NVMe quota: DESIGN counts
+        every byte on a tier in it) is refused up front rather than written without them: its
+        NVMe blocks would be committed and then dropped as orphans by the next recovery
+        (invariant 6), and the memory tiers cannot hold it.
 
         ``quotas``: False counts capacity alone (which refusal a quota caused). Walks the chain
         only when the memory tiers' free room cannot take ``need`` blocks, and scans a memory
