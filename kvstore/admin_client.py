@@ -7,6 +7,11 @@
         token = admin.create_tenant("acme")
 
 Every call needs an admin token; errors come back as kvstore's typed exceptions.
+
+A deletion (:meth:`AdminClient.delete_tenant`, :meth:`AdminClient.purge_model`) goes on at the
+server when the call's deadline passes (``timeout``, 30 s by default): DEADLINE_EXCEEDED says
+only that the answer did not come in time, not that nothing was deleted. For such calls give
+``timeout=None`` (no deadline), as the ``kvstore`` CLI does.
 """
 
 from __future__ import annotations
@@ -60,8 +65,10 @@ class AdminClient:
     def rotate_token(self, name: str) -> str:
         return self._call("RotateToken", apb.TenantName(name=check_text("tenant name", name))).token
 
-    def delete_tenant(self, name: str) -> None:
-        self._call("DeleteTenant", apb.TenantName(name=check_text("tenant name", name)))
+    def delete_tenant(self, name: str) -> int:
+        """Delete a principal (and a tenant's or shared namespace's blocks); returns how many
+        blocks were removed."""
+        return self._call("DeleteTenant", apb.TenantName(name=check_text("tenant name", name))).blocks
 
     def list_tenants(self) -> list[dict[str, Any]]:
         r = self._call("ListTenants", apb.ListTenantsRequest())

@@ -4,10 +4,10 @@
 
     kvstore serve [--config kvstore.toml] [--listen HOST:PORT] [--data-dir DIR]
     kvstore tenant add NAME [--role tenant|publisher|admin] [--namespace shared:x ...]
-    kvstore tenant rotate NAME | delete NAME [--yes] | list | grant NAME shared:x [--revoke]
-    kvstore policy get NAME | set NAME [--ttl 3600] [--quota hbm=1GiB ...] [--priority N]
-    kvstore stats
-    kvstore audit [--since SEQ] [--limit N]
+    kvstore tenant rotate NAME | delete NAME [--yes] [--timeout S] | list | grant NAME shared:x [--revoke]
+    kvstore policy get NAME [--json] | set NAME [--ttl 3600] [--quota hbm=1GiB ...] [--priority N] [--json]
+    kvstore stats [--json]
+    kvstore audit [--since SEQ] [--limit N] [--json]
 
 Admin commands reach a running server: ``--target`` (env ``KVSTORE_TARGET``, default
 ``127.0.0.1:50551``) with ``--token`` (env ``KVSTORE_ADMIN_TOKEN``). TLS: ``--ca-file`` (env
@@ -15,6 +15,14 @@ Admin commands reach a running server: ``--target`` (env ``KVSTORE_TARGET``, def
 ``--key-file`` (env ``KVSTORE_CERT_FILE``, ``KVSTORE_KEY_FILE``) a client certificate for a
 server that requires mutual TLS, ``--server-name`` (env ``KVSTORE_SERVER_NAME``) the name to
 check the server's certificate against when it is not the target's host. Any of them turns TLS on.
+
+A deletion (``tenant delete``) waits for the server's answer with no deadline unless
+``--timeout`` gives one, showing the time elapsed meanwhile (``kvstore.cli_views.waiting``),
+and prints how many blocks went: the server goes on deleting when a deadline passes, so a
+deadline error only says the outcome is unknown (it read as a failure, and a retry failed
+the same way while the first deletion went on). Sizes are shown as ``64.0 GiB``; ``--json``
+prints the raw document. ``serve`` shows its recovery and commit as a bar on a terminal and as
+plain lines otherwise.
 
 What the server sends back (names, audit entries, error messages) is printed with its rich
 markup escaped and its control characters shown as ``\\xNN`` escapes: an audit entry records
@@ -27,6 +35,7 @@ which adds them to the main ``kvstore`` app; the command functions are plain and
 from __future__ import annotations
 
 import json
+import time
 import unicodedata
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,6 +49,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvstore import sizes
+from kvstore.cli_views import PlainProgress, policy_view, stats_view, waiting
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.server_config import DEFAULT_LISTEN
 
@@ -53,6 +63,12 @@ KeyOpt = Annotated[Path | None, typer.Option(
 ServerNameOpt = Annotated[str | None, typer.Option(
     "--server-name", envvar="KVSTORE_SERVER_NAME",
     help="Name to check the server's TLS certificate against (default: the target's host).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="The raw JSON document instead of a table.")]
+#: what the admin commands other than deletions wait for an answer
+ADMIN_TIMEOUT_S = 30.0
+#: what an operator is told when a deletion's answer did not come in time
+OUTCOME_UNKNOWN = ("outcome unknown: the server may still be deleting; "
+                   "check `kvstore tenant list` / `kvstore audit`")
 
 
 def parse_size(text: str) -> int:
@@ -64,9 +80,11 @@ def parse_size(text: str) -> int:
 
 
 def _admin(target: str, token: str, ca_file: Path | None, cert_file: Path | None = None,
-           key_file: Path | None = None, server_name: str | None = None):
-    """An AdminClient for the connection options; InvalidArgument naming the option when a
-    TLS file cannot be read, holds no PEM, or a client certificate comes without its key."""
+           key_file: Path | None = None, server_name: str | None = None, *,
+           timeout: float | None = ADMIN_TIMEOUT_S):
+    """An AdminClient for the connection options (``timeout``: its calls' deadline, None for
+    none); InvalidArgument naming the option when a TLS file cannot be read, holds no PEM, or
+    a client certificate comes without its key."""
     from kvstore.admin_client import AdminClient
     from kvstore.client import ClientTLS
     from kvstore.server_config import check_certificates, check_key_pair
@@ -83,9 +101,9 @@ def _admin(target: str, token: str, ca_file: Path | None, cert_file: Path | None
     if server_name is not None and not server_name.strip():
         raise InvalidArgument("--server-name is empty: give the name in the server's certificate, or omit it")
     if ca_file is None and cert_file is None and not server_name:
-        return AdminClient(target, token)
-    return AdminClient(target, token, tls=ClientTLS(root_cert_file=ca_file, cert_file=cert_file,
-                                                    key_file=key_file, server_name=server_name))
+        return AdminClient(target, token, timeout=timeout)
+    tls = ClientTLS(root_cert_file=ca_file, cert_file=cert_file, key_file=key_file, server_name=server_name)
+    return AdminClient(target, token, timeout=timeout, tls=tls)
 
 
 def _shown(value: object) -> str:
@@ -132,14 +150,20 @@ def serve(
 
 
 @contextmanager
-def _progress_bars() -> Iterator[Callable[[str, int, int], None]]:
-    """``progress(what, done, total)`` as a progress bar on stderr per ``what`` (the index
-    rebuilt from NVMe at start, memory blocks committed to NVMe at stop), shown from its first
-    report and gone once it is full."""
+def _progress_bars(console: Console | None = None) -> Iterator[Callable[[str, int, int], None]]:
+    """``progress(what, done, total)`` on stderr per ``what`` (the index rebuilt from NVMe at
+    start, memory blocks committed to NVMe at stop): on a terminal a bar, shown from its first
+    report and gone once it is full; otherwise plain lines (:class:`PlainProgress`), the bar
+    being a live display that draws nothing there (under systemd or docker, serve said nothing
+    for the tens of seconds either took)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    console = console or Console(stderr=True)
+    if not console.is_terminal:
+        yield PlainProgress(lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
+        return
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+                   TimeElapsedColumn(), console=console, transient=True)
     tasks: dict[str, Any] = {}
 
     def report(what: str, done: int, total: int) -> None:
@@ -196,18 +220,47 @@ def tenant_rotate(
 def tenant_delete(
     name: str,
     yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False,
+    timeout: Annotated[float | None, typer.Option(
+        "--timeout", help="Stop waiting after this many seconds (default: wait for the server's answer); "
+                          "the server goes on deleting either way.")] = None,
     target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
     cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
 ) -> None:
-    """Delete a tenant: its token, its data key and its blocks on every tier."""
+    """Delete a tenant: its token, its data key and its blocks on every tier; print how many
+    blocks went."""
+    if timeout is not None and not timeout > 0:
+        raise typer.BadParameter(f"--timeout must be more than 0 seconds, got {timeout}")
     if not yes:
         typer.confirm(f"delete tenant {name!r} and destroy all its blocks?", abort=True)
     try:
-        with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
-            admin.delete_tenant(name)
-        typer.echo(f"deleted {name}")
+        with _admin(target, token, ca_file, cert_file, key_file, server_name, timeout=timeout) as admin:
+            blocks, seconds = _deleting(f"deleting tenant {_shown(name)}", lambda: admin.delete_tenant(name),
+                                        timeout)
+        typer.echo(f"deleted {name}: {blocks} blocks removed ({seconds:.1f} s)")
     except KVStoreError as exc:
         _fail(exc)
+
+
+def _deleting(what: str, call: Callable[[], int], timeout: float | None) -> tuple[int, float]:
+    """``call()`` (a deletion, answering how many blocks went) and the seconds it took, with
+    :func:`waiting` shown meanwhile. The server goes on deleting when the client stops waiting,
+    so a deadline (``--timeout``) or a Ctrl-C is an unknown outcome, worded so; it read as a
+    failure (DEADLINE_EXCEEDED, after 30 s of silence) of a deletion that then succeeded."""
+    began = time.monotonic()
+    try:
+        with waiting(what, Console(stderr=True)):
+            blocks = call()
+    except KVStoreError as exc:
+        if exc.code != "DEADLINE_EXCEEDED":
+            raise
+        after = f" (no answer within --timeout {timeout:g} s)" if timeout is not None else ""
+        unknown = KVStoreError(OUTCOME_UNKNOWN + after)
+        unknown.code = exc.code
+        raise unknown from None
+    except KeyboardInterrupt:
+        Console(stderr=True).print(f"stopped waiting: {escape(OUTCOME_UNKNOWN)}", soft_wrap=True)
+        raise typer.Exit(130) from None
+    return blocks, time.monotonic() - began
 
 
 @tenant_app.command("list")
@@ -249,15 +302,22 @@ policy_app = typer.Typer(help="Per-tenant TTL, quotas and priority.", no_args_is
 
 @policy_app.command("get")
 def policy_get(
-    name: str, target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
-    cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
+    name: str, as_json: JsonOpt = False, target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "",
+    ca_file: CaOpt = None, cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
 ) -> None:
-    """Print a tenant's policy as JSON."""
+    """Print a tenant's policy (quotas as sizes; --json: as the raw document)."""
     try:
         with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
-            typer.echo(json.dumps(admin.get_policy(name), indent=2, sort_keys=True))
+            _print_policy(admin.get_policy(name), as_json)
     except KVStoreError as exc:
         _fail(exc)
+
+
+def _print_policy(policy: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(policy, indent=2, sort_keys=True))
+    else:
+        Console().print(policy_view(policy, _shown))
 
 
 @policy_app.command("set")
@@ -266,10 +326,11 @@ def policy_set(
     ttl: Annotated[float | None, typer.Option("--ttl", help="Block TTL in seconds: the default of a put that gives none, and the most any put gets (omit: none).")] = None,
     quota: Annotated[list[str] | None, typer.Option("--quota", help="TIER=SIZE, e.g. hbm=2GiB; repeat.")] = None,
     priority: Annotated[int, typer.Option(help="Eviction priority: when a tier makes room, every block of a lower priority goes first (default 0).")] = 0,
+    as_json: JsonOpt = False,
     target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
     cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
 ) -> None:
-    """Replace a tenant's policy (TTL, per-tier quotas, priority)."""
+    """Replace a tenant's policy (TTL, per-tier quotas, priority) and print the new one."""
     sized: list[tuple[str, int]] = []
     for item in quota or []:
         tier, sep, size = item.partition("=")
@@ -279,8 +340,7 @@ def policy_set(
     try:
         quotas = _quotas(sized)
         with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
-            typer.echo(json.dumps(admin.set_policy(name, ttl_s=ttl, quota_bytes=quotas, priority=priority),
-                                  indent=2, sort_keys=True))
+            _print_policy(admin.set_policy(name, ttl_s=ttl, quota_bytes=quotas, priority=priority), as_json)
     except KVStoreError as exc:
         _fail(exc)
 
@@ -302,15 +362,19 @@ def _quotas(sized: list[tuple[str, int]]) -> dict[str, int]:
 
 # -- stats and audit ------------------------------------------------------------------------------
 def stats(
-    target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
+    as_json: JsonOpt = False, target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
     cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
 ) -> None:
-    """Print the server's Store statistics as JSON."""
+    """Print the server's Store statistics as tables, sizes readable (--json: the raw document)."""
     try:
         with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
-            typer.echo(json.dumps(admin.stats(), indent=2, sort_keys=True))
+            doc = admin.stats()
     except KVStoreError as exc:
         _fail(exc)
+    if as_json:
+        typer.echo(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        Console().print(stats_view(doc, _shown))
 
 
 def audit(

@@ -93,9 +93,10 @@ class AdminPlane:
     def rotate(self, name: str) -> str:
         return self.registry.rotate(name)
 
-    def delete_tenant(self, name: str) -> None:
+    def delete_tenant(self, name: str) -> int:
         """Remove a principal (its token stops working) and, for a tenant or a shared namespace,
-        destroy its data key and blocks on every tier.
+        destroy its data key and blocks on every tier; returns how many blocks were removed
+        (the operator's only sign that a long deletion did its work).
 
         A principal is first marked as being deleted, saved (:meth:`AuthRegistry.begin_delete`:
         its token is refused from then on, and a put authenticated before fails its commit),
@@ -114,22 +115,22 @@ class AdminPlane:
         its tombstone written, its shared data key and blocks destroyed and its drop published
         to every server, answered NotFound here)."""
         try:
-            self._delete_tenant(name)
+            return self._delete_tenant(name)
         finally:
             if self.metrics is not None:  # after the data: a lookup meanwhile counted under the name
                 self.metrics.forget_tenant(name)
 
-    def _delete_tenant(self, name: str) -> None:
+    def _delete_tenant(self, name: str) -> int:
         if name.startswith(SHARED_PREFIX):
             check_shared(name)  # NOTE: "shared:BAD NAME/.." answered OK
             # a publisher's put running meanwhile fails ABORTED (retry), not UNAUTHENTICATED
-            self.store.drop_tenant(name, namespace_stays=True)
+            n = self.store.drop_tenant(name, namespace_stays=True)
             # the namespace stays (its publishers and grants do): so does the operator's policy
             # for it, which drop_tenant had taken out of the Store while `policy get` showed it
             policy = self.registry.policies().get(name)
             if policy is not None:
                 self._apply(name, policy)
-            return
+            return n
         check_name(name)
         if name not in self.registry.deleting():
             try:
@@ -138,15 +139,17 @@ class AdminPlane:
                 keyring = getattr(self.store, "keyring", None)
                 had_key = keyring is not None and name in keyring.tenants()
                 # NOTE: local only: the remote tier's copies may be another server's tenant
-                if self.store.drop_tenant(name, local_only=True) or had_key:
-                    return
+                if (n := self.store.drop_tenant(name, local_only=True)) or had_key:
+                    return n
                 raise
         self.registry.begin_delete(name)  # saved: from here on the deletion is finished, whatever stops it
-        self._delete_marked(name)
+        return self._delete_marked(name)
 
-    def _delete_marked(self, name: str) -> None:
-        """The steps after the mark: regions, blocks and data key, then the principal."""
+    def _delete_marked(self, name: str) -> int:
+        """The steps after the mark: regions, blocks and data key, then the principal; returns
+        the blocks removed."""
         principal = self.registry.deleting()[name]
+        n = 0
         if self.regions is not None:
             # NOTE: a principal created later under the same name must not reach the memory
             # of the deleted one's clients through their region ids
@@ -154,8 +157,9 @@ class AdminPlane:
         if principal.role is Role.TENANT:
             # NOTE: once: no put of the tenant commits after the mark (its auth epoch check),
             # and one reserved before fails on the drop epoch this advances
-            self.store.drop_tenant(name)
+            n = self.store.drop_tenant(name)
         self.registry.end_delete(name)
+        return n
 
     def _policy_holder(self, namespace: str) -> None:
         """NotFound for a tenant that does not exist, InvalidArgument for a principal that holds

@@ -61,10 +61,15 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             name=request.name, token=self.plane.rotate(request.name)))
 
     def DeleteTenant(self, request, context):
+        # NOTE: the response and the outcome's entry say how many blocks went (the count was
+        # dropped: a deletion of millions of blocks answered as one of none did)
+        audit = Recorder(self.plane.audit, "tenant.delete", request.name)
+
         def call(p: Principal) -> apb.DeleteTenantResponse:
-            self.plane.delete_tenant(request.name)
-            return apb.DeleteTenantResponse()
-        return self._run("DeleteTenant", "tenant.delete", request.name, context, call)
+            blocks = self.plane.delete_tenant(request.name)
+            audit.detail = f"blocks={blocks}"  # the outcome's entry
+            return apb.DeleteTenantResponse(blocks=blocks)
+        return self._run("DeleteTenant", "tenant.delete", "", context, call, audit=audit)
 
     def ListTenants(self, request, context):
         return self._run("ListTenants", "tenant.list", "", context, lambda p: apb.ListTenantsResponse(

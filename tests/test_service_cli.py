@@ -32,10 +32,10 @@ def test_tenant_policy_stats_and_audit_commands(sidecar):
     assert token.startswith("kvs_")
     assert sidecar.client(token).whoami()["principal"] == "cli-t"
     assert _run(sidecar, "tenant", "rotate", "cli-t").strip() != token
-    policy = json.loads(_run(sidecar, "policy", "set", "cli-t", "--ttl", "30", "--quota", "hbm=1MiB"))
+    policy = json.loads(_run(sidecar, "policy", "set", "cli-t", "--ttl", "30", "--quota", "hbm=1MiB", "--json"))
     assert policy["quota_bytes"] == {"hbm": 1 << 20} and policy["ttl_s"] == 30.0
-    assert json.loads(_run(sidecar, "policy", "get", "cli-t"))["ttl_s"] == 30.0
-    assert "tiers" in json.loads(_run(sidecar, "stats"))
+    assert json.loads(_run(sidecar, "policy", "get", "cli-t", "--json"))["ttl_s"] == 30.0
+    assert "tiers" in json.loads(_run(sidecar, "stats", "--json"))
     _run(sidecar, "tenant", "delete", "cli-t", "--yes")
     lines = [json.loads(x) for x in _run(sidecar, "audit", "--json").splitlines()]
     assert [(e["action"], e["result"]) for e in lines] == [

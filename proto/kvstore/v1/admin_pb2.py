@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto.kvstore.v1 import kvstore_pb2 as proto_dot_kvstore_dot_v1_dot_kvstore__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/kvstore/v1/admin.proto\x12\nkvstore.v1\x1a\x1eproto/kvstore/v1/kvstore.proto\"_\n\nTenantInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.kvstore.v1.Role\x12\x12\n\nnamespaces\x18\x03 \x03(\t\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x01\"W\n\x13\x43reateTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.kvstore.v1.Role\x12\x12\n\nnamespaces\x18\x03 \x03(\t\"*\n\x0bTenantToken\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\"\x1a\n\nTenantName\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x16\n\x14\x44\x65leteTenantResponse\"\x14\n\x12ListTenantsRequest\">\n\x13ListTenantsResponse\x12\'\n\x07tenants\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.TenantInfo\"A\n\x0cGrantRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0e\n\x06revoke\x18\x03 \x01(\x08\"\xc0\x01\n\x0cTenantPolicy\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\x05ttl_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12=\n\x0bquota_bytes\x18\x03 \x03(\x0b\x32(.kvstore.v1.TenantPolicy.QuotaBytesEntry\x12\x10\n\x08priority\x18\x04 \x01(\x05\x1a\x31\n\x0fQuotaBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x42\x08\n\x06_ttl_s\"M\n\x11PurgeModelRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.kvstore.v1.ModelSpec\"$\n\x12PurgeModelResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\"G\n\x10ReadAuditRequest\x12\x11\n\tsince_seq\x18\x01 \x01(\x04\x12\r\n\x05limit\x18\x02 \x01(\r\x12\x11\n\tmax_bytes\x18\x03 \x01(\r\"\x87\x01\n\nAuditEntry\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12\x11\n\tprincipal\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x04 \x01(\t\x12\x0e\n\x06target\x18\x05 \x01(\t\x12\x0e\n\x06result\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\x12\x0b\n\x03ref\x18\x08 \x01(\x04\"J\n\x11ReadAuditResponse\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.AuditEntry\x12\x0c\n\x04more\x18\x02 \x01(\x08*Q\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_TENANT\x10\x01\x12\x12\n\x0eROLE_PUBLISHER\x10\x02\x12\x0e\n\nROLE_ADMIN\x10\x03\x32\xbb\x05\n\x05\x41\x64min\x12H\n\x0c\x43reateTenant\x12\x1f.kvstore.v1.CreateTenantRequest\x1a\x17.kvstore.v1.TenantToken\x12>\n\x0bRotateToken\x12\x16.kvstore.v1.TenantName\x1a\x17.kvstore.v1.TenantToken\x12H\n\x0c\x44\x65leteTenant\x12\x16.kvstore.v1.TenantName\x1a .kvstore.v1.DeleteTenantResponse\x12N\n\x0bListTenants\x12\x1e.kvstore.v1.ListTenantsRequest\x1a\x1f.kvstore.v1.ListTenantsResponse\x12\x39\n\x05Grant\x12\x18.kvstore.v1.GrantRequest\x1a\x16.kvstore.v1.TenantInfo\x12=\n\tGetPolicy\x12\x16.kvstore.v1.TenantName\x1a\x18.kvstore.v1.TenantPolicy\x12?\n\tSetPolicy\x12\x18.kvstore.v1.TenantPolicy\x1a\x18.kvstore.v1.TenantPolicy\x12K\n\nPurgeModel\x12\x1d.kvstore.v1.PurgeModelRequest\x1a\x1e.kvstore.v1.PurgeModelResponse\x12H\n\tReadAudit\x12\x1c.kvstore.v1.ReadAuditRequest\x1a\x1d.kvstore.v1.ReadAuditResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/kvstore/v1/admin.proto\x12\nkvstore.v1\x1a\x1eproto/kvstore/v1/kvstore.proto\"_\n\nTenantInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.kvstore.v1.Role\x12\x12\n\nnamespaces\x18\x03 \x03(\t\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x01\"W\n\x13\x43reateTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.kvstore.v1.Role\x12\x12\n\nnamespaces\x18\x03 \x03(\t\"*\n\x0bTenantToken\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\"\x1a\n\nTenantName\x12\x0c\n\x04name\x18\x01 \x01(\t\"&\n\x14\x44\x65leteTenantResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x04\"\x14\n\x12ListTenantsRequest\">\n\x13ListTenantsResponse\x12\'\n\x07tenants\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.TenantInfo\"A\n\x0cGrantRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0e\n\x06revoke\x18\x03 \x01(\x08\"\xc0\x01\n\x0cTenantPolicy\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\x05ttl_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12=\n\x0bquota_bytes\x18\x03 \x03(\x0b\x32(.kvstore.v1.TenantPolicy.QuotaBytesEntry\x12\x10\n\x08priority\x18\x04 \x01(\x05\x1a\x31\n\x0fQuotaBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x42\x08\n\x06_ttl_s\"M\n\x11PurgeModelRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.kvstore.v1.ModelSpec\"$\n\x12PurgeModelResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\"G\n\x10ReadAuditRequest\x12\x11\n\tsince_seq\x18\x01 \x01(\x04\x12\r\n\x05limit\x18\x02 \x01(\r\x12\x11\n\tmax_bytes\x18\x03 \x01(\r\"\x87\x01\n\nAuditEntry\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12\x11\n\tprincipal\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x04 \x01(\t\x12\x0e\n\x06target\x18\x05 \x01(\t\x12\x0e\n\x06result\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\x12\x0b\n\x03ref\x18\x08 \x01(\x04\"J\n\x11ReadAuditResponse\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.AuditEntry\x12\x0c\n\x04more\x18\x02 \x01(\x08*Q\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_TENANT\x10\x01\x12\x12\n\x0eROLE_PUBLISHER\x10\x02\x12\x0e\n\nROLE_ADMIN\x10\x03\x32\xbb\x05\n\x05\x41\x64min\x12H\n\x0c\x43reateTenant\x12\x1f.kvstore.v1.CreateTenantRequest\x1a\x17.kvstore.v1.TenantToken\x12>\n\x0bRotateToken\x12\x16.kvstore.v1.TenantName\x1a\x17.kvstore.v1.TenantToken\x12H\n\x0c\x44\x65leteTenant\x12\x16.kvstore.v1.TenantName\x1a .kvstore.v1.DeleteTenantResponse\x12N\n\x0bListTenants\x12\x1e.kvstore.v1.ListTenantsRequest\x1a\x1f.kvstore.v1.ListTenantsResponse\x12\x39\n\x05Grant\x12\x18.kvstore.v1.GrantRequest\x1a\x16.kvstore.v1.TenantInfo\x12=\n\tGetPolicy\x12\x16.kvstore.v1.TenantName\x1a\x18.kvstore.v1.TenantPolicy\x12?\n\tSetPolicy\x12\x18.kvstore.v1.TenantPolicy\x1a\x18.kvstore.v1.TenantPolicy\x12K\n\nPurgeModel\x12\x1d.kvstore.v1.PurgeModelRequest\x1a\x1e.kvstore.v1.PurgeModelResponse\x12H\n\tReadAudit\x12\x1c.kvstore.v1.ReadAuditRequest\x1a\x1d.kvstore.v1.ReadAuditResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TENANTPOLICY_QUOTABYTESENTRY']._loaded_options = None
   _globals['_TENANTPOLICY_QUOTABYTESENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=1110
-  _globals['_ROLE']._serialized_end=1191
+  _globals['_ROLE']._serialized_start=1126
+  _globals['_ROLE']._serialized_end=1207
   _globals['_TENANTINFO']._serialized_start=76
   _globals['_TENANTINFO']._serialized_end=171
   _globals['_CREATETENANTREQUEST']._serialized_start=173
@@ -45,27 +45,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENANTNAME']._serialized_start=306
   _globals['_TENANTNAME']._serialized_end=332
   _globals['_DELETETENANTRESPONSE']._serialized_start=334
-  _globals['_DELETETENANTRESPONSE']._serialized_end=356
-  _globals['_LISTTENANTSREQUEST']._serialized_start=358
-  _globals['_LISTTENANTSREQUEST']._serialized_end=378
-  _globals['_LISTTENANTSRESPONSE']._serialized_start=380
-  _globals['_LISTTENANTSRESPONSE']._serialized_end=442
-  _globals['_GRANTREQUEST']._serialized_start=444
-  _globals['_GRANTREQUEST']._serialized_end=509
-  _globals['_TENANTPOLICY']._serialized_start=512
-  _globals['_TENANTPOLICY']._serialized_end=704
-  _globals['_TENANTPOLICY_QUOTABYTESENTRY']._serialized_start=645
-  _globals['_TENANTPOLICY_QUOTABYTESENTRY']._serialized_end=694
-  _globals['_PURGEMODELREQUEST']._serialized_start=706
-  _globals['_PURGEMODELREQUEST']._serialized_end=783
-  _globals['_PURGEMODELRESPONSE']._serialized_start=785
-  _globals['_PURGEMODELRESPONSE']._serialized_end=821
-  _globals['_READAUDITREQUEST']._serialized_start=823
-  _globals['_READAUDITREQUEST']._serialized_end=894
-  _globals['_AUDITENTRY']._serialized_start=897
-  _globals['_AUDITENTRY']._serialized_end=1032
-  _globals['_READAUDITRESPONSE']._serialized_start=1034
-  _globals['_READAUDITRESPONSE']._serialized_end=1108
-  _globals['_ADMIN']._serialized_start=1194
-  _globals['_ADMIN']._serialized_end=1893
+  _globals['_DELETETENANTRESPONSE']._serialized_end=372
+  _globals['_LISTTENANTSREQUEST']._serialized_start=374
+  _globals['_LISTTENANTSREQUEST']._serialized_end=394
+  _globals['_LISTTENANTSRESPONSE']._serialized_start=396
+  _globals['_LISTTENANTSRESPONSE']._serialized_end=458
+  _globals['_GRANTREQUEST']._serialized_start=460
+  _globals['_GRANTREQUEST']._serialized_end=525
+  _globals['_TENANTPOLICY']._serialized_start=528
+  _globals['_TENANTPOLICY']._serialized_end=720
+  _globals['_TENANTPOLICY_QUOTABYTESENTRY']._serialized_start=661
+  _globals['_TENANTPOLICY_QUOTABYTESENTRY']._serialized_end=710
+  _globals['_PURGEMODELREQUEST']._serialized_start=722
+  _globals['_PURGEMODELREQUEST']._serialized_end=799
+  _globals['_PURGEMODELRESPONSE']._serialized_start=801
+  _globals['_PURGEMODELRESPONSE']._serialized_end=837
+  _globals['_READAUDITREQUEST']._serialized_start=839
+  _globals['_READAUDITREQUEST']._serialized_end=910
+  _globals['_AUDITENTRY']._serialized_start=913
+  _globals['_AUDITENTRY']._serialized_end=1048
+  _globals['_READAUDITRESPONSE']._serialized_start=1050
+  _globals['_READAUDITRESPONSE']._serialized_end=1124
+  _globals['_ADMIN']._serialized_start=1210
+  _globals['_ADMIN']._serialized_end=1909
 # @@protoc_insertion_point(module_scope)

@@ -56,8 +56,10 @@ class TenantName(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class DeleteTenantResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    def __init__(self, blocks: _Optional[int] = ...) -> None: ...
 
 class ListTenantsRequest(_message.Message):
     __slots__ = ()
