@@ -131,12 +131,14 @@ class RpcRunner:
         return replace(principal, epoch=epoch)
 
     def run(self, name: str, context: grpc.ServicerContext, fn: Callable[[Principal], Any],
-            audit: Recorder | None = None, *, stream: bool = False) -> Any:
+            audit: Recorder | None = None, *, stream: bool = False, refused: Recorder | None = None) -> Any:
         """Authenticate, call ``fn(principal)``, map errors; with ``audit``, require the admin
         role and record the action and its outcome (failed authentications included, as
-        principal ``?``). ``stream``: ``fn`` opens a server stream that :meth:`relay` sends,
-        and relay records the call's status and latency when the stream ends; run records
-        only a failure to open it."""
+        principal ``?``). ``refused``: a data-plane action that records itself (a Delete)
+        records here only a failed authentication, as principal ``?`` (its attempt left no
+        trace, where an Admin call's did). ``stream``: ``fn`` opens a server stream that
+        :meth:`relay` sends, and relay records the call's status and latency when the stream
+        ends; run records only a failure to open it."""
         start = time.perf_counter()
         code = "OK"
         # NOTE: a stream's outcome was recorded here, once its header existed: its latency left
@@ -172,6 +174,8 @@ class RpcRunner:
             code = status.name
             if audit is not None:
                 _audit_quietly(audit, who, code, name)
+            elif refused is not None and who == "?":
+                _audit_quietly(refused, who, code, name)
             if self.metrics is not None and isinstance(exc, ResourceExhausted):
                 self.metrics.rejections.labels(resource=exc.resource or "unknown").inc()
             context.abort(status, message)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from kvstore.audit import Recorder
 from kvstore.auth import Principal, Role
 from kvstore.block import SessionState
 from kvstore.errors import InvalidArgument, PermissionDenied
@@ -151,8 +152,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return self.rpc.run("Prefetch", context, call)
 
     def Delete(self, request, context):
+        # NOTE: a deletion records itself (DataPlane.delete); an unauthenticated attempt is
+        # recorded here, as an Admin call's is
+        refused = Recorder(self.plane.audit, "blocks.delete", request.namespace or "?", changes=False)
         return self.rpc.run("Delete", context, lambda p: pb.DeleteResponse(
-            deleted=self.plane.delete(p, request.namespace, request.keys)))
+            deleted=self.plane.delete(p, request.namespace, request.keys)), refused=refused)
 
     def Stats(self, request, context):
         return self.rpc.run("Stats", context, lambda p: pb.StatsResponse(

@@ -156,6 +156,18 @@ def test_a_delete_records_how_many_blocks_it_removed(sidecar):
     assert [(e["result"], e["detail"]) for e in entries] == [("STARTED", "1 keys"), ("OK", "1 keys blocks=5")]
 
 
+def test_a_delete_with_a_bad_token_is_recorded_as_an_admin_call_is(sidecar):
+    """An Admin call with a bad token was recorded (principal ``?``); a Delete with one left
+    no trace."""
+    from kvstore.client import Client
+
+    with Client(sidecar.target, "kvs_not_a_token", local=False) as c, pytest.raises(errors.Unauthenticated):
+        c.delete([bytes(32)], namespace="alice")
+    entries = [e for e in sidecar.admin().audit() if e["action"] == "blocks.delete"]
+    assert [(e["principal"], e["target"], e["result"], e["ref"]) for e in entries] == [
+        ("?", "alice", "UNAUTHENTICATED", 0)]
+
+
 # -- 4: a refused session put does not tell a tenant what others hold pinned --------------------
 def _refused_session_put(s, spec, tenant: str, n: int, start: int) -> errors.ResourceExhausted:
     s.open_session(tenant, f"probe{start}")
