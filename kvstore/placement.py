@@ -654,15 +654,23 @@ class Placement:
         self.policy.on_access(meta, now)
 
     def serve(self, meta: BlockMeta, dst: Any, now: float) -> bool:
-        if not (self.bring_up(meta) and self.copy_out(meta, dst)):
+        found = self.bring_up(meta)
+        if found is None or not self.copy_out(meta, dst):
             return False
+        self.hit(found)
         self.touch(meta, now)
         return True
 
-    def bring_up(self, meta: BlockMeta) -> bool:
+    def hit(self, found: Tier) -> None:
+        """Count a block served from ``found`` (the tier :meth:`bring_up` found it in). NOTE:
+        counted by bring_up before, a block that then failed its integrity check was counted
+        as a hit there and a miss overall (the tiers' hits summed to more than ``hits``)."""
+        self.counters.add(f"hits_{found.label}")
+
+    def bring_up(self, meta: BlockMeta) -> Tier | None:
         """The first half of :meth:`serve`: promote ``meta`` to the top tier when its parent is
-        there (best effort) and count the hit in the tier it was found in; False when the
-        block was lost to an integrity failure meanwhile."""
+        there (best effort); the tier it was found in (count it with :meth:`hit` once it is
+        served), None when the block was lost to an integrity failure meanwhile."""
         first = self.tiers[0]
         # NOTE: counted after the promotion, every hit was an HBM hit: hits_dram and hits_nvme
         # stayed 0 whatever the tiers served
@@ -672,9 +680,8 @@ class Placement:
             if parent is None or parent.tier == first:
                 self.move(meta, first)  # promotion is best effort: serve from below if no room
             if self._index.get(meta.tenant, meta.key) is not meta:
-                return False  # lost to an integrity failure while promoting
-        self.counters.add(f"hits_{found.label}")
-        return True
+                return None  # lost to an integrity failure while promoting
+        return found
 
     def copy_out(self, meta: BlockMeta, dst: Any) -> bool:
         """The second half of :meth:`serve`: copy (decode) the block's bytes into ``dst``; False

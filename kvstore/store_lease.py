@@ -93,13 +93,15 @@ class LeasedGets:
             views = lease.views
             try:
                 for m in chain:
-                    if not self._place.bring_up(m):
+                    found = self._place.bring_up(m)
+                    if found is None:
                         break
                     view = self._lease_block(lease, m)
                     if view is None:
                         view = _staged(stage, len(views), spec)
                         if not self._place.copy_out(m, view):
                             break
+                    self._place.hit(found)
                     self._place.touch(m, now)
                     views.append(view)
                 if self._remote is not None and len(views) == len(chain) < len(keys):

@@ -107,3 +107,34 @@ def test_hits_are_counted_in_the_tier_each_block_was_found_in(open_store, spec, 
     after = s.stats()["counters"]
     for t in ("hbm", "dram", "nvme"):
         assert after.get(f"hits_{t}", 0) - before.get(f"hits_{t}", 0) == tiers.count(t), t
+
+
+@pytest.mark.parametrize("how", ["get", "lease"])
+def test_a_block_that_fails_its_check_is_no_hit_in_its_tier(open_store, spec, how):
+    """bring_up counted the tier's hit before the copy that found the NVMe value damaged: the
+    block was an nvme hit and a miss (the tiers' hits summed to more than ``hits``)."""
+    from tiers.nvme import tenant_prefix
+
+    s = open_store(spec, hbm_blocks=2, dram_blocks=0, nvme_blocks=64)
+    s.open_session("t", "pins")  # HBM full of pinned blocks: nothing is promoted
+    s.put("t", spec, s.block_keys("t", spec, tokens(2, spec, start=5000)), make_kv(spec, 2), session="pins")
+    keys = s.block_keys("t", spec, tokens(3, spec))
+    s.put("t", spec, keys, make_kv(spec, 3))
+    assert s.lookup("t", spec, keys).tiers == ["nvme"] * 3
+    nv = s._nvme
+    with nv._env.begin(db=nv._blocks, write=True) as txn:  # damage block 1's value
+        k = tenant_prefix("t") + keys[1]
+        v = bytes(txn.get(k))
+        txn.put(k, v[:-40] + bytes(40))
+    before = s.stats()["counters"]
+    if how == "get":
+        assert s.get("t", spec, keys).shape[0] == 1
+    else:
+        import numpy as np
+
+        lease = s.lease_prefix("t", spec, keys, lambda i: np.empty(spec.block_nbytes, np.uint8))
+        assert len(lease.views) == 1
+        lease.release()
+    after = s.stats()["counters"]
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("hits", "hits_hbm", "hits_dram", "hits_nvme")}
+    assert delta == {"hits": 1, "hits_hbm": 0, "hits_dram": 0, "hits_nvme": 1}
