@@ -243,6 +243,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         keyed = set(self.keyring.tenants()) if self.keyring is not None and self.config.encrypt else None
         keyless: list[tuple[str, bytes]] = []
         unreadable: list[tuple[str, bytes]] = []
+        if progress is not None and records:  # NOTE: the first report came RECOVERY_STEP blocks in
+            progress(0, len(records))
         for i, (rec, spec) in enumerate(records, 1):
             if progress is not None and (i % RECOVERY_STEP == 0 or i == len(records)):
                 progress(i, len(records))
@@ -793,6 +795,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
             n = 0
             todo = [m for m in sorted(self._index, key=lambda m: m.depth)
                     if not (m.persisted or m.tier == Tier.NVME or m.in_flight)]
+            if progress is not None and todo:  # NOTE: the first report came FLUSH_STEP blocks in
+                progress(0, len(todo))
             with self._flush_ahead(todo):
                 for i, m in enumerate(todo, 1):
                     if progress is not None and (i % FLUSH_STEP == 0 or i == len(todo)):
