@@ -232,7 +232,10 @@ class Placement:
         the caller's runs under the lock."""
         backend = self.backend(tier)
         seen: set[tuple[str, bytes]] = set()
-        held = own = 0
+        # NOTE: the slots other calls reserved for blocks still arriving (a Put stream's) are
+        # used and held by no block: left out, a session put passed the check with another
+        # tenant's stream in flight, brought its blocks up evicting others', and was refused
+        held, own = getattr(backend, "pending_bytes", 0), 0
 
         def there(m: BlockMeta) -> bool:
             return m.tier == tier or (tier == Tier.NVME and m.persisted)

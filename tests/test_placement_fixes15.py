@@ -18,7 +18,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import MASTER
+from conftest import MASTER, tokens
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -304,3 +304,29 @@ def test_refused_calls_move_nothing(tmp_path_factory, seed, cfg):
                 assert tier_order_broken(s) == [], f"step {step}: {kind}"
     finally:
         s.close()
+
+
+def test_a_session_put_is_refused_up_front_while_another_stream_holds_reserved_slots(open_store, spec):
+    """The room check counted pinned, in-flight and protected blocks but not the slots another
+    call reserved for blocks still arriving (a Put stream between reserve_put and commit_put):
+    a session put passed it, brought its blocks up evicting another tenant's, then was refused."""
+    import numpy as np
+
+    from kvstore.errors import ResourceExhausted
+
+    s = open_store(spec, hbm_blocks=4, dram_blocks=16, nvme_blocks=64, policy="lru",
+                   high_watermark=1.0, low_watermark=1.0)
+    n = spec.block_nbytes
+    a = s.block_keys("a", spec, tokens(2, spec))
+    s.put_bytes("a", spec, a, [np.full(n, i, np.uint8) for i in range(2)])
+    for i in range(4):  # push a's blocks down to DRAM
+        s.put_bytes("c", spec, s.block_keys("c", spec, tokens(1, spec, start=100 * (i + 1))), [np.zeros(n, np.uint8)])
+    res = s.reserve_put("b", spec, s.block_keys("b", spec, tokens(3, spec, start=900)))  # bytes arriving
+    s.open_session("a", "s")
+    where = {(m.tenant, m.key): m.tier for m in s._index}
+    try:
+        with pytest.raises(ResourceExhausted):
+            s.put_bytes("a", spec, a, [np.full(n, i, np.uint8) for i in range(2)], session="s")
+        assert {(m.tenant, m.key): m.tier for m in s._index} == where
+    finally:
+        s.abort_put(res)

@@ -199,21 +199,32 @@ def test_making_room_for_the_slots_never_moves_the_stored_part_of_the_chain(open
     assert torch.equal(store.get(T, spec, keys).view(torch.int16), kv.view(torch.int16))
 
 
-def test_a_failed_commit_leaves_the_stored_prefix_deadlines_as_they_were(open_store, spec, clock):
+def test_a_failed_commit_leaves_the_stored_prefix_deadlines_as_they_were(open_store, spec, clock, monkeypatch):
     """The commit's first part (the stored prefix) extends its blocks' TTLs; when a later part
     fails, the put changed nothing, those deadlines included."""
+    from kvstore.block import Tier
+
     store = open_store(spec, hbm_blocks=3, dram_blocks=0, nvme_blocks=0)
     keys = store.block_keys(T, spec, tokens(3, spec))
     kv = make_kv(spec, 3, seed=6)
     store.put(T, spec, keys[:1], kv[:1], ttl_s=5.0)
-    # another stream put's slot (in flight, no block) takes the room the up-front check counts
-    # on (a put that can never fit in the 2 blocks of HBM left is refused before any slot)
-    other = store.reserve_put(T, spec, store.block_keys(T, spec, tokens(1, spec, start=900)))
     res = store.reserve_put(T, spec, keys)
-    assert res.views[0] is None and res.views[1] is not None and res.views[2] is None
+    assert res.views[0] is None and res.views[1] is not None and res.views[2] is not None
+    # NOTE: the last block's adoption fails (it was another stream's slot taking the room, which
+    # the up-front check now counts: such a put is refused before any slot)
+    hbm = store._place.backend(Tier.HBM)
+    adopt, adopted = hbm.adopt, []
+
+    def failing_adopt(offset, ref):
+        if adopted:
+            raise ResourceExhausted("injected: no room for the last block", resource="hbm")
+        adopted.append(ref)
+        return adopt(offset, ref)
+
+    monkeypatch.setattr(hbm, "adopt", failing_adopt)
     with pytest.raises(ResourceExhausted):
         store.commit_put(res, _fill(res, _rows(kv)).__getitem__, ttl_s=100.0)
-    store.abort_put(other)
+    monkeypatch.undo()
     assert store.lookup(T, spec, keys).num_blocks == 1
     clock.advance(5.0)
     assert store.lookup(T, spec, keys).num_blocks == 0, "the failed put extended the prefix's TTL"

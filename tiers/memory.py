@@ -53,6 +53,7 @@ class MemoryTier:
         self._slots: dict[tuple[str, bytes], tuple[int, int]] = {}  # ident -> (offset, nbytes)
         self._leases: dict[int, int] = {}  # offset -> read leases held on that slot
         self._orphans: set[int] = set()  # leased slots whose block was deleted: freed at the last unlease
+        self._pending: dict[int, int] = {}  # offset -> bytes of a slot reserved for a block not adopted yet
 
     # -- allocation (the prepare half of a move) ----------------------------------------------
     def reserve(self, ref: BlockRef) -> bool:
@@ -111,7 +112,16 @@ class MemoryTier:
         """Allocate a slot owned by no block yet (its bytes are written later, e.g. as they
         arrive over the network): its offset, or None when no free extent is large enough.
         The slot counts as used. Finish with :meth:`adopt` or :meth:`release_pending`."""
-        return self._alloc.alloc(nbytes)
+        offset = self._alloc.alloc(nbytes)
+        if offset is not None:
+            self._pending[offset] = self._alloc.rounded(nbytes)
+        return offset
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of the slots reserved and not adopted yet: used, held by no block, and no
+        eviction can free them (a put stream's, until its bytes have arrived)."""
+        return sum(self._pending.values())
 
     def pending_view(self, offset: int, nbytes: int) -> Any:
         """A writable view of a pending slot: numpy for a host arena, else a device tensor."""
@@ -121,10 +131,12 @@ class MemoryTier:
     def adopt(self, offset: int, ref: BlockRef) -> None:
         """Make a pending slot (already holding the bytes) the slot of ``ref``: no copy."""
         assert ref.ident not in self._slots, "adopt of a block the tier already holds"
+        self._pending.pop(offset, None)
         self._slots[ref.ident] = (offset, ref.nbytes)
 
     def release_pending(self, offset: int) -> None:
         """Free a pending slot that no block adopted."""
+        self._pending.pop(offset, None)
         self._alloc.free(offset)
 
     # -- TierBackend --------------------------------------------------------------------------
@@ -187,6 +199,7 @@ class MemoryTier:
         self._slots.clear()
         self._leases.clear()
         self._orphans.clear()
+        self._pending.clear()
         self._arena = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._host = None
 
