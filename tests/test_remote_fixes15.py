@@ -248,3 +248,22 @@ def test_a_tenant_held_only_by_the_remote_tier_has_its_stats_row(servers) -> Non
     assert set(s.lookup("acme", SPEC, ka).tiers) == {"remote"}
     row = s.stats()["tenants"]["acme"]
     assert row == {"remote": 4 * N}
+
+
+# -- a stop that closes the deletions reader's client under its read logs no error ---------------
+def test_the_deletions_reader_stopped_under_a_read_logs_no_error(servers, caplog) -> None:
+    """stop_deletions closes the reader's client from another thread; a read between two
+    XREADs then raised redis-py's TypeError, logged at ERROR with a traceback at every close."""
+    s = servers("a", remote={"deletions_block_s": 0.05})
+    tier = s._remote
+    assert tier._reader is not None and tier._reader.is_alive()
+
+    def closed_under_the_read(*args, **kwargs):
+        tier._reader_stop.set()  # what the stop does, then closes the client the read uses
+        raise TypeError("argument must be an int, or have a fileno() method.")
+
+    tier._reader_client.xread = closed_under_the_read
+    with caplog.at_level(logging.WARNING, logger="tiers.remote_invalidate"):
+        tier._reader.join(timeout=10)
+    assert not tier._reader.is_alive()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

@@ -464,6 +464,8 @@ class SharedDeletions:
                 self._reader_stop.wait(backoff.compute(fails))
                 continue
             except Exception:  # NOTE: logged and counted; the reader must outlive it
+                if self._reader_stop.is_set():
+                    return  # NOTE: the stop closed the client under the read (redis-py: TypeError)
                 self._count("deletions_read_errors")
                 log.exception("reading the deletions stream %s failed", self._stream)
                 self._reader_stop.wait(cfg.breaker_cap_s)
