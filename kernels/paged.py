@@ -48,7 +48,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 import torch
 
 from kernels.backend import Backend, use_triton
@@ -307,7 +309,7 @@ def _checked_table(table: torch.Tensor | Sequence[int], device: torch.device, nu
             )
         idx = table.to(torch.int64)
     else:
-        idx = torch.as_tensor(list(table), dtype=torch.int64)
+        idx = torch.from_numpy(_host_table(table))
     if idx.numel() != expected:
         raise ShapeMismatch(f"block table has {idx.numel()} entries, expected {expected}")
     if idx.numel():
@@ -317,6 +319,23 @@ def _checked_table(table: torch.Tensor | Sequence[int], device: torch.device, nu
         if unique and torch.unique(idx).numel() != idx.numel():
             raise InvalidArgument("scatter block table names a cache slot twice")
     return idx.to(device, non_blocking=True)
+
+
+def _host_table(table: Any) -> np.ndarray:
+    """A list / numpy table as int64, checked as a tensor table is: 1-D integers (bool refused).
+    NOTE: it was converted with ``torch.as_tensor(..., int64)`` unchecked: float entries were
+    truncated to other slots (a scatter wrote the wrong cache blocks), bools became 1/0, and a
+    nested list escaped as torch's IndexError."""
+    try:
+        arr = np.asarray(table if isinstance(table, np.ndarray) else list(table))
+    except (TypeError, ValueError, OverflowError) as exc:  # not iterable; ragged; past int64
+        raise InvalidArgument(f"block table must be a 1-D sequence of integers ({exc})") from None
+    if arr.ndim == 1 and arr.size == 0:
+        return np.zeros(0, dtype=np.int64)  # NOTE: numpy makes [] float64
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise InvalidArgument(f"block table must be a 1-D sequence of integers, got {arr.dtype} "
+                              f"{tuple(arr.shape)}")
+    return arr.astype(np.int64)
 
 
 def _canonical_views(sel: torch.Tensor, layout: PagedLayout, n: int,

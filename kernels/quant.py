@@ -29,6 +29,8 @@ dequantized value in float32, before the output cast):
   ``|x̂ - x| <= 2**-4 |x| + 2**-10 s``  (6.25 % relative, or 2**-10 s near zero).
 * Casting ``x̂`` to the output dtype adds at most half an ulp of that dtype: relative
   ``2**-11`` (fp16), ``2**-8`` (bf16), ``2**-24`` (fp32), plus the dtype's subnormal half-step.
+  ``x̂`` is clamped to the output dtype's largest finite value first (``QMAX * s`` can round
+  past it: a float32 ``FLT_MAX`` came back ``inf``), so a finite block dequantizes finite.
 
 ``backend`` (:mod:`kernels.backend`): ``"auto"`` runs the Triton kernels of
 :mod:`kernels.triton_quant` on CUDA tensors when triton imports (bit-identical to this reference:
@@ -199,9 +201,24 @@ def dequantize(
         from kernels import triton_quant
 
         return triton_quant.dequantize_into(q, out)
+    limit = finite_limit(dtype)
     for idx, scale in ((0, q.k_scale), (1, q.v_scale)):
-        out.select(-5, idx).copy_(q.data.select(-5, idx).to(torch.float32) * scale)
+        val = q.data.select(-5, idx).to(torch.float32) * scale
+        if limit is not None:
+            val.clamp_(-limit, limit)
+        out.select(-5, idx).copy_(val)
     return out
+
+
+def finite_limit(dtype: torch.dtype) -> float | None:
+    """The magnitude :func:`dequantize` clamps its float32 products to before the cast to
+    ``dtype``: the largest finite value of ``dtype`` (and of float32); None for a non-float
+    ``dtype``. NOTE: ``QMAX * scale`` may round past it (a float32 group holding ``FLT_MAX``
+    has ``127 * scale = inf``), so a finite block came back holding ``±inf``. Clamping only
+    moves a value towards the original (``|x| <= max``): the error bounds still hold."""
+    if not dtype.is_floating_point:
+        return None
+    return min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
 
 
 def error_bound(x: torch.Tensor, q: QuantizedKV, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -219,7 +236,9 @@ def error_bound(x: torch.Tensor, q: QuantizedKV, dtype: torch.dtype | None = Non
     finfo = torch.finfo(dtype)
     out_rel = finfo.eps / 2  # half an ulp, relative
     out_abs = finfo.smallest_normal * finfo.eps / 2  # half a subnormal step
-    return quant + out_rel * (ax + quant) + out_abs
+    # NOTE: not out_rel * (ax + quant): ax + quant overflowed to inf for |x| near FLT_MAX, and
+    # an infinite bound held for any output
+    return quant + out_rel * ax + out_rel * quant + out_abs
 
 
 # -- internals ----------------------------------------------------------------------------------

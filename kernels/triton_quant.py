@@ -35,9 +35,12 @@ import triton
 import triton.language as tl
 
 from kernels.errors import InvalidArgument
-from kernels.quant import MIN_SCALE, QuantizedKV, QuantScheme
+from kernels.quant import MIN_SCALE, QuantizedKV, QuantScheme, finite_limit
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
+# the largest finite fp16 / bf16 values: kernels.quant.finite_limit of those dtypes
+_FP16_MAX = tl.constexpr(finite_limit(torch.float16))
+_BF16_MAX = tl.constexpr(finite_limit(torch.bfloat16))
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # how a kernel reads/writes values
 _TILE = 4096  # elements per tile of the quantize loop (BLOCK_T * D_PAD)
@@ -162,6 +165,14 @@ def _dequantize_kernel(q_ptr, k_scale_ptr, v_scale_ptr, out_ptr, N, G, T, D,
     else:
         val = tl.load(q_ptr + idx, mask=mask, other=0).to(tl.float32)
     val = val * s
+    # clamp to the output's largest finite value as the reference does (kernels.quant.
+    # finite_limit); compares, not minimum/maximum: a NaN stays NaN, as in torch.clamp
+    if KIND == 2:
+        val = tl.where(val > _BF16_MAX, _BF16_MAX, tl.where(val < -_BF16_MAX, -_BF16_MAX, val))
+    elif KIND == 1:
+        val = tl.where(val > _FP16_MAX, _FP16_MAX, tl.where(val < -_FP16_MAX, -_FP16_MAX, val))
+    else:
+        val = tl.where(val > _FLT_MAX, _FLT_MAX, tl.where(val < -_FLT_MAX, -_FLT_MAX, val))
     if KIND == 2:  # fp32 -> bf16 bits, round half to even (NaN -> canonical quiet NaN)
         bits = val.to(tl.int32, bitcast=True)
         r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
