@@ -42,7 +42,11 @@ Contracts:
     * A master key that cannot unwrap the tenant key raises
       :class:`~kvstore.errors.FailedPrecondition` (from the keyring), not IntegrityError: that is
       a configuration fault, and the stored bytes are fine.
-    * The values a codec with ``encrypt=True`` accepts are encrypted ones only, and vice versa.
+    * The values a codec with ``encrypt=True`` accepts are encrypted ones only, and vice versa:
+      the other kind raises :class:`~kvstore.errors.EncryptionMismatch` (a FailedPrecondition,
+      not IntegrityError: a configuration fault, and the stored bytes are fine, so callers keep
+      them).
+    * ``decode`` checks ``tenant``, ``key`` and ``spec`` as ``encode`` does (InvalidArgument).
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ from kvstore.codec_format import (
     tenant_hash,
 )
 from kvstore.errors import (
+    EncryptionMismatch,
     FailedPrecondition,
     IntegrityError,
     InvalidArgument,
@@ -113,6 +118,12 @@ from kvstore.quantization import (
 from kvstore.spec import DTYPES, ModelSpec
 
 RandomBytes = Callable[[int], bytes]
+
+
+def _check_key(key: Any) -> None:
+    """InvalidArgument unless ``key`` is a block key (encode and decode alike)."""
+    if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
+        raise InvalidArgument(f"block key must be {KEY_BYTES} bytes")
 
 
 class Codec:
@@ -243,8 +254,7 @@ class Codec:
         cfg = self.config
         if not isinstance(tenant, str) or not tenant:
             raise InvalidArgument("tenant must be a non-empty string")
-        if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
-            raise InvalidArgument(f"block key must be {KEY_BYTES} bytes")
+        _check_key(key)
         if not isinstance(spec, ModelSpec):
             raise InvalidArgument("spec must be a ModelSpec")
         src, unit, q = block_source(data, spec, quant)
@@ -353,14 +363,17 @@ class Codec:
         cfg = self.config
         if not isinstance(tenant, str) or not tenant:
             raise InvalidArgument("tenant must be a non-empty string")
+        _check_key(key)  # NOTE: unchecked, a str/None key escaped as TypeError from check_header
         if not isinstance(spec, ModelSpec):
             raise InvalidArgument("spec must be a ModelSpec")
         out = block_output(out, spec.block_nbytes)
         info = parse_header(value)
         check_header(info, tenant, key, spec)
         if info.encrypted != cfg.encrypt:
-            raise IntegrityError("value is " + ("encrypted" if info.encrypted else "unencrypted")
-                                 + " but this codec " + ("encrypts" if cfg.encrypt else "does not encrypt"))
+            raise EncryptionMismatch(
+                "value is " + ("encrypted" if info.encrypted else "unencrypted") + " but this codec "
+                + ("encrypts" if cfg.encrypt else "does not encrypt")
+                + " (encrypt is set otherwise than where the value was written)")
         data_key = self._data_key(tenant, create=False) if info.encrypted else None
         q = info.quant
         # A quantized payload is restored into a scratch array, then dequantized into out.

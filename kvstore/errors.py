@@ -88,6 +88,15 @@ class FailedPrecondition(KVStoreError):
     code = "FAILED_PRECONDITION"
 
 
+class EncryptionMismatch(FailedPrecondition):
+    """A stored value is encrypted and the reader's ``encrypt`` setting is off, or the reverse
+    (:meth:`kvstore.codec.Codec.decode`). A configuration fault, like a wrong master key: the
+    stored bytes are fine, so a reader never deletes them for it. NOTE: it was an
+    IntegrityError, and one server with ``encrypt=False`` on a shared Redis namespace deleted
+    every block the encrypting servers wrote (and a Store reopened with the other setting
+    deleted its NVMe blocks)."""
+
+
 class Aborted(KVStoreError):
     """A call that lost a race with another one and changed nothing; the same call, made
     again, can succeed (e.g. a put into a shared namespace whose blocks an admin dropped
@@ -116,6 +125,7 @@ class KeyUnavailable(IntegrityError):
 __all__ = [
     "Aborted",
     "DTypeMismatch",
+    "EncryptionMismatch",
     "FailedPrecondition",
     "IntegrityError",
     "InvalidArgument",

@@ -196,6 +196,10 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         if config.nvme_bytes:
             assert master is not None
             self._nvme = NVMeTier(path / "nvme", config.nvme_bytes, durable=config.durable)
+            # NOTE: before the keyring and recovery: a store reopened with the other encrypt
+            # setting lost its blocks (deleted at their first get, or dropped at open as blocks
+            # of deleted tenants); now the open is refused, nothing read or dropped
+            self._nvme.check_encrypt(config.encrypt)
             self.keyring = Keyring(master, self._nvme.key_backend())
             self._nvme.codec = Codec(
                 CodecConfig(compression_level=config.compression_level,

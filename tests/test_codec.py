@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from kernels.checksum import checksum
 from kvstore.codec import Codec, CodecConfig, parse_header
 from kvstore.errors import (
+    EncryptionMismatch,
     FailedPrecondition,
     IntegrityError,
     InvalidArgument,
@@ -226,9 +227,9 @@ def test_encrypted_and_plain_values_do_not_cross(keyring: Keyring) -> None:
     data = _kv_bytes(spec)
     with Codec(CodecConfig(chunk_bytes=4096), keyring) as enc, \
             Codec(CodecConfig(chunk_bytes=4096, encrypt=False), None) as plain:
-        with pytest.raises(IntegrityError):
+        with pytest.raises(EncryptionMismatch):  # a configuration fault, not damage
             plain.decode("t", KEY_A, spec, enc.encode("t", KEY_A, spec, data))
-        with pytest.raises(IntegrityError):
+        with pytest.raises(EncryptionMismatch):
             enc.decode("t", KEY_A, spec, plain.encode("t", KEY_A, spec, data))
 
 

@@ -8,7 +8,10 @@ Layout (one LMDB environment, four named databases):
   same transaction as the value, so after a crash either both exist or neither does.
 * ``specs``:  fingerprint -> canonical ModelSpec JSON (to rebuild the index on open).
 The keyring's wrapped data keys live in a second, small LMDB environment (``<path>/keys``),
-committed and synced on their own: a key is durable before any value encrypted with it is.
+committed and synced on their own: a key is durable before any value encrypted with it is. Its
+``settings`` database holds ``b"encrypt"`` -> ``b"1"`` / ``b"0"``: whether the store encrypts its
+values, recorded at its first open (:meth:`NVMeTier.check_encrypt`); an open with the other
+setting is refused before anything is read or dropped.
 
 Writes go into one write transaction per :meth:`NVMeTier.batch` (the Store opens one per public
 call), or one per operation outside a batch; with ``durable=True`` LMDB syncs on commit, so a
@@ -45,7 +48,14 @@ import lmdb
 import numpy as np
 
 from kvstore.block import Tier
-from kvstore.errors import FailedPrecondition, IntegrityError, NVMeWriteFailed, ResourceExhausted
+from kvstore.codec_format import parse_header
+from kvstore.errors import (
+    EncryptionMismatch,
+    FailedPrecondition,
+    IntegrityError,
+    NVMeWriteFailed,
+    ResourceExhausted,
+)
 from kvstore.quantization import Quantization
 from kvstore.sizes import format_size
 from kvstore.spec import ModelSpec
@@ -176,6 +186,18 @@ def damaged_file(path: Path, exc: BaseException) -> IntegrityError:
                           f"move {path} away to start without its blocks")
 
 
+def _first_value_setting(txn: lmdb.Transaction, db: Any) -> bytes | None:
+    """The encrypt setting (``b"1"``/``b"0"``) the first value of ``db`` was written with, read
+    from its header; None when ``db`` is empty or that header does not parse."""
+    with txn.cursor(db=db) as cur:
+        if not cur.first():
+            return None
+        try:
+            return b"1" if parse_header(cur.value()).encrypted else b"0"
+        except IntegrityError:
+            return None
+
+
 def _open_env(path: Path, **kw: Any) -> lmdb.Environment:
     """``lmdb.open(path, **kw)``; a damaged file (a header LMDB cannot read) as
     :func:`damaged_file`'s IntegrityError."""
@@ -246,6 +268,7 @@ class NVMeTier:
             _check_whole(self._keys_env, self.path / "keys")
             try:
                 self._keys = self._keys_env.open_db(b"keys")
+                self._settings = self._keys_env.open_db(b"settings")
             except DAMAGE_ERRORS as exc:
                 self._keys_env.close()
                 raise damaged_file(self.path / "keys", exc) from None
@@ -281,6 +304,47 @@ class NVMeTier:
         self._damage_warned = False
 
     # -- open / recovery ----------------------------------------------------------------------
+    def check_encrypt(self, encrypt: bool) -> None:
+        """Refuse (FailedPrecondition, the tier closed) an open whose ``encrypt`` is not the one
+        the tier's values were written with; record it at the first open. Why: every value
+        written with the other setting failed to decode and was deleted (encrypt=True reopened
+        with False), or all were dropped at open as blocks of deleted tenants (the reverse): a
+        configuration mistake wiped the tier. A tier written before the setting was recorded
+        takes it from its first value's header (the current setting when it holds none, or
+        none that parses); values of the other kind in such a tier (an earlier mistake) are
+        unreadable under either setting, and :meth:`get_into` deletes them."""
+        want = b"1" if encrypt else b"0"
+        try:
+            with self._keys_env.begin(db=self._settings) as txn:
+                raw = txn.get(b"encrypt")
+        except lmdb.Error as exc:
+            self.close()
+            raise damaged_file(self.path / "keys", exc) from None
+        recorded = raw is not None
+        have = bytes(raw) if raw is not None else None
+        if have is None:
+            try:
+                with self._env.begin() as txn:
+                    have = _first_value_setting(txn, self._blocks)
+            except lmdb.Error as exc:
+                self.close()
+                raise damaged_file(self.path, exc) from None
+        if have is not None and have != want:
+            self.close()
+            was = have == b"1"
+            raise FailedPrecondition(
+                f"the store at {self.path.parent} was written with encrypt={was}; it cannot be opened "
+                f"with encrypt={encrypt} (its blocks would be unreadable, and deleted): set encrypt "
+                f"back to {was}, or move {self.path} away to start without its blocks")
+        if not recorded:
+            try:
+                with self._keys_env.begin(db=self._settings, write=True) as txn:
+                    txn.put(b"encrypt", want)
+            except lmdb.Error as exc:
+                self.close()
+                raise NVMeWriteFailed(f"could not record the store's encrypt setting in {self.path / 'keys'}: "
+                                      f"{exc} (is the disk full?)") from None
+
     def key_backend(self) -> MutableMapping[str, bytes]:
         return _KeyBackend(self._keys_env, self._keys)
 
@@ -415,7 +479,9 @@ class NVMeTier:
                     raise IntegrityError("value missing for a recorded block")
                 self.codec.decode(ref.tenant, ref.key, ref.spec, value, out=out)
             return True
-        except IntegrityError as exc:
+        except (IntegrityError, EncryptionMismatch) as exc:
+            # NOTE: EncryptionMismatch: a value of the kind the store's recorded setting is not
+            # (check_encrypt), written before it was recorded: no open the tier allows reads it
             log.warning("NVMe block of tenant %r failed its integrity check: %s", ref.tenant, exc)
             self.delete(ref)
             return False

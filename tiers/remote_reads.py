@@ -9,7 +9,10 @@ accounting's ``_forget``, the tenants' ``_key_matches``/``_dropped_at`` and the 
   pipelined (batches of at most ``max_inflight_bytes``). Any fault (node down, timeout,
   MOVED/ASK the client could not follow, evicted or expired key, failed authentication of the
   value, destroyed tenant key) is a *miss* plus a counter, never an exception and never other
-  bytes. A value that fails its check is deleted. ``info=`` (a list) receives each served
+  bytes. A value that fails its check is deleted. One encrypted while this server's ``encrypt``
+  is off, or the reverse (:class:`~kvstore.errors.EncryptionMismatch`: servers of one namespace
+  configured differently) is a miss that deletes nothing, counted ``config_mismatch`` and
+  logged once: the servers that wrote it still read it. ``info=`` (a list) receives each served
   block's :class:`~tiers.remote_envelope.RemoteInfo`: the TTL deadline and creation time it was
   written with, so a promoted block keeps them.
 * A value read at or past its deadline (on this server's clock) is a miss, and is deleted once
@@ -22,16 +25,19 @@ accounting's ``_forget``, the tenants' ``_key_matches``/``_dropped_at`` and the 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from itertools import takewhile
 from typing import Any
 
 import numpy as np
 
-from kvstore.errors import FailedPrecondition, IntegrityError, KeyUnavailable
+from kvstore.errors import EncryptionMismatch, FailedPrecondition, IntegrityError, KeyUnavailable
 from tiers.base import BlockRef, as_bytes_view
 from tiers.remote_calls import FAULTS, succeeded
 from tiers.remote_envelope import ENVELOPE, UNKNOWN, RemoteInfo, live_at, split_value
+
+log = logging.getLogger(__name__)
 
 
 def _leading(flags: Iterable[bool]) -> int:
@@ -41,6 +47,18 @@ def _leading(flags: Iterable[bool]) -> int:
 
 class Reads:
     """RemoteTier methods of gets and existence checks (see the module docstring)."""
+
+    _mismatch_warned = False  # set on the tier once it logged an EncryptionMismatch
+
+    def _warn_mismatch(self, ref: BlockRef, exc: EncryptionMismatch) -> None:
+        """Log the first EncryptionMismatch of this tier (every later one is only counted)."""
+        if self._mismatch_warned:
+            return
+        self._mismatch_warned = True
+        log.warning("remote tier: a block of tenant %r in namespace %r cannot be read here: %s. The "
+                    "servers sharing a namespace must agree on encrypt (RemoteConfig.encrypt); such "
+                    "blocks are misses here and are kept (counted remote_config_mismatch)",
+                    ref.tenant, self.config.namespace, exc)
 
     def _decode(self, ref: BlockRef, value: Any, out: np.ndarray) -> RemoteInfo | None:
         """One fetched reply -> out; what its envelope says, or None (counted) on a miss."""
@@ -80,7 +98,12 @@ class Reads:
                 return None
         except (IntegrityError, FailedPrecondition, *FAULTS) as exc:
             out.fill(0)  # NOTE: decryption may have written unauthenticated bytes there
-            if isinstance(exc, KeyUnavailable):
+            if isinstance(exc, EncryptionMismatch):
+                # NOTE: was an IntegrityError, and deleted: one server with encrypt=False on a
+                # shared namespace deleted every block the encrypting servers wrote
+                self._count("config_mismatch")
+                self._warn_mismatch(ref, exc)
+            elif isinstance(exc, KeyUnavailable):
                 self._count("key_unavailable")
                 self.delete(ref)
             elif isinstance(exc, IntegrityError):
