@@ -85,7 +85,8 @@ class StoreConfig(BaseModel):
     directory."""
 
     encrypt: bool = True
-    """AES-256-GCM on the NVMe tier; False stores values with an xxh3 checksum instead."""
+    """AES-256-GCM on the NVMe tier; False stores values with an xxh3 checksum instead. Fixed
+    when the store is created: reopening it with the other setting is refused."""
 
     compression_level: Annotated[Int, Field(ge=0, le=22)] = 1
     """zstd level of the NVMe codec; 0 turns compression off."""

@@ -155,6 +155,15 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         try:
             self._open_tiers(config, clock, progress)
         except BaseException:
+            # NOTE: the tiers opened before the failure close too: a refused open (the other
+            # encrypt setting, a wrong master key) left the remote tier's threads and
+            # connections running, and the NVMe environment open
+            for tier in (getattr(self, "_remote", None), getattr(self, "_nvme", None)):
+                if tier is not None:
+                    try:
+                        tier.close()
+                    except Exception:  # the open's own error goes on
+                        log.warning("closing %s after a failed open failed", type(tier).__name__, exc_info=True)
             self._dir_lock.release()
             raise
 

@@ -250,3 +250,20 @@ def test_decode_checks_the_key_as_encode_does(key) -> None:
         value = c.encode("t", b"k" * 32, SPEC, np.zeros(SPEC.block_nbytes, np.uint8))
         with pytest.raises(InvalidArgument, match="block key"):
             c.decode("t", key, SPEC, value)
+
+
+def test_a_refused_open_closes_the_tiers_it_had_opened(tmp_path: Path, redis_ns) -> None:
+    """The refused open (the other encrypt setting) left the remote tier's writer and reader
+    threads and connections running, and the NVMe environment open."""
+    import threading
+
+    from tiers.remote_config import RemoteConfig
+
+    url, ns = redis_ns
+    _fill(tmp_path / "s", True)
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(FailedPrecondition, match="written with encrypt=True"):
+        Store.open(StoreConfig(path=tmp_path / "s", hbm_bytes=0, dram_bytes=0, nvme_bytes=64 * SPEC.block_nbytes,
+                               master_key=MASTER, encrypt=False, remote=RemoteConfig(urls=[url], namespace=ns)))
+    left = {t.name for t in threading.enumerate() if t.is_alive()} - before
+    assert not {n for n in left if n.startswith("kvstore-remote")}, left
