@@ -105,24 +105,28 @@ def test_a_deletion_killed_after_the_principal_was_saved_is_finished_at_the_next
         sc.stop()
 
 
+def _half_deleted(sc, monkeypatch, error: Exception) -> tuple:
+    """Tenant acme with 3 blocks, whose deletion failed after its mark (``drop_tenant`` raised
+    ``error``); drop_tenant is restored. Returns acme's client and the blocks' keys."""
+    client = sc.client(sc.admin().create_tenant("acme"))
+    keys = client.block_keys(SPEC, fresh_tokens(3))
+    client.put(SPEC, keys, random_kv(len(keys)))
+
+    def failing(self, tenant, **kw):
+        raise error
+    monkeypatch.setattr(type(sc.server.store), "drop_tenant", failing)
+    with pytest.raises(KVStoreError):
+        sc.admin().delete_tenant("acme")
+    monkeypatch.undo()
+    return client, keys
+
+
 def test_a_deletion_that_failed_after_its_mark_refuses_the_token_and_is_finished_by_a_retry(tmp_path, monkeypatch):
     sc = start(tmp_path)
     try:
-        tok = sc.admin().create_tenant("acme")
-        client = sc.client(tok)
-        keys = client.block_keys(SPEC, fresh_tokens(3))
-        client.put(SPEC, keys, random_kv(len(keys)))
-        store = sc.server.store
-        real = type(store).drop_tenant
-
-        def unavailable(self, tenant, **kw):
-            raise Unavailable("the remote tier cannot be reached")
-        monkeypatch.setattr(type(store), "drop_tenant", unavailable)
-        with pytest.raises(KVStoreError):
-            sc.admin().delete_tenant("acme")
+        client, keys = _half_deleted(sc, monkeypatch, Unavailable("the remote tier cannot be reached"))
         with pytest.raises(Unauthenticated):  # the deletion began: its token is refused already
             client.lookup(SPEC, keys)
-        monkeypatch.setattr(type(store), "drop_tenant", real)
         sc.admin().delete_tenant("acme")  # run again: finished
         assert "acme" not in sc.server.store.keyring.tenants()
         _nothing_left(sc, keys)
@@ -133,18 +137,7 @@ def test_a_deletion_that_failed_after_its_mark_refuses_the_token_and_is_finished
 def test_a_tenant_created_under_a_name_being_deleted_finishes_the_deletion_first(tmp_path, monkeypatch):
     sc = start(tmp_path)
     try:
-        client = sc.client(sc.admin().create_tenant("acme"))
-        keys = client.block_keys(SPEC, fresh_tokens(3))
-        client.put(SPEC, keys, random_kv(len(keys)))
-        store = sc.server.store
-        real = type(store).drop_tenant
-
-        def unavailable(self, tenant, **kw):
-            raise Unavailable("the remote tier cannot be reached")
-        monkeypatch.setattr(type(store), "drop_tenant", unavailable)
-        with pytest.raises(KVStoreError):
-            sc.admin().delete_tenant("acme")
-        monkeypatch.setattr(type(store), "drop_tenant", real)
+        _, keys = _half_deleted(sc, monkeypatch, Unavailable("the remote tier cannot be reached"))
         new = sc.client(sc.admin().create_tenant("acme"))
         assert new.lookup(SPEC, keys).num_blocks == 0
         entries = [e for e in sc.admin().audit() if e["action"] == "tenant.delete" and e["result"] == "OK"]
@@ -159,16 +152,7 @@ def test_a_deletion_left_marked_with_the_server_stopped_is_finished_at_start(tmp
     """In-process: the step after the mark raises (the process then stops as at a crash)."""
     sc = start(tmp_path)
     try:
-        client = sc.client(sc.admin().create_tenant("acme"))
-        keys = client.block_keys(SPEC, fresh_tokens(3))
-        client.put(SPEC, keys, random_kv(len(keys)))
-
-        def crash(self, tenant, **kw):
-            raise RuntimeError("crash")
-        monkeypatch.setattr(type(sc.server.store), "drop_tenant", crash)
-        with pytest.raises(KVStoreError):
-            sc.admin().delete_tenant("acme")
-        monkeypatch.undo()
+        _, keys = _half_deleted(sc, monkeypatch, RuntimeError("crash"))
         sc = restart(sc)
         _nothing_left(sc, keys)
     finally:
