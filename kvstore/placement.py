@@ -480,7 +480,15 @@ class Placement:
             dest = None  # the local copy goes either way
         if dest is not None and self.policy.admit(meta, dest, now):
             if meta.persisted and dest == Tier.NVME:
-                self.release(meta, tier)  # the NVMe copy is already committed
+                if meta.paused and self._nvme is not None and self._nvme.uncommitted((meta.tenant, meta.key)):
+                    # NOTE: its copy was written in this batch (an ancestor copy, for a block
+                    # below it going to NVMe): a paused session's block is committed before its
+                    # memory copy goes, as move() does; released first, a commit that then
+                    # failed lost it (the copy gone, the memory freed). A commit that fails
+                    # here raises before the release: the Store's batch then takes the copy off
+                    # (Placement.lost) and the block stays where it is.
+                    self._nvme.commit_now()
+                self.release(meta, tier)  # the NVMe copy is committed
                 self._index.set_tier(meta, Tier.NVME)
                 self.counters.add("demotions")
                 return True

@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import MASTER, FakeClock
 from disk_faults import FailingEnv
@@ -229,6 +230,28 @@ class StoreMachine(RuleBasedStateMachine):
         return d is not None and self.clock() >= d
 
     @invariant()
+    def paused_evictions_leave_the_model(self):
+        """The last local tier evicts a paused session's blocks when nothing else can go
+        (counted ``paused_evictions``, documented): such a block leaves its session (the store
+        forgets it there) and, gone from every tier, the model. NOTE: NVMe closure (ancestor
+        copies take NVMe room) made this reachable in the model's 6-block NVMe."""
+        if not hasattr(self, "store"):
+            return
+        seen = self.store.stats()["counters"].get("paused_evictions", 0)
+        if seen == getattr(self, "_paused_seen", 0):
+            return
+        self._paused_seen = seen
+        for (t, sid), (state, keys) in list(self.sessions.items()):
+            held = self.store._sessions._by_id[(t, sid)].keys
+            gone = [k for k in keys if k not in held]
+            if gone:
+                assert state == "paused", "a pinned session block was evicted"
+                self.sessions[(t, sid)] = (state, [k for k in keys if k in held])
+                for k in gone:
+                    if self.store._index.get(t, k) is None:
+                        self.live.pop((t, k), None)
+
+    @invariant()
     def found_blocks_are_live_and_own(self):
         if not hasattr(self, "store"):
             return
@@ -284,3 +307,42 @@ StoreMachine.TestCase.settings = _SETTINGS
 CostPolicyStoreMachine.TestCase.settings = _SETTINGS
 TestStoreMachine = StoreMachine.TestCase
 TestCostPolicyStoreMachine = CostPolicyStoreMachine.TestCase
+
+
+class _Draw:
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def draw(self, _strategy):
+        return self.value
+
+
+@pytest.mark.parametrize("steps", [
+    # a paused session's DRAM block got an NVMe copy as the ancestor of a block going to NVMe;
+    # evicted on that copy before the commit, which then failed: the block was lost
+    [("open_session", {"sid": "s2", "t": "b"}), ("put", {"c": 0, "n": 2, "sid": "s2", "t": "b", "ttl": None}),
+     ("session_call", {"action": "pause", "draw": ("b", "s2")}), ("put_on_a_full_disk", {"c": 0, "n": 3, "t": "b"}),
+     ("put_on_a_full_disk", {"c": 1, "n": 2, "t": "b"}), ("open_session", {"sid": "s2", "t": "b"})],
+    # a paused block evicted from the last tier (paused_evictions), then put again outside the session
+    [("open_session", {"sid": "s1", "t": "b"}), ("put", {"c": 0, "n": 2, "sid": None, "t": "a", "ttl": None}),
+     ("open_session", {"sid": "s2", "t": "b"}), ("put", {"c": 3, "n": 2, "sid": "s2", "t": "b", "ttl": None}),
+     ("session_call", {"action": "pause", "draw": ("b", "s2")}), ("delete", {"c": 0, "i": 1, "t": "a"}),
+     ("put", {"c": 0, "n": 3, "sid": None, "t": "b", "ttl": None}), ("put_on_a_full_disk", {"c": 0, "n": 2, "t": "a"}),
+     ("put_on_a_full_disk", {"c": 3, "n": 2, "t": "b"}), ("open_session", {"sid": "s2", "t": "b"})],
+])
+def test_examples_the_state_machine_found(steps):
+    m = StoreMachine()
+    m.setup()
+    checks = [m.paused_evictions_leave_the_model, m.found_blocks_are_live_and_own, m.pinned_blocks_stay_in_hbm,
+              m.usage_within_capacity_and_quota]
+    try:
+        for name, kw in steps:
+            kw = dict(kw)
+            if name == "session_call":
+                m.session_call(_Draw(kw.pop("draw")), **kw)
+            else:
+                getattr(m, name)(**kw)
+            for check in checks:
+                check()
+    finally:
+        m.teardown()

@@ -623,6 +623,10 @@ class NVMeTier:
         self._env.close()
         self._keys_env.close()
 
+    def uncommitted(self, ident: tuple[str, bytes]) -> bool:
+        """Whether the block ``ident`` was written in the open batch and is not committed yet."""
+        return ident in self._unsynced
+
     # -- transactions -------------------------------------------------------------------------
     @contextmanager
     def batch(self) -> Iterator[None]:
