@@ -7,9 +7,13 @@ metadata) and the Store (which owns them). Nothing here touches tensors.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-from kvstore.errors import UnknownTier
+from kvstore.errors import InvalidArgument, UnknownTier
+
+V = TypeVar("V")
 
 
 class Tier(enum.IntEnum):
@@ -34,6 +38,20 @@ class Tier(enum.IntEnum):
             raise UnknownTier(
                 f"unknown tier {name!r}; tiers are {[t.label for t in cls]}"
             ) from None
+
+    @classmethod
+    def each_once(cls, pairs: Iterable[tuple[str | Tier, V]], what: str = "quota for tier") -> dict[Tier, V]:
+        """``(tier name, value)`` pairs keyed by tier; InvalidArgument (``what`` names the
+        setting) when two spellings name one tier (``hbm`` and ``HBM``): folded into one dict,
+        one of the values was kept silently. The Store, the Admin service and the CLI use it."""
+        out: dict[Tier, V] = {}
+        spelled: dict[Tier, str | Tier] = {}
+        for name, value in pairs:
+            tier = cls.parse(name)
+            if tier in out:
+                raise InvalidArgument(f"{what} {tier.label!r} given twice ({spelled[tier]!r} and {name!r})")
+            out[tier], spelled[tier] = value, name
+        return out
 
 
 class SessionState(enum.Enum):

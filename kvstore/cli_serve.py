@@ -351,13 +351,7 @@ def _quotas(sized: list[tuple[str, int]]) -> dict[str, int]:
     kept one of them silently.)"""
     from kvstore.block import Tier
 
-    quotas: dict[str, int] = {}
-    for name, size in sized:
-        label = Tier.parse(name).label
-        if label in quotas:
-            raise InvalidArgument(f"--quota: tier {label!r} given twice")
-        quotas[label] = size
-    return quotas
+    return {t.label: size for t, size in Tier.each_once(sized, what="--quota: tier").items()}
 
 
 # -- stats and audit ------------------------------------------------------------------------------

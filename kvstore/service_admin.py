@@ -226,14 +226,7 @@ def quota_by_tier(quota_bytes: Any) -> dict[str, int]:
     naming the tier when two spellings name one tier. (They were folded into one dict here,
     before the Store could refuse the duplicate: one value was kept silently, which one
     depending on the order of the request's map.)"""
-    quota: dict[str, int] = {}
-    spelled: dict[str, str] = {}
-    for name, value in sorted(quota_bytes.items()):
-        label = Tier.parse(name).label
-        if label in quota:
-            raise InvalidArgument(f"quota for tier {label!r} given twice ({spelled[label]!r} and {name!r})")
-        quota[label], spelled[label] = int(value), name
-    return quota
+    return {t.label: int(v) for t, v in Tier.each_once(sorted(quota_bytes.items())).items()}
 
 
 def _names(namespaces: Any) -> str:

@@ -374,16 +374,12 @@ class TenantAdmin:
 
         self._check_tenant(tenant)
         ttl_s = check_ttl(ttl_s)
-        quotas: dict[Tier, int] = {}
         if quota_bytes is not None and not isinstance(quota_bytes, Mapping):
             raise InvalidArgument(f"quota_bytes must map tier names to bytes, got {type(quota_bytes).__name__}")
         for name, q in (quota_bytes or {}).items():
             if isinstance(q, bool) or not isinstance(q, int) or q < 0:  # NOTE: True was a 1-byte quota
                 raise InvalidArgument(f"quota for {name!r} must be a non-negative int")
-            tier = Tier.parse(name)
-            if tier in quotas:  # NOTE: {"HBM": 5, "hbm": 7} kept one of them, silently
-                raise InvalidArgument(f"quota for tier {tier.label!r} given twice ({name!r} and another spelling)")
-            quotas[tier] = q
+        quotas = Tier.each_once((quota_bytes or {}).items())  # NOTE: {"HBM": 5, "hbm": 7} kept one, silently
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidArgument(f"priority must be an int, got {priority!r}")
         quant = Quantization.parse(quantization) if quantization is not None else None
