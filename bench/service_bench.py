@@ -22,6 +22,13 @@ latency of a 128K-token prompt (8,192 blocks of 16 tokens, keys sent by the clie
 same lookup on an in-process Store, and the per-chunk costs of the stream (xxh3, framing).
 Servers run in child processes (one core each side on a 2-core machine).
 
+``cpu_ms_per_mib`` is what each method costs the machine: the CPU time of this process (the
+client, every thread) plus that of the server it talks to (the sidecar, the bare grpcio
+server, or Redis), per MiB moved, median over repeats (Linux ``/proc/PID/task/*/schedstat``;
+absent elsewhere). Why: the client and its server share the machine's cores, so when both
+keep them busy the throughput of a method is set by its CPU per byte, not by where it waits.
+The stream's extra over bare grpcio is its one copy and one xxh3 per side (``per_chunk``).
+
     python bench/service_bench.py [--repeats 5] [--sizes 2,32] [--chunk-kib N] [--out bench/results/service.json]
     python bench/service_bench.py --sizes 0.25,0.5,2    # small blocks: several per stream frame
 
@@ -31,6 +38,7 @@ Prints one JSON document.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import subprocess
@@ -41,6 +49,7 @@ from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -97,11 +106,19 @@ def _start_child(args: list[str], env: dict[str, str] | None = None) -> tuple[su
             return proc, lines
 
 
+class Servers(NamedTuple):
+    target: str  #: the sidecar's
+    token: str  #: a new tenant's
+    raw_port: int  #: the bare grpcio server's
+    sidecar_pid: int
+    raw_pid: int
+
+
 @contextmanager
-def sidecar_and_raw(hbm: int, dram: int, nvme: int) -> Iterator[tuple[str, str, int]]:
+def sidecar_and_raw(hbm: int, dram: int, nvme: int) -> Iterator[Servers]:
     """A sidecar (``kvstore serve``: memory tiers of these sizes, NVMe not durable, no metrics)
-    and the bare grpcio server, each in its own child process; yields (sidecar target, a new
-    tenant's token, the bare server's port) and stops both."""
+    and the bare grpcio server, each in its own child process; yields them (:class:`Servers`)
+    and stops both."""
     from kvstore.admin_client import AdminClient
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -124,7 +141,7 @@ def sidecar_and_raw(hbm: int, dram: int, nvme: int) -> Iterator[tuple[str, str, 
             target = f"127.0.0.1:{port}"
             with AdminClient(target, admin_token) as admin:
                 token = admin.create_tenant("bench")
-            yield target, token, raw_port
+            yield Servers(target, token, raw_port, server.pid, raw.pid)
         finally:
             for p in children:
                 p.terminate()
@@ -176,11 +193,62 @@ def _raw_server_main(port_file: str) -> None:
     server.wait_for_termination()
 
 
+# -- CPU accounting --------------------------------------------------------------------------------
+def _cpu_ns(pid: int) -> int | None:
+    """CPU time of every live thread of ``pid`` (another process: not running while this one
+    reads it) so far, ns (Linux schedstat); None elsewhere.
+    NOTE: not /proc/PID/stat's utime+stime: their 10 ms ticks are a fifth of one 64 MiB call."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return total
+
+
+class Stopwatch:
+    """Wall time and CPU time (this process plus ``server_pid``) at each :meth:`mark`."""
+
+    def __init__(self, server_pid: int | None) -> None:
+        self.server_pid = server_pid
+        self.marks: list[tuple[float, float | None]] = []
+
+    def mark(self) -> None:
+        server = _cpu_ns(self.server_pid) if self.server_pid is not None else 0
+        # NOTE: this process's own clock, not its schedstat: a running thread's schedstat lags
+        # until the scheduler next accounts it (a 128 KiB copy read as 0 ns)
+        cpu = None if server is None else (time.process_time_ns() + server) / 1e9
+        self.marks.append((time.perf_counter(), cpu))
+
+    def spans(self) -> tuple[float, ...]:
+        """(wall seconds of each span between marks..., CPU seconds of each span or NaN)"""
+        walls = tuple(b[0] - a[0] for a, b in zip(self.marks, self.marks[1:]))
+        cpus = tuple(b[1] - a[1] if a[1] is not None and b[1] is not None else float("nan")
+                     for a, b in zip(self.marks, self.marks[1:]))
+        self.marks.clear()
+        return walls + cpus
+
+
+def redis_pid(r: Any) -> int | None:
+    """The Redis server's pid when it runs on this machine (INFO says so), else None."""
+    try:
+        pid = int(r.info("server")["process_id"])
+    except Exception:  # noqa: BLE001 - no pid, no CPU figure
+        return None
+    return pid if os.path.exists(f"/proc/{pid}/task") else None
+
+
 # -- measurements -------------------------------------------------------------------------------
 # Each method is a "round": one timed put and one timed get of the same bytes, returning
-# (put_seconds, get_seconds). main() runs every method once per repeat, interleaved, so that
+# (put_seconds, get_seconds, put_cpu_seconds, get_cpu_seconds) (Stopwatch.spans). main() runs every method once per repeat, interleaved, so that
 # the machine's drift (shared, noisy cores) hits all of them alike; figures are medians.
-Round = Callable[[], tuple[float, float]]
+Round = Callable[[], tuple[float, ...]]
 
 
 def _blocks_as_messages(nbytes: int, count: int, chunk: int) -> list[bytes]:
@@ -192,7 +260,7 @@ def _blocks_as_messages(nbytes: int, count: int, chunk: int) -> list[bytes]:
     return [b[o : o + chunk] for b in blocks for o in range(0, nbytes, chunk)]
 
 
-def raw_grpc_round(stack: ExitStack, port: int, nbytes: int, count: int, chunk: int) -> Round:
+def raw_grpc_round(stack: ExitStack, port: int, nbytes: int, count: int, chunk: int, pid: int | None = None) -> Round:
     """Bare grpcio, same process layout and message sizes as the in-band stream: a client
     stream of ``count`` blocks of ``nbytes`` in ``chunk``-byte messages, and the same back."""
     import grpc
@@ -203,14 +271,16 @@ def raw_grpc_round(stack: ExitStack, port: int, nbytes: int, count: int, chunk: 
     sink = ch.stream_unary("/raw.Raw/Sink", request_serializer=ident, response_deserializer=ident)
     source = ch.unary_stream("/raw.Raw/Source", request_serializer=ident, response_deserializer=ident)
     messages = _blocks_as_messages(nbytes, count, chunk)
+    watch = Stopwatch(pid)
 
-    def one() -> tuple[float, float]:
-        t0 = time.perf_counter()
+    def one() -> tuple[float, ...]:
+        watch.mark()
         sink(iter(messages))
-        t1 = time.perf_counter()
+        watch.mark()
         for _ in source(f"{nbytes},{count},{chunk}".encode()):
             pass
-        return t1 - t0, time.perf_counter() - t1
+        watch.mark()
+        return watch.spans()
 
     return one
 
@@ -228,15 +298,17 @@ def redis_round(stack: ExitStack, nbytes: int, count: int) -> Round | str:
     values = [os.urandom(nbytes) for _ in range(count)]
     names = [f"kvstore-bench:{os.getpid()}:{i}" for i in range(count)]  # NOTE: two runs shared "bench:i"
     stack.callback(lambda: r.delete(*names))
+    watch = Stopwatch(redis_pid(r))
 
-    def one() -> tuple[float, float]:
-        t0 = time.perf_counter()
+    def one() -> tuple[float, ...]:
+        watch.mark()
         for name, v in zip(names, values):
             r.set(name, v)
-        t1 = time.perf_counter()
+        watch.mark()
         for name in names:
             r.get(name)
-        return t1 - t0, time.perf_counter() - t1
+        watch.mark()
+        return watch.spans()
 
     return one
 
@@ -244,19 +316,21 @@ def redis_round(stack: ExitStack, nbytes: int, count: int) -> Round | str:
 def memcpy_round(nbytes: int, count: int) -> Round:
     src = np.random.randint(0, 255, nbytes * count, dtype=np.uint8)
     dst = np.empty_like(src)
+    watch = Stopwatch(None)
 
-    def one() -> tuple[float, float]:
-        t0 = time.perf_counter()
+    def one() -> tuple[float, ...]:
+        watch.mark()
         np.copyto(dst, src)
-        t1 = time.perf_counter()
+        watch.mark()
         np.copyto(src, dst)
-        return t1 - t0, time.perf_counter() - t1
+        watch.mark()
+        return watch.spans()
 
     return one
 
 
 def kvstore_rounds(stack: ExitStack, target: str, token: str, block_mib: float, count: int,
-                   chunk: int) -> dict[str, Round]:
+                   chunk: int, pid: int | None = None) -> dict[str, Round]:
     """shm (buffers in the region), shm_staged (ordinary tensors), stream (in-band)."""
     from kvstore.client import Client
 
@@ -264,20 +338,21 @@ def kvstore_rounds(stack: ExitStack, target: str, token: str, block_mib: float, 
     nbytes = spec.block_nbytes * count
     kv = torch.randint(-1000, 1000, (count, *spec.block_shape), dtype=torch.int16).view(torch.float16)
     seq = iter(range(10**6))
+    watch = Stopwatch(pid)
 
     def make(c: Client, data: torch.Tensor, sink: torch.Tensor) -> Round:
-        def one() -> tuple[float, float]:
+        def one() -> tuple[float, ...]:
             base = next(seq) * 10**7 + round(block_mib * 10**6)
             keys = c.block_keys(spec, list(range(base, base + count * spec.block_tokens)))
-            t0 = time.perf_counter()
+            watch.mark()
             c.put(spec, keys, data)
-            t1 = time.perf_counter()
+            watch.mark()
             got = c.get_into(spec, keys, sink)
-            t2 = time.perf_counter()
+            watch.mark()
             assert got == count and torch.equal(sink.view(torch.int16), kv.view(torch.int16))
             c.delete(keys)
             sink.zero_()
-            return t1 - t0, t2 - t1
+            return watch.spans()
         return one
 
     local = stack.enter_context(Client(target, token, local=True, region_bytes=3 * nbytes + MiB))
@@ -291,9 +366,9 @@ def kvstore_rounds(stack: ExitStack, target: str, token: str, block_mib: float, 
             "stream": make(remote, kv, torch.empty_like(kv))}
 
 
-def _interleaved(rounds: dict[str, Round], repeats: int) -> dict[str, list[tuple[float, float]]]:
+def _interleaved(rounds: dict[str, Round], repeats: int) -> dict[str, list[tuple[float, ...]]]:
     """One warm-up round each, then ``repeats`` rounds of every method in turn."""
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in rounds}
+    times: dict[str, list[tuple[float, ...]]] = {name: [] for name in rounds}
     for one in rounds.values():
         one()
     for _ in range(repeats):
@@ -302,13 +377,12 @@ def _interleaved(rounds: dict[str, Round], repeats: int) -> dict[str, list[tuple
     return times
 
 
-def bench_size(target: str, token: str, raw_port: int, mib: float, count: int, repeats: int,
-               chunk: int) -> dict[str, object]:
+def bench_size(servers: Servers, mib: float, count: int, repeats: int, chunk: int) -> dict[str, object]:
     nbytes = round(mib * MiB)
     with ExitStack() as stack:
-        rounds = kvstore_rounds(stack, target, token, mib, count, chunk)
+        rounds = kvstore_rounds(stack, servers.target, servers.token, mib, count, chunk, servers.sidecar_pid)
         rounds["memcpy"] = memcpy_round(nbytes, count)
-        rounds["grpc_raw"] = raw_grpc_round(stack, raw_port, nbytes, count, chunk)
+        rounds["grpc_raw"] = raw_grpc_round(stack, servers.raw_port, nbytes, count, chunk, servers.raw_pid)
         redis = redis_round(stack, nbytes, count)
         if callable(redis):
             rounds["redis"] = redis
@@ -316,8 +390,13 @@ def bench_size(target: str, token: str, raw_port: int, mib: float, count: int, r
         rounds.clear()  # the rounds hold views of the shared region: drop them before it closes
     total = nbytes * count
     row: dict[str, object] = {"blocks_per_call": count, "chunk_bytes": chunk}
+    cpu: dict[str, dict[str, float]] = {}
     for name, ts in times.items():
         row[name] = {"put": _gbps(total, [t[0] for t in ts]), "get": _gbps(total, [t[1] for t in ts])}
+        per_mib = {op: statistics.median(t[2 + k] for t in ts) / (total / MiB) * 1e3
+                   for k, op in enumerate(("put", "get"))}
+        if not any(math.isnan(v) for v in per_mib.values()):
+            cpu[name] = {op: round(v, 3) for op, v in per_mib.items()}
     if not callable(redis):
         row["redis"] = {"skipped": redis}
     ratios, paired = {}, {}
@@ -329,6 +408,8 @@ def bench_size(target: str, token: str, raw_port: int, mib: float, count: int, r
                     d[k] / n[k] for n, d in zip(times[num], times[den])), 2)
     row["ratios"] = ratios
     row["paired_ratios"] = paired
+    if cpu:
+        row["cpu_ms_per_mib"] = cpu
     return row
 
 
@@ -403,14 +484,13 @@ def main(argv: list[str] | None = None) -> int:
     from kvstore.client import DEFAULT_CHUNK_BYTES
 
     chunk = args.chunk_kib * 1024 if args.chunk_kib else DEFAULT_CHUNK_BYTES
-    with sidecar_and_raw(hbm=1024 * MiB, dram=256 * MiB, nvme=512 * MiB) as (target, token, raw_port):
+    with sidecar_and_raw(hbm=1024 * MiB, dram=256 * MiB, nvme=512 * MiB) as servers:
         results: dict[str, object] = {"repeats": args.repeats, "unit": "GB/s (median)", "sizes": {}}
         for mib in sizes:
             count = max(1, int(args.bytes_per_call // mib))
-            results["sizes"][_size_label(mib)] = bench_size(target, token, raw_port, mib, count, args.repeats,
-                                                       chunk)
+            results["sizes"][_size_label(mib)] = bench_size(servers, mib, count, args.repeats, chunk)
         results["per_chunk"] = bench_checksum(chunk)
-        results["lookup"] = bench_lookup(target, token, args.repeats)
+        results["lookup"] = bench_lookup(servers.target, servers.token, args.repeats)
     emit_json(results, args.out)
     return 0
 

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = count * spec.block_nbytes
     kv = torch.randint(-1000, 1000, (count, *spec.block_shape), dtype=torch.int16).view(torch.float16)
     rows = _flat_bytes(kv, count, spec.block_nbytes)
-    with sidecar_and_raw(hbm=1024 * MiB, dram=0, nvme=0) as (target, token, raw_port):
+    with sidecar_and_raw(hbm=1024 * MiB, dram=0, nvme=0) as (target, token, raw_port, _, _):
         opts = [("grpc.max_receive_message_length", 64 * MiB), ("grpc.max_send_message_length", 64 * MiB)]
         ident = lambda b: b
         with grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=opts) as ch, \

@@ -78,6 +78,12 @@ def test_service_bench_reports_both_ratios_of_every_pair(tmp_path: Path) -> None
     assert {"shm_put/memcpy", "stream_get/grpc_raw"} <= row["ratios"].keys()
     for key, ratio in row["ratios"].items():
         assert abs(row["paired_ratios"][key] - ratio) <= 0.02 * max(1.0, ratio), key
+    if sys.platform == "linux":  # CPU per MiB: this process and the server each method talks to
+        cpu = row["cpu_ms_per_mib"]
+        for name in ("shm", "stream", "memcpy", "grpc_raw"):
+            assert cpu[name]["put"] > 0 and cpu[name]["get"] > 0, name
+        # the stream's client and server both work on every byte; a copy alone costs less
+        assert cpu["stream"]["get"] > cpu["memcpy"]["get"]
 
 
 def test_copy_bench_compares_both_thresholds(tmp_path: Path) -> None:
