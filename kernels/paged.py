@@ -169,7 +169,12 @@ def gather_blocks(
         tokens = bs if block_tokens is None else block_tokens
         if tokens <= 0 or tokens % bs:
             raise ShapeMismatch(f"block_tokens {tokens} must be a positive multiple of {bs}")
-        n = len(table) // (tokens // bs)
+        per = tokens // bs
+        entries = _table_len(table)
+        if entries % per:  # NOTE: it was floored, and the table check then named a length never asked for
+            raise ShapeMismatch(f"block table has {entries} entries, not a whole number of store blocks "
+                                f"of {per} engine blocks ({tokens} tokens of {bs})")
+        n = entries // per
         out = torch.empty((n, 2, len(layers), heads, tokens, dim), dtype=first.dtype, device=first.device)
     elif out.dim() != 6 or out.shape[2] != len(layers):
         raise ShapeMismatch(f"out must be [n, 2, {len(layers)}, H, T, D], got {tuple(out.shape)}")
@@ -296,6 +301,20 @@ def _check_layer(cache: torch.Tensor, layout: PagedLayout, blocks: torch.Tensor)
     if blocks.device != cache.device:
         raise InvalidArgument(f"store blocks on {blocks.device}, cache on {cache.device}")
     return nb, tokens // bs
+
+
+def _table_len(table: Any) -> int:
+    """How many entries a block table has, or InvalidArgument for one that is no 1-D sequence.
+    NOTE: ``len(table)`` raised TypeError on a 0-d tensor or array, or a bare int."""
+    if isinstance(table, torch.Tensor):
+        if table.dim() != 1:
+            raise InvalidArgument(f"block table must be a 1-D integer tensor, got {table.dtype} {tuple(table.shape)}")
+        return table.shape[0]
+    try:
+        return len(table)
+    except TypeError:
+        raise InvalidArgument(f"block table must be a 1-D sequence of integers, got {type(table).__name__} "
+                              f"{table!r:.40}") from None
 
 
 def _checked_table(table: torch.Tensor | Sequence[int], device: torch.device, num_blocks: int,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -137,8 +138,11 @@ def test_paged_rejects_misuse():
         scatter_blocks(blocks, layers, [1, 1], layout)
     with pytest.raises(InvalidArgument):  # float table
         gather_blocks(layers, torch.tensor([0.0, 1.0]), layout)
-    with pytest.raises(ShapeMismatch):  # table length does not fill whole store blocks
-        gather_blocks(layers, [0, 1, 2], layout, block_tokens=4)
+    with pytest.raises(ShapeMismatch, match="not a whole number of store blocks"):
+        gather_blocks(layers, [0, 1, 2], layout, block_tokens=4)  # table does not fill whole store blocks
+    for scalar in (torch.tensor(1), np.int64(1), np.array(1), 1):  # was TypeError from len()
+        with pytest.raises(InvalidArgument, match="1-D"):
+            gather_blocks(layers, scalar, layout)
     with pytest.raises(ShapeMismatch):  # T not a multiple of the engine block size
         gather_blocks(layers, [0, 1], layout, block_tokens=3)
     with pytest.raises(DTypeMismatch):
