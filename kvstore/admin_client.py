@@ -1,4 +1,5 @@
-"""Client of the sidecar's Admin service (operators' plane): tenants, policies, purge, audit.
+"""Client of the sidecar's Admin service (operators' plane): tenants, policies, purge, audit,
+sessions.
 
 ::
 
@@ -73,7 +74,7 @@ class AdminClient:
     def list_tenants(self) -> list[dict[str, Any]]:
         r = self._call("ListTenants", apb.ListTenantsRequest())
         return [{"name": t.name, "role": apb.Role.Name(t.role)[5:].lower(), "namespaces": list(t.namespaces),
-                 "created": t.created} for t in r.tenants]
+                 "created": t.created, "deleting": t.deleting} for t in r.tenants]
 
     def grant(self, tenant: str, namespace: str, *, revoke: bool = False) -> None:
         self._call("Grant", apb.GrantRequest(tenant=check_text("tenant name", tenant),
@@ -125,6 +126,29 @@ class AdminClient:
                  "target": e.target, "result": e.result, "detail": e.detail, "ref": e.ref}
                 for e in r.entries], r.more
 
+    def list_sessions(self, tenant: str = "") -> list[dict[str, Any]]:
+        """The open sessions (of ``tenant``, a tenant or shared namespace; "" for every one) in
+        (tenant, session id) order, in as many calls as their size takes."""
+        if tenant:
+            check_text("tenant name", tenant)
+        out: list[dict[str, Any]] = []
+        after = ("", "")
+        while True:
+            r = self._call("ListSessions", apb.ListSessionsRequest(
+                tenant=tenant, after_tenant=after[0], after_session_id=after[1],
+                max_bytes=min(self._max_message_bytes, (1 << 32) - 1)))
+            out += [_session_dict(s) for s in r.sessions]
+            if not r.more or not r.sessions:
+                return out
+            after = (r.sessions[-1].tenant, r.sessions[-1].session_id)
+
+    def close_session(self, tenant: str, session_id: str) -> dict[str, Any]:
+        """Close a session of ``tenant`` (its namespace) as its engine would (its blocks
+        unpinned, kept as prefix cache); returns the session as it was just before. NotFound
+        when no such session is open."""
+        return _session_dict(self._call("CloseSession", apb.CloseSessionRequest(
+            tenant=check_text("tenant name", tenant), session_id=check_text("session id", session_id))))
+
     def stats(self) -> dict[str, Any]:
         return json.loads(self._call("Stats", pb.StatsRequest()).json)
 
@@ -136,6 +160,12 @@ class AdminClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _session_dict(msg: apb.SessionInfo) -> dict[str, Any]:
+    return {"tenant": msg.tenant, "session_id": msg.session_id, "state": pb.SessionState.Name(msg.state)[14:].lower(),
+            "blocks": msg.blocks, "bytes": msg.bytes, "pinned_blocks": msg.pinned_blocks,
+            "pinned_bytes": msg.pinned_bytes, "idle_s": msg.idle_s}
 
 
 def _policy_dict(msg: apb.TenantPolicy) -> dict[str, Any]:

@@ -9,11 +9,15 @@ A tenant's deletion is crash-safe and resumable (:meth:`AdminPlane.delete_tenant
 principal is marked as being deleted first (saved), then its data and key go, then the
 principal; :meth:`AdminPlane.finish_deletions` (at every start) and :meth:`AdminPlane.create_tenant`
 (of that name) finish a deletion left marked, and audit it.
+
+:meth:`AdminPlane.sessions` and :meth:`AdminPlane.close_session` show and end the open sessions
+(an engine that died leaves its session pinning HBM until the idle expiry closes it).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from kvstore.audit import AuditLog
@@ -22,6 +26,7 @@ from kvstore.block import Tier
 from kvstore.errors import InvalidArgument, KVStoreError, NotFound
 from kvstore.service_resources import RegionTable
 from kvstore.spec import FINGERPRINT_BYTES
+from kvstore.store_admin import SessionInfo
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +220,20 @@ class AdminPlane:
                 raise InvalidArgument(f"the policy of {ns!r} in {self.registry.path} is not valid ({exc}): "
                                       f"correct it there") from None
 
+    def sessions(self, tenant: str = "", after: tuple[str, str] = ("", "")) -> Iterator[SessionInfo]:
+        """The open sessions (of ``tenant``; "" for every one) after ``after`` in (tenant,
+        session id) order, each read when reached (one closed meanwhile is left out): a page
+        reads only the sessions it returns."""
+        for t, sid in self.store.session_ids(tenant or None):
+            if (t, sid) > after and (info := self.store.session_info(t, sid)) is not None:
+                yield info
+
+    def close_session(self, tenant: str, session: str) -> SessionInfo:
+        """Close a session of ``tenant`` (its namespace); the session as it was just before."""
+        if not session:
+            raise InvalidArgument("session_id is required")
+        return self.store.end_session(tenant, session)
+
     def purge_model(self, fingerprint: bytes) -> int:
         if len(fingerprint) != FINGERPRINT_BYTES:
             raise InvalidArgument(f"fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}")
@@ -242,6 +261,13 @@ def create_detail(role: Role | str, namespaces: list[str]) -> str:
 def grant_detail(before: tuple[str, ...], after: tuple[str, ...]) -> str:
     """The audit detail of a grant or revoke that was made: ``namespaces [a] -> [a, b]``."""
     return f"namespaces {_names(before)} -> {_names(after)}"
+
+
+def session_detail(info: SessionInfo) -> str:
+    """The audit detail of ``session.close``: ``state=active blocks=3 bytes=196608 pinned=3
+    idle_s=12.0``, the session as it was closed."""
+    return (f"state={info.state.value} blocks={info.blocks} bytes={info.nbytes} pinned={info.pinned_blocks} "
+            f"idle_s={info.idle_s:.1f}")
 
 
 def policy_detail(policy: TenantPolicy) -> str:

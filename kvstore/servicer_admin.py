@@ -6,8 +6,10 @@ encodes the result. Reading the audit log and Stats are admin-only; only their r
 are recorded (an outcome entry: UNAUTHENTICATED as principal ``?``, PERMISSION_DENIED), not the
 reads themselves (reading the log must not grow it). A change's entry records what was done beyond its target (``detail``):
 the role and namespaces a principal is created with, the grants and the policy before -> after.
-ReadAudit answers with the entries that fit under the server's message limit (and the caller's
-``max_bytes``), its ``more`` set when entries follow.
+ReadAudit and ListSessions answer with the entries that fit under the server's message limit
+(and the caller's ``max_bytes``), their ``more`` set when entries follow. ListTenants shows the
+principals marked as being deleted too (``deleting``): a deletion in progress, or one left
+unfinished, was invisible (the principal gone from the list while its data was still there).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from typing import Any
 from kvstore.audit import DETAIL_CHARS, AuditEntry, AuditLog, Recorder, bounded
 from kvstore.auth import Principal, Role, TenantPolicy
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.service_admin import AdminPlane, create_detail, grant_detail, policy_detail
+from kvstore.service_admin import AdminPlane, create_detail, grant_detail, policy_detail, session_detail
 from kvstore.service_convert import spec_from_pb
 from kvstore.service_rpc import RpcRunner
+from kvstore.store_admin import SessionInfo
 from proto.kvstore.v1 import admin_pb2 as apb
 from proto.kvstore.v1 import admin_pb2_grpc
 from proto.kvstore.v1 import kvstore_pb2 as pb
@@ -72,8 +75,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return self._run("DeleteTenant", "tenant.delete", "", context, call, audit=audit)
 
     def ListTenants(self, request, context):
-        return self._run("ListTenants", "tenant.list", "", context, lambda p: apb.ListTenantsResponse(
-            tenants=[_tenant_pb(t) for t in self.plane.registry.list()]), changes=False)
+        # NOTE: the principals marked as being deleted were left out: a deletion in progress, or
+        # one a failed step left unfinished (its data still there), showed as done
+        def call(p: Principal) -> apb.ListTenantsResponse:
+            registry = self.plane.registry
+            tenants = [_tenant_pb(t) for t in registry.list()]
+            tenants += [_tenant_pb(t, deleting=True) for t in registry.deleting().values()]
+            return apb.ListTenantsResponse(tenants=sorted(tenants, key=lambda t: t.name))
+        return self._run("ListTenants", "tenant.list", "", context, call, changes=False)
 
     def Grant(self, request, context):
         action = "namespace.revoke" if request.revoke else "namespace.grant"
@@ -121,20 +130,24 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             return apb.PurgeModelResponse(blocks=blocks)
         return self._run("PurgeModel", "model.purge", "", context, call, audit=audit)
 
+    def _budget(self, max_bytes: int) -> int:
+        """The bytes a paged response (ReadAudit, ListSessions) may fill: the caller's
+        ``max_bytes`` (0: the server's message limit), at most that limit, less the room kept
+        for its ``more`` field."""
+        if 0 < max_bytes < MIN_AUDIT_PAGE_BYTES:
+            raise InvalidArgument(f"max_bytes must be 0 (the server's message limit) or at least "
+                                  f"{MIN_AUDIT_PAGE_BYTES}, got {max_bytes}")
+        return min(max_bytes or self.plane.max_message_bytes, self.plane.max_message_bytes) - _RESPONSE_SLACK
+
     def ReadAudit(self, request, context):
         def call(p: Principal) -> apb.ReadAuditResponse:
-            if 0 < request.max_bytes < MIN_AUDIT_PAGE_BYTES:
-                raise InvalidArgument(f"max_bytes must be 0 (the server's message limit) or at least "
-                                      f"{MIN_AUDIT_PAGE_BYTES}, got {request.max_bytes}")
-            budget = min(request.max_bytes or self.plane.max_message_bytes, self.plane.max_message_bytes)
-            left = budget - _RESPONSE_SLACK
+            left = self._budget(request.max_bytes)
             out: list[apb.AuditEntry] = []
 
             def fits(e: AuditEntry) -> bool:
                 nonlocal left
                 msg = _audit_pb(e)
-                size = msg.ByteSize()
-                cost = 1 + _varint_len(size) + size  # the field's tag, its length, the entry
+                cost = _entry_cost(msg)
                 if cost > left:
                     return False
                 left -= cost
@@ -145,6 +158,30 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             return apb.ReadAuditResponse(entries=out, more=more)
         return self._run("ReadAudit", "audit.read", "", context, call,
                          audit=RefusalsOnly(self.plane.audit, "audit.read"))
+
+    def ListSessions(self, request, context):
+        def call(p: Principal) -> apb.ListSessionsResponse:
+            left = self._budget(request.max_bytes)
+            out: list[apb.SessionInfo] = []
+            for info in self.plane.sessions(request.tenant, (request.after_tenant, request.after_session_id)):
+                msg = _session_pb(info)
+                cost = _entry_cost(msg)
+                # the first always: a session whose id alone passes the budget is not skipped
+                if out and cost > left:
+                    return apb.ListSessionsResponse(sessions=out, more=True)
+                left -= cost
+                out.append(msg)
+            return apb.ListSessionsResponse(sessions=out, more=False)
+        return self._run("ListSessions", "session.list", request.tenant, context, call, changes=False)
+
+    def CloseSession(self, request, context):
+        audit = Recorder(self.plane.audit, "session.close", f"{request.tenant} {request.session_id}")
+
+        def call(p: Principal) -> apb.SessionInfo:
+            info = self.plane.close_session(request.tenant, request.session_id)
+            audit.detail = session_detail(info)  # the outcome's entry: what the close released
+            return _session_pb(info)
+        return self._run("CloseSession", "session.close", "", context, call, audit=audit)
 
     def Stats(self, request, context):
         return self._run("Stats", "stats.read", "", context, lambda p: pb.StatsResponse(
@@ -178,8 +215,21 @@ def _varint_len(n: int) -> int:
     return max(1, (n.bit_length() + 6) // 7)
 
 
-def _tenant_pb(p: Principal) -> apb.TenantInfo:
-    return apb.TenantInfo(name=p.name, role=_ROLE_PB[p.role], namespaces=list(p.namespaces), created=p.created)
+def _entry_cost(msg: Any) -> int:
+    """What one entry of a repeated field adds to a response: its tag, its length, itself."""
+    size = msg.ByteSize()
+    return 1 + _varint_len(size) + size
+
+
+def _tenant_pb(p: Principal, *, deleting: bool = False) -> apb.TenantInfo:
+    return apb.TenantInfo(name=p.name, role=_ROLE_PB[p.role], namespaces=list(p.namespaces), created=p.created,
+                          deleting=deleting)
+
+
+def _session_pb(s: SessionInfo) -> apb.SessionInfo:
+    return apb.SessionInfo(tenant=s.tenant, session_id=s.session,
+                           state=pb.SessionState.Value(f"SESSION_STATE_{s.state.name}"), blocks=s.blocks,
+                           bytes=s.nbytes, pinned_blocks=s.pinned_blocks, pinned_bytes=s.pinned_bytes, idle_s=s.idle_s)
 
 
 def _policy_pb(name: str, policy: TenantPolicy) -> apb.TenantPolicy:

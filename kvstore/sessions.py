@@ -66,6 +66,11 @@ class SessionTable:
         sess.last_used = self._clock()
         return sess
 
+    def peek(self, tenant: str, sid: str) -> Session | None:
+        """The session, or None when unknown; no use of it (an operator's look, its last use
+        left as it was)."""
+        return self._by_id.get((tenant, sid))
+
     def open(self, tenant: str, sid: str, limit: int | None = None) -> Session:
         """The session, created ACTIVE when new; an existing one is returned in whatever state
         it is (the Store resumes a PAUSED one: :meth:`kvstore.store.Store.open_session`); a new

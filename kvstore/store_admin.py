@@ -22,6 +22,9 @@ lock, index, placement, session table, keyring, quantization policy and remote t
 * ``set_tenant_policy`` sets a tenant's TTL and per-tier quotas (a :class:`TenantPolicy`) and its
   NVMe quantization, ``set_model_quantization`` a model's; a new TTL or quantization applies to
   blocks put from then on.
+* ``session_ids``, ``session_info`` and ``end_session`` — the operator's view of the open sessions
+  and the close of one (an engine that died leaves its session pinning HBM until its idle expiry);
+  a look is no use of a session (its idle time stays).
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.block import BlockMeta, Tier
-from kvstore.errors import InvalidArgument
+from kvstore.block import BlockMeta, SessionState, Tier
+from kvstore.errors import InvalidArgument, NotFound
 from kvstore.expiry import check_ttl
 from kvstore.keys import check_keys
+from kvstore.sessions import Session
 from tiers.remote_invalidate import Deletion
 
 
@@ -42,6 +46,20 @@ from tiers.remote_invalidate import Deletion
 class TenantPolicy:
     ttl_s: float | None = None
     quota_bytes: dict[Tier, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    """An open session as an operator sees it (:meth:`TenantAdmin.session_info`)."""
+
+    tenant: str  #: the namespace it lives in (a tenant, or a shared namespace)
+    session: str
+    state: SessionState  #: ACTIVE, PAUSED or RESUMED
+    blocks: int  #: the resident blocks it holds
+    nbytes: int  #: their nominal size (what quotas count)
+    pinned_blocks: int  #: of them, those it pins in HBM: all while ACTIVE/RESUMED, none PAUSED
+    pinned_bytes: int
+    idle_s: float  #: seconds since its last use, on the Store's clock
 
 
 class TenantAdmin:
@@ -412,6 +430,44 @@ class TenantAdmin:
                 self.quant_policy.clear(model=fingerprint)
             else:
                 self.quant_policy.set(quant, model=fingerprint)
+
+    def session_ids(self, tenant: str | None = None) -> list[tuple[str, str]]:
+        """The open sessions as ``(namespace, session id)``, sorted; only ``tenant``'s when given."""
+        with self._lock:
+            ids = [k for k in self._sessions if tenant is None or k[0] == tenant]
+        return sorted(ids)
+
+    def session_info(self, tenant: str, session: str) -> SessionInfo | None:
+        """The session as it is now, None when no such session is open. No use of it: its
+        idle time (and so its idle expiry) stays as it was."""
+        with self._lock:
+            sess = self._sessions.peek(tenant, session)
+            return None if sess is None else self._session_info(tenant, sess)
+
+    def _session_info(self, tenant: str, sess: Session) -> SessionInfo:
+        blocks = self._session_blocks(tenant, sess)
+        nbytes = sum(m.nbytes for m in blocks)
+        pinning = sess.pinning
+        return SessionInfo(tenant, sess.sid, sess.state, len(blocks), nbytes,
+                           len(blocks) if pinning else 0, nbytes if pinning else 0,
+                           max(0.0, self._clock() - sess.last_used))
+
+    def end_session(self, tenant: str, session: str) -> SessionInfo:
+        """Close a session for an operator, as its engine's ``close_session`` would (its blocks
+        unpinned, kept as prefix cache under the policy), and return it as it was just before:
+        what the close released. NotFound when no such session is open. Counted:
+        ``sessions_admin_closed``."""
+        self._check_tenant(tenant)
+        with self._lock:
+            self._check_open()
+            sess = self._sessions.peek(tenant, session)
+            if sess is None:
+                raise NotFound(f"no open session {session!r} in {tenant!r} (`kvstore session list` "
+                               f"shows the open ones)")
+            info = self._session_info(tenant, sess)
+            self.close_session(tenant, session)
+            self.counters.add("sessions_admin_closed")
+            return info
 
     def expire(self) -> int:
         """Delete every expired block from every tier; returns how many."""

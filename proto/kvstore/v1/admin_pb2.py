@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto.kvstore.v1 import kvstore_pb2 as proto_dot_kvstore_dot_v1_dot_kvstore__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/kvstore/v1/admin.proto\x12\nkvstore.v1\x1a\x1eproto/kvstore/v1/kvstore.proto\"_\n\nTenantInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.kvstore.v1.Role\x12\x12\n\nnamespaces\x18\x03 \x03(\t\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x01\"W\n\x13\x43reateTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.kvstore.v1.Role\x12\x12\n\nnamespaces\x18\x03 \x03(\t\"*\n\x0bTenantToken\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\"\x1a\n\nTenantName\x12\x0c\n\x04name\x18\x01 \x01(\t\"&\n\x14\x44\x65leteTenantResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x04\"\x14\n\x12ListTenantsRequest\">\n\x13ListTenantsResponse\x12\'\n\x07tenants\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.TenantInfo\"A\n\x0cGrantRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0e\n\x06revoke\x18\x03 \x01(\x08\"\xc0\x01\n\x0cTenantPolicy\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\x05ttl_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12=\n\x0bquota_bytes\x18\x03 \x03(\x0b\x32(.kvstore.v1.TenantPolicy.QuotaBytesEntry\x12\x10\n\x08priority\x18\x04 \x01(\x05\x1a\x31\n\x0fQuotaBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x42\x08\n\x06_ttl_s\"M\n\x11PurgeModelRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.kvstore.v1.ModelSpec\"$\n\x12PurgeModelResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\"G\n\x10ReadAuditRequest\x12\x11\n\tsince_seq\x18\x01 \x01(\x04\x12\r\n\x05limit\x18\x02 \x01(\r\x12\x11\n\tmax_bytes\x18\x03 \x01(\r\"\x87\x01\n\nAuditEntry\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12\x11\n\tprincipal\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x04 \x01(\t\x12\x0e\n\x06target\x18\x05 \x01(\t\x12\x0e\n\x06result\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\x12\x0b\n\x03ref\x18\x08 \x01(\x04\"J\n\x11ReadAuditResponse\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.AuditEntry\x12\x0c\n\x04more\x18\x02 \x01(\x08*Q\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_TENANT\x10\x01\x12\x12\n\x0eROLE_PUBLISHER\x10\x02\x12\x0e\n\nROLE_ADMIN\x10\x03\x32\xbb\x05\n\x05\x41\x64min\x12H\n\x0c\x43reateTenant\x12\x1f.kvstore.v1.CreateTenantRequest\x1a\x17.kvstore.v1.TenantToken\x12>\n\x0bRotateToken\x12\x16.kvstore.v1.TenantName\x1a\x17.kvstore.v1.TenantToken\x12H\n\x0c\x44\x65leteTenant\x12\x16.kvstore.v1.TenantName\x1a .kvstore.v1.DeleteTenantResponse\x12N\n\x0bListTenants\x12\x1e.kvstore.v1.ListTenantsRequest\x1a\x1f.kvstore.v1.ListTenantsResponse\x12\x39\n\x05Grant\x12\x18.kvstore.v1.GrantRequest\x1a\x16.kvstore.v1.TenantInfo\x12=\n\tGetPolicy\x12\x16.kvstore.v1.TenantName\x1a\x18.kvstore.v1.TenantPolicy\x12?\n\tSetPolicy\x12\x18.kvstore.v1.TenantPolicy\x1a\x18.kvstore.v1.TenantPolicy\x12K\n\nPurgeModel\x12\x1d.kvstore.v1.PurgeModelRequest\x1a\x1e.kvstore.v1.PurgeModelResponse\x12H\n\tReadAudit\x12\x1c.kvstore.v1.ReadAuditRequest\x1a\x1d.kvstore.v1.ReadAuditResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/kvstore/v1/admin.proto\x12\nkvstore.v1\x1a\x1eproto/kvstore/v1/kvstore.proto\"q\n\nTenantInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.kvstore.v1.Role\x12\x12\n\nnamespaces\x18\x03 \x03(\t\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x01\x12\x10\n\x08\x64\x65leting\x18\x05 \x01(\x08\"W\n\x13\x43reateTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.kvstore.v1.Role\x12\x12\n\nnamespaces\x18\x03 \x03(\t\"*\n\x0bTenantToken\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\"\x1a\n\nTenantName\x12\x0c\n\x04name\x18\x01 \x01(\t\"&\n\x14\x44\x65leteTenantResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x04\"\x14\n\x12ListTenantsRequest\">\n\x13ListTenantsResponse\x12\'\n\x07tenants\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.TenantInfo\"A\n\x0cGrantRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0e\n\x06revoke\x18\x03 \x01(\x08\"\xc0\x01\n\x0cTenantPolicy\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\x05ttl_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12=\n\x0bquota_bytes\x18\x03 \x03(\x0b\x32(.kvstore.v1.TenantPolicy.QuotaBytesEntry\x12\x10\n\x08priority\x18\x04 \x01(\x05\x1a\x31\n\x0fQuotaBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x42\x08\n\x06_ttl_s\"M\n\x11PurgeModelRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.kvstore.v1.ModelSpec\"$\n\x12PurgeModelResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\"G\n\x10ReadAuditRequest\x12\x11\n\tsince_seq\x18\x01 \x01(\x04\x12\r\n\x05limit\x18\x02 \x01(\r\x12\x11\n\tmax_bytes\x18\x03 \x01(\r\"\x87\x01\n\nAuditEntry\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12\x11\n\tprincipal\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x04 \x01(\t\x12\x0e\n\x06target\x18\x05 \x01(\t\x12\x0e\n\x06result\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\x12\x0b\n\x03ref\x18\x08 \x01(\x04\"J\n\x11ReadAuditResponse\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.AuditEntry\x12\x0c\n\x04more\x18\x02 \x01(\x08\"h\n\x13ListSessionsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x14\n\x0c\x61\x66ter_tenant\x18\x02 \x01(\t\x12\x18\n\x10\x61\x66ter_session_id\x18\x03 \x01(\t\x12\x11\n\tmax_bytes\x18\x04 \x01(\r\"\xb6\x01\n\x0bSessionInfo\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.kvstore.v1.SessionState\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x06 \x01(\x04\x12\x14\n\x0cpinned_bytes\x18\x07 \x01(\x04\x12\x0e\n\x06idle_s\x18\x08 \x01(\x01\"O\n\x14ListSessionsResponse\x12)\n\x08sessions\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.SessionInfo\x12\x0c\n\x04more\x18\x02 \x01(\x08\"9\n\x13\x43loseSessionRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t*Q\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_TENANT\x10\x01\x12\x12\n\x0eROLE_PUBLISHER\x10\x02\x12\x0e\n\nROLE_ADMIN\x10\x03\x32\xd8\x06\n\x05\x41\x64min\x12H\n\x0c\x43reateTenant\x12\x1f.kvstore.v1.CreateTenantRequest\x1a\x17.kvstore.v1.TenantToken\x12>\n\x0bRotateToken\x12\x16.kvstore.v1.TenantName\x1a\x17.kvstore.v1.TenantToken\x12H\n\x0c\x44\x65leteTenant\x12\x16.kvstore.v1.TenantName\x1a .kvstore.v1.DeleteTenantResponse\x12N\n\x0bListTenants\x12\x1e.kvstore.v1.ListTenantsRequest\x1a\x1f.kvstore.v1.ListTenantsResponse\x12\x39\n\x05Grant\x12\x18.kvstore.v1.GrantRequest\x1a\x16.kvstore.v1.TenantInfo\x12=\n\tGetPolicy\x12\x16.kvstore.v1.TenantName\x1a\x18.kvstore.v1.TenantPolicy\x12?\n\tSetPolicy\x12\x18.kvstore.v1.TenantPolicy\x1a\x18.kvstore.v1.TenantPolicy\x12K\n\nPurgeModel\x12\x1d.kvstore.v1.PurgeModelRequest\x1a\x1e.kvstore.v1.PurgeModelResponse\x12H\n\tReadAudit\x12\x1c.kvstore.v1.ReadAuditRequest\x1a\x1d.kvstore.v1.ReadAuditResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12Q\n\x0cListSessions\x12\x1f.kvstore.v1.ListSessionsRequest\x1a .kvstore.v1.ListSessionsResponse\x12H\n\x0c\x43loseSession\x12\x1f.kvstore.v1.CloseSessionRequest\x1a\x17.kvstore.v1.SessionInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,38 +34,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TENANTPOLICY_QUOTABYTESENTRY']._loaded_options = None
   _globals['_TENANTPOLICY_QUOTABYTESENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=1126
-  _globals['_ROLE']._serialized_end=1207
+  _globals['_ROLE']._serialized_start=1575
+  _globals['_ROLE']._serialized_end=1656
   _globals['_TENANTINFO']._serialized_start=76
-  _globals['_TENANTINFO']._serialized_end=171
-  _globals['_CREATETENANTREQUEST']._serialized_start=173
-  _globals['_CREATETENANTREQUEST']._serialized_end=260
-  _globals['_TENANTTOKEN']._serialized_start=262
-  _globals['_TENANTTOKEN']._serialized_end=304
-  _globals['_TENANTNAME']._serialized_start=306
-  _globals['_TENANTNAME']._serialized_end=332
-  _globals['_DELETETENANTRESPONSE']._serialized_start=334
-  _globals['_DELETETENANTRESPONSE']._serialized_end=372
-  _globals['_LISTTENANTSREQUEST']._serialized_start=374
-  _globals['_LISTTENANTSREQUEST']._serialized_end=394
-  _globals['_LISTTENANTSRESPONSE']._serialized_start=396
-  _globals['_LISTTENANTSRESPONSE']._serialized_end=458
-  _globals['_GRANTREQUEST']._serialized_start=460
-  _globals['_GRANTREQUEST']._serialized_end=525
-  _globals['_TENANTPOLICY']._serialized_start=528
-  _globals['_TENANTPOLICY']._serialized_end=720
-  _globals['_TENANTPOLICY_QUOTABYTESENTRY']._serialized_start=661
-  _globals['_TENANTPOLICY_QUOTABYTESENTRY']._serialized_end=710
-  _globals['_PURGEMODELREQUEST']._serialized_start=722
-  _globals['_PURGEMODELREQUEST']._serialized_end=799
-  _globals['_PURGEMODELRESPONSE']._serialized_start=801
-  _globals['_PURGEMODELRESPONSE']._serialized_end=837
-  _globals['_READAUDITREQUEST']._serialized_start=839
-  _globals['_READAUDITREQUEST']._serialized_end=910
-  _globals['_AUDITENTRY']._serialized_start=913
-  _globals['_AUDITENTRY']._serialized_end=1048
-  _globals['_READAUDITRESPONSE']._serialized_start=1050
-  _globals['_READAUDITRESPONSE']._serialized_end=1124
-  _globals['_ADMIN']._serialized_start=1210
-  _globals['_ADMIN']._serialized_end=1909
+  _globals['_TENANTINFO']._serialized_end=189
+  _globals['_CREATETENANTREQUEST']._serialized_start=191
+  _globals['_CREATETENANTREQUEST']._serialized_end=278
+  _globals['_TENANTTOKEN']._serialized_start=280
+  _globals['_TENANTTOKEN']._serialized_end=322
+  _globals['_TENANTNAME']._serialized_start=324
+  _globals['_TENANTNAME']._serialized_end=350
+  _globals['_DELETETENANTRESPONSE']._serialized_start=352
+  _globals['_DELETETENANTRESPONSE']._serialized_end=390
+  _globals['_LISTTENANTSREQUEST']._serialized_start=392
+  _globals['_LISTTENANTSREQUEST']._serialized_end=412
+  _globals['_LISTTENANTSRESPONSE']._serialized_start=414
+  _globals['_LISTTENANTSRESPONSE']._serialized_end=476
+  _globals['_GRANTREQUEST']._serialized_start=478
+  _globals['_GRANTREQUEST']._serialized_end=543
+  _globals['_TENANTPOLICY']._serialized_start=546
+  _globals['_TENANTPOLICY']._serialized_end=738
+  _globals['_TENANTPOLICY_QUOTABYTESENTRY']._serialized_start=679
+  _globals['_TENANTPOLICY_QUOTABYTESENTRY']._serialized_end=728
+  _globals['_PURGEMODELREQUEST']._serialized_start=740
+  _globals['_PURGEMODELREQUEST']._serialized_end=817
+  _globals['_PURGEMODELRESPONSE']._serialized_start=819
+  _globals['_PURGEMODELRESPONSE']._serialized_end=855
+  _globals['_READAUDITREQUEST']._serialized_start=857
+  _globals['_READAUDITREQUEST']._serialized_end=928
+  _globals['_AUDITENTRY']._serialized_start=931
+  _globals['_AUDITENTRY']._serialized_end=1066
+  _globals['_READAUDITRESPONSE']._serialized_start=1068
+  _globals['_READAUDITRESPONSE']._serialized_end=1142
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=1144
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=1248
+  _globals['_SESSIONINFO']._serialized_start=1251
+  _globals['_SESSIONINFO']._serialized_end=1433
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1435
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1514
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1516
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1573
+  _globals['_ADMIN']._serialized_start=1659
+  _globals['_ADMIN']._serialized_end=2515
 # @@protoc_insertion_point(module_scope)

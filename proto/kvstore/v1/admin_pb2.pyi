@@ -20,16 +20,18 @@ ROLE_PUBLISHER: Role
 ROLE_ADMIN: Role
 
 class TenantInfo(_message.Message):
-    __slots__ = ("name", "role", "namespaces", "created")
+    __slots__ = ("name", "role", "namespaces", "created", "deleting")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    DELETING_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: Role
     namespaces: _containers.RepeatedScalarFieldContainer[str]
     created: float
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., namespaces: _Optional[_Iterable[str]] = ..., created: _Optional[float] = ...) -> None: ...
+    deleting: bool
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., namespaces: _Optional[_Iterable[str]] = ..., created: _Optional[float] = ..., deleting: _Optional[bool] = ...) -> None: ...
 
 class CreateTenantRequest(_message.Message):
     __slots__ = ("name", "role", "namespaces")
@@ -151,3 +153,51 @@ class ReadAuditResponse(_message.Message):
     entries: _containers.RepeatedCompositeFieldContainer[AuditEntry]
     more: bool
     def __init__(self, entries: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ("tenant", "after_tenant", "after_session_id", "max_bytes")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    AFTER_TENANT_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    after_tenant: str
+    after_session_id: str
+    max_bytes: int
+    def __init__(self, tenant: _Optional[str] = ..., after_tenant: _Optional[str] = ..., after_session_id: _Optional[str] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("tenant", "session_id", "state", "blocks", "bytes", "pinned_blocks", "pinned_bytes", "idle_s")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    session_id: str
+    state: _kvstore_pb2.SessionState
+    blocks: int
+    bytes: int
+    pinned_blocks: int
+    pinned_bytes: int
+    idle_s: float
+    def __init__(self, tenant: _Optional[str] = ..., session_id: _Optional[str] = ..., state: _Optional[_Union[_kvstore_pb2.SessionState, str]] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., idle_s: _Optional[float] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions", "more")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    more: bool
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("tenant", "session_id")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    session_id: str
+    def __init__(self, tenant: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...

@@ -85,6 +85,16 @@ class AdminStub:
                 request_serializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/kvstore.v1.Admin/ListSessions',
+                request_serializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/kvstore.v1.Admin/CloseSession',
+                request_serializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.SessionInfo.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -150,6 +160,20 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListSessions(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSession(self, request, context):
+        """closes it as its engine's CloseSession would (its blocks unpinned, kept as prefix cache);
+        answers the session as it was just before: what the close released
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -202,6 +226,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=proto_dot_kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ListSessionsRequest.FromString,
+                    response_serializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ListSessionsResponse.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.CloseSessionRequest.FromString,
+                    response_serializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.SessionInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -474,6 +508,60 @@ class Admin:
             '/kvstore.v1.Admin/Stats',
             proto_dot_kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
             proto_dot_kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Admin/ListSessions',
+            proto_dot_kvstore_dot_v1_dot_admin__pb2.ListSessionsRequest.SerializeToString,
+            proto_dot_kvstore_dot_v1_dot_admin__pb2.ListSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Admin/CloseSession',
+            proto_dot_kvstore_dot_v1_dot_admin__pb2.CloseSessionRequest.SerializeToString,
+            proto_dot_kvstore_dot_v1_dot_admin__pb2.SessionInfo.FromString,
             options,
             channel_credentials,
             insecure,
