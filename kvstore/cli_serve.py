@@ -6,6 +6,7 @@
     kvstore tenant add NAME [--role tenant|publisher|admin] [--namespace shared:x ...]
     kvstore tenant rotate NAME | delete NAME [--yes] [--timeout S] | list | grant NAME shared:x [--revoke]
     kvstore policy get NAME [--json] | set NAME [--ttl 3600] [--quota hbm=1GiB ...] [--priority N] [--json]
+    kvstore session list [--tenant NAME] [--json] | close TENANT SESSION_ID
     kvstore stats [--json]
     kvstore audit [--since SEQ] [--limit N] [--json]
 
@@ -23,6 +24,12 @@ deadline error only says the outcome is unknown (it read as a failure, and a ret
 the same way while the first deletion went on). Sizes are shown as ``64.0 GiB``; ``--json``
 prints the raw document. ``serve`` shows its recovery and commit as a bar on a terminal and as
 plain lines otherwise.
+
+``tenant list`` shows a principal marked as being deleted with the state ``deleting`` (a
+deletion in progress, or one a failed step left for the next start or ``tenant delete`` to
+finish). ``session list`` shows the open sessions (state, blocks held and pinned in HBM, idle
+time) and ``session close`` ends one that an engine left behind, as the engine's own close would
+(it pinned HBM until the idle expiry).
 
 What the server sends back (names, audit entries, error messages) is printed with its rich
 markup escaped and its control characters shown as ``\\xNN`` escapes: an audit entry records
@@ -49,7 +56,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvstore import sizes
-from kvstore.cli_views import PlainProgress, policy_view, stats_view, waiting
+from kvstore.cli_views import PlainProgress, policy_view, sessions_view, stats_view, waiting
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.server_config import DEFAULT_LISTEN
 
@@ -268,15 +275,17 @@ def tenant_list(
     target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
     cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
 ) -> None:
-    """List principals with their roles and shared namespaces."""
+    """List principals with their roles, shared namespaces and state (``deleting``: a deletion
+    in progress, or one left unfinished that the next start or ``tenant delete`` finishes)."""
     try:
         with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
             rows = admin.list_tenants()
     except KVStoreError as exc:
         _fail(exc)
-    table = Table("name", "role", "namespaces", "created")
+    table = Table("name", "role", "namespaces", "created", "state")
     for r in rows:
-        table.add_row(_shown(r["name"]), _shown(r["role"]), _shown(", ".join(r["namespaces"])), _when(r["created"]))
+        table.add_row(_shown(r["name"]), _shown(r["role"]), _shown(", ".join(r["namespaces"])), _when(r["created"]),
+                      "[red]deleting[/red]" if r["deleting"] else "live")
     Console().print(table)
 
 
@@ -354,6 +363,47 @@ def _quotas(sized: list[tuple[str, int]]) -> dict[str, int]:
     return {t.label: size for t, size in Tier.each_once(sized, what="--quota: tier").items()}
 
 
+# -- sessions -------------------------------------------------------------------------------------
+session_app = typer.Typer(help="List and close the open sessions (their blocks pinned in HBM).",
+                          no_args_is_help=True)
+
+
+@session_app.command("list")
+def session_list(
+    tenant: Annotated[str, typer.Option("--tenant", help="Only this tenant's (or shared namespace's).")] = "",
+    as_json: JsonOpt = False, target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "",
+    ca_file: CaOpt = None, cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
+) -> None:
+    """List the open sessions: state, blocks held and pinned (sizes), idle time (--json: the
+    raw list)."""
+    try:
+        with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
+            rows = admin.list_sessions(tenant)
+    except KVStoreError as exc:
+        _fail(exc)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2, sort_keys=True))
+    else:
+        Console().print(sessions_view(rows, _shown))
+
+
+@session_app.command("close")
+def session_close(
+    tenant: str, session_id: str, target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "",
+    ca_file: CaOpt = None, cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
+) -> None:
+    """Close a session (an engine that died left it pinning HBM): its blocks are unpinned and
+    stay as prefix cache. Prints what it released."""
+    try:
+        with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
+            s = admin.close_session(tenant, session_id)
+    except KVStoreError as exc:
+        _fail(exc)
+    Console().print(f"closed session {_shown(session_id)} of {_shown(tenant)} ({_shown(s['state'])}): "
+                    f"{s['pinned_blocks']} blocks ({sizes.format_size(s['pinned_bytes'])}) unpinned of "
+                    f"{s['blocks']} held", soft_wrap=True)
+
+
 # -- stats and audit ------------------------------------------------------------------------------
 def stats(
     as_json: JsonOpt = False, target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
@@ -401,10 +451,11 @@ def _when(ts: float) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``serve``, ``tenant``, ``policy``, ``stats`` and ``audit`` to ``app``."""
+    """Add ``serve``, ``tenant``, ``policy``, ``session``, ``stats`` and ``audit`` to ``app``."""
     app.command("serve")(serve)
     app.add_typer(tenant_app, name="tenant")
     app.add_typer(policy_app, name="policy")
+    app.add_typer(session_app, name="session")
     app.command("stats")(stats)
     app.command("audit")(audit)
 

@@ -5,8 +5,9 @@
   30 s took the command for hung.
 * :class:`PlainProgress` — ``progress(what, done, total)`` as plain lines, for ``serve`` off a
   terminal (systemd, docker, a log file), where rich's live bar draws nothing at all.
-* :func:`stats_view`, :func:`policy_view` — the Stats and a tenant's policy as tables, byte
-  counts as ``64.0 GiB`` (``--json`` prints the raw document).
+* :func:`stats_view`, :func:`policy_view`, :func:`sessions_view` — the Stats, a tenant's policy
+  and the open sessions as tables, byte counts as ``64.0 GiB`` (``--json`` prints the raw
+  document).
 
 Whatever came from the server is shown through ``shown`` (markup escaped, control characters
 as escapes): the caller's :func:`kvstore.cli_serve._shown`.
@@ -155,4 +156,30 @@ def policy_view(policy: dict[str, Any], shown: Shown) -> RenderableType:
         table.add_row("quota", "none")
     for tier, size in sorted(quotas.items()):
         table.add_row(f"quota {shown(tier)}", _shown_size(size, shown))
+    return table
+
+
+def duration(seconds: float) -> str:
+    """``12.3 s``, ``4 min 05 s``, ``3 h 02 min``, ``2 d 04 h``: an idle time read at a glance."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    s = int(seconds)
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    if s < 86_400:
+        return f"{s // 3600} h {s % 3600 // 60:02d} min"
+    return f"{s // 86_400} d {s % 86_400 // 3600:02d} h"
+
+
+def sessions_view(sessions: list[dict[str, Any]], shown: Shown) -> RenderableType:
+    """The open sessions (``AdminClient.list_sessions``) as a table: each one's state, the
+    blocks it holds and those it pins in HBM (sizes), and how long it has been idle."""
+    table = Table("tenant", "session", "state", "blocks", "size", "pinned", "pinned size", "idle",
+                  title=f"{len(sessions)} open session{'' if len(sessions) == 1 else 's'}", title_justify="left")
+    for col in table.columns[3:]:
+        col.justify = "right"
+    for s in sessions:
+        table.add_row(shown(s["tenant"]), shown(s["session_id"]), shown(s["state"]), shown(s["blocks"]),
+                      _shown_size(s["bytes"], shown), shown(s["pinned_blocks"]), _shown_size(s["pinned_bytes"], shown),
+                      duration(s["idle_s"]))
     return table

@@ -11,12 +11,17 @@ CloseSession, ListTenants; ``kvstore session list|close``, ``kvstore tenant list
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from service_harness import SPEC, fresh_tokens, random_kv, start
+from typer.testing import CliRunner
 
 from kvstore.admin_client import AdminClient
 from kvstore.block import SessionState
+from kvstore.cli_serve import admin_app
 from kvstore.errors import KVStoreError, NotFound, PermissionDenied, ResourceExhausted, Unavailable
+from kvstore.sizes import format_size
 
 B = SPEC.block_nbytes
 
@@ -36,6 +41,11 @@ def _session_of(sc, tenant: str, sid: str, n: int):
     keys = c.block_keys(SPEC, fresh_tokens(n))
     c.put(SPEC, keys, random_kv(n), session=sid)
     return c, keys
+
+
+def _cli(sc, *args: str):
+    return CliRunner().invoke(admin_app, [*args, "--target", sc.target, "--token", sc.admin_token],
+                              env={"COLUMNS": "200"})
 
 
 def test_list_sessions_shows_each_open_session_with_its_state_pins_and_idle_time(sidecar):
@@ -144,9 +154,38 @@ def test_tenant_list_shows_a_principal_marked_deleting(sidecar, monkeypatch):
     rows = {t["name"]: t for t in sidecar.admin().list_tenants()}
     assert rows["acme"]["deleting"] is True and rows["acme"]["role"] == "tenant"
     assert rows["admin"]["deleting"] is False
+    result = _cli(sidecar, "tenant", "list")
+    assert result.exit_code == 0, result.output
+    acme = next(line for line in result.stdout.splitlines() if " acme " in line)
+    assert "deleting" in acme
+    assert "live" in next(line for line in result.stdout.splitlines() if " admin " in line)
 
     sidecar.admin().delete_tenant("acme")  # run again: finished, and gone from the list
     assert "acme" not in [t["name"] for t in sidecar.admin().list_tenants()]
+
+
+def test_cli_session_list_and_close(sidecar):
+    _session_of(sidecar, "dead", "chat", 2)
+    result = _cli(sidecar, "session", "list")
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.stdout.splitlines() if "chat" in line)
+    two = format_size(2 * B)
+    assert [c.strip() for c in row.split("│")[1:-1]] == ["dead", "chat", "active", "2", two, "2", two, "0.0 s"]
+
+    result = _cli(sidecar, "session", "list", "--tenant", "dead", "--json")
+    assert result.exit_code == 0, result.output
+    assert [(s["tenant"], s["session_id"], s["pinned_blocks"]) for s in json.loads(result.stdout)] == [
+        ("dead", "chat", 2)]
+
+    result = _cli(sidecar, "session", "close", "dead", "chat")
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stdout.split())
+    assert said == f"closed session chat of dead (active): 2 blocks ({two}) unpinned of 2 held"
+    assert sidecar.admin().list_sessions() == []
+
+    result = _cli(sidecar, "session", "close", "dead", "chat")
+    assert result.exit_code == 1
+    assert "error (NOT_FOUND): no open session 'chat' in 'dead'" in " ".join(result.stderr.split())
 
 
 def test_store_session_info_is_no_use_and_end_session_unpins(sidecar):
