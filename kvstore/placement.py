@@ -155,10 +155,18 @@ class Placement:
 
     def most_blocks(self, tenant: str, nbytes: int, floor: Tier, pinned: bool = False) -> int:
         """How many new blocks of ``nbytes`` one put could ever place from ``floor`` down
-        (session blocks: HBM alone) were nothing else stored: each tier's capacity, within the
-        tenant's quota there. A put of more can only fail, after evicting all it could."""
+        (session blocks: HBM alone) were nothing else stored: the memory tiers' capacity
+        together, or NVMe's, whichever holds more (within the tenant's quota in each). A put of
+        more can only fail, after evicting all it could.
+
+        NOTE: it was the sum of every tier, NVMe included; but a put's blocks fit in the memory
+        tiers or in NVMe, never in their sum (:meth:`room_now`: once one goes to NVMe every one
+        placed above it gets an NVMe copy). A put between the two passed this check and was
+        refused by the room check, whose message blamed pinned or in-flight blocks, in an empty
+        store, and told the caller to retry."""
         tiers = [Tier.HBM] if pinned and Tier.HBM in self._mem else [t for t in self.tiers if t >= floor]
-        return sum(self._fit(tenant, t, nbytes, self.backend(t).capacity, 0) for t in tiers)
+        fits = {t: self._fit(tenant, t, nbytes, self.backend(t).capacity, 0) for t in tiers}
+        return max([sum(n for t, n in fits.items() if t in self._mem), *(n for t, n in fits.items() if t not in self._mem)])
 
     def room_now(self, tenant: str, nbytes: int, floor: Tier, pinned: bool, need: int,
                  held: Iterable[BlockMeta] = (), under: BlockMeta | None = None,

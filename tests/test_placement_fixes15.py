@@ -330,3 +330,23 @@ def test_a_session_put_is_refused_up_front_while_another_stream_holds_reserved_s
         assert {(m.tenant, m.key): m.tier for m in s._index} == where
     finally:
         s.abort_put(res)
+
+
+def test_a_put_larger_than_memory_and_than_nvme_is_refused_as_never_fitting(tmp_path) -> None:
+    """A put's blocks fit in the memory tiers or in NVMe, never in their sum (NVMe closure):
+    a put of more than either in an empty store was refused by the room check instead, whose
+    message blamed pinned or in-flight blocks and told the caller to retry."""
+    s = open_store(tmp_path, hbm_bytes=4 * N, dram_bytes=0, nvme_bytes=5 * N)
+    with s:
+        keys = s.block_keys("t", SPEC, toks(0, 6))
+        with pytest.raises(ResourceExhausted, match="can never fit.* at most 5 of them"):
+            s.put("t", SPEC, keys, kv(6))
+        assert s.lookup("t", SPEC, keys).num_blocks == 0
+        s.put("t", SPEC, keys[:5], kv(5))  # the most it holds: four in HBM, all five on NVMe
+        assert s.lookup("t", SPEC, keys).num_blocks == 5
+    only_memory = open_store(tmp_path / "m", hbm_bytes=2 * N, dram_bytes=2 * N, nvme_bytes=0)
+    with only_memory:  # no NVMe: the memory tiers together
+        keys = only_memory.block_keys("t", SPEC, toks(0, 5))
+        with pytest.raises(ResourceExhausted, match="at most 4 of them"):
+            only_memory.put("t", SPEC, keys, kv(5))
+        only_memory.put("t", SPEC, keys[:4], kv(4))
