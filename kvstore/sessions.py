@@ -19,6 +19,7 @@ tenant's session limit, for as long as the store ran.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -43,10 +44,15 @@ class SessionTable:
     """The sessions of every tenant; ``clock``: the Store's (injected in tests), which dates
     each session's last use."""
 
+    #: how many ended sessions :meth:`get` can still say how they ended (the oldest forgotten)
+    ENDED_KEPT = 4096
+
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._by_id: dict[tuple[str, str], Session] = {}
         self._count: dict[str, int] = {}  # sessions per tenant
+        # how recently ended sessions ended, and when (the table's clock), oldest first
+        self._ended: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -59,6 +65,13 @@ class SessionTable:
         it); NotFound when unknown, saying that sessions do not survive a restart."""
         sess = self._by_id.get((tenant, sid))
         if sess is None:
+            ended = self._ended.get((tenant, sid))
+            if ended is not None:
+                # NOTE: an engine whose session an operator or the idle expiry closed was told
+                # "sessions do not survive a restart": it went looking for a restart
+                how, when = ended
+                ago = max(self._clock() - when, 0.0)
+                raise NotFound(f"session {sid!r} of tenant {tenant!r} was {how} {ago:.0f} s ago; open it again")
             # NOTE: "unknown session" alone: a client whose session was lost to a restart of
             # the store (the sidecar) could not tell it from one it never opened
             raise NotFound(f"unknown session {sid!r} of tenant {tenant!r} (sessions do not survive "
@@ -86,6 +99,7 @@ class SessionTable:
                                     resource="limits.max_sessions_per_tenant")
         sess = self._by_id[(tenant, sid)] = Session(sid, SessionState.ACTIVE, last_used=self._clock())
         self._count[tenant] = n + 1
+        self._ended.pop((tenant, sid), None)
         return sess
 
     def idle(self, now: float, pause_after: float, close_after: float
@@ -103,15 +117,23 @@ class SessionTable:
                 to_pause.append((tenant, sess))
         return to_close, to_pause
 
-    def remove(self, tenant: str, sid: str) -> None:
+    def remove(self, tenant: str, sid: str, how: str = "closed") -> None:
+        """Forget the session; :meth:`get` says it was ``how`` ("closed by an operator", ...)
+        while it is among the last :attr:`ENDED_KEPT` ended."""
         del self._by_id[(tenant, sid)]
         self._count[tenant] -= 1
         if not self._count[tenant]:
             del self._count[tenant]
+        self._ended.pop((tenant, sid), None)
+        self._ended[(tenant, sid)] = (how, self._clock())
+        while len(self._ended) > self.ENDED_KEPT:
+            self._ended.popitem(last=False)
 
     def drop_tenant(self, tenant: str) -> None:
         for k in [k for k in self._by_id if k[0] == tenant]:
             del self._by_id[k]
+        for k in [k for k in self._ended if k[0] == tenant]:  # a new tenant of the name learns nothing
+            del self._ended[k]
         self._count.pop(tenant, None)
 
     def forget_block(self, meta: BlockMeta) -> None:

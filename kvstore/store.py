@@ -727,7 +727,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         cfg = self.config
         to_close, to_pause = self._sessions.idle(now, cfg.session_idle_pause_s, cfg.session_idle_close_s)
         for tenant, sess in to_close:
-            self.close_session(tenant, sess.sid)
+            self._end_session(tenant, sess.sid, f"closed after {now - sess.last_used:.0f} s unused "
+                                                f"(session_idle_close_s)")
             self.counters.add("sessions_idle_closed")
         for tenant, sess in to_pause:
             last = sess.last_used

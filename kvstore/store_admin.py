@@ -465,7 +465,7 @@ class TenantAdmin:
                 raise NotFound(f"no open session {session!r} in {tenant!r} (`kvstore session list` "
                                f"shows the open ones)")
             info = self._session_info(tenant, sess)
-            self.close_session(tenant, session)
+            self._end_session(tenant, session, "closed by an operator (kvstore session close)")
             self.counters.add("sessions_admin_closed")
             return info
 

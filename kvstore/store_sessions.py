@@ -196,6 +196,10 @@ class SessionPins:
 
     def close_session(self, tenant: str, session: str) -> None:
         """Unpin the session's blocks; they stay as shareable prefix cache under policy."""
+        self._end_session(tenant, session, "closed")
+
+    def _end_session(self, tenant: str, session: str, how: str) -> None:
+        """:meth:`close_session`; a later use of the id is told it was ``how``."""
         with self._lock:
             self._check_open()
             sess = self._session(tenant, session)
@@ -205,7 +209,7 @@ class SessionPins:
                 else:
                     m.pins -= 1
                 m.sessions.discard(session)
-            self._sessions.remove(tenant, session)
+            self._sessions.remove(tenant, session, how)
 
     def session_state(self, tenant: str, session: str) -> SessionState:
         with self._lock:
