@@ -165,7 +165,8 @@ class AdminClient:
 def _session_dict(msg: apb.SessionInfo) -> dict[str, Any]:
     return {"tenant": msg.tenant, "session_id": msg.session_id, "state": pb.SessionState.Name(msg.state)[14:].lower(),
             "blocks": msg.blocks, "bytes": msg.bytes, "pinned_blocks": msg.pinned_blocks,
-            "pinned_bytes": msg.pinned_bytes, "idle_s": msg.idle_s}
+            "pinned_bytes": msg.pinned_bytes, "idle_s": msg.idle_s, "only_pinned_blocks": msg.only_pinned_blocks,
+            "only_pinned_bytes": msg.only_pinned_bytes}
 
 
 def _policy_dict(msg: apb.TenantPolicy) -> dict[str, Any]:

@@ -500,6 +500,13 @@ class AuthRegistry:
     def list(self) -> list[Principal]:
         return sorted(self._principals.values(), key=lambda p: p.name)
 
+    def list_all(self) -> tuple[list[Principal], dict[str, Principal]]:
+        """(:meth:`list`, :meth:`deleting`) read at one moment: a principal is in one or the
+        other. NOTE: read by two calls, a deletion marked between them listed its principal
+        twice (live and deleting)."""
+        with self._lock:
+            return self.list(), self.deleting()
+
     def ensure_admin(self) -> str | None:
         """Create the ``admin`` principal if no admin exists; return its token, else None."""
         if any(p.role is Role.ADMIN for p in self._principals.values()):

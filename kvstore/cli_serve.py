@@ -370,7 +370,9 @@ session_app = typer.Typer(help="List and close the open sessions (their blocks p
 
 @session_app.command("list")
 def session_list(
-    tenant: Annotated[str, typer.Option("--tenant", help="Only this tenant's (or shared namespace's).")] = "",
+    tenant: Annotated[str, typer.Option("--tenant", help=(
+        "Only this namespace's: a tenant, or shared:NAME (a publisher's sessions in a shared "
+        "namespace are listed under it, not under the publisher)."))] = "",
     as_json: JsonOpt = False, target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "",
     ca_file: CaOpt = None, cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
 ) -> None:
@@ -389,7 +391,11 @@ def session_list(
 
 @session_app.command("close")
 def session_close(
-    tenant: str, session_id: str, target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "",
+    tenant: Annotated[str, typer.Argument(help=(
+        "The session's namespace, as `session list` shows it: the tenant, or shared:NAME for a "
+        "publisher's session in a shared namespace."))],
+    session_id: Annotated[str, typer.Argument(help="The session's id.")],
+    target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "",
     ca_file: CaOpt = None, cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
 ) -> None:
     """Close a session (an engine that died left it pinning HBM): its blocks are unpinned and
@@ -399,9 +405,12 @@ def session_close(
             s = admin.close_session(tenant, session_id)
     except KVStoreError as exc:
         _fail(exc)
+    # NOTE: it said every pinned block was unpinned, also those another session pins still
+    shared = s["pinned_blocks"] - s["only_pinned_blocks"]
     Console().print(f"closed session {_shown(session_id)} of {_shown(tenant)} ({_shown(s['state'])}): "
-                    f"{s['pinned_blocks']} blocks ({sizes.format_size(s['pinned_bytes'])}) unpinned of "
-                    f"{s['blocks']} held", soft_wrap=True)
+                    f"{s['only_pinned_blocks']} blocks ({sizes.format_size(s['only_pinned_bytes'])}) of HBM "
+                    f"unpinned, of {s['blocks']} held"
+                    + (f"; {shared} stay pinned by other sessions" if shared else ""), soft_wrap=True)
 
 
 # -- stats and audit ------------------------------------------------------------------------------

@@ -173,13 +173,14 @@ def duration(seconds: float) -> str:
 
 def sessions_view(sessions: list[dict[str, Any]], shown: Shown) -> RenderableType:
     """The open sessions (``AdminClient.list_sessions``) as a table: each one's state, the
-    blocks it holds and those it pins in HBM (sizes), and how long it has been idle."""
-    table = Table("tenant", "session", "state", "blocks", "size", "pinned", "pinned size", "idle",
+    blocks it holds and those it pins in HBM (sizes; "only it": pinned by no other session,
+    what closing it frees), and how long it has been idle."""
+    table = Table("tenant", "session", "state", "blocks", "size", "pinned", "pinned size", "only it", "idle",
                   title=f"{len(sessions)} open session{'' if len(sessions) == 1 else 's'}", title_justify="left")
     for col in table.columns[3:]:
         col.justify = "right"
     for s in sessions:
         table.add_row(shown(s["tenant"]), shown(s["session_id"]), shown(s["state"]), shown(s["blocks"]),
                       _shown_size(s["bytes"], shown), shown(s["pinned_blocks"]), _shown_size(s["pinned_bytes"], shown),
-                      duration(s["idle_s"]))
+                      _shown_size(s["only_pinned_bytes"], shown), duration(s["idle_s"]))
     return table

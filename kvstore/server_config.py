@@ -172,7 +172,8 @@ class LimitsConfig(BaseModel):
     """Sessions one tenant may have open at once (a session lives until closed)."""
 
     max_session_id_bytes: Annotated[Int, Field(ge=1, le=65536)] = 256
-    """Longest session id, in UTF-8 bytes."""
+    """Longest session id, in UTF-8 bytes; at least 1 KiB below ``max_message_bytes`` (an
+    operator's session list sends each one with its namespace in one message)."""
 
     max_regions_per_principal: Annotated[Int, Field(ge=0)] = 64
     """Shared-memory regions one principal may have registered at once (0 disables the local plane)."""
@@ -223,6 +224,18 @@ class LimitsConfig(BaseModel):
     def _chunk_fits(self) -> LimitsConfig:
         if self.chunk_bytes > self.max_message_bytes - 1024:
             raise ValueError("limits.chunk_bytes must be at least 1 KiB below max_message_bytes")
+        return self
+
+    @model_validator(mode="after")
+    def _session_id_fits(self) -> LimitsConfig:
+        # NOTE: nothing tied them: a session id near max_message_bytes was accepted, and then the
+        # Admin ListSessions page that had to carry it failed in grpc for every session listed
+        if self.max_session_id_bytes > self.max_message_bytes - _MESSAGE_FRAMING:
+            raise ValueError(
+                f"limits.max_session_id_bytes={self.max_session_id_bytes} does not fit in one message of "
+                f"limits.max_message_bytes={self.max_message_bytes} with {_MESSAGE_FRAMING} bytes for the rest "
+                f"(a session list entry): set it to at most {self.max_message_bytes - _MESSAGE_FRAMING}, or raise "
+                f"max_message_bytes")
         return self
 
     @model_validator(mode="after")

@@ -265,9 +265,9 @@ def grant_detail(before: tuple[str, ...], after: tuple[str, ...]) -> str:
 
 def session_detail(info: SessionInfo) -> str:
     """The audit detail of ``session.close``: ``state=active blocks=3 bytes=196608 pinned=3
-    idle_s=12.0``, the session as it was closed."""
+    freed=2 idle_s=12.0``, the session as it was closed (``freed``: the pins only it held)."""
     return (f"state={info.state.value} blocks={info.blocks} bytes={info.nbytes} pinned={info.pinned_blocks} "
-            f"idle_s={info.idle_s:.1f}")
+            f"freed={info.only_pinned_blocks} idle_s={info.idle_s:.1f}")
 
 
 def policy_detail(policy: TenantPolicy) -> str:

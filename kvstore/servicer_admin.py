@@ -78,9 +78,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         # NOTE: the principals marked as being deleted were left out: a deletion in progress, or
         # one a failed step left unfinished (its data still there), showed as done
         def call(p: Principal) -> apb.ListTenantsResponse:
-            registry = self.plane.registry
-            tenants = [_tenant_pb(t) for t in registry.list()]
-            tenants += [_tenant_pb(t, deleting=True) for t in registry.deleting().values()]
+            live, deleting = self.plane.registry.list_all()
+            tenants = [_tenant_pb(t) for t in live] + [_tenant_pb(t, deleting=True) for t in deleting.values()]
             return apb.ListTenantsResponse(tenants=sorted(tenants, key=lambda t: t.name))
         return self._run("ListTenants", "tenant.list", "", context, call, changes=False)
 
@@ -229,7 +228,8 @@ def _tenant_pb(p: Principal, *, deleting: bool = False) -> apb.TenantInfo:
 def _session_pb(s: SessionInfo) -> apb.SessionInfo:
     return apb.SessionInfo(tenant=s.tenant, session_id=s.session,
                            state=pb.SessionState.Value(f"SESSION_STATE_{s.state.name}"), blocks=s.blocks,
-                           bytes=s.nbytes, pinned_blocks=s.pinned_blocks, pinned_bytes=s.pinned_bytes, idle_s=s.idle_s)
+                           bytes=s.nbytes, pinned_blocks=s.pinned_blocks, pinned_bytes=s.pinned_bytes, idle_s=s.idle_s,
+                           only_pinned_blocks=s.only_pinned_blocks, only_pinned_bytes=s.only_pinned_bytes)
 
 
 def _policy_pb(name: str, policy: TenantPolicy) -> apb.TenantPolicy:

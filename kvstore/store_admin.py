@@ -60,6 +60,11 @@ class SessionInfo:
     pinned_blocks: int  #: of them, those it pins in HBM: all while ACTIVE/RESUMED, none PAUSED
     pinned_bytes: int
     idle_s: float  #: seconds since its last use, on the Store's clock
+    #: of the pinned, those no other session pins: what closing it frees in HBM. NOTE: the
+    #: pinned figures alone count a prefix two sessions share in both; an operator closing one
+    #: was told its blocks were unpinned while the other kept them pinned
+    only_pinned_blocks: int = 0
+    only_pinned_bytes: int = 0
 
 
 class TenantAdmin:
@@ -448,9 +453,10 @@ class TenantAdmin:
         blocks = self._session_blocks(tenant, sess)
         nbytes = sum(m.nbytes for m in blocks)
         pinning = sess.pinning
+        only = [m for m in blocks if m.pins == 1] if pinning else []
         return SessionInfo(tenant, sess.sid, sess.state, len(blocks), nbytes,
                            len(blocks) if pinning else 0, nbytes if pinning else 0,
-                           max(0.0, self._clock() - sess.last_used))
+                           max(0.0, self._clock() - sess.last_used), len(only), sum(m.nbytes for m in only))
 
     def end_session(self, tenant: str, session: str) -> SessionInfo:
         """Close a session for an operator, as its engine's ``close_session`` would (its blocks

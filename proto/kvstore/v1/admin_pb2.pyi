@@ -167,7 +167,7 @@ class ListSessionsRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., after_tenant: _Optional[str] = ..., after_session_id: _Optional[str] = ..., max_bytes: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("tenant", "session_id", "state", "blocks", "bytes", "pinned_blocks", "pinned_bytes", "idle_s")
+    __slots__ = ("tenant", "session_id", "state", "blocks", "bytes", "pinned_blocks", "pinned_bytes", "idle_s", "only_pinned_blocks", "only_pinned_bytes")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,8 @@ class SessionInfo(_message.Message):
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
     IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    ONLY_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ONLY_PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     session_id: str
     state: _kvstore_pb2.SessionState
@@ -184,7 +186,9 @@ class SessionInfo(_message.Message):
     pinned_blocks: int
     pinned_bytes: int
     idle_s: float
-    def __init__(self, tenant: _Optional[str] = ..., session_id: _Optional[str] = ..., state: _Optional[_Union[_kvstore_pb2.SessionState, str]] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., idle_s: _Optional[float] = ...) -> None: ...
+    only_pinned_blocks: int
+    only_pinned_bytes: int
+    def __init__(self, tenant: _Optional[str] = ..., session_id: _Optional[str] = ..., state: _Optional[_Union[_kvstore_pb2.SessionState, str]] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., idle_s: _Optional[float] = ..., only_pinned_blocks: _Optional[int] = ..., only_pinned_bytes: _Optional[int] = ...) -> None: ...
 
 class ListSessionsResponse(_message.Message):
     __slots__ = ("sessions", "more")
