@@ -74,8 +74,8 @@ def _read_token(path: Path) -> str:
 
 
 class TokenFile:
-    """The scrape token, read again from ``path`` whenever the file changes (its inode, size or
-    mtime): Prometheus reads ``credentials_file`` at every scrape, so replacing the file rotates
+    """The scrape token, read again from ``path`` whenever the file changes (its inode, size,
+    mtime, mode, owner or ctime): Prometheus reads ``credentials_file`` at every scrape, so replacing the file rotates
     the token. NOTE: it was read once at start, and a leaked token stayed good after the file
     was replaced or deleted. A file that turns unreadable, loose (group/other access) or empty
     refuses every scrape until it is fixed (logged once per change), never the old token."""
@@ -83,15 +83,17 @@ class TokenFile:
     def __init__(self, path: Path, token: str) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._seen: tuple[int, int, int] | None = self._signature()
+        self._seen: tuple[int, ...] | None = self._signature()
         self._token: str | None = token
 
-    def _signature(self) -> tuple[int, int, int] | None:
+    def _signature(self) -> tuple[int, ...] | None:
+        # NOTE: mode, owner and ctime too: a chmod that made the file world-readable changes none
+        # of inode, size and mtime, and the token stayed accepted from a file anyone could read
         try:
             st = os.stat(self.path)
         except OSError:
             return None
-        return st.st_ino, st.st_size, st.st_mtime_ns
+        return st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode, st.st_uid, st.st_ctime_ns
 
     def current(self) -> str | None:
         """The token scrapes must send now; None: none is accepted (the file is not usable)."""

@@ -123,6 +123,24 @@ def test_replacing_the_token_file_rotates_the_token(tmp_path) -> None:
         sc.stop()
 
 
+def test_a_chmod_that_loosens_the_token_file_refuses_scrapes_at_once(tmp_path) -> None:
+    """The file was read again only when its inode, size or mtime changed, and chmod changes
+    none of them: a token file made world-readable kept its token accepted."""
+    sc = start(tmp_path, metrics={"enabled": True, "listen": "127.0.0.1:0"})
+    try:
+        address, path = sc.server.metrics_address, tmp_path / "metrics.token"
+        token = path.read_text().strip()
+        assert _scrape(address, f"Bearer {token}")[0] == 200
+        path.chmod(0o644)
+        assert _scrape(address, f"Bearer {token}")[0] == 401
+        path.chmod(0o640)
+        assert _scrape(address, f"Bearer {token}")[0] == 401
+        path.chmod(0o600)  # fixed: served again
+        assert _scrape(address, f"Bearer {token}")[0] == 200
+    finally:
+        sc.stop()
+
+
 def test_idle_connections_to_the_metrics_port_hold_no_thread_for_long(tmp_path, monkeypatch) -> None:
     """One thread per connection, without a timeout: ~1,000 idle connections (no token
     needed) took every file descriptor of the sidecar, and its gRPC service failed too."""
