@@ -375,6 +375,8 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
 
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     server = None
+    key_file: os.PathLike[str] | None = None
+    ready = False
     if config.torch_threads:
         import torch  # the Store imports it anyway
 
@@ -387,6 +389,15 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
         had_principals = config.auth_file.exists()
         key_file = config.store.master_key_file or config.data_dir / "master.key"
         new_key = config.store.master_key is None and not key_file.exists()
+
+        def announce_key() -> None:
+            # NOTE: said only once the server was ready: a first start that failed after the
+            # Store made the key (the metrics or gRPC port busy) never said it, and no later
+            # start did, since the file existed by then: nobody was told to back it up
+            nonlocal new_key
+            if new_key and key_file.exists():
+                echo(f"generated master key: {key_file} (back it up: without it NVMe blocks are unreadable)")
+                new_key = False
         recovered = _Counted("recovering blocks from NVMe", progress)
         server, port = create_server(config, clock=clock, progress=recovered)
         server.start()
@@ -408,8 +419,7 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
             echo(f"recovered {kept} blocks from NVMe ({recovered.seconds:.1f} s{why})")
         if getattr(server.store, "disk_warning", None):
             echo(f"warning: {server.store.disk_warning}")
-        if new_key and key_file.exists():
-            echo(f"generated master key: {key_file} (back it up: without it NVMe blocks are unreadable)")
+        announce_key()
         if token is not None:
             echo(f"admin token (shown once, store it now): {token}")
         keyring = getattr(server.store, "keyring", None)
@@ -423,8 +433,11 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
                      else " (no authentication: [metrics] auth = \"none\")")
             echo(f"metrics: http://{server.metrics_address}/metrics{guard}")
         echo("ready (Ctrl-C or SIGTERM to stop)")
+        ready = True
         done.wait()
     finally:
+        if key_file is not None:
+            announce_key()
         if server is None:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -448,5 +461,5 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
             if persisted.total:
                 echo(f"stopped: {committed} blocks of HBM and DRAM committed to NVMe "
                      f"({persisted.seconds:.1f} s)")
-            else:
+            elif ready:  # NOTE: a start that failed said "stopped" too, over its error
                 echo("stopped")  # NOTE: with nothing to commit, a stop printed nothing at all

@@ -3,6 +3,8 @@ directory (its audit log) or the unix socket; and the metrics address printed is
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import time
 import urllib.request
@@ -125,3 +127,39 @@ def test_serve_prints_its_stop_records_the_first_admin_and_shows_the_metrics_por
     first = AuditLog(tmp_path / "data" / "audit.log", clock=time.time).read(0, 1)[0]
     assert (first.principal, first.action, first.target, first.result) == ("kvstore serve", "tenant.create",
                                                                            "admin", "OK")
+
+
+def test_a_first_start_that_fails_after_the_key_is_made_still_says_to_back_it_up(tmp_path):
+    """The master key notice was printed only once the server was ready: a first start that
+    failed after the Store had made the key (here: the metrics port busy, as for a second
+    ``kvstore serve`` on defaults) never said it, and no later start did, the file existing by
+    then. That start also said "stopped", over its error, though it never served."""
+    import threading as _threading
+
+    from kvstore.server import serve
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        cfg = config(tmp_path, metrics={"enabled": True, "listen": f"127.0.0.1:{busy.getsockname()[1]}"})
+        lines: list[str] = []
+        with pytest.raises(Exception):  # noqa: B017 - whatever the bind raises
+            serve(cfg, echo=lines.append)
+    finally:
+        busy.close()
+    key = tmp_path / "master.key"
+    assert key.exists()
+    assert f"generated master key: {key} (back it up: without it NVMe blocks are unreadable)" in lines
+    assert "stopped" not in lines and "ready (Ctrl-C or SIGTERM to stop)" not in lines
+
+    # the next start (the port free again) has nothing new to say about the key
+    cfg = config(tmp_path, metrics={"enabled": False})
+    lines = []
+
+    def echo(line: str) -> None:
+        lines.append(line)
+        if line.startswith("ready"):  # serve's own SIGINT handler is in place: stop it
+            _threading.Timer(0.1, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    serve(cfg, echo=echo)
+    assert not any("master key" in line for line in lines) and lines[-1] == "stopped"
