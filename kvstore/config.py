@@ -127,9 +127,9 @@ class StoreConfig(BaseModel):
 
     policy: str = "cost"
     """Placement policy: ``cost`` (the cost-aware policy, default), ``gdsf`` or ``lru`` (the
-    baselines). Replayed on the Mooncake trace and four generated workloads at three capacities,
-    ``cost`` saved at least as much prefill time as LRU in 14 of 15 cells (the 15th: 0.2 %
-    less) and wrote 4–31 % less to NVMe in all (``python bench/replay_bench.py``).
+    baselines). Replayed on the Mooncake trace and the generated workloads at several
+    capacities, ``cost`` saved at least as much prefill time as LRU and wrote less to NVMe in
+    every cell (README "Benchmarks" has the figures and their dates; ``kvstore bench replay``).
     Benchmarks of migration paths set ``lru`` to measure the mechanism alone. ``belady`` (the
     trace replay's offline reference) is refused: it needs to know the future
     (:func:`store_policies`)."""

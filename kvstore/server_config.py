@@ -18,7 +18,8 @@ there is no file. Every field is documented below; a minimal file is::
 
     [metrics]
     listen = "127.0.0.1:9464"
-    token_file = "/etc/kvstore/metrics.token"   # scrapes send it: Authorization: Bearer <token>
+    token_file = "/var/lib/kvstore/metrics.token"  # scrapes send it: Authorization: Bearer <token>
+                                                   # (its directory must exist; default: in store.path)
 
 Defaults: the data directory is ``$KVSTORE_HOME``, else ``./.kvstore`` when the current
 directory is writable, else ``~/.local/share/kvstore``; the Store generates its master key file
@@ -333,7 +334,9 @@ class MetricsConfig(BaseModel):
 
     token_file: OptionalUserPath = None
     """The scrape token's file (one line; only this user may read it); None =
-    ``<store.path>/metrics.token``. Made with a new random token (mode 0600) when missing."""
+    ``<store.path>/metrics.token``. Made with a new random token (mode 0600) when missing; its
+    directory must exist (NOTE: the example above named /etc/kvstore/, which a fresh host lacks:
+    it failed as written)."""
 
 
 class ServerConfig(BaseModel):
@@ -367,7 +370,7 @@ class ServerConfig(BaseModel):
     torch_threads: Annotated[Int, Field(ge=0, le=1024)] = 1
     """torch intra-op threads of ``kvstore serve`` (0 = torch's default). Block copies are
     memory-bound; extra intra-op threads slowed 2 MiB copies by an order of magnitude whenever
-    another core was busy (see LIMITS.md)."""
+    another core was busy (measured on the 2-core development machine)."""
 
     streaming_copy_bytes: Annotated[ByteCount, Field(ge=0, lt=1 << 62)] = 1 << 20
     """glibc's non-temporal threshold for ``kvstore serve``: copies of at least this many bytes
