@@ -212,8 +212,15 @@ class SessionPins:
             self._sessions.remove(tenant, session, how)
 
     def session_state(self, tenant: str, session: str) -> SessionState:
+        """The session's state: a look, no use of it (its idle timer runs on). NOTE: it was a
+        use: an engine that polled the state kept an abandoned session pinned for good."""
+        self._check_tenant(tenant)
         with self._lock:
-            return self._session(tenant, session).state
+            sess = self._sessions.peek(tenant, session)
+            if sess is None:
+                self._sessions.get(tenant, session)  # NotFound, saying how it ended if it did
+            assert sess is not None
+            return sess.state
 
     def prefetch(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes],
                  tier: str | Tier = "hbm", *, parent: bytes | None = None) -> int:

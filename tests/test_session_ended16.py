@@ -68,3 +68,23 @@ def test_a_deleted_tenant_s_ended_sessions_are_forgotten_and_the_record_is_bound
         table.get("b", "s0")
     with pytest.raises(NotFound, match="'s4' of tenant 'b' was closed"):
         table.get("b", "s4")
+
+
+def test_reading_a_session_s_state_is_no_use_of_it(open_store, spec, clock):
+    """Store.session_state refreshed the session's last use: an in-process engine polling it
+    kept an abandoned session ACTIVE, its blocks pinned in HBM, past session_idle_pause_s."""
+    s = open_store(spec, hbm_blocks=4, dram_blocks=8, nvme_blocks=64, policy="lru")
+    s.open_session("a", "chat")
+    keys = s.block_keys("a", spec, tokens(2, spec))
+    s.put("a", spec, keys, make_kv(spec, 2), session="chat")
+    for _ in range(12):  # polled every 60 s past the 600 s idle pause
+        clock.advance(60)
+        s.expire()
+        state = s.session_state("a", "chat")
+    from kvstore.block import SessionState
+
+    assert state is SessionState.PAUSED
+    assert s.stats()["counters"]["sessions_idle_paused"] == 1
+    s.close_session("a", "chat")
+    with pytest.raises(NotFound, match="was closed"):
+        s.session_state("a", "chat")
