@@ -222,35 +222,39 @@ class LimitsConfig(BaseModel):
     1.5 × this. Finite, at most a day."""
 
     @model_validator(mode="after")
-    def _chunk_fits(self) -> LimitsConfig:
-        if self.chunk_bytes > self.max_message_bytes - 1024:
-            raise ValueError("limits.chunk_bytes must be at least 1 KiB below max_message_bytes")
+    def _fit_in_a_message(self) -> LimitsConfig:
+        """What must fit in one message of max_message_bytes, every problem at once. NOTE: one
+        validator each, a config with several such problems was refused one problem per start."""
+        problems = [p for p in (self._chunk_problem(), self._session_id_problem(), self._key_list_problem()) if p]
+        if problems:
+            raise ValueError("\n".join(problems))
         return self
 
-    @model_validator(mode="after")
-    def _session_id_fits(self) -> LimitsConfig:
+    def _chunk_problem(self) -> str:
+        if self.chunk_bytes > self.max_message_bytes - 1024:
+            return "limits.chunk_bytes must be at least 1 KiB below max_message_bytes"
+        return ""
+
+    def _session_id_problem(self) -> str:
         # NOTE: nothing tied them: a session id near max_message_bytes was accepted, and then the
         # Admin ListSessions page that had to carry it failed in grpc for every session listed
         if self.max_session_id_bytes > self.max_message_bytes - _MESSAGE_FRAMING:
-            raise ValueError(
-                f"limits.max_session_id_bytes={self.max_session_id_bytes} does not fit in one message of "
-                f"limits.max_message_bytes={self.max_message_bytes} with {_MESSAGE_FRAMING} bytes for the rest "
-                f"(a session list entry): set it to at most {self.max_message_bytes - _MESSAGE_FRAMING}, or raise "
-                f"max_message_bytes")
-        return self
+            return (f"limits.max_session_id_bytes={self.max_session_id_bytes} does not fit in one message of "
+                    f"limits.max_message_bytes={self.max_message_bytes} with {_MESSAGE_FRAMING} bytes for the rest "
+                    f"(a session list entry): set it to at most {self.max_message_bytes - _MESSAGE_FRAMING}, or "
+                    f"raise max_message_bytes")
+        return ""
 
-    @model_validator(mode="after")
-    def _key_list_fits(self) -> LimitsConfig:
+    def _key_list_problem(self) -> str:
         # NOTE: nothing tied them: BlockKeys or a token Lookup under a smaller max_message_bytes
         # did all the work, then failed in grpc ("Sent message larger than max"), counted as OK
         most = max_keys_in(self.max_message_bytes)
         if self.max_keys_per_call > most:
-            raise ValueError(
-                f"limits.max_keys_per_call={self.max_keys_per_call} keys do not fit in one message of "
-                f"limits.max_message_bytes={self.max_message_bytes} ({_KEY_REPLY_BYTES} bytes a key in a "
-                f"Lookup's reply, plus {_MESSAGE_FRAMING}): set max_keys_per_call to at most {most}, or raise "
-                f"max_message_bytes")
-        return self
+            return (f"limits.max_keys_per_call={self.max_keys_per_call} keys do not fit in one message of "
+                    f"limits.max_message_bytes={self.max_message_bytes} ({_KEY_REPLY_BYTES} bytes a key in a "
+                    f"Lookup's reply, plus {_MESSAGE_FRAMING}): set max_keys_per_call to at most {most}, or raise "
+                    f"max_message_bytes")
+        return ""
 
 
 @dataclass(frozen=True)

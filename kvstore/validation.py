@@ -21,7 +21,9 @@ def validation_error(what: str, exc: ValidationError) -> InvalidArgument:
     """``exc`` as an InvalidArgument of one line per problem, each naming its field
     (``bad server config: store.policy: ...``), instead of pydantic's multi-line dump with a
     documentation URL under every problem."""
-    problems = [_problem(err) for err in exc.errors(include_url=False)]
+    # NOTE: a validator that checks fields against each other reports each problem on its own
+    # line (one ValueError): they are split here, so that every problem is one line
+    problems = [line for err in exc.errors(include_url=False) for line in _problem(err).split("\n")]
     if len(problems) == 1:
         return InvalidArgument(f"{what}: {problems[0]}")
     return InvalidArgument(f"{what}: {len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems))
