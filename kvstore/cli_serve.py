@@ -140,7 +140,10 @@ def serve(
     listen: Annotated[str | None, typer.Option("--listen", help=f"host:port (default {DEFAULT_LISTEN}).")] = None,
     data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Store directory.")] = None,
 ) -> None:
-    """Run the kvstore gRPC sidecar (embedded defaults when there is no config file)."""
+    """Run the kvstore gRPC sidecar (embedded defaults when there is no config file).
+
+    Every config field is documented in kvstore/server_config.py (top level, [tls], [limits],
+    [metrics]), kvstore/config.py ([store]) and tiers/remote_config.py ([store.remote])."""
     from kvstore import memtune, server_config
     from kvstore.server import serve as run
 
