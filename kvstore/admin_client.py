@@ -28,6 +28,8 @@ from proto.kvstore.v1 import admin_pb2 as apb
 from proto.kvstore.v1 import kvstore_pb2 as pb
 
 _ROLES = ("tenant", "publisher", "admin")
+#: the entries an audit read returns when it is given no limit (the server's default too)
+AUDIT_LIMIT = 1000
 
 
 def _in_range(what: str, value: int, lo: int, hi: int) -> None:
@@ -104,16 +106,52 @@ class AdminClient:
     def audit(self, since_seq: int = 0, limit: int = 0) -> list[dict[str, Any]]:
         """Entries after ``since_seq``, oldest first: ``limit`` of them (0: the server's default
         of 1000), or fewer when the log ends, in as many calls as their size takes."""
+        return self.audit_read(since_seq, limit)[0]
+
+    def audit_read(self, since_seq: int = 0, limit: int = 0) -> tuple[list[dict[str, Any]], bool]:
+        """:meth:`audit`, and whether entries follow the last one returned (``limit`` cut them)."""
         _in_range("since_seq", since_seq, 0, (1 << 64) - 1)
         _in_range("limit", limit, 0, (1 << 32) - 1)
-        want = limit or 1000
+        want = limit or AUDIT_LIMIT
         out: list[dict[str, Any]] = []
         while True:
             entries, more = self.audit_page(since_seq, want - len(out))
             out += entries
             if not more or not entries or len(out) >= want:
-                return out
+                return out, more
             since_seq = entries[-1]["seq"]
+
+    def audit_latest(self, limit: int = 0) -> list[dict[str, Any]]:
+        """The newest ``limit`` entries (0: 1000), oldest first, as ``tail`` shows a file's end.
+        Entries are numbered from 1 up, so ``entries[0]["seq"] - 1`` came before them.
+
+        ReadAudit reads forward from a seq; the last seq is found first by :meth:`last_audit_seq`
+        (a few one-entry calls), then the entries before it are read. (``kvstore audit`` read the
+        oldest 1000 entries, so on a log longer than that the newest actions were not shown.)"""
+        _in_range("limit", limit, 0, (1 << 32) - 1)
+        want = limit or AUDIT_LIMIT
+        return self.audit(max(0, self.last_audit_seq() - want), want)
+
+    def last_audit_seq(self) -> int:
+        """The seq of the last entry of the audit log (0: it is empty), found by one-entry
+        ReadAudit calls: doubling the step past what is known to exist, then bisecting (about
+        2·log2(seq) calls; each reads from the server's index, not the whole log)."""
+        known, end = 0, None  # an entry ``known`` exists (0: none needed); none follows ``end``
+        step = AUDIT_LIMIT
+        while end is None or known < end:
+            probe = known + step if end is None else (known + end) // 2
+            entries, more = self.audit_page(probe, 1)
+            if not entries:
+                if probe == known:
+                    return known
+                end = probe
+                continue
+            known = entries[0]["seq"]
+            if not more:
+                return known
+            if end is None:
+                step *= 2
+        return known
 
     def audit_page(self, since_seq: int = 0, limit: int = 0) -> tuple[list[dict[str, Any]], bool]:
         """One ReadAudit: the entries after ``since_seq`` that fit one response (at most

@@ -7,8 +7,9 @@
     kvstore tenant rotate NAME | delete NAME [--yes] [--timeout S] | list | grant NAME shared:x [--revoke]
     kvstore policy get NAME [--json] | set NAME [--ttl 3600] [--quota hbm=1GiB ...] [--priority N] [--json]
     kvstore session list [--tenant NAME] [--json] | close TENANT SESSION_ID
+    kvstore model purge FINGERPRINT [--yes] [--timeout S]
     kvstore stats [--json]
-    kvstore audit [--since SEQ] [--limit N] [--json]
+    kvstore audit [--limit N] [--since SEQ] [--json]
 
 Admin commands reach a running server: ``--target`` (env ``KVSTORE_TARGET``, default
 ``127.0.0.1:50551``) with ``--token`` (env ``KVSTORE_ADMIN_TOKEN``). TLS: ``--ca-file`` (env
@@ -29,7 +30,14 @@ plain lines otherwise.
 deletion in progress, or one a failed step left for the next start or ``tenant delete`` to
 finish). ``session list`` shows the open sessions (state, blocks held and pinned in HBM, idle
 time) and ``session close`` ends one that an engine left behind, as the engine's own close would
-(it pinned HBM until the idle expiry).
+(it pinned HBM until the idle expiry). ``model purge`` removes every block of a model fingerprint
+(a rollout's old model), waiting as ``tenant delete`` does.
+
+``audit`` shows the newest ``--limit`` entries (1000), as ``tail`` does, and says on stderr how
+many earlier ones it left out (it showed the oldest 1000, the newest actions not at all);
+``--since SEQ`` reads forward from a point instead, saying when later entries were left out. On
+a terminal wide enough the entries are a table (target and detail wrapped, nothing cut), else
+and off a terminal one complete tab-separated line each, for ``grep`` and ``cut -f``.
 
 What the server sends back (names, audit entries, error messages) is printed with its rich
 markup escaped and its control characters shown as ``\\xNN`` escapes: an audit entry records
@@ -56,7 +64,17 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvstore import sizes
-from kvstore.cli_views import PlainProgress, policy_view, sessions_view, stats_view, waiting
+from kvstore.cli_views import (
+    AUDIT_COLUMNS,
+    PlainProgress,
+    audit_cells,
+    audit_line,
+    audit_table,
+    policy_view,
+    sessions_view,
+    stats_view,
+    waiting,
+)
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.server_config import DEFAULT_LISTEN
 
@@ -116,11 +134,15 @@ def _admin(target: str, token: str, ca_file: Path | None, cert_file: Path | None
 def _shown(value: object) -> str:
     """``value`` safe to print with rich: markup escaped, control and format characters (ESC,
     CR, bidi overrides, ...) shown as ``\\xNN`` / ``\\uNNNN`` instead of sent to the terminal."""
-    text = "".join(c if unicodedata.category(c)[0] != "C" else
+    return escape(_printable(value))
+
+
+def _printable(value: object) -> str:
+    """``value`` safe to print as plain text: :func:`_shown` without the markup escapes."""
+    return "".join(c if unicodedata.category(c)[0] != "C" else
                    (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}" if ord(c) < 0x10000
                     else f"\\U{ord(c):08x}")
                    for c in str(value))
-    return escape(text)
 
 
 def _fail(exc: KVStoreError) -> None:
@@ -416,6 +438,44 @@ def session_close(
                     + (f"; {shared} stay pinned by other sessions" if shared else ""), soft_wrap=True)
 
 
+# -- models ---------------------------------------------------------------------------------------
+model_app = typer.Typer(help="Remove a model's blocks (after a rollout).", no_args_is_help=True)
+
+
+@model_app.command("purge")
+def model_purge(
+    fingerprint: Annotated[str, typer.Argument(help=(
+        "The model's fingerprint: 32 hex digits (ModelSpec.fingerprint.hex(), as the audit's "
+        "model.purge entries name it)."))],
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False,
+    timeout: Annotated[float | None, typer.Option(
+        "--timeout", help="Stop waiting after this many seconds (default: wait for the server's answer); "
+                          "the server goes on purging either way.")] = None,
+    target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
+    cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
+) -> None:
+    """Remove every block of a model fingerprint, every tenant's, on every tier (a rollout's
+    old model); print how many blocks went. Audited as model.purge."""
+    from kvstore.spec import FINGERPRINT_BYTES
+
+    if timeout is not None and not timeout > 0:
+        raise typer.BadParameter(f"--timeout must be more than 0 seconds, got {timeout}")
+    try:
+        fp = bytes.fromhex(fingerprint)
+    except ValueError:
+        fp = b""
+    if len(fp) != FINGERPRINT_BYTES:
+        raise typer.BadParameter(f"FINGERPRINT must be {2 * FINGERPRINT_BYTES} hex digits, got {fingerprint!r}")
+    if not yes:
+        typer.confirm(f"purge model {fp.hex()} and destroy all its blocks, every tenant's?", abort=True)
+    try:
+        with _admin(target, token, ca_file, cert_file, key_file, server_name, timeout=timeout) as admin:
+            blocks, seconds = _deleting(f"purging model {fp.hex()}", lambda: admin.purge_model(fp), timeout)
+        typer.echo(f"purged model {fp.hex()}: {blocks} blocks removed ({seconds:.1f} s)")
+    except KVStoreError as exc:
+        _fail(exc)
+
+
 # -- stats and audit ------------------------------------------------------------------------------
 def stats(
     as_json: JsonOpt = False, target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
@@ -434,28 +494,55 @@ def stats(
 
 
 def audit(
-    since: Annotated[int, typer.Option("--since", help="Only entries after this sequence number.")] = 0,
-    limit: Annotated[int, typer.Option("--limit", help="At most this many entries.")] = 1000,
+    limit: Annotated[int, typer.Option("--limit", help=(
+        "How many entries: the newest N, or with --since the first N after it."))] = 1000,
+    since: Annotated[int | None, typer.Option("--since", help=(
+        "Read forward from here: the entries after this sequence number, oldest first "
+        "(default: the newest --limit entries)."))] = None,
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines instead of a table.")] = False,
     target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
     cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
 ) -> None:
-    """Read the audit log (who, what, when, result)."""
+    """Read the audit log (who, what, when, result): the newest entries, oldest of them first.
+    A table on a terminal wide enough for it, else one tab-separated line per entry; what was
+    left out is said on stderr."""
+    # NOTE: it showed the oldest 1000 entries, saying nothing of the rest: the newest actions
+    # were the ones missing on any server with a longer log
     try:
         with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
-            entries = admin.audit(since, limit)
+            if since is None:
+                entries, later = admin.audit_latest(limit), False
+                earlier = entries[0]["seq"] - 1 if entries else 0
+            else:
+                (entries, later), earlier = admin.audit_read(since, limit), 0
     except KVStoreError as exc:
         _fail(exc)
     if as_json:
         for e in entries:
             typer.echo(json.dumps(e, sort_keys=True))
-        return
-    table = Table("seq", "time", "principal", "action", "target", "result", "ref", "detail")
+    else:
+        _print_audit(entries)
+    note = Console(stderr=True, highlight=False, soft_wrap=True)
+    if earlier:
+        note.print(f"{earlier} earlier entries not shown (seq 1..{earlier}): --limit N shows the newest N, "
+                   f"--since SEQ the entries after SEQ")
+    if later:
+        note.print(f"later entries not shown: --since {entries[-1]['seq']} reads on")
+
+
+def _print_audit(entries: list[dict[str, Any]]) -> None:
+    """``entries`` as a table on a terminal where it fits with every cell whole, else one
+    complete line each (a table cut each column to an ellipsis on 80 columns, and in a pipe)."""
+    console = Console()
+    if console.is_terminal:
+        table = audit_table([audit_cells(e, _shown, _when) for e in entries], console.width)
+        if table is not None:
+            console.print(table)
+            return
+    typer.echo(audit_line(list(AUDIT_COLUMNS)))
     for e in entries:
-        # NOTE: every field as _shown: a target is what a caller sent ("[red]x", an ESC sequence)
-        table.add_row(str(e["seq"]), _when(e["time"]), *(_shown(e[k]) for k in ("principal", "action", "target",
-                      "result")), str(e["ref"] or ""), _shown(e["detail"]))
-    Console().print(table)
+        # NOTE: every field escaped, tabs too: a target is what a caller sent (an ESC sequence)
+        typer.echo(audit_line(audit_cells(e, _printable, _when)))
 
 
 def _when(ts: float) -> str:
@@ -463,11 +550,12 @@ def _when(ts: float) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``serve``, ``tenant``, ``policy``, ``session``, ``stats`` and ``audit`` to ``app``."""
+    """Add ``serve``, ``tenant``, ``policy``, ``session``, ``model``, ``stats`` and ``audit`` to ``app``."""
     app.command("serve")(serve)
     app.add_typer(tenant_app, name="tenant")
     app.add_typer(policy_app, name="policy")
     app.add_typer(session_app, name="session")
+    app.add_typer(model_app, name="model")
     app.command("stats")(stats)
     app.command("audit")(audit)
 

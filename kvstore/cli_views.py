@@ -8,6 +8,10 @@
 * :func:`stats_view`, :func:`policy_view`, :func:`sessions_view` — the Stats, a tenant's policy
   and the open sessions as tables, byte counts as ``64.0 GiB`` (``--json`` prints the raw
   document).
+* :func:`audit_table`, :func:`audit_line` — audit entries as a table where it fits whole, else
+  one complete tab-separated line per entry (and always off a terminal): the table cut every
+  column to an ellipsis on 80 columns or in a pipe, so ``tenant.create`` and ``tenant.delete``
+  both read ``tenant.…`` and ``kvstore audit | grep tenant.delete`` found nothing.
 
 Whatever came from the server is shown through ``shown`` (markup escaped, control characters
 as escapes): the caller's :func:`kvstore.cli_serve._shown`.
@@ -21,8 +25,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from rich import box
+from rich.cells import cell_len
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
+from rich.text import Text
 
 from kvstore.sizes import format_size
 
@@ -183,4 +190,52 @@ def sessions_view(sessions: list[dict[str, Any]], shown: Shown) -> RenderableTyp
         table.add_row(shown(s["tenant"]), shown(s["session_id"]), shown(s["state"]), shown(s["blocks"]),
                       _shown_size(s["bytes"], shown), shown(s["pinned_blocks"]), _shown_size(s["pinned_bytes"], shown),
                       _shown_size(s["only_pinned_bytes"], shown), duration(s["idle_s"]))
+    return table
+
+
+# -- the audit log --------------------------------------------------------------------------------
+AUDIT_COLUMNS = ("seq", "time", "principal", "action", "target", "result", "ref", "detail")
+#: the columns of the audit table that may wrap (folded within their width); the others are
+#: shown whole or the table is not used
+_AUDIT_FOLDED = {"target": 1, "detail": 2}
+#: the narrowest a folded column of the audit table may be
+AUDIT_FOLD_MIN = 16
+
+
+def audit_cells(entry: dict[str, Any], text: Shown, when: Callable[[float], str]) -> list[str]:
+    """One audit entry (``AdminClient.audit``) as its :data:`AUDIT_COLUMNS`; every string the
+    server sent through ``text`` (a target is what a caller sent: ``[red]x``, an ESC sequence)."""
+    return [str(entry["seq"]), when(entry["time"]), *(text(entry[k]) for k in ("principal", "action", "target",
+            "result")), str(entry["ref"] or ""), text(entry["detail"])]
+
+
+def audit_line(cells: list[str]) -> str:
+    """An entry's cells (through a ``text`` that escapes control characters, tabs included)
+    as one tab-separated line: whole, whatever its length, for ``grep`` and ``cut -f``."""
+    return "\t".join(cells)
+
+
+def audit_table(rows: list[list[str]], width: int) -> Table | None:
+    """Entries' cells (rich markup, from :func:`audit_cells`) as a table ``width`` columns
+    wide, or None when it cannot show every cell whole there: the columns other than target
+    and detail at their full width, and at least :data:`AUDIT_FOLD_MIN` left for each of
+    those two, which wrap."""
+    widths = [max([cell_len(name)] + [cell_len(Text.from_markup(r[i]).plain) for r in rows])
+              for i, name in enumerate(AUDIT_COLUMNS)]
+    overhead = 3 * len(AUDIT_COLUMNS) - 1  # padding of 1 each side, a separator between
+    if sum(widths) + overhead <= width:
+        folded: dict[str, int] = {}  # every cell fits on one line
+    else:
+        fixed = sum(w for w, name in zip(widths, AUDIT_COLUMNS, strict=True) if name not in _AUDIT_FOLDED)
+        if fixed + len(_AUDIT_FOLDED) * AUDIT_FOLD_MIN + overhead > width:
+            return None
+        folded = _AUDIT_FOLDED
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, expand=bool(folded))
+    for name, w in zip(AUDIT_COLUMNS, widths, strict=True):
+        if name in folded:
+            table.add_column(name, ratio=folded[name], min_width=AUDIT_FOLD_MIN, overflow="fold")
+        else:
+            table.add_column(name, width=w, no_wrap=True, justify="right" if name in ("seq", "ref") else "left")
+    for r in rows:
+        table.add_row(*r)
     return table
