@@ -1,6 +1,7 @@
 """The ``kvstore`` console script: one typer app gathering the command groups.
 
-* ``serve``, ``tenant``, ``policy``, ``session``, ``stats``, ``audit`` — the sidecar (``kvstore.cli_serve``)
+* ``serve``, ``tenant``, ``policy``, ``session``, ``model``, ``stats``, ``audit`` — the sidecar and its
+  operators (``kvstore.cli_serve``)
 * ``replay`` — trace replay through the placement policies (``kvstore.cli_replay``)
 * ``bench``  — the benchmark suites: tiers, service, replay, peers (``bench.cli``, plugged in
   through the ``kvstore.commands`` entry point so that kvstore never imports bench)
