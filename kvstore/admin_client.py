@@ -103,6 +103,16 @@ class AdminClient:
             req = apb.PurgeModelRequest(fingerprint=bytes(spec_or_fingerprint))
         return self._call("PurgeModel", req).blocks
 
+    def list_models(self) -> list[dict[str, Any]]:
+        """The models with blocks on the server, most bytes first: each one's ``fingerprint``
+        (hex, what :meth:`purge_model` and ``kvstore model purge`` take), the spec's ``model``,
+        ``revision``, ``dtype`` and ``block_tokens``, and its ``blocks``, ``bytes`` and
+        ``tenants`` (namespaces holding them)."""
+        r = self._call("ListModels", apb.ListModelsRequest())
+        return [{"fingerprint": m.fingerprint.hex(), "model": m.model, "revision": m.revision, "dtype": m.dtype,
+                 "block_tokens": m.block_tokens, "blocks": m.blocks, "bytes": m.bytes, "tenants": m.tenants}
+                for m in r.models]
+
     def audit(self, since_seq: int = 0, limit: int = 0) -> list[dict[str, Any]]:
         """Entries after ``since_seq``, oldest first: ``limit`` of them (0: the server's default
         of 1000), or fewer when the log ends, in as many calls as their size takes."""

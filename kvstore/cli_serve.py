@@ -70,6 +70,7 @@ from kvstore.cli_views import (
     audit_cells,
     audit_line,
     audit_table,
+    models_view,
     policy_view,
     sessions_view,
     stats_view,
@@ -439,14 +440,32 @@ def session_close(
 
 
 # -- models ---------------------------------------------------------------------------------------
-model_app = typer.Typer(help="Remove a model's blocks (after a rollout).", no_args_is_help=True)
+model_app = typer.Typer(help="List the models stored, remove one's blocks (after a rollout).", no_args_is_help=True)
+
+
+@model_app.command("list")
+def model_list(
+    as_json: JsonOpt = False, target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
+    cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
+) -> None:
+    """List the models with blocks on the server, most bytes first: fingerprint (what
+    `model purge` takes), model, revision, dtype, block tokens, blocks, size, tenants."""
+    try:
+        with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
+            rows = admin.list_models()
+    except KVStoreError as exc:
+        _fail(exc)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2, sort_keys=True))
+    else:
+        Console().print(models_view(rows, _shown), soft_wrap=True)
 
 
 @model_app.command("purge")
 def model_purge(
     fingerprint: Annotated[str, typer.Argument(help=(
-        "The model's fingerprint: 32 hex digits (ModelSpec.fingerprint.hex(), as the audit's "
-        "model.purge entries name it)."))],
+        "The model's fingerprint: 32 hex digits, as `kvstore model list` shows it "
+        "(ModelSpec.fingerprint.hex())."))],
     yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False,
     timeout: Annotated[float | None, typer.Option(
         "--timeout", help="Stop waiting after this many seconds (default: wait for the server's answer); "

@@ -178,6 +178,22 @@ def duration(seconds: float) -> str:
     return f"{s // 86_400} d {s % 86_400 // 3600:02d} h"
 
 
+def models_view(models: list[dict[str, Any]], shown: Shown) -> RenderableType:
+    """The models stored (``AdminClient.list_models``) as a table; the fingerprint whole (it
+    is what ``kvstore model purge`` takes: never cut)."""
+    table = Table("fingerprint", "model", "revision", "dtype", "block tokens", "blocks", "size", "tenants",
+                  title=f"{len(models)} model{'' if len(models) == 1 else 's'}", title_justify="left")
+    table.columns[0].no_wrap = True
+    table.columns[0].overflow = "ignore"
+    for col in table.columns[4:]:
+        col.justify = "right"
+    for m in models:
+        table.add_row(m["fingerprint"], shown(m["model"]), shown(m["revision"]), shown(m["dtype"]),
+                      shown(m["block_tokens"]), shown(m["blocks"]), _shown_size(m["bytes"], shown),
+                      shown(m["tenants"]))
+    return table
+
+
 def sessions_view(sessions: list[dict[str, Any]], shown: Shown) -> RenderableType:
     """The open sessions (``AdminClient.list_sessions``) as a table: each one's state, the
     blocks it holds and those it pins in HBM (sizes; "only it": pinned by no other session,

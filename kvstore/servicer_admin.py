@@ -182,6 +182,15 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             return _session_pb(info)
         return self._run("CloseSession", "session.close", "", context, call, audit=audit)
 
+    def ListModels(self, request, context):
+        def call(p: Principal) -> apb.ListModelsResponse:
+            return apb.ListModelsResponse(models=[
+                apb.ModelInfo(fingerprint=m.fingerprint, model=m.model, revision=m.revision, dtype=m.dtype,
+                              block_tokens=m.block_tokens, blocks=m.blocks, bytes=m.nbytes, tenants=m.tenants)
+                for m in self.plane.store.models()])
+        return self._run("ListModels", "model.list", "", context, call,
+                         audit=RefusalsOnly(self.plane.audit, "model.list"))
+
     def Stats(self, request, context):
         return self._run("Stats", "stats.read", "", context, lambda p: pb.StatsResponse(
             json=json.dumps(self.plane.store.stats(), default=str, sort_keys=True)),

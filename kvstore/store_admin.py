@@ -67,8 +67,47 @@ class SessionInfo:
     only_pinned_bytes: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """A model with blocks in the Store (:meth:`TenantAdmin.models`)."""
+
+    fingerprint: bytes  #: ModelSpec.fingerprint: what purge_model takes
+    model: str
+    revision: str
+    dtype: str
+    block_tokens: int
+    blocks: int  #: its blocks held here (memory tiers and NVMe)
+    nbytes: int  #: their nominal size
+    tenants: int  #: namespaces holding them
+
+
 class TenantAdmin:
     """Store methods of tenant and model administration and expiry (see the module docstring)."""
+
+    def models(self) -> list[ModelInfo]:
+        """Every model with blocks here, most bytes first: its fingerprint (what
+        :meth:`purge_model` takes) and the spec it came from, blocks, bytes and namespaces.
+        Why: an operator rolling a model out had no way to learn the fingerprint to purge but
+        to compute ``ModelSpec.fingerprint`` in Python from every field of the old spec.
+        Holds the Store's lock only to copy the index (the counting runs without it). Copies
+        held only by a remote tier are not counted."""
+        with self._lock:
+            self._check_open()
+            metas = list(self._index)
+            specs = dict(self._specs)
+        count: dict[bytes, list[Any]] = {}
+        for m in metas:
+            c = count.setdefault(m.fingerprint, [0, 0, set()])
+            c[0] += 1
+            c[1] += m.nbytes
+            c[2].add(m.tenant)
+        out = []
+        for fp, (blocks, nbytes, tenants) in count.items():
+            spec = specs.get(fp)
+            out.append(ModelInfo(fp, spec.model if spec else "", spec.revision if spec else "",
+                                 spec.dtype if spec else "", spec.block_tokens if spec else 0,
+                                 blocks, nbytes, len(tenants)))
+        return sorted(out, key=lambda i: (-i.nbytes, i.fingerprint))
 
     def delete(self, tenant: str, keys: Sequence[bytes]) -> int:
         """Delete the blocks (and the descendants that depend on them); returns how many

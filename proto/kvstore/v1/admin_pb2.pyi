@@ -205,3 +205,33 @@ class CloseSessionRequest(_message.Message):
     tenant: str
     session_id: str
     def __init__(self, tenant: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("fingerprint", "model", "revision", "dtype", "block_tokens", "blocks", "bytes", "tenants")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: bytes
+    model: str
+    revision: str
+    dtype: str
+    block_tokens: int
+    blocks: int
+    bytes: int
+    tenants: int
+    def __init__(self, fingerprint: _Optional[bytes] = ..., model: _Optional[str] = ..., revision: _Optional[str] = ..., dtype: _Optional[str] = ..., block_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., tenants: _Optional[int] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...

@@ -75,6 +75,11 @@ class AdminStub:
                 request_serializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.PurgeModelRequest.SerializeToString,
                 response_deserializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.PurgeModelResponse.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/kvstore.v1.Admin/ListModels',
+                request_serializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
         self.ReadAudit = channel.unary_unary(
                 '/kvstore.v1.Admin/ReadAudit',
                 request_serializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ReadAuditRequest.SerializeToString,
@@ -148,6 +153,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModels(self, request, context):
+        """the models with blocks here, with their fingerprints (what PurgeModel takes)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReadAudit(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -216,6 +228,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.PurgeModel,
                     request_deserializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.PurgeModelRequest.FromString,
                     response_serializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.PurgeModelResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ListModelsRequest.FromString,
+                    response_serializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ListModelsResponse.SerializeToString,
             ),
             'ReadAudit': grpc.unary_unary_rpc_method_handler(
                     servicer.ReadAudit,
@@ -454,6 +471,33 @@ class Admin:
             '/kvstore.v1.Admin/PurgeModel',
             proto_dot_kvstore_dot_v1_dot_admin__pb2.PurgeModelRequest.SerializeToString,
             proto_dot_kvstore_dot_v1_dot_admin__pb2.PurgeModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Admin/ListModels',
+            proto_dot_kvstore_dot_v1_dot_admin__pb2.ListModelsRequest.SerializeToString,
+            proto_dot_kvstore_dot_v1_dot_admin__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,
