@@ -39,6 +39,7 @@ from kvstore.replay import (
     replay_spec,
     run_replay,
 )
+from kvstore.spec import DTYPES, MAX_BLOCK_BYTES
 from kvstore.workloads import load_trace
 from policy.cost_model import CostModelConfig
 
@@ -69,14 +70,25 @@ def results_table(results: list[ReplayResult], title: str = "replay") -> Table:
     return table
 
 
-def check_output_file(path: Path, option: str) -> None:
+def check_output_file(path: Path, option: str, inputs: dict[str, Path] | None = None) -> None:
     """InvalidArgument unless ``path`` can be written: not a directory, in an existing directory,
-    and a file there can be created or opened for writing. Tried by opening it for append,
-    which writes nothing; a file the try creates is removed again."""
+    not one of the ``inputs`` (name -> path: the same file, through a symbolic or hard link
+    too), and a file there can be created or opened for writing. Tried by opening it for
+    append, which writes nothing; a file the try creates is removed again."""
     if path.is_dir():
         raise InvalidArgument(f"{option} {str(path)!r} is a directory: name the file to write")
     if not path.parent.is_dir():
         raise InvalidArgument(f"{option} {str(path)!r}: directory {str(path.parent)!r} does not exist")
+    # NOTE: `kvstore replay T --json T` (or --json a link to T) overwrote the trace with the
+    # result and exited 0. samefile follows links and compares device and inode.
+    for name, source in (inputs or {}).items():
+        try:
+            same = path.exists() and os.path.samefile(path, source)
+        except OSError:
+            same = False
+        if same:
+            raise InvalidArgument(f"{option} {str(path)!r} is the {name} {str(source)!r} "
+                                  f"(the same file): writing the result there would overwrite it")
     existed = os.path.lexists(path)
     try:
         with open(path, "a"):
@@ -85,6 +97,31 @@ def check_output_file(path: Path, option: str) -> None:
         raise InvalidArgument(f"{option} {str(path)!r} cannot be written ({exc.strerror or exc})") from None
     if not existed:
         path.unlink(missing_ok=True)
+
+
+def check_options(num_params: float, hidden_size: int, tflops: float, dram_gbps: float,
+                  nvme_gbps: float, dtype: str, num_layers: int, kv_heads: int, head_dim: int,
+                  block_tokens: int) -> None:
+    """InvalidArgument naming the flag and its unit for a value the replay's model cannot take.
+    NOTE: these were left to CostModelConfig and ModelSpec, whose errors named their fields
+    and units (``--tflops 1e7`` said "CostModelConfig.flops_per_s must be in (0, 1e+18], got
+    1e+19"); the bounds are theirs, in the flags' units."""
+    if not (math.isfinite(num_params) and 1 <= num_params <= 1e14):
+        raise InvalidArgument(f"--params must be a finite number of parameters in [1, 1e14], got {num_params:g}")
+    if hidden_size > 1_000_000:
+        raise InvalidArgument(f"--hidden must be at most 1000000, got {hidden_size}")
+    if not (math.isfinite(tflops) and 0 < tflops <= 1e6):
+        raise InvalidArgument(f"--tflops must be in (0, 1e6] TFLOP/s, got {tflops:g}")
+    for flag, value in (("--dram-gbps", dram_gbps), ("--nvme-gbps", nvme_gbps)):
+        if not (math.isfinite(value) and 0 < value <= 1e4):
+            raise InvalidArgument(f"{flag} must be in (0, 10000] GB/s, got {value:g}")
+    if dtype not in DTYPES:
+        raise InvalidArgument(f"--dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    nbytes = 2 * num_layers * kv_heads * head_dim * block_tokens * DTYPES[dtype][1]
+    if nbytes > MAX_BLOCK_BYTES:
+        raise InvalidArgument(f"a block would be {nbytes} bytes (2 × --layers {num_layers} × --kv-heads "
+                              f"{kv_heads} × --head-dim {head_dim} × --block-tokens {block_tokens} × "
+                              f"{DTYPES[dtype][1]} bytes of {dtype}), more than {MAX_BLOCK_BYTES} (16 GiB)")
 
 
 def replay(
@@ -111,11 +148,11 @@ def replay(
     """Replay TRACE through the policy and report hits, time saved and bytes moved."""
     err = Console(stderr=True)
     try:
-        if not (math.isfinite(num_params) and num_params >= 1):
-            raise InvalidArgument(f"--params must be a finite number of parameters >= 1, got {num_params}")
+        check_options(num_params, hidden_size, tflops, dram_gbps, nvme_gbps, dtype, num_layers,
+                      kv_heads, head_dim, block_tokens)
         # NOTE: checked before the replay, which may run for minutes, not after it
         if json_out is not None:
-            check_output_file(json_out, "--json")
+            check_output_file(json_out, "--json", {"trace": trace})
         spec = replay_spec(num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim,
                            dtype=dtype, block_tokens=block_tokens, num_params=int(num_params),
                            hidden_size=hidden_size)

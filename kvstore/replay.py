@@ -22,6 +22,30 @@ per tier otherwise.
 
 Accounting: time saved by a hit = recompute − restore from the tier it was found in (0 from HBM);
 ``net_saved_time_fraction`` = Σ savings / Σ recompute time of every block of every request.
+
+What the model is, and is not (read the figures with these in mind):
+
+* **Exclusive tiers.** A block lives in exactly one tier: promoted from NVMe (or DRAM) to HBM,
+  it leaves NVMe, and a later demotion writes it to NVMe again. The Store is not exclusive: a
+  block committed to NVMe keeps that copy when it is read back, and demoting it again writes
+  nothing. So ``bytes_written_by_tier["nvme"]`` (the "NVMe TB written" of the README) is the
+  replay model's count, above what the Store would write for the same reads.
+* **``belady`` is a reference, not an optimum.** It is Belady's MIN (evict the block used
+  furthest in the future) applied per tier, with the same leaf-first and demotion rules as the
+  other policies. It is not an optimum of the multi-tier problem: it counts next uses, not
+  what a restore from each tier costs or where a victim is best demoted, so another policy can
+  save more prefill time than it (a 16-request trace in ``tests/test_replay_fixes16.py``, HBM
+  2 / DRAM 1 / NVMe 1 blocks with NVMe at 1 GB/s: Belady hits more tokens, LRU saves more
+  time). A "gap closed" figure, (policy − lru) / (belady − lru), can then exceed 100 % or be
+  undefined.
+* **One namespace.** Blocks are keyed by hash id only (:func:`block_key`); a request's
+  ``tenant`` is recorded in the block's metadata, which policies may use, but not in its key.
+  Two tenants whose requests carry the same ids share those blocks, as if every prefix were in
+  one shared namespace; the Store keeps tenants apart unless a namespace is explicitly shared,
+  so a trace whose tenants share ids replays more hits than the Store would give them.
+* **Token counts.** Only a request's last block may be partial, and an id covers the same
+  tokens wherever it appears; :func:`kvstore.workloads.load_trace` refuses a file that breaks
+  this (a trace built in memory is taken as given).
 """
 
 from __future__ import annotations

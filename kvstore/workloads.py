@@ -6,7 +6,10 @@ One JSON object per line::
 
 ``hash_ids`` are prefix-block ids, one per ``block_tokens`` tokens of the input (the last one
 may be partial); equal ids mean a reusable prefix (an id covers its block and everything before
-it). An optional ``"tenant"`` string is kept; other extra fields are ignored.
+it). So an id names the same tokens wherever it appears: it has one parent and always covers
+the same number of tokens (a partial last block has its own id, which never also names a
+longer block). :func:`load_trace` refuses a file that breaks this, naming the file and line.
+An optional ``"tenant"`` string is kept; other extra fields are ignored.
 
 Generators (all driven by one seeded ``random.Random``; same seed, same trace):
 
@@ -64,14 +67,15 @@ DEFAULT_BLOCK_TOKENS = 512
 """The block size of the Mooncake traces and of :class:`WorkloadConfig`."""
 
 
-def parse_request(obj: object, line_no: int = 0, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> TraceRequest:
-    """Build a request from one decoded JSON object; InvalidArgument naming the line and the
-    field when malformed. ``timestamp`` is a finite number; ``input_length`` and
+def parse_request(obj: object, line_no: int = 0, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                  path: Path | str | None = None) -> TraceRequest:
+    """Build a request from one decoded JSON object; InvalidArgument naming the line (and the
+    file ``path`` when given) and the field when malformed. ``timestamp`` is a finite number; ``input_length`` and
     ``output_length`` (optional, 0) are integers >= 0 (an integral float such as 5.0 is taken);
     ``hash_ids`` is a list of distinct integers in the signed 64-bit range, one per
     ``block_tokens`` tokens of the input, the last one possibly partial:
     ``len(hash_ids) == ceil(input_length / block_tokens)``; ``tenant`` (optional) is a string."""
-    where = f"trace line {line_no}"
+    where = _where(path, line_no)
     if not isinstance(obj, dict):
         raise InvalidArgument(f"{where}: not a JSON object but {_show(obj)}")
     for name in ("timestamp", "input_length", "hash_ids"):
@@ -107,6 +111,13 @@ def parse_request(obj: object, line_no: int = 0, block_tokens: int = DEFAULT_BLO
                         tenant=tenant)
 
 
+def _where(path: Path | str | None, line_no: int) -> str:
+    """How an error names a trace line: ``FILE: trace line N`` (``trace line N`` for a line
+    that comes from no file). NOTE: it said ``trace line N`` only, and a run over several traces
+    (a bench suite) did not say which file held the line."""
+    return f"trace line {line_no}" if path is None else f"{path}: trace line {line_no}"
+
+
 def _length(obj: dict, name: str, where: str) -> int:
     """``obj[name]`` (0 when absent) as an integer >= 0; an integral float is taken."""
     v = obj.get(name, 0)
@@ -131,33 +142,44 @@ def load_trace(path: Path | str, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> li
     malformed line (see :func:`parse_request`), on a request that arrives before the one above
     it (the replay's clock follows the trace, so an unsorted trace would run time backwards),
     on a hash id found under two different parents (equal ids mean an equal prefix, so the ids
-    form a tree), on a file that is not UTF-8 text and on one that holds no request."""
+    form a tree) or covering a different number of tokens than on an earlier line (a partial
+    last block has an id of its own), on a file that is not UTF-8 text and on one that holds no
+    request. Each error names the file and the line.
+
+    NOTE: an id that was a request's 1-token last block on one line and a full block on another
+    was taken, and the replay credited the second request with a hit on all of the block's
+    tokens, which the cache never held (a hit rate of 0.67 where at most 0.33 was possible).
+    Such a trace is refused rather than credited with the tokens first stored: it contradicts
+    the format (equal ids, equal prefix), as an id under two parents does."""
     if block_tokens <= 0:
         raise InvalidArgument(f"block_tokens must be positive, got {block_tokens}")
     out: list[TraceRequest] = []
     parents: dict[int, int | None] = {}
+    covers: dict[int, tuple[int, int]] = {}  # id -> (its block's tokens, the line that first held it)
     last = 0
-    with open(path, encoding="utf-8") as fh:
+    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
         for i, line in _numbered_lines(fh, path):
+            where = _where(path, i)
             line = line.strip()
             if not line:
                 continue
             try:
                 obj = json.loads(line)
             except (ValueError, RecursionError) as exc:  # NOTE: ValueError also for a >4300-digit int
-                raise InvalidArgument(f"trace line {i}: not JSON ({_cut(str(exc), 200)})") from None
-            req = parse_request(obj, i, block_tokens)
+                raise InvalidArgument(f"{where}: not JSON ({_cut(str(exc), 200)})") from None
+            req = parse_request(obj, i, block_tokens, path)
             if out and req.timestamp_ms < out[-1].timestamp_ms:
-                raise InvalidArgument(f"trace line {i}: timestamp {req.timestamp_ms} comes before line "
+                raise InvalidArgument(f"{where}: timestamp {req.timestamp_ms} comes before line "
                                       f"{last}'s {out[-1].timestamp_ms}: sort the trace by timestamp")
             prev = None
             for h in req.hash_ids:
                 first = parents.setdefault(h, prev)
                 if first != prev:
-                    raise InvalidArgument(f"trace line {i}: hash id {h} comes {_after(prev)} here but "
+                    raise InvalidArgument(f"{where}: hash id {h} comes {_after(prev)} here but "
                                           f"{_after(first)} on an earlier line (equal ids mean an equal "
                                           f"prefix: an id has one parent)")
                 prev = h
+            _check_tokens(req, block_tokens, i, where, covers)
             out.append(req)
             last = i
     if not out:
@@ -169,14 +191,36 @@ def _after(parent: int | None) -> str:
     return "first" if parent is None else f"after {parent}"
 
 
+def _check_tokens(req: TraceRequest, block_tokens: int, line_no: int, where: str,
+                  covers: dict[int, tuple[int, int]]) -> None:
+    """InvalidArgument unless every id of ``req`` covers as many tokens as on the line that
+    first held it; ``covers`` maps each id seen to (its block's tokens, that line)."""
+    ids = req.hash_ids
+    last = len(ids) - 1
+    for k, h in enumerate(ids):
+        tokens = block_tokens if k < last else req.input_length - block_tokens * last
+        first = covers.setdefault(h, (tokens, line_no))
+        if first[0] != tokens:
+            raise InvalidArgument(f"{where}: hash id {h} covers {tokens} tokens here but {first[0]} on "
+                                  f"line {first[1]} (an id names one prefix: only a request's last "
+                                  f"block may be partial, and it needs an id of its own)")
+
+
 def _numbered_lines(fh: Iterable[str], path: Path | str) -> Iterator[tuple[int, str]]:
-    """``enumerate(fh, 1)``, with text that is not UTF-8 an InvalidArgument naming the line."""
-    i = 0
-    try:
-        for i, line in enumerate(fh, 1):
-            yield i, line
-    except UnicodeDecodeError:
-        raise InvalidArgument(f"trace {str(path)!r}: not UTF-8 text after line {i} (a JSONL trace is)") from None
+    """``enumerate(fh, 1)`` over a file opened with ``errors="surrogateescape"``; a line that
+    holds a byte that is not UTF-8 is an InvalidArgument naming the file and that line.
+
+    NOTE: the file was opened strict and the decode error caught around the loop: the text
+    layer decodes 8 KiB at a time, ahead of the lines handed out, so a bad byte on line 2 was
+    reported "after line 0" and one on line 3001 "after line 2990"."""
+    for i, line in enumerate(fh, 1):
+        if not line.isascii():
+            try:
+                line.encode("utf-8")
+            except UnicodeEncodeError as exc:  # an escaped byte, or an encoded surrogate
+                raise InvalidArgument(f"{_where(path, i)}: not UTF-8 text (a JSONL trace is), at "
+                                      f"character {exc.start + 1} of the line") from None
+        yield i, line
 
 
 def write_trace(path: Path | str, requests: Iterable[TraceRequest]) -> None:

@@ -84,7 +84,7 @@ def test_a_hash_id_under_two_parents_is_one_error_line_from_the_cli(tmp_path, se
         load_trace(path)
     res = CliRunner().invoke(cli_app(cli_replay, "replay", "replay"),
                              ["replay", str(path), "--hbm-blocks", "10"])
-    assert res.exit_code == 2 and f"error: {message}" in one_line(res.output), res.output
+    assert res.exit_code == 2 and f"error: {path}: {message}" in one_line(res.output), res.output
 
 
 def test_an_error_raised_by_the_replay_itself_is_one_error_line(tmp_path, monkeypatch):
@@ -116,7 +116,7 @@ def test_odd_numbers_are_an_invalid_argument_not_a_crash(tmp_path, fields, messa
     path = trace_file(tmp_path, line(**fields))
     with pytest.raises(InvalidArgument) as info:
         load_trace(path)
-    assert str(info.value).startswith("trace line 1: ") and message in str(info.value)
+    assert str(info.value).startswith(f"{path}: trace line 1: ") and message in str(info.value)
 
 
 def test_a_hash_id_out_of_range_in_a_trace_built_in_memory_is_refused_by_the_replay():
@@ -158,7 +158,7 @@ def test_a_malformed_value_is_refused_naming_line_and_field(tmp_path, fields, me
     path = trace_file(tmp_path, GOOD, line(timestamp=1, **fields))
     with pytest.raises(InvalidArgument) as info:
         load_trace(path)
-    assert str(info.value).startswith(f"trace line 2: {message}")
+    assert str(info.value).startswith(f"{path}: trace line 2: {message}")
 
 
 @pytest.mark.parametrize("obj", ["[1, 2]", "5", '"x"', "null"])
