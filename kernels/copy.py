@@ -154,6 +154,12 @@ class AliasCopyCalibration:
         self._measure = measure
         self._lock = threading.Lock()
         self._measured: AliasCopyChoice | None = None
+        # NOTE: a fork while another thread measured left the child's lock held for good (the
+        # measuring thread is not in the child): the child starts with a fresh lock
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
 
     def choice(self, environ: Mapping[str, str] | None = None) -> AliasCopyChoice:
         mode = alias_copy_mode(environ)

@@ -262,3 +262,31 @@ def test_copy_bench_alias_reports_both_methods_and_the_choice() -> None:
     assert isinstance(printed["auto"]["pieces"], bool)
     assert all(set(v) == {"copyto", "pieces"} and min(v.values()) > 0 for v in printed["gbps"].values())
     assert "host_copy in the window" in proc.stderr
+
+
+def test_a_fork_while_another_thread_measures_leaves_the_child_a_usable_lock():
+    """A fork while another thread held the calibration's lock left the child's lock held for
+    good: the child's first copy in the alias window waited for ever."""
+    import os
+    import threading
+
+    from kernels.copy import AliasCopyCalibration, AliasCopyChoice
+
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_measure() -> AliasCopyChoice:
+        entered.set()
+        release.wait(10)
+        return AliasCopyChoice(pieces=False, source="measured")
+    cal = AliasCopyCalibration(measure=slow_measure)
+    t = threading.Thread(target=cal.choice, kwargs={"environ": {}})
+    t.start()
+    assert entered.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: its own measurement must not wait on the parent's thread
+        ok = cal._lock.acquire(timeout=2)
+        os._exit(0 if ok else 1)
+    release.set()
+    t.join(10)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
