@@ -24,8 +24,11 @@ call that writes many blocks), values are encoded ahead on a background thread
 durable commits then, each made before the call returns. A commit LMDB cannot make (a full
 disk, an I/O error) raises :class:`kvstore.errors.NVMeWriteFailed` naming the blocks it would
 have stored, which the tier forgets again (the Store drops them from its index). A value that fails its integrity check
-is deleted (the Store counts it), never returned. Not thread-safe by itself beyond LMDB's own
-rules: the Store serialises writers (LMDB's write transactions stay on the caller's thread).
+is deleted (the Store counts it), never returned. Before LMDB maps either file, the open reads
+it with plain reads (``tiers.lmdb_check``) and refuses, naming the file, damage LMDB would not
+survive (a read past the end of the file is SIGBUS, a malformed page an LMDB assertion). Not
+thread-safe by itself beyond LMDB's own rules: the Store serialises writers (LMDB's write
+transactions stay on the caller's thread).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from kvstore.quantization import Quantization
 from kvstore.sizes import format_size
 from kvstore.spec import ModelSpec
 from tiers.base import BlockRef, TierUsage
+from tiers.lmdb_check import FileDamage, check_file
 from tiers.nvme_ahead import AheadJob, BufferPool, EncodeAhead
 
 log = logging.getLogger(__name__)
@@ -74,6 +78,9 @@ PIPELINE_COMMIT_BYTES = 4 << 20
 DAMAGE_ERRORS: tuple[type[lmdb.Error], ...] = (
     lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.CursorFullError, lmdb.PageFullError,
     lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.IncompatibleError)
+#: The databases whose damaged pages the tier lives with (a block behind one is a counted miss):
+#: :func:`_check_file` leaves to LMDB there what LMDB reports as an error itself.
+LENIENT_DBS = frozenset({b"blocks"})
 
 
 @functools.lru_cache(maxsize=4096)
@@ -160,26 +167,30 @@ class _KeyBackend(MutableMapping[str, bytes]):
             return txn.stat(self._db)["entries"]
 
 
-def _check_whole(env: lmdb.Environment, path: Path) -> None:
-    """IntegrityError (closing ``env``) when the data file is shorter than the pages its last
-    commit names: a truncated file (a bad restore or copy) killed the process with SIGBUS at
-    the first read past its end, without a word."""
+def _check_file(path: Path, *, lenient: frozenset[bytes] = frozenset()) -> None:
+    """IntegrityError naming the file and the way out when the LMDB file of the environment at
+    ``path`` is damaged in a way LMDB would not survive (:func:`tiers.lmdb_check.check_file`,
+    plain reads, before LMDB maps it). NOTE: a truncated file (a bad restore or copy), a value's
+    size or a node offset pointing past the end of the file killed the process with SIGBUS, and
+    a page of the wrong shape with SIGABRT (an LMDB assertion), at open or at the first get of a
+    block, without a word. ``lenient``: databases whose damaged pages LMDB reports itself and
+    the tier takes as counted misses (the values)."""
     data = path / "data.mdb"
     try:
-        need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-        have = data.stat().st_size
-    except (OSError, lmdb.Error):
-        return  # nothing to compare with: LMDB's own errors come at the first use
-    if have < need:
-        env.close()
-        raise IntegrityError(f"{data} is {have} bytes, but its last commit uses {need}: the file was "
-                             f"truncated or damaged; restore it from a backup, or move {path} away "
-                             f"to start without its blocks")
+        check_file(data, lenient=lenient)
+    except FileDamage as exc:
+        if exc.truncated:
+            raise IntegrityError(f"{data} is {exc.have} bytes, but its last commit uses {exc.need}: the "
+                                 f"file was truncated or damaged; restore it from a backup, or move "
+                                 f"{path} away to start without its blocks") from None
+        raise damaged_file(path, exc) from None
+    except OSError:
+        return  # unreadable here: LMDB's open says why
 
 
 def damaged_file(path: Path, exc: BaseException) -> IntegrityError:
     """The error for an LMDB environment at ``path`` whose file LMDB found damaged (``exc``),
-    with the way out (as :func:`_check_whole` gives for a truncated file). NOTE: before, a
+    with the way out (as :func:`_check_file` gives for a truncated file). NOTE: before, a
     damaged page made the open raise LMDB's own error (``mdb_cursor_get: MDB_PAGE_NOTFOUND``,
     ``File is not an LMDB file``) with no word of what to do."""
     return IntegrityError(f"{path / 'data.mdb'} is damaged ({exc}): restore it from a backup, or "
@@ -237,6 +248,8 @@ class NVMeTier:
         # as a sparse file, and a write fault on a full disk is SIGBUS, not an error; on this
         # VM its gain did not stand out of the noise (see bench/RESULTS.md, tiers suite).
         map_size = map_size or max(capacity * 2 + (256 << 20), 1 << 26)
+        _check_file(self.path, lenient=LENIENT_DBS)
+        _check_file(self.path / "keys")
         try:
             self._env = _open_env(
                 self.path, map_size=map_size, max_dbs=8, sync=durable, metasync=durable,
@@ -246,7 +259,6 @@ class NVMeTier:
                 f"cannot open the NVMe tier: nvme_bytes = {capacity} ({format_size(capacity)}) needs "
                 f"a map of {format_size(map_size)}, and mapping it failed ({exc}); lower nvme_bytes",
                 resource="nvme") from None
-        _check_whole(self._env, self.path)
         try:
             self._blocks, self._meta, self._specs = (
                 self._env.open_db(name) for name in (b"blocks", b"meta", b"specs"))
@@ -265,16 +277,12 @@ class NVMeTier:
             self._env.close()
             raise
         try:
-            _check_whole(self._keys_env, self.path / "keys")
-            try:
-                self._keys = self._keys_env.open_db(b"keys")
-                self._settings = self._keys_env.open_db(b"settings")
-            except DAMAGE_ERRORS as exc:
-                self._keys_env.close()
-                raise damaged_file(self.path / "keys", exc) from None
-        except IntegrityError:
+            self._keys = self._keys_env.open_db(b"keys")
+            self._settings = self._keys_env.open_db(b"settings")
+        except DAMAGE_ERRORS as exc:
+            self._keys_env.close()
             self._env.close()
-            raise
+            raise damaged_file(self.path / "keys", exc) from None
         self._batch: lmdb.Transaction | None = None
         self.codec: Any = None  # set by the Store once the keyring (which lives here) is built
         self._sizes: dict[tuple[str, bytes], int] = {}
