@@ -158,19 +158,22 @@ def kvstore_run(tier: str, spec: Any, kv: torch.Tensor, blocks: list[np.ndarray]
 
 
 def disk_run(blocks: list[np.ndarray], rounds: int, workdir: Path) -> dict[str, Any]:
-    """The raw disk in the same pass: the op's bytes written to a fresh file, then fsync
-    (``bench.suite_tiers.disk_write_measure``), GB/s median over ``rounds``."""
-    from bench.suite_tiers import disk_write_measure
+    """The raw disk in the same pass: the op's bytes rewritten in place in a preallocated file,
+    then fsync (``bench.suite_tiers.disk_write_measure``, as LMDB rewrites its file), GB/s
+    median over ``rounds``; ``put_new_file``: the same to a fresh file each op (a reference)."""
+    from bench.suite_tiers import disk_new_file_measure, disk_write_measure
 
-    m = disk_write_measure(blocks, workdir)
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        m.op()
-        times.append(time.perf_counter() - t0)
-        if m.teardown is not None:
-            m.teardown()
-    return {"put": _median_gbps(m.nbytes, times)}
+    ms = [disk_write_measure(blocks, workdir), disk_new_file_measure(blocks, workdir)]
+    times: list[list[float]] = [[], []]
+    for r in range(rounds):
+        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            t0 = time.perf_counter()
+            ms[i].op()
+            times[i].append(time.perf_counter() - t0)
+            if ms[i].teardown is not None:
+                ms[i].teardown()
+    return {"put": _median_gbps(ms[0].nbytes, times[0]),
+            "put_new_file": _median_gbps(ms[1].nbytes, times[1])}
 
 
 def _ratios(row: dict[str, Any]) -> dict[str, Any]:

@@ -31,7 +31,9 @@ def _tiers_md(res: dict[str, Any]) -> str:
     for case in res["cases"]:
         out.append(f"**{case['block_mib']} MiB blocks** ({case['dtype']}, {case['blocks_per_op']} "
                    f"per op, {case['rounds']} rounds)\n")
-        out.append(_table(["limit stage", "GB/s"], [[k, v] for k, v in case["limits"].items()]))
+        out.append(_table(["limit stage", "GB/s"], [[k, v] for k, v in case["limits"].items()]
+                          + [[f"{k} (reference, not a limit)", v]
+                             for k, v in case.get("reference", {}).items()]))
         out.append("")
         rows = [[p["path"], p["gbps"], f"{p['limit']} {p['limit_gbps']}", p["ratio"],
                  p.get("vs_disk_write_fsync", ""), "yes" if p["pass"] else "**no**"]
@@ -81,6 +83,8 @@ def _peers_md(res: dict[str, Any]) -> str:
         for key, side in case.items():
             if key in ("redis", "disk_write_fsync") or key.startswith("kvstore"):
                 rows.append([key, side.get("put", side.get("error", "-")), side.get("get", "-")])
+            if key == "disk_write_fsync" and "put_new_file" in side:
+                rows.append(["disk_write_fsync, fresh file (reference)", side["put_new_file"], "-"])
         out += [(f"**{case['block_mib']} MiB blocks** ({case['block_tokens']} tokens, "
                  f"{case['blocks_per_op']} per op)"), "",
                 _table(["system / path", "put (store) GB/s", "get GB/s"], rows), ""]
@@ -93,10 +97,14 @@ def _peers_md(res: dict[str, Any]) -> str:
 
 def _service_md(res: dict[str, Any]) -> str:
     rows = [[r["clients"], r["plane"], r["bytes_per_client_round"] >> 20,
-             r.get("aggregate_put_get_gbps", r.get("error", "-"))]
+             r.get("aggregate_put_get_gbps", r.get("error", "-")), r.get("memcpy_gbps", "-"),
+             r.get("vs_memcpy", "-")]
             for r in res.get("concurrency", [])]
-    conc = ("\n**Concurrent clients** (aggregate put+get GB/s, one sidecar)\n\n"
-            + _table(["clients", "plane", "MiB per client per round", "GB/s"], rows) + "\n"
+    conc = ("\n**Concurrent clients** (aggregate put+get GB/s, one sidecar; put+get timed alone; "
+            "baseline: as many threads copying the same bytes, same rounds; ratio paired per "
+            "round)\n\n"
+            + _table(["clients", "plane", "MiB per client per round", "put+get GB/s",
+                      "memcpy GB/s (N threads)", "vs memcpy"], rows) + "\n"
             if rows else "")
     return _flat_md({k: v for k, v in res.items() if k != "concurrency"}) + conc
 
@@ -209,11 +217,36 @@ def _plot_replay(plt: Any, res: dict[str, Any]) -> Any:
     return fig
 
 
+#: Parts of a path whose leaves are not GB/s (ratios, CPU cost, targets, per-round lists).
+_NOT_GBPS = {"ratios", "paired_ratios", "cpu_ms_per_mib", "targets", "lookup", "lookup_512"}
+
+
+def _is_gbps(path: str) -> bool:
+    """A leaf in GB/s: its key ends in ``gbps``, or sits under a ``gbps`` dict, or is a bare
+    ``put``/``get`` rate (service_bench's methods, the peers suite's sides) outside _NOT_GBPS."""
+    parts = path.split(".")
+    if _NOT_GBPS & set(parts[:-1]):
+        return False
+    return parts[-1].endswith("gbps") or "gbps" in parts[:-1] or parts[-1] in ("put", "get")
+
+
+def _rows_by_name(res: dict[str, Any]) -> dict[str, Any]:
+    """``res`` with its lists of rows turned into dicts keyed by what tells the rows apart
+    (``_flatten`` skips lists): concurrency rows by plane and clients, cases by block size."""
+    out = dict(res)
+    if isinstance(res.get("concurrency"), list):
+        out["concurrency"] = {f"{r['plane']} x{r['clients']}": r for r in res["concurrency"]}
+    if isinstance(res.get("cases"), list):
+        out["cases"] = {f"{c.get('block_mib', i)}MiB": c for i, c in enumerate(res["cases"])}
+    return out
+
+
 def _plot_bars(plt: Any, res: dict[str, Any]) -> Any:
-    """Every numeric ``*gbps*``-like leaf as a horizontal bar (service, peers)."""
-    flat = {k: v for k, v in _flatten(res).items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)
-            and any(s in k for s in ("gbps", "put", "get"))}
+    """Every GB/s leaf as a horizontal bar (service, peers), the concurrency rows included."""
+    # NOTE: every leaf with "put"/"get" in its path was drawn on the GB/s axis, ratios and
+    # cpu_ms_per_mib included, and the concurrency rows (a list) were dropped.
+    flat = {k: v for k, v in _flatten(_rows_by_name(res)).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and _is_gbps(k)}
     fig, ax = plt.subplots(figsize=(9, max(3, 0.22 * len(flat))))
     ax.barh(range(len(flat)), list(flat.values()))
     ax.set_yticks(range(len(flat)), list(flat), fontsize=6)

@@ -3,9 +3,14 @@ aggregate Put/Get throughput of 1, 4 and 16 concurrent clients on one sidecar.
 
 Concurrency: one sidecar child process; N client threads in this process, each with its own
 :class:`kvstore.client.Client` (in-band gRPC stream and, separately, the shared-memory plane),
-each putting then getting its own 2 MiB blocks (verified). Aggregate GB/s = all bytes of a round
-/ the round's wall time; median over rounds. On a 2-core machine the clients and the server share
-the cores, so this shows contention, not scaling.
+each putting then getting its own 2 MiB blocks. The threads are started and wait on a barrier;
+the timed span runs from the first thread's put to the last thread's get (keys computed before,
+the bytes verified and the blocks deleted after, untimed). Aggregate GB/s = put+get bytes of all
+clients / that span. Baseline, in the same rounds: N threads started the same way, each copying
+its blocks twice (``np.copyto``: the put and the get bytes) — ``memcpy_gbps``; the two alternate
+which runs first, round by round, and ``vs_memcpy`` is the median over rounds of the ratio within
+each round. Medians over rounds (the first round warms up). On a 2-core machine the clients and
+the server share the cores, so this shows contention, not scaling.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,6 +67,33 @@ def _server(workdir: Path) -> tuple[subprocess.Popen, str, str]:
     return proc, f"127.0.0.1:{port}", admin
 
 
+def _spanned(clients: int, work: Callable[[int], Any]) -> float:
+    """Run ``work(i)`` on ``clients`` threads released together by a barrier; returns the span
+    from the first start to the last end (thread start and join are outside it)."""
+    starts, ends = [0.0] * clients, [0.0] * clients
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(clients)
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait()
+            starts[i] = time.perf_counter()
+            work(i)
+            ends[i] = time.perf_counter()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return max(ends) - min(starts)
+
+
 def _concurrency(clients: int, target: str, token: str, local: bool, blocks: int,
                  rounds: int) -> dict[str, Any]:
     from bench.service_bench import _spec
@@ -73,39 +106,45 @@ def _concurrency(clients: int, target: str, token: str, local: bool, blocks: int
     kv = [torch.randint(-999, 999, (blocks, *spec.block_shape), dtype=torch.int16)
           .view(torch.float16) for _ in range(clients)]
     sinks = [torch.empty_like(t) for t in kv]
-    errors: list[BaseException] = []
+    kv_np = [t.view(torch.int16).numpy() for t in kv]
+    copies = [np.empty_like(a) for a in kv_np]
+    backs = [np.empty_like(a) for a in kv_np]
+    # NOTE: the timed region held the threads' start, the torch.equal check and the delete RPC
+    # along with put+get, and there was no baseline in the run; now only put+get is timed, next
+    # to N threads doing the same bytes' memcpy in the same rounds.
     try:
-        def work(i: int, r: int) -> None:
-            try:
-                c = conns[i]
-                base = (r * 100 + i) * 10**6
-                keys = c.block_keys(spec, list(range(base, base + blocks * spec.block_tokens)))
-                c.put(spec, keys, kv[i])
-                assert c.get_into(spec, keys, sinks[i]) == blocks
-                assert torch.equal(sinks[i].view(torch.int16), kv[i].view(torch.int16))
-                c.delete(keys)
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-                errors.append(exc)
+        def put_get(i: int, keys: list[Any]) -> None:
+            conns[i].put(spec, keys, kv[i])
+            assert conns[i].get_into(spec, keys, sinks[i]) == blocks
 
-        rates = []
+        def memcpy(i: int) -> None:
+            np.copyto(copies[i], kv_np[i])  # the put's bytes
+            np.copyto(backs[i], copies[i])  # the get's bytes
+
+        service_s, memcpy_s, paired = [], [], []
         for r in range(rounds + 1):
-            threads = [threading.Thread(target=work, args=(i, r)) for i in range(clients)]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - t0
-            if errors:
-                raise errors[0]
+            keys = [c.block_keys(spec, list(range((r * 100 + i) * 10**6,
+                                                  (r * 100 + i) * 10**6 + blocks * spec.block_tokens)))
+                    for i, c in enumerate(conns)]
+            ops = {"service": lambda i, keys=keys: put_get(i, keys[i]), "memcpy": memcpy}
+            took = {name: _spanned(clients, ops[name])
+                    for name in (("service", "memcpy") if r % 2 == 0 else ("memcpy", "service"))}
+            for i, c in enumerate(conns):
+                assert torch.equal(sinks[i].view(torch.int16), kv[i].view(torch.int16))
+                c.delete(keys[i])
             if r:  # round 0 warms up
-                rates.append(2 * clients * nbytes / wall / 1e9)
+                service_s.append(took["service"])
+                memcpy_s.append(took["memcpy"])
+                paired.append(took["memcpy"] / took["service"])
     finally:
         for c in conns:
             c.close()
+    moved = 2 * clients * nbytes
     return {"clients": clients, "plane": "shm" if local else "stream",
-            "bytes_per_client_round": 2 * nbytes,
-            "aggregate_put_get_gbps": round(statistics.median(rates), 3)}
+            "bytes_per_client_round": 2 * nbytes, "rounds": rounds,
+            "aggregate_put_get_gbps": round(moved / statistics.median(service_s) / 1e9, 3),
+            "memcpy_gbps": round(moved / statistics.median(memcpy_s) / 1e9, 3),
+            "vs_memcpy": round(statistics.median(paired), 3)}
 
 
 def run_service_suite(quick: bool, tick: Callable[[str, int], Callable[[], None]],

@@ -14,8 +14,10 @@ Every NVMe path runs for each codec variant: AES-256-GCM on/off x zstd level 1 /
 
 Limits, measured in the same rounds on the same bytes (one thread): numpy copy, AES-GCM
 ``encrypt_into``/``decrypt_into``, zstd 1 (whole block, and the codec's shuffle + top-plane
-stage), raw LMDB put (sync) / get, and a sequential file write + fsync. A path's limit is its
-slowest stage (the pipelined ideal), named in the JSON; ``ratio`` = path / limit. Reads are hot
+stage), raw LMDB put (sync) / get, and a sequential rewrite in place of a preallocated file +
+fsync (``disk_write_fsync``, as LMDB rewrites its file; the same write to a fresh file is shown
+as ``reference``, not a limit). A path's limit is its slowest stage (the pipelined ideal), named
+in the JSON; ``ratio`` = path / limit. Reads are hot
 (page cache not dropped: no root here). Figures are medians over round-robin rounds, in GB/s
 (1e9 raw block bytes per second).
 
@@ -56,6 +58,8 @@ TARGET_RATIO = 0.6  # issue 7: every path >= 0.6 x its physical limit
 CODEC_VARIANTS: tuple[tuple[bool, int], ...] = ((True, 1), (True, 0), (False, 1), (False, 0))
 
 Tick = Callable[[], None]
+#: The fresh-file write + fsync: measured in the same rounds as a reference, never a limit.
+NEW_FILE = "disk_write_fsync_new_file"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,23 +97,54 @@ def _open(path: Path, *, hbm: int = 0, dram: int = 0, nvme: int = 0, encrypt: bo
                                   persist_on_close=False, policy="lru", **extra))
 
 
-def disk_write_measure(blocks: list[np.ndarray], workdir: Path) -> Measure:
-    """Sequential write of the op's bytes to a fresh file, then fsync (the durable-disk limit)."""
-    path = workdir / "seq-write.bin"
-    total = sum(b.nbytes for b in blocks)
+def _write_all(fd: int, blocks: list[np.ndarray]) -> None:
+    for b in blocks:
+        view = memoryview(b)
+        while view:
+            view = view[os.write(fd, view):]
 
-    def write() -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+
+def disk_write_measure(blocks: list[np.ndarray], workdir: Path) -> Measure:
+    """Sequential rewrite in place of the op's bytes in a file written (and fsynced) once
+    beforehand, then fsync: the durable-disk limit of a write path."""
+    # NOTE: each op created, truncated and (after it) unlinked a fresh file, so it paid block
+    # allocation and metadata journaling; LMDB rewrites pages of a file that already exists,
+    # 1.3x faster here, so the NVMe paths showed up to "2.2x the raw disk". The fresh-file
+    # variant is kept, labelled, as disk_new_file_measure.
+    path = workdir / "seq-rewrite.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        _write_all(fd, blocks)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+    def rewrite() -> None:
+        fd = os.open(path, os.O_WRONLY)
         try:
-            for b in blocks:
-                view = memoryview(b)
-                while view:
-                    view = view[os.write(fd, view):]
+            _write_all(fd, blocks)
             os.fsync(fd)
         finally:
             os.close(fd)
 
-    return Measure("disk_write_fsync", total, write, teardown=lambda: path.unlink(missing_ok=True))
+    return Measure("disk_write_fsync", sum(b.nbytes for b in blocks), rewrite)
+
+
+def disk_new_file_measure(blocks: list[np.ndarray], workdir: Path) -> Measure:
+    """The op's bytes written to a fresh file (created, truncated; unlinked after), then fsync:
+    a reference, not a limit (no write path of the Store creates a file per write)."""
+    path = workdir / "seq-write.bin"
+
+    def write() -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            _write_all(fd, blocks)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    return Measure(NEW_FILE, sum(b.nbytes for b in blocks), write,
+                   teardown=lambda: path.unlink(missing_ok=True))
 
 
 def session_measures(store: Store, spec: ModelSpec, kv: torch.Tensor) -> list[Measure]:
@@ -167,7 +202,7 @@ def build_case(block_mib: int, n: int, workdir: Path) -> tuple[list[Measure], li
     cap = int(total * 2 / 0.8) + 64 * MiB
     raw, info, closers = raw_measures(blocks, spec.itemsize, workdir, [True])
     raw = [m for m in raw if not m.name.startswith("lmdb_get_bytes")]
-    ms = [*raw, disk_write_measure(blocks, workdir)]
+    ms = [*raw, disk_write_measure(blocks, workdir), disk_new_file_measure(blocks, workdir)]
     for tier in ("hbm", "dram"):
         s = _open(workdir / tier, **{tier: cap})
         closers.append(s)
@@ -222,7 +257,7 @@ def judge(figures: dict[str, float], raw_names: set[str]) -> list[dict[str, Any]
     """One row per path: GB/s, its limit (slowest stage), ratio, and the 0.6 target."""
     rows = []
     for name, gbps in figures.items():
-        if name in raw_names:
+        if name in raw_names or name == NEW_FILE:
             continue
         path = _path_name(name)
         stages = _stages(path)
@@ -278,9 +313,10 @@ def run_tiers(quick: bool, workdir: Path, tick: Callable[[int], Tick]) -> dict[s
                 c.close()
             shutil.rmtree(case_dir, ignore_errors=True)
         figures = {m.name: m.summary()["gbps"] for m in ms}
-        raw_names = {m.name for m in ms if "." not in m.name and "->" not in m.name}
+        raw_names = {m.name for m in ms if "." not in m.name and "->" not in m.name} - {NEW_FILE}
         cases.append({**facts, "rounds": plan.rounds,
                       "limits": {k: figures[k] for k in figures if k in raw_names},
+                      "reference": {NEW_FILE: figures[NEW_FILE]},
                       "paths": judge(figures, raw_names),
                       "all_rounds_gbps": {m.name: m.summary()["gbps_all"] for m in ms}})
     return {"cases": cases, "codec_variants": [variant_name(e, c) for e, c in CODEC_VARIANTS],
