@@ -16,7 +16,8 @@ and the ratio full / room. With the ``lru`` policy every victim is demoted to th
 :class:`kvstore.victims.VictimQueue` each victim re-ranked the whole tier, and ``full`` grew
 with the tier: this bench on the code before it (2026-11-30) gave full / room 5.61 with 2,000
 NVMe blocks and 15.69 with 8,000 (12.0 and 41.4 ms per 8-block put); after it, 1.47, 1.31 and,
-with 32,000 blocks, 1.05 (1.05, 1.19, 1.04 ms), with the same eviction counts.
+with 32,000 blocks, 1.05 (1.05, 1.19, 1.04 ms), with the same eviction counts (the 2,000-block
+baseline of those runs was two 100-put batches, one cold; see README for runs with 5 or more).
 
     python -m bench.evict_bench [--nvme 2000,8000,32000] [--policy lru] [--out FILE]
 """
