@@ -35,7 +35,7 @@ def bench(
     from kvstore.errors import KVStoreError
 
     try:
-        check_outputs(json_out, plot)  # before the suite, which may run for many minutes
+        check_outputs(json_out, plot, results or DEFAULT_RESULTS)  # before the suite, which may run for minutes
     except KVStoreError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from None

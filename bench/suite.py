@@ -91,10 +91,11 @@ def run_one(suite: str, quick: bool, tick: TickFactory, workdir: Path) -> dict[s
     raise ValueError(f"unknown suite {suite!r}; choose one of {', '.join(SUITES)}")
 
 
-def check_outputs(json_out: Path, plot: Path | None = None) -> None:
+def check_outputs(json_out: Path, plot: Path | None = None, results_md: Path | None = None) -> None:
     """InvalidArgument unless the suite's output files can be written (the directory of
-    ``json_out`` is created as :func:`run_suite` does). Checked before a suite that may run for
-    many minutes, not when it is over."""
+    ``json_out`` is created as :func:`run_suite` does) and are distinct files: ``--json``,
+    ``--plot`` and the results markdown (NOTE: ``--json x --plot x`` wrote the plot over the
+    figures). Checked before a suite that may run for many minutes, not when it is over."""
     from kvstore.cli_replay import check_output_file
     from kvstore.errors import InvalidArgument
 
@@ -103,9 +104,10 @@ def check_outputs(json_out: Path, plot: Path | None = None) -> None:
     except OSError as exc:
         raise InvalidArgument(f"--json {str(json_out)!r}: cannot create directory "
                               f"{str(json_out.parent)!r} ({exc.strerror or exc})") from None
-    check_output_file(json_out, "--json")
+    results = {"results file (--results)": results_md} if results_md is not None else {}
+    check_output_file(json_out, "--json", results)
     if plot is not None:
-        check_output_file(plot, "--plot")
+        check_output_file(plot, "--plot", {"--json output": json_out, **results})
 
 
 def run_suite(suite: str, quick: bool, json_out: Path, plot: Path | None = None,
@@ -119,7 +121,7 @@ def run_suite(suite: str, quick: bool, json_out: Path, plot: Path | None = None,
 
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}; choose one of {', '.join(SUITES)}")
-    check_outputs(json_out, plot)
+    check_outputs(json_out, plot, results_md)
     torch.set_num_threads(1)
     started = time.perf_counter()
     doc: dict[str, Any] = {
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvstore.errors import KVStoreError
 
     try:
-        check_outputs(args.json_out, args.plot)
+        check_outputs(args.json_out, args.plot, args.results)
     except KVStoreError as exc:
         ap.error(str(exc))
     run_suite(args.suite, args.quick, args.json_out, args.plot, args.results, command=cmd)

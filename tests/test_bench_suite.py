@@ -107,3 +107,24 @@ def test_unknown_suite_is_refused(tmp_path: Path) -> None:
     res = CliRunner().invoke(_app(), ["bench", "nope", "--json", str(tmp_path / "x.json")])
     assert res.exit_code != 0
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("same", ["plot", "results", "plot-link"])
+def test_outputs_that_name_one_file_are_refused_before_the_suite_runs(tmp_path: Path, same: str) -> None:
+    """``--json x --plot x`` (or the results markdown named as --json) wrote one output over
+    another after a run of minutes; both not written yet, a samefile check could not see it."""
+    out = tmp_path / "out.json"
+    results = tmp_path / "RESULTS.md"
+    args = ["bench", "tiers", "--quick", "--json", str(out), "--results", str(results)]
+    if same == "plot":
+        args += ["--plot", str(out)]
+    elif same == "plot-link":
+        (tmp_path / "sub").mkdir()
+        (tmp_path / "sub" / "link").symlink_to(tmp_path)
+        args += ["--plot", str(tmp_path / "sub" / "link" / "out.json")]
+    else:
+        args = ["bench", "tiers", "--quick", "--json", str(results), "--results", str(results)]
+    res = CliRunner().invoke(_app(), args)
+    assert res.exit_code == 2, res.output
+    assert "the same file" in res.output
+    assert not out.exists() and not results.exists()
