@@ -8,7 +8,9 @@ API (the Store validates, locks and calls it). Primitives and what each guarante
 * ``make_room``  — quota first (a tenant over quota evicts its own blocks only), then the
   tier's watermarks: past ``high`` it evicts the policy's choices down to ``low``.
 * ``evict``      — demotes a leaf to the tier the policy names (if admitted and there is room),
-  else drops it with its subtree; pinned or in-flight blocks are never touched.
+  else to the next one it names among the tiers after that, never below a tier holding one
+  of its children; else drops it with its subtree; pinned or in-flight blocks are never
+  touched.
 * ``move``       — two-phase: the block is in flight (not a hit, not evictable) while its bytes
   are copied; then published in the destination, or left where it was. Moving up out of NVMe
   keeps the NVMe copy (``persisted``) so a crash cannot lose a committed block.
@@ -44,6 +46,7 @@ from kvstore.stats import Counters
 from kvstore.victims import VictimQueue
 from policy.base import EvictionPolicy
 from policy.quantization import QuantizationPolicy
+from policy.registry import TieredPolicy
 from tiers.base import BlockRef
 from tiers.memory import MemoryTier
 from tiers.nvme import NVMeRecord, NVMeTier
@@ -77,6 +80,8 @@ class Placement:
         self.remote = remote
         self.quant_policy = quant_policy
         self.tiers: list[Tier] = sorted([*mem, *([Tier.NVME] if nvme else [])])
+        if isinstance(policy, TieredPolicy):  # its values weigh where victims really go
+            policy.bind_tiers(self.tiers)
         #: blocks a running operation holds (its chain): never eviction candidates meanwhile
         self.protected: set[Ident] = set()
         self.tenant_usage: dict[tuple[str, Tier], int] = {}
@@ -375,7 +380,10 @@ class Placement:
         high, low = self.config.high_watermark * cap, self.config.low_watermark * cap
         if backend.used_bytes + need <= high and backend.can_fit(meta.nbytes):
             return True
-        target = min(low, cap - need)
+        # NOTE: the target was min(low, cap - need), tested against used + need: room for
+        # ``need`` was made twice, and a full tier with low = high = 1.0 evicted two blocks for
+        # one (with low > cap - need, down to cap - 2 need instead of low - need)
+        target = min(low, cap)
         queue = self.victims(tier)
         while backend.used_bytes + need > target or not backend.can_fit(meta.nbytes):
             if not self.evict_some(tier, queue):
@@ -476,33 +484,48 @@ class Placement:
         return False
 
     def evict(self, meta: BlockMeta, tier: Tier, now: float) -> bool:
-        slower = [t for t in self.tiers if t > tier]
+        """Demote ``meta`` (a leaf of ``tier``) to the tier the policy names, else the next one
+        it names among the slower tiers, else drop it with its subtree; False when it cannot
+        go (its subtree holds a pinned or in-flight block).
+
+        NOTE: only the first tier the policy named was tried: a victim whose first choice could
+        not make room (DRAM full of the blocks a read holds) was dropped while NVMe had room.
+        Now the policy is asked again with the tiers after the one that failed (or refused it,
+        ``admit``). Offered are only the tiers that keep the tier order, none below the fastest
+        tier holding one of its children (a parent never sits in a slower tier than its child;
+        the remote tier, a copy, is offered last as before); a move into NVMe gets the NVMe
+        copies of the victim's ancestors first (:meth:`make_room`, closure)."""
+        slower = self._demotable(meta, [t for t in self.tiers if t > tier])
         if self.remote is not None:
             slower.append(Tier.REMOTE)
-        dest = self.policy.demote_to(meta, tier, slower, now)
-        if dest == Tier.REMOTE:
+        dest = self.policy.demote_to(meta, tier, slower, now)  # also with none: the policy learns
+        while dest is not None:
+            if dest == Tier.REMOTE:
+                if self.policy.admit(meta, dest, now):
+                    self.spill_remote(meta)
+                    if self._index.get(meta.tenant, meta.key) is not meta:
+                        return True  # it failed its integrity check while being read: gone
+                break  # the local copy goes either way
             if self.policy.admit(meta, dest, now):
-                self.spill_remote(meta)
-                if self._index.get(meta.tenant, meta.key) is not meta:
-                    return True  # it failed its integrity check while being read: gone
-            dest = None  # the local copy goes either way
-        if dest is not None and self.policy.admit(meta, dest, now):
-            if meta.persisted and dest == Tier.NVME:
-                if meta.paused and self._nvme is not None and self._nvme.uncommitted((meta.tenant, meta.key)):
-                    # NOTE: its copy was written in this batch (an ancestor copy, for a block
-                    # below it going to NVMe): a paused session's block is committed before its
-                    # memory copy goes, as move() does; released first, a commit that then
-                    # failed lost it (the copy gone, the memory freed). A commit that fails
-                    # here raises before the release: the Store's batch then takes the copy off
-                    # (Placement.lost) and the block stays where it is.
-                    self._nvme.commit_now()
-                self.release(meta, tier)  # the NVMe copy is committed
-                self._index.set_tier(meta, Tier.NVME)
-                self.counters.add("demotions")
-                return True
-            if self.move(meta, dest):
-                self.counters.add("demotions")
-                return True
+                if meta.persisted and dest == Tier.NVME:
+                    if meta.paused and self._nvme is not None and self._nvme.uncommitted((meta.tenant, meta.key)):
+                        # NOTE: its copy was written in this batch (an ancestor copy, for a block
+                        # below it going to NVMe): a paused session's block is committed before its
+                        # memory copy goes, as move() does; released first, a commit that then
+                        # failed lost it (the copy gone, the memory freed). A commit that fails
+                        # here raises before the release: the Store's batch then takes the copy off
+                        # (Placement.lost) and the block stays where it is.
+                        self._nvme.commit_now()
+                    self.release(meta, tier)  # the NVMe copy is committed
+                    self._index.set_tier(meta, Tier.NVME)
+                    self.counters.add("demotions")
+                    return True
+                if self.move(meta, dest):
+                    self.counters.add("demotions")
+                    return True
+            # looked at again: making room may have moved a child
+            slower = self._demotable(meta, slower[slower.index(dest) + 1:] if dest in slower else [])
+            dest = self.policy.demote_to(meta, tier, slower, now) if slower else None
         sub = self._index.subtree(meta)
         if any(m.pins or m.in_flight for m in sub):
             return False
@@ -511,6 +534,16 @@ class Placement:
         self.counters.add("evictions", len(sub))
         self.counters.add("paused_evictions", sum(1 for m in sub if m.paused))  # pause could not keep them
         return True
+
+    def _demotable(self, meta: BlockMeta, tiers: list[Tier]) -> list[Tier]:
+        """Those of ``tiers`` that ``meta`` may be demoted to: none below the fastest local tier
+        holding one of its children (the remote tier, a copy, stays)."""
+        if not meta.children:
+            return tiers
+        kids = [c.tier for c in self._index.children(meta)]
+        if not kids:
+            return tiers
+        return [t for t in tiers if t == Tier.REMOTE or t <= min(kids)]
 
     def move(self, meta: BlockMeta, dest: Tier) -> bool:
         """Move ``meta``'s bytes to ``dest``: prepare (in flight), copy, complete or abort.

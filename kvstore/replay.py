@@ -11,7 +11,8 @@ Cache model (exactly the issue's):
 * When a tier is full, the policy picks a victim among the candidates the Store would offer —
   unpinned, no resident child in the same tier (leaf-first) — through ``rank``; ``demote_to``
   says where it goes (only tiers that keep the tier order are offered), and the lower tier's
-  ``admit`` may refuse it. A dropped block takes its (slower-tier) descendants with it, since
+  ``admit`` may refuse it; a tier that refuses it or cannot make room sends it on to the next
+  the policy names. A dropped block takes its (slower-tier) descendants with it, since
   they can no longer be reached.
 
 The policy is called through :class:`policy.base.EvictionPolicy` exactly as the Store calls it.
@@ -62,7 +63,7 @@ from kvstore.spec import ModelSpec
 from kvstore.workloads import TraceRequest
 from policy.base import EvictionPolicy, make_policy
 from policy.cost_model import CostModel, CostModelConfig
-from policy.registry import KeyedPolicy, OraclePolicy
+from policy.registry import KeyedPolicy, OraclePolicy, TieredPolicy
 
 TIERS = (Tier.HBM, Tier.DRAM, Tier.NVME)
 _NO_TIER = -1
@@ -243,6 +244,8 @@ class _Sim:
         self.now = 0.0
         self.nbytes = cfg.spec.block_nbytes
         self.result = ReplayResult(policy=policy.name)
+        if isinstance(policy, TieredPolicy):  # as the Store's placement does
+            policy.bind_tiers([t for t in TIERS if self.cap[t] > 0])
 
     # -- tree bookkeeping -----------------------------------------------------------------
     def node(self, hash_id: int, parent: int) -> int:
@@ -336,29 +339,37 @@ class _Sim:
             self.evict(v, t)
         return True
 
+    def offered(self, n: int, src: int) -> list[Tier]:
+        """The tiers ``n`` may be demoted to from ``src``: slower ones that exist, none below
+        the fastest tier holding a child of its (tier order)."""
+        kt = self.kid_tiers[n]
+        lowest = next((t for t in range(3) if kt[t]), 3)  # fastest tier holding a child
+        return [Tier(t) for t in range(src + 1, min(lowest, 2) + 1) if self.cap[t] > 0]
+
     def evict(self, n: int, src: int) -> None:
         res = self.result
         res.evictions_by_tier[TIERS[src].label] += 1
-        kt = self.kid_tiers[n]
-        lowest = next((t for t in range(3) if kt[t]), 3)  # fastest tier holding a child
-        avail = [Tier(t) for t in range(src + 1, min(lowest, 2) + 1) if self.cap[t] > 0]
+        avail = self.offered(n, src)
         meta = self.meta[n]
         assert meta is not None and meta.pins == 0
-        dest = self.policy.demote_to(meta, Tier(src), avail, self.now)
-        if dest is not None:
+        # NOTE: as the Store's Placement.evict: when the tier the policy names cannot make room
+        # (or does not admit the victim), the policy is asked again with the tiers after it;
+        # only the first was tried, and a victim was dropped while NVMe had room
+        dest = self.policy.demote_to(meta, Tier(src), avail, self.now)  # also with none: it learns
+        while dest is not None:
             if dest not in avail:
                 raise InvalidArgument(f"policy {res.policy} demoted to {dest!r}, not in {avail}")
-            if not self.policy.admit(meta, dest, self.now):
-                dest = None
-        if dest is not None:
-            # Protect the victim while the lower tier makes room (it may cascade).
-            meta.pins += 1
-            ok = self.make_room(int(dest))
-            meta.pins -= 1
-            if ok:
-                res.bytes_written_by_tier[dest.label] += meta.nbytes
-                self.set_tier(n, int(dest))
-                return
+            if self.policy.admit(meta, dest, self.now):
+                # Protect the victim while the lower tier makes room (it may cascade).
+                meta.pins += 1
+                ok = self.make_room(int(dest))
+                meta.pins -= 1
+                if ok:
+                    res.bytes_written_by_tier[dest.label] += meta.nbytes
+                    self.set_tier(n, int(dest))
+                    return
+            avail = [t for t in self.offered(n, src) if t > dest]  # making room may move a child
+            dest = self.policy.demote_to(meta, Tier(src), avail, self.now) if avail else None
         res.drops_by_tier[TIERS[src].label] += 1
         self.drop(n)
 

@@ -8,7 +8,10 @@ Contract:
   It must return a permutation of a subset of ``candidates`` (it may hold some back) and change
   nothing.
 * ``demote_to(meta, src, available, now)`` says where an evicted block goes: one of
-  ``available`` (slower tiers that exist, in order), or ``None`` to drop it.
+  ``available`` (slower tiers that exist and keep the tier order, in order), or ``None`` to
+  drop it. When the tier it names cannot take the block (no room there, or ``admit``
+  refuses), the caller asks again for the same victim, at the same ``now``, with the tiers
+  after that one; a policy learns from one eviction once.
 * ``admit(meta, tier, now)`` lets a lower tier refuse a block unlikely to come back.
 * ``on_insert / on_access / on_remove`` keep whatever statistics the policy needs.
 
@@ -22,9 +25,21 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from kvstore.block import BlockMeta, Tier
+from kvstore.keys import ROOT_KEY
 from kvstore.spec import ModelSpec
 
 SpecLookup = Callable[[bytes], "ModelSpec | None"]
+
+
+def parent_key(meta: BlockMeta) -> bytes:
+    """``meta``'s parent key, ``b""`` for a root block.
+
+    NOTE: the Store gives a root ``parent=ROOT_KEY`` (32 zero bytes) and the replay ``b""``;
+    read as a truth value, every Store root had a parent, and the reuse estimate classed each
+    new prompt's first block as extending a cached prefix (the replay: as a new prompt). Every
+    policy test of "has a parent" goes through here."""
+    parent = meta.parent
+    return b"" if parent == ROOT_KEY else parent
 
 
 @runtime_checkable

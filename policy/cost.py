@@ -10,8 +10,9 @@ one is read again; from :mod:`policy.cost_model` the time a hit saves in each ti
   that are shorter than ``T_t`` (:meth:`policy.reuse.ReuseEstimator.within`, a learned
   histogram, no assumed distribution), ``T_t`` is the tier's characteristic time — the mean idle age of its recent victims, learned online (Che's
   approximation: a block not read again within ``T_t`` is evicted before it is) — and
-  ``gain(t) = saving(t) − saving(t+1)`` is what leaving the tier costs on each such read
-  (from the last tier, the whole ``saving(t)``). A small tier (short ``T_t``) thus ranks by
+  ``gain(t) = saving(t) − saving(t+1)`` is what leaving the tier costs on each such read,
+  ``t+1`` being the next tier that exists (:meth:`CostPolicy.bind_tiers`; from the last local
+  tier, whose victims are dropped, the whole ``saving(t)``: a recompute time). A small tier (short ``T_t``) thus ranks by
   saving per byte-second, like ``rate``; a large one by all expected reads, like ``reads``;
   no constant picks between them. Before a tier's first victim ``T_t`` is infinite.
   ``valuation="reads"`` (the previous default) drops the horizon factor; ``"rate"`` uses
@@ -66,7 +67,9 @@ one is read again; from :mod:`policy.cost_model` the time a hit saves in each ti
   saving there, ``p × saving(dest)``, pays for writing it there,
   ``write_cost_weight × bytes / bandwidth(dest)``; otherwise it is dropped. A block with
   resident children is always demoted when possible (dropping it would strand them), and so
-  is a block whose committed NVMe copy exists (demoting it there writes nothing).
+  is a block whose committed NVMe copy exists (demoting it there writes nothing). When the
+  tier it names cannot take the victim, the Store (and the replay) ask again with the tiers
+  after it (:class:`policy.base.EvictionPolicy`); the eviction is learnt from once.
 * **Idle time at demotion** (``demotion_aging`` = β, 0.5 by default): a demoted block is
   keyed in the tier it goes to with ``L_t + v · (v_idle / v)^β``, where ``v`` is its value
   as if just read and ``v_idle`` its value given that it has not been read for its age
@@ -104,6 +107,7 @@ the README ("Long runs") for one pass and a second pass over new blocks.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -114,7 +118,9 @@ from policy.base import SpecLookup, register
 from policy.cost_model import CostModel, CostModelConfig, CostModels
 from policy.reuse import ReuseConfig, ReuseEstimator
 
-_LAST = Tier.NVME  # the slowest tier the cost model ranks against (REMOTE: treated as last)
+# the tier each tier's victims go to when every local tier exists (NVMe's: none, they are
+# dropped; the remote tier, a best-effort asynchronous copy, is not counted on)
+_BELOW: tuple[Tier | None, ...] = (Tier.DRAM, Tier.NVME, None, None)
 _P_MAX = 0.999  # caps E[future reads] at 999
 _MIN_GAP_S = 1e-3  # floor of the mean gap (a class read back within the same instant)
 _HORIZON_WINDOW = 1000  # victims averaged (running mean, then EWMA) into a tier's horizon
@@ -178,18 +184,37 @@ class CostPolicy:
         self._horizon = [math.inf] * len(Tier)
         self._victims = [0] * len(Tier)
         self._pending: dict[bytes, float] = {}  # key -> level at insert, value not yet stamped
+        self._below: tuple[Tier | None, ...] = _BELOW  # see bind_tiers
+        # per tier: (key, now) of the victim demote_to last learnt from (see there)
+        self._leaving: list[tuple[bytes, float] | None] = [None] * len(Tier)
+
+    def bind_tiers(self, tiers: Sequence[Tier]) -> None:
+        """The local tiers that exist (:class:`policy.registry.TieredPolicy`): a tier's victims
+        go to the next of them, and the last one's are dropped.
+
+        NOTE: ``gain`` took the next tier as the one below in HBM, DRAM, NVMe whether it existed
+        or not: in a store of HBM alone an HBM block was worth a DRAM restore time, the same for
+        every block of a size, so recompute cost played no part and the tie rule (deepest
+        first) chose; it dropped a pair 0.18 s to recompute over one of 0.02 s."""
+        local = sorted(t for t in set(tiers) if t != Tier.REMOTE)
+        below: list[Tier | None] = [None] * len(Tier)
+        for here, nxt in itertools.pairwise(local):
+            below[here] = nxt
+        self._below = tuple(below)
 
     # -- valuation --------------------------------------------------------------------------
     def _model(self, meta: BlockMeta) -> CostModel:
         return self._costs.get(meta.fingerprint, meta.tokens)
 
     def gain(self, meta: BlockMeta, tier: Tier) -> float:
-        """Seconds lost on the next read if the block leaves ``tier`` for the next one."""
+        """Seconds lost on the next read if the block leaves ``tier`` for the next one that
+        exists (the whole saving when there is none: it is dropped and recomputed)."""
         model = self._model(meta)
         here = model.saving(meta.tokens, meta.depth, meta.nbytes, tier)
-        if tier >= _LAST:
+        below = self._below[tier]
+        if below is None:
             return here
-        return here - model.saving(meta.tokens, meta.depth, meta.nbytes, Tier(tier + 1))
+        return here - model.saving(meta.tokens, meta.depth, meta.nbytes, below)
 
     def expected_reads(self, meta: BlockMeta, c: int | None = None, p: float | None = None) -> float:
         """p / (1 − p), times ``access_count ** frequency_weight`` (``c``: the block's reuse
@@ -246,6 +271,7 @@ class CostPolicy:
     # -- protocol ---------------------------------------------------------------------------
     def on_insert(self, meta: BlockMeta, now: float) -> None:
         self.reuse.on_insert(meta, now)
+        self._back(meta)
         if self.config.deferred_stamp:
             self._pending[meta.key] = self._level[meta.tier]
         else:
@@ -253,10 +279,17 @@ class CostPolicy:
 
     def on_access(self, meta: BlockMeta, now: float) -> None:
         self.reuse.on_access(meta, now)
+        self._back(meta)
         if self.config.deferred_stamp:  # a read brings the block to HBM
             self._pending[meta.key] = self._level[Tier.HBM]
         else:
             self._stamp(meta, Tier.HBM)
+
+    def _back(self, meta: BlockMeta) -> None:
+        """``meta`` is stored or read: an eviction of it from now on is a new one (demote_to)."""
+        for i, e in enumerate(self._leaving):
+            if e is not None and e[0] == meta.key:
+                self._leaving[i] = None
 
     def on_remove(self, meta: BlockMeta) -> None:
         self.reuse.on_remove(meta)
@@ -293,11 +326,16 @@ class CostPolicy:
     def demote_to(
         self, meta: BlockMeta, src: Tier, available: Sequence[Tier], now: float
     ) -> Tier | None:
-        h = self._stamped(meta, src)
-        if h is not None and h > self._level[src]:
-            self._level[src] = h
         age = max(0.0, now - meta.last_access)
-        self._learn_horizon(src, age)
+        if self._leaving[src] != (meta.key, now):
+            # NOTE: the Store asks again, with the tiers after the one named, when that one
+            # could not take the victim (policy.base); the eviction from ``src`` is learnt once
+            # (the key stamped by the first answer is the destination's, not ``src``'s level)
+            self._leaving[src] = (meta.key, now)
+            h = self._stamped(meta, src)
+            if h is not None and h > self._level[src]:
+                self._level[src] = h
+            self._learn_horizon(src, age)
         for dest in available:
             if self.worth_writing(meta, dest):
                 self._h[meta.key] = self._level[dest] + self.idle_value(meta, dest, age)

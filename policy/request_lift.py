@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from kvstore.block import BlockMeta
 from kvstore.errors import InvalidArgument
+from policy.base import parent_key
 
 #: bin edges of the episode age, seconds: [0, 2), [2, 8), ..., [512, 2048); an episode not read
 #: again within 2048 s is over
@@ -91,9 +92,10 @@ class RequestTracker:
         """Record ``meta``'s notification; returns the cells of the request it completed
         (empty when it continues the current one)."""
         done: dict[bytes, RequestCell] = {}
-        if not (meta.parent and meta.parent == self._prev):
+        parent = parent_key(meta)  # b"" for a root (the Store's ROOT_KEY too)
+        if not (parent and parent == self._prev):
             done = self.close()
-            self._first_parent = meta.parent
+            self._first_parent = parent
         self._open[meta.key] = meta.depth
         self._prev = meta.key
         return done

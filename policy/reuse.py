@@ -55,6 +55,7 @@ from dataclasses import dataclass
 
 from kvstore.block import BlockMeta
 from kvstore.errors import InvalidArgument
+from policy.base import parent_key
 from policy.request_lift import RequestLift
 
 #: access-count buckets: 1, 2, 3, 4-7, 8-15, 16+
@@ -204,20 +205,21 @@ class ReuseEstimator:
         self._full = max(self._full, meta.tokens)
         ghost = self._ghost.pop(meta.key, None)
         self._success(ghost, now)
+        parent = parent_key(meta)  # b"" for a root, in the Store's convention too
         if self.config.extends_feature:
             # A run of inserts continues while each block's parent is the previous insert;
             # a run whose first block has a parent extends a prefix that was already cached.
-            if meta.parent == self._last_insert and meta.parent:
-                self._extends[meta.key] = self._extends.get(meta.parent, False)
+            if parent == self._last_insert and parent:
+                self._extends[meta.key] = self._extends.get(parent, False)
             else:
-                self._extends[meta.key] = bool(meta.parent)
+                self._extends[meta.key] = bool(parent)
             self._last_insert = meta.key
         if self.config.ghost_frequency and ghost is not None:
             self._past[meta.key] = ghost[2]
-        if meta.parent:
-            b = self._branch.get(meta.parent, 0)
+        if parent:
+            b = self._branch.get(parent, 0)
             if b < 2:
-                self._branch[meta.parent] = b + 1
+                self._branch[parent] = b + 1
         self._start(meta, now)
         return ghost[0] if ghost is not None else None
 
