@@ -349,10 +349,15 @@ def policy_get(
 
 
 def _print_policy(policy: dict[str, Any], as_json: bool) -> None:
+    _show(policy, as_json, policy_view)
+
+
+def _show(doc: Any, as_json: bool, view: Callable[[Any, Callable[[object], str]], Any]) -> None:
+    """``doc`` as the raw JSON document (``--json``) or as ``view`` draws it for people."""
     if as_json:
-        typer.echo(json.dumps(policy, indent=2, sort_keys=True))
+        typer.echo(json.dumps(doc, indent=2, sort_keys=True))
     else:
-        Console().print(policy_view(policy, _shown))
+        Console().print(view(doc, _shown), soft_wrap=True)
 
 
 @policy_app.command("set")
@@ -409,10 +414,7 @@ def session_list(
             rows = admin.list_sessions(tenant)
     except KVStoreError as exc:
         _fail(exc)
-    if as_json:
-        typer.echo(json.dumps(rows, indent=2, sort_keys=True))
-    else:
-        Console().print(sessions_view(rows, _shown))
+    _show(rows, as_json, sessions_view)
 
 
 @session_app.command("close")
@@ -455,10 +457,7 @@ def model_list(
             rows = admin.list_models()
     except KVStoreError as exc:
         _fail(exc)
-    if as_json:
-        typer.echo(json.dumps(rows, indent=2, sort_keys=True))
-    else:
-        Console().print(models_view(rows, _shown), soft_wrap=True)
+    _show(rows, as_json, models_view)
 
 
 @model_app.command("purge")
@@ -506,10 +505,7 @@ def stats(
             doc = admin.stats()
     except KVStoreError as exc:
         _fail(exc)
-    if as_json:
-        typer.echo(json.dumps(doc, indent=2, sort_keys=True))
-    else:
-        Console().print(stats_view(doc, _shown))
+    _show(doc, as_json, stats_view)
 
 
 def audit(
