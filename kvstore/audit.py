@@ -394,6 +394,7 @@ class AuditLog:
         a file that cannot be read, a FailedPrecondition."""
         try:
             with open(self.path, "rb") as f:
+                self._same_file(os.fstat(f.fileno()), end)
                 f.seek(start)
                 offset = start
                 for line in f:  # NOTE: may read ahead past end, into an append under way: unused
@@ -411,6 +412,30 @@ class AuditLog:
                     yield entry, raw, at
         except OSError as exc:
             raise FailedPrecondition(f"the audit log {self.path} could not be read: {exc.strerror or exc}") from None
+
+    def _same_file(self, read: os.stat_result, end: int) -> None:
+        """FailedPrecondition unless the file opened for reading (``read``) is the one this log
+        appends to, holding at least ``end`` bytes. NOTE: a log rotated under the server (renamed
+        and replaced by a new file, logrotate's default) read as empty, without a word, while
+        every entry went on into the renamed file; one truncated in place (copytruncate) read
+        as empty too. The log is one hash chain: it cannot be rotated while the server runs."""
+        fd = self._fd
+        if fd < 0:
+            return
+        try:
+            written = os.fstat(fd)
+        except OSError:
+            return
+        why = ""
+        if (read.st_dev, read.st_ino) != (written.st_dev, written.st_ino):
+            why = "is no longer the file this server appends to (renamed or replaced since it started)"
+        elif read.st_size < end:
+            why = f"was cut to {read.st_size} bytes since the server wrote {end}"
+        if why:
+            raise FailedPrecondition(
+                f"the audit log {self.path} {why}: it cannot be rotated while the server runs (it is one hash "
+                f"chain; its entries go on into the file the server opened); stop the server, move the file "
+                f"away, start it again")
 
     def verify(self) -> int:
         """Check the hash chain and sequence; return the entry count or raise IntegrityError.
