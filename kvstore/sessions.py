@@ -65,19 +65,26 @@ class SessionTable:
         it); NotFound when unknown, saying that sessions do not survive a restart."""
         sess = self._by_id.get((tenant, sid))
         if sess is None:
-            ended = self._ended.get((tenant, sid))
+            ended = self.how_ended(tenant, sid)
             if ended is not None:
                 # NOTE: an engine whose session an operator or the idle expiry closed was told
                 # "sessions do not survive a restart": it went looking for a restart
-                how, when = ended
-                ago = max(self._clock() - when, 0.0)
-                raise NotFound(f"session {sid!r} of tenant {tenant!r} was {how} {ago:.0f} s ago; open it again")
+                raise NotFound(f"session {sid!r} of tenant {tenant!r} {ended}; open it again")
             # NOTE: "unknown session" alone: a client whose session was lost to a restart of
             # the store (the sidecar) could not tell it from one it never opened
             raise NotFound(f"unknown session {sid!r} of tenant {tenant!r} (sessions do not survive "
                            f"a restart of the store; open it again)")
         sess.last_used = self._clock()
         return sess
+
+    def how_ended(self, tenant: str, sid: str) -> str | None:
+        """``"was closed by ... N s ago"`` for a session among the last :attr:`ENDED_KEPT`
+        ended, else None (never opened, open, or forgotten)."""
+        ended = self._ended.get((tenant, sid))
+        if ended is None:
+            return None
+        how, when = ended
+        return f"was {how} {max(self._clock() - when, 0.0):.0f} s ago"
 
     def peek(self, tenant: str, sid: str) -> Session | None:
         """The session, or None when unknown; no use of it (an operator's look, its last use

@@ -507,8 +507,11 @@ class TenantAdmin:
             self._check_open()
             sess = self._sessions.peek(tenant, session)
             if sess is None:
-                raise NotFound(f"no open session {session!r} in {tenant!r} (`kvstore session list` "
-                               f"shows the open ones)")
+                # NOTE: a second close said only "no open session", where the engine is told
+                # how and when it was closed
+                ended = self._sessions.how_ended(tenant, session)
+                raise NotFound(f"no open session {session!r} in {tenant!r}" + (f": it {ended}" if ended else "")
+                               + " (`kvstore session list` shows the open ones)")
             info = self._session_info(tenant, sess)
             self._end_session(tenant, session, "closed by an operator (kvstore session close)")
             self.counters.add("sessions_admin_closed")

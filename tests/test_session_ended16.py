@@ -29,6 +29,9 @@ def test_each_way_a_session_ends_is_named_on_its_next_use(open_store, spec, cloc
 
     info = s.end_session("a", "ops")
     assert info.pinned_blocks == 1
+    with pytest.raises(NotFound, match="no open session 'ops' in 'a': it was closed by an operator "
+                                       "\\(kvstore session close\\) 0 s ago"):
+        s.end_session("a", "ops")  # an operator's second close is told too
     with pytest.raises(NotFound, match="was closed by an operator \\(kvstore session close\\) 0 s ago"):
         s.put("a", spec, keys, make_kv(spec, 1), session="ops")
 
