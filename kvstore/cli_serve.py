@@ -4,10 +4,10 @@
 
     kvstore serve [--config kvstore.toml] [--listen HOST:PORT] [--data-dir DIR]
     kvstore tenant add NAME [--role tenant|publisher|admin] [--namespace shared:x ...]
-    kvstore tenant rotate NAME | delete NAME [--yes] [--timeout S] | list | grant NAME shared:x [--revoke]
+    kvstore tenant rotate NAME | delete NAME [--yes] [--timeout S] | list [--json] | grant NAME shared:x [--revoke]
     kvstore policy get NAME [--json] | set NAME [--ttl 3600] [--quota hbm=1GiB ...] [--priority N] [--json]
     kvstore session list [--tenant NAME] [--json] | close TENANT SESSION_ID
-    kvstore model purge FINGERPRINT [--yes] [--timeout S]
+    kvstore model list [--json] | purge FINGERPRINT [--yes] [--timeout S]
     kvstore stats [--json]
     kvstore audit [--limit N] [--since SEQ] [--json]
 
@@ -35,13 +35,20 @@ time) and ``session close`` ends one that an engine left behind, as the engine's
 
 ``audit`` shows the newest ``--limit`` entries (1000), as ``tail`` does, and says on stderr how
 many earlier ones it left out (it showed the oldest 1000, the newest actions not at all);
-``--since SEQ`` reads forward from a point instead, saying when later entries were left out. On
-a terminal wide enough the entries are a table (target and detail wrapped, nothing cut), else
-and off a terminal one complete tab-separated line each, for ``grep`` and ``cut -f``.
+``--since SEQ`` reads forward from a point instead, saying when later entries were left out.
+
+``audit``, ``tenant list``, ``session list`` and ``model list`` print a table on a terminal wide
+enough for it with every cell whole (audit's target and detail, a principal's namespaces,
+wrapped), else, and off a terminal, one complete tab-separated line per row after a header line,
+for ``grep`` and ``cut -f`` (``kvstore.cli_views.whole_table``): rich cut what did not fit to
+an ellipsis, the session ids, model revisions and tenant names an operator copies into the next
+command among them.
 
 What the server sends back (names, audit entries, error messages) is printed with its rich
-markup escaped and its control characters shown as ``\\xNN`` escapes: an audit entry records
-what a caller sent, which must not recolour the table or drive the terminal.
+markup escaped and its control characters, tabs, line and paragraph separators (U+2028, U+2029)
+shown as ``\\xNN`` / ``\\uNNNN`` escapes, a backslash as ``\\\\`` (so that a tab and the
+four characters ``\\x09`` differ): an audit entry records what a caller sent, which must not
+recolour the table, drive the terminal or break a line.
 
 Exposed as ``admin_app`` (a ``typer.Typer`` holding every command above) and :func:`register`,
 which adds them to the main ``kvstore`` app; the command functions are plain and importable.
@@ -61,20 +68,20 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from kvstore import sizes
 from kvstore.cli_views import (
-    AUDIT_COLUMNS,
+    Listing,
     PlainProgress,
-    audit_cells,
-    audit_line,
-    audit_table,
-    models_view,
+    audit_listing,
+    models_listing,
     policy_view,
-    sessions_view,
+    sessions_listing,
     stats_view,
+    tenants_listing,
+    tsv_line,
     waiting,
+    whole_table,
 )
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.server_config import DEFAULT_LISTEN
@@ -115,8 +122,7 @@ def _admin(target: str, token: str, ca_file: Path | None, cert_file: Path | None
     from kvstore.client import ClientTLS
     from kvstore.server_config import check_certificates, check_key_pair
 
-    if not token:
-        raise typer.BadParameter("an admin token is required (--token or KVSTORE_ADMIN_TOKEN)")
+    _need_token(token)
     if (cert_file is None) != (key_file is None):
         given, missing = ("--cert-file", "--key-file") if key_file is None else ("--key-file", "--cert-file")
         raise InvalidArgument(f"{given} needs {missing}: a client certificate (mutual TLS) takes both")
@@ -132,6 +138,11 @@ def _admin(target: str, token: str, ca_file: Path | None, cert_file: Path | None
     return AdminClient(target, token, timeout=timeout, tls=tls)
 
 
+def _need_token(token: str) -> None:
+    if not token:
+        raise typer.BadParameter("an admin token is required (--token or KVSTORE_ADMIN_TOKEN)")
+
+
 def _shown(value: object) -> str:
     """``value`` safe to print with rich: markup escaped, control and format characters (ESC,
     CR, bidi overrides, ...) shown as ``\\xNN`` / ``\\uNNNN`` instead of sent to the terminal."""
@@ -140,10 +151,23 @@ def _shown(value: object) -> str:
 
 def _printable(value: object) -> str:
     """``value`` safe to print as plain text: :func:`_shown` without the markup escapes."""
-    return "".join(c if unicodedata.category(c)[0] != "C" else
-                   (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}" if ord(c) < 0x10000
-                    else f"\\U{ord(c):08x}")
-                   for c in str(value))
+    return "".join(map(_printable_char, str(value)))
+
+
+def _printable_char(c: str) -> str:
+    # NOTE: a backslash was printed as it is, so a TAB (\x09) and the four characters "\x09"
+    # read the same; and U+2028 / U+2029 (categories Zl, Zp: str.splitlines() breaks there)
+    # went out raw
+    if c == "\\":
+        return "\\\\"
+    if unicodedata.category(c) not in _ESCAPED:
+        return c
+    return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}"
+
+
+#: the Unicode categories shown as escapes: control, format, surrogate, private use, unassigned,
+#: line and paragraph separators
+_ESCAPED = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
 
 
 def _fail(exc: KVStoreError) -> None:
@@ -263,6 +287,7 @@ def tenant_delete(
     blocks went."""
     if timeout is not None and not timeout > 0:
         raise typer.BadParameter(f"--timeout must be more than 0 seconds, got {timeout}")
+    _need_token(token)  # NOTE: it asked for confirmation first, then said the token was missing
     if not yes:
         typer.confirm(f"delete tenant {name!r} and destroy all its blocks?", abort=True)
     try:
@@ -298,21 +323,19 @@ def _deleting(what: str, call: Callable[[], int], timeout: float | None) -> tupl
 
 @tenant_app.command("list")
 def tenant_list(
-    target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
+    as_json: JsonOpt = False, target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
     cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
 ) -> None:
-    """List principals with their roles, shared namespaces and state (``deleting``: a deletion
-    in progress, or one left unfinished that the next start or ``tenant delete`` finishes)."""
+    """List principals with their roles, shared namespaces, creation time and state (deleting:
+    a deletion in progress, or one left unfinished that the next start or tenant delete
+    finishes). A table on a terminal wide enough, else one tab-separated line each (--json:
+    the raw list)."""
     try:
         with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
             rows = admin.list_tenants()
     except KVStoreError as exc:
         _fail(exc)
-    table = Table("name", "role", "namespaces", "created", "state")
-    for r in rows:
-        table.add_row(_shown(r["name"]), _shown(r["role"]), _shown(", ".join(r["namespaces"])), _when(r["created"]),
-                      "[red]deleting[/red]" if r["deleting"] else "live")
-    Console().print(table)
+    _list(rows, as_json, tenants_listing(rows, _when))
 
 
 @tenant_app.command("grant")
@@ -357,7 +380,37 @@ def _show(doc: Any, as_json: bool, view: Callable[[Any, Callable[[object], str]]
     if as_json:
         typer.echo(json.dumps(doc, indent=2, sort_keys=True))
     else:
-        Console().print(view(doc, _shown), soft_wrap=True)
+        _console().print(view(doc, _shown), soft_wrap=True)
+
+
+def _list(doc: list[Any], as_json: bool, listing: Listing) -> None:
+    """``doc`` (a list) as the raw JSON document (``--json``) or as :func:`_print_rows`."""
+    if as_json:
+        typer.echo(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        _print_rows(listing)
+
+
+def _print_rows(listing: Listing) -> None:
+    """``listing`` as a table on a terminal where it fits with every cell whole, else (and
+    always off a terminal) a header line and one complete tab-separated line per row. rich cut
+    every cell that did not fit to an ellipsis: on 80 columns or in a pipe the session ids,
+    model names and revisions, tenant names (and audit actions) an operator copies or greps."""
+    console = Console()
+    if console.is_terminal:
+        table = whole_table(listing, listing.rows(_shown), console.width)
+        if table is not None:
+            console.print(table)
+            return
+    typer.echo(tsv_line([f.name for f in listing.fields]))
+    for row in listing.rows(_printable):  # every field escaped, tabs too: a name is what a caller sent
+        typer.echo(tsv_line(row))
+
+
+def _console() -> Console:
+    """A Console on stdout; 80 columns wide where ``COLUMNS`` says 0 (rich drew nothing at all)."""
+    console = Console()
+    return console if console.width > 0 else Console(width=80)
 
 
 @policy_app.command("set")
@@ -407,14 +460,14 @@ def session_list(
     as_json: JsonOpt = False, target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "",
     ca_file: CaOpt = None, cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
 ) -> None:
-    """List the open sessions: state, blocks held and pinned (sizes), idle time (--json: the
-    raw list)."""
+    """List the open sessions: state, blocks held and pinned (sizes), idle time. A table on a
+    terminal wide enough, else one tab-separated line each (--json: the raw list)."""
     try:
         with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
             rows = admin.list_sessions(tenant)
     except KVStoreError as exc:
         _fail(exc)
-    _show(rows, as_json, sessions_view)
+    _list(rows, as_json, sessions_listing(rows))
 
 
 @session_app.command("close")
@@ -435,10 +488,10 @@ def session_close(
         _fail(exc)
     # NOTE: it said every pinned block was unpinned, also those another session pins still
     shared = s["pinned_blocks"] - s["only_pinned_blocks"]
-    Console().print(f"closed session {_shown(session_id)} of {_shown(tenant)} ({_shown(s['state'])}): "
-                    f"{s['only_pinned_blocks']} blocks ({sizes.format_size(s['only_pinned_bytes'])}) of HBM "
-                    f"unpinned, of {s['blocks']} held"
-                    + (f"; {shared} stay pinned by other sessions" if shared else ""), soft_wrap=True)
+    _console().print(f"closed session {_shown(session_id)} of {_shown(tenant)} ({_shown(s['state'])}): "
+                     f"{s['only_pinned_blocks']} blocks ({sizes.format_size(s['only_pinned_bytes'])}) of HBM "
+                     f"unpinned, of {s['blocks']} held"
+                     + (f"; {shared} stay pinned by other sessions" if shared else ""), soft_wrap=True)
 
 
 # -- models ---------------------------------------------------------------------------------------
@@ -450,14 +503,15 @@ def model_list(
     as_json: JsonOpt = False, target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
     cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
 ) -> None:
-    """List the models with blocks on the server, most bytes first: fingerprint (what
-    `model purge` takes), model, revision, dtype, block tokens, blocks, size, tenants."""
+    """List the models with blocks on the server, most bytes first: fingerprint (what model
+    purge takes), model, revision, dtype, block tokens, blocks, size, tenants. A table on a
+    terminal wide enough, else one tab-separated line each (--json: the raw list)."""
     try:
         with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
             rows = admin.list_models()
     except KVStoreError as exc:
         _fail(exc)
-    _show(rows, as_json, models_view)
+    _list(rows, as_json, models_listing(rows))
 
 
 @model_app.command("purge")
@@ -484,6 +538,7 @@ def model_purge(
         fp = b""
     if len(fp) != FINGERPRINT_BYTES:
         raise typer.BadParameter(f"FINGERPRINT must be {2 * FINGERPRINT_BYTES} hex digits, got {fingerprint!r}")
+    _need_token(token)  # NOTE: it asked for confirmation first, then said the token was missing
     if not yes:
         typer.confirm(f"purge model {fp.hex()} and destroy all its blocks, every tenant's?", abort=True)
     try:
@@ -492,6 +547,10 @@ def model_purge(
         typer.echo(f"purged model {fp.hex()}: {blocks} blocks removed ({seconds:.1f} s)")
     except KVStoreError as exc:
         _fail(exc)
+    if not blocks:  # NOTE: a mistyped fingerprint read as a purge that worked
+        Console(stderr=True, highlight=False).print(
+            f"no block of model {fp.hex()} was stored here: `kvstore model list` shows the models stored",
+            soft_wrap=True)
 
 
 # -- stats and audit ------------------------------------------------------------------------------
@@ -509,9 +568,11 @@ def stats(
 
 
 def audit(
-    limit: Annotated[int, typer.Option("--limit", help=(
-        "How many entries: the newest N, or with --since the first N after it."))] = 1000,
-    since: Annotated[int | None, typer.Option("--since", help=(
+    # NOTE: --limit 0 meant 1000 (the server's default page), and a negative --limit or --since
+    # was refused as a server error (INVALID_ARGUMENT) naming neither option: both are checked here
+    limit: Annotated[int, typer.Option("--limit", min=1, max=(1 << 32) - 1, help=(
+        "How many entries (1 or more): the newest N, or with --since the first N after it."))] = 1000,
+    since: Annotated[int | None, typer.Option("--since", min=0, max=(1 << 64) - 1, help=(
         "Read forward from here: the entries after this sequence number, oldest first "
         "(default: the newest --limit entries)."))] = None,
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines instead of a table.")] = False,
@@ -530,34 +591,22 @@ def audit(
                 earlier = entries[0]["seq"] - 1 if entries else 0
             else:
                 (entries, later), earlier = admin.audit_read(since, limit), 0
+            newest = admin.last_audit_seq() if since is not None and not entries else None
     except KVStoreError as exc:
         _fail(exc)
     if as_json:
         for e in entries:
             typer.echo(json.dumps(e, sort_keys=True))
     else:
-        _print_audit(entries)
+        _print_rows(audit_listing(entries, _when))
     note = Console(stderr=True, highlight=False, soft_wrap=True)
+    if newest is not None:  # NOTE: --since past the end printed a header alone, saying nothing
+        note.print(f"no entries after seq {since} " + (f"(the newest is {newest})" if newest else "(the log is empty)"))
     if earlier:
         note.print(f"{earlier} earlier entries not shown (seq 1..{earlier}): --limit N shows the newest N, "
                    f"--since SEQ the entries after SEQ")
     if later:
         note.print(f"later entries not shown: --since {entries[-1]['seq']} reads on")
-
-
-def _print_audit(entries: list[dict[str, Any]]) -> None:
-    """``entries`` as a table on a terminal where it fits with every cell whole, else one
-    complete line each (a table cut each column to an ellipsis on 80 columns, and in a pipe)."""
-    console = Console()
-    if console.is_terminal:
-        table = audit_table([audit_cells(e, _shown, _when) for e in entries], console.width)
-        if table is not None:
-            console.print(table)
-            return
-    typer.echo(audit_line(list(AUDIT_COLUMNS)))
-    for e in entries:
-        # NOTE: every field escaped, tabs too: a target is what a caller sent (an ESC sequence)
-        typer.echo(audit_line(audit_cells(e, _printable, _when)))
 
 
 def _when(ts: float) -> str:

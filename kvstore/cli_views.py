@@ -5,13 +5,16 @@
   30 s took the command for hung.
 * :class:`PlainProgress` — ``progress(what, done, total)`` as plain lines, for ``serve`` off a
   terminal (systemd, docker, a log file), where rich's live bar draws nothing at all.
-* :func:`stats_view`, :func:`policy_view`, :func:`sessions_view` — the Stats, a tenant's policy
-  and the open sessions as tables, byte counts as ``64.0 GiB`` (``--json`` prints the raw
-  document).
-* :func:`audit_table`, :func:`audit_line` — audit entries as a table where it fits whole, else
-  one complete tab-separated line per entry (and always off a terminal): the table cut every
-  column to an ellipsis on 80 columns or in a pipe, so ``tenant.create`` and ``tenant.delete``
-  both read ``tenant.…`` and ``kvstore audit | grep tenant.delete`` found nothing.
+* :func:`stats_view`, :func:`policy_view` — the Stats and a tenant's policy as tables, byte
+  counts as ``64.0 GiB`` (``--json`` prints the raw document).
+* :class:`Listing` (:func:`models_listing`, :func:`sessions_listing`, :func:`tenants_listing`,
+  :func:`audit_listing`) — rows an operator copies from, shown as :func:`whole_table` where the
+  table fits with every cell whole, else one complete tab-separated line per row
+  (:func:`tsv_line`; and always off a terminal): rich cut every column wider than the console
+  to an ellipsis, on 80 columns or in a pipe, so ``tenant.create`` and ``tenant.delete`` both
+  read ``tenant.…``, ``kvstore audit | grep tenant.delete`` found nothing, and the session id,
+  model revision or tenant name to give ``session close``, ``model purge`` or ``tenant delete``
+  was cut.
 
 Whatever came from the server is shown through ``shown`` (markup escaped, control characters
 as escapes): the caller's :func:`kvstore.cli_serve._shown`.
@@ -23,7 +26,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 from rich import box
 from rich.cells import cell_len
@@ -178,80 +181,113 @@ def duration(seconds: float) -> str:
     return f"{s // 86_400} d {s % 86_400 // 3600:02d} h"
 
 
-def models_view(models: list[dict[str, Any]], shown: Shown) -> RenderableType:
-    """The models stored (``AdminClient.list_models``) as a table; the fingerprint whole (it
-    is what ``kvstore model purge`` takes: never cut)."""
-    table = Table("fingerprint", "model", "revision", "dtype", "block tokens", "blocks", "size", "tenants",
-                  title=f"{len(models)} model{'' if len(models) == 1 else 's'}", title_justify="left")
-    table.columns[0].no_wrap = True
-    table.columns[0].overflow = "ignore"
-    for col in table.columns[4:]:
-        col.justify = "right"
-    for m in models:
-        table.add_row(m["fingerprint"], shown(m["model"]), shown(m["revision"]), shown(m["dtype"]),
-                      shown(m["block_tokens"]), shown(m["blocks"]), _shown_size(m["bytes"], shown),
-                      shown(m["tenants"]))
-    return table
+# -- lists: a table where every cell fits whole, else one line per row ----------------------------
+class Field(NamedTuple):
+    """A column of a :class:`Listing`."""
+
+    name: str
+    #: right-justified (a number)
+    right: bool = False
+    #: 0: shown whole on one line, or the table is not used; else the column may wrap (folded,
+    #: nothing cut) and takes this share of the width the others leave
+    wrap: int = 0
 
 
-def sessions_view(sessions: list[dict[str, Any]], shown: Shown) -> RenderableType:
-    """The open sessions (``AdminClient.list_sessions``) as a table: each one's state, the
-    blocks it holds and those it pins in HBM (sizes; "only it": pinned by no other session,
-    what closing it frees), and how long it has been idle."""
-    table = Table("tenant", "session", "state", "blocks", "size", "pinned", "pinned size", "only it", "idle",
-                  title=f"{len(sessions)} open session{'' if len(sessions) == 1 else 's'}", title_justify="left")
-    for col in table.columns[3:]:
-        col.justify = "right"
-    for s in sessions:
-        table.add_row(shown(s["tenant"]), shown(s["session_id"]), shown(s["state"]), shown(s["blocks"]),
-                      _shown_size(s["bytes"], shown), shown(s["pinned_blocks"]), _shown_size(s["pinned_bytes"], shown),
-                      _shown_size(s["only_pinned_bytes"], shown), duration(s["idle_s"]))
-    return table
+class Listing(NamedTuple):
+    """Rows to show as a :func:`whole_table` or as :func:`tsv_line` lines: their columns, their
+    cells through a ``text`` (rich markup escaped for the table, plain for the lines) and the
+    table's title."""
+
+    fields: tuple[Field, ...]
+    rows: Callable[[Shown], list[list[str]]]
+    title: str = ""
 
 
-# -- the audit log --------------------------------------------------------------------------------
-AUDIT_COLUMNS = ("seq", "time", "principal", "action", "target", "result", "ref", "detail")
-#: the columns of the audit table that may wrap (folded within their width); the others are
-#: shown whole or the table is not used
-_AUDIT_FOLDED = {"target": 1, "detail": 2}
-#: the narrowest a folded column of the audit table may be
-AUDIT_FOLD_MIN = 16
+#: the narrowest a wrapping column of a :func:`whole_table` may be
+FOLD_MIN = 16
 
 
-def audit_cells(entry: dict[str, Any], text: Shown, when: Callable[[float], str]) -> list[str]:
-    """One audit entry (``AdminClient.audit``) as its :data:`AUDIT_COLUMNS`; every string the
-    server sent through ``text`` (a target is what a caller sent: ``[red]x``, an ESC sequence)."""
-    return [str(entry["seq"]), when(entry["time"]), *(text(entry[k]) for k in ("principal", "action", "target",
-            "result")), str(entry["ref"] or ""), text(entry["detail"])]
-
-
-def audit_line(cells: list[str]) -> str:
-    """An entry's cells (through a ``text`` that escapes control characters, tabs included)
-    as one tab-separated line: whole, whatever its length, for ``grep`` and ``cut -f``."""
+def tsv_line(cells: list[str]) -> str:
+    """A row's cells (through a ``text`` that escapes control characters, tabs included) as
+    one tab-separated line: whole, whatever its length, for ``grep`` and ``cut -f``."""
     return "\t".join(cells)
 
 
-def audit_table(rows: list[list[str]], width: int) -> Table | None:
-    """Entries' cells (rich markup, from :func:`audit_cells`) as a table ``width`` columns
-    wide, or None when it cannot show every cell whole there: the columns other than target
-    and detail at their full width, and at least :data:`AUDIT_FOLD_MIN` left for each of
-    those two, which wrap."""
-    widths = [max([cell_len(name)] + [cell_len(Text.from_markup(r[i]).plain) for r in rows])
-              for i, name in enumerate(AUDIT_COLUMNS)]
-    overhead = 3 * len(AUDIT_COLUMNS) - 1  # padding of 1 each side, a separator between
+def whole_table(listing: Listing, rows: list[list[str]], width: int) -> Table | None:
+    """``rows`` (rich markup, ``listing.rows`` through an escaping ``text``) as a table
+    ``width`` columns wide, or None when it cannot show every cell whole there: each column at
+    its full width, or, where the listing has wrapping columns, the others at theirs and at
+    least :data:`FOLD_MIN` left for each of those, which wrap. (rich shrinks a table wider than
+    the console by cutting cells to an ellipsis: the session id, model revision or tenant name
+    an operator copies into the next command.)"""
+    fields = listing.fields
+    widths = [max([cell_len(f.name)] + [cell_len(Text.from_markup(r[i]).plain) for r in rows])
+              for i, f in enumerate(fields)]
+    overhead = 3 * len(fields) - 1  # padding of 1 each side, a separator between
     if sum(widths) + overhead <= width:
-        folded: dict[str, int] = {}  # every cell fits on one line
+        wrapping: set[int] = set()  # every cell fits on one line
     else:
-        fixed = sum(w for w, name in zip(widths, AUDIT_COLUMNS, strict=True) if name not in _AUDIT_FOLDED)
-        if fixed + len(_AUDIT_FOLDED) * AUDIT_FOLD_MIN + overhead > width:
+        wrapping = {i for i, f in enumerate(fields) if f.wrap and widths[i] > FOLD_MIN}
+        fixed = sum(w for i, w in enumerate(widths) if i not in wrapping)
+        if not wrapping or fixed + len(wrapping) * FOLD_MIN + overhead > width:
             return None
-        folded = _AUDIT_FOLDED
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, expand=bool(folded))
-    for name, w in zip(AUDIT_COLUMNS, widths, strict=True):
-        if name in folded:
-            table.add_column(name, ratio=folded[name], min_width=AUDIT_FOLD_MIN, overflow="fold")
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, expand=bool(wrapping), title=listing.title or None,
+                  title_justify="left")
+    for i, (f, w) in enumerate(zip(fields, widths, strict=True)):
+        if i in wrapping:
+            table.add_column(f.name, ratio=f.wrap, min_width=FOLD_MIN, overflow="fold")
         else:
-            table.add_column(name, width=w, no_wrap=True, justify="right" if name in ("seq", "ref") else "left")
+            table.add_column(f.name, width=w, no_wrap=True, justify="right" if f.right else "left")
     for r in rows:
         table.add_row(*r)
     return table
+
+
+def models_listing(models: list[dict[str, Any]]) -> Listing:
+    """The models stored (``AdminClient.list_models``): fingerprint (what ``kvstore model
+    purge`` takes), model, revision, dtype, block tokens, blocks, size, tenants."""
+    def rows(text: Shown) -> list[list[str]]:
+        return [[text(m["fingerprint"]), text(m["model"]), text(m["revision"]), text(m["dtype"]),
+                 text(m["block_tokens"]), text(m["blocks"]), _shown_size(m["bytes"], text), text(m["tenants"])]
+                for m in models]
+    return Listing((Field("fingerprint"), Field("model"), Field("revision"), Field("dtype"),
+                    Field("block tokens", right=True), Field("blocks", right=True), Field("size", right=True),
+                    Field("tenants", right=True)),
+                   rows, f"{len(models)} model{'' if len(models) == 1 else 's'}")
+
+
+def sessions_listing(sessions: list[dict[str, Any]]) -> Listing:
+    """The open sessions (``AdminClient.list_sessions``): each one's state, the blocks it holds
+    and those it pins in HBM (sizes; "only it": pinned by no other session, what closing it
+    frees), and how long it has been idle."""
+    def rows(text: Shown) -> list[list[str]]:
+        return [[text(s["tenant"]), text(s["session_id"]), text(s["state"]), text(s["blocks"]),
+                 _shown_size(s["bytes"], text), text(s["pinned_blocks"]), _shown_size(s["pinned_bytes"], text),
+                 _shown_size(s["only_pinned_bytes"], text), duration(s["idle_s"])] for s in sessions]
+    numbers = (Field(name, right=True) for name in ("blocks", "size", "pinned", "pinned size", "only it", "idle"))
+    return Listing((Field("tenant"), Field("session"), Field("state"), *numbers), rows,
+                   f"{len(sessions)} open session{'' if len(sessions) == 1 else 's'}")
+
+
+def tenants_listing(tenants: list[dict[str, Any]], when: Callable[[float], str]) -> Listing:
+    """The principals (``AdminClient.list_tenants``): name, role, shared namespaces (the one
+    column that wraps), when created, and the state (``deleting``: a deletion in progress or
+    left unfinished)."""
+    def rows(text: Shown) -> list[list[str]]:
+        return [[text(t["name"]), text(t["role"]), text(", ".join(t["namespaces"])), when(t["created"]),
+                 "deleting" if t["deleting"] else "live"] for t in tenants]
+    return Listing((Field("name"), Field("role"), Field("namespaces", wrap=1), Field("created"), Field("state")),
+                   rows, f"{len(tenants)} principal{'' if len(tenants) == 1 else 's'}")
+
+
+# -- the audit log --------------------------------------------------------------------------------
+def audit_listing(entries: list[dict[str, Any]], when: Callable[[float], str]) -> Listing:
+    """Audit entries (``AdminClient.audit``): seq, time, principal, action, target, result,
+    ref, detail; target and detail wrap in a table. Every string the server sent goes through
+    ``text`` (a target is what a caller sent: ``[red]x``, an ESC sequence)."""
+    def rows(text: Shown) -> list[list[str]]:
+        return [[str(e["seq"]), when(e["time"]), *(text(e[k]) for k in ("principal", "action", "target", "result")),
+                 str(e["ref"] or ""), text(e["detail"])] for e in entries]
+    return Listing((Field("seq", right=True), Field("time"), Field("principal"), Field("action"),
+                    Field("target", wrap=1), Field("result"), Field("ref", right=True), Field("detail", wrap=2)),
+                   rows)

@@ -54,8 +54,8 @@ def test_cli_reports_errors_with_their_code(sidecar):
     (["policy", "set", "cli-x", "--quota", "hbm=99999999999t"], "the quota for hbm must be an integer in"),
     (["policy", "set", "cli-x", "--priority", "99999999999"], "priority must be an integer in"),
     (["tenant", "add", "cli-y", "--role", "superuser"], "role must be one of tenant, publisher, admin"),
-    (["audit", "--limit", "-1"], "limit must be an integer in"),
-    (["audit", "--since", "-5"], "since_seq must be an integer in"),
+    (["audit", "--limit", "-1"], "Invalid value for '--limit': Input should be greater than or equal to 1"),
+    (["audit", "--since", "-5"], "Invalid value for '--since': Input should be greater than or equal to 0"),
     (["tenant", "add", "cli-x"], "principal 'cli-x' already exists"),
 ])
 def test_bad_cli_values_are_one_line_errors_not_tracebacks(sidecar, args, says):
