@@ -102,7 +102,7 @@ def test_remote_bench_alternates_the_order_of_each_pair() -> None:
 
 
 class _SlowDeleteClient:
-    """A stand-in for kvstore.client.Client: put/get copy at once, delete takes 0.2 s."""
+    """A stand-in for kvstore.client.Client: put/get copy at once, delete takes 1 s."""
 
     def __init__(self, *_a: object, **_k: object) -> None:
         self.held: dict = {}
@@ -120,7 +120,7 @@ class _SlowDeleteClient:
     def delete(self, keys: list[int]) -> None:
         import time
 
-        time.sleep(0.2)  # the cost of the delete RPC, which the put+get figure must not hold
+        time.sleep(1.0)  # the cost of the delete RPC, which the put+get figure must not hold
 
     def close(self) -> None:
         pass
@@ -135,8 +135,9 @@ def test_service_suite_concurrency_times_put_get_only_next_to_memcpy(monkeypatch
     monkeypatch.setattr(kvstore.client, "Client", _SlowDeleteClient)
     row = suite_service._concurrency(2, "unused", "unused", False, blocks=1, rounds=2)
     moved = 2 * row["bytes_per_client_round"] * row["clients"]
-    # the 0.2 s delete is outside the timed span
-    assert moved / (row["aggregate_put_get_gbps"] * 1e9) < 0.1
+    # the 1 s delete is outside the timed span (NOTE: a 0.2 s delete against a 0.1 s bound
+    # failed under load: a loaded machine's scheduling alone took that long)
+    assert moved / (row["aggregate_put_get_gbps"] * 1e9) < 0.5
     assert row["memcpy_gbps"] > 0 and row["vs_memcpy"] > 0
 
 
