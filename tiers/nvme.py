@@ -231,6 +231,12 @@ def _make_dir(path: Path, *, parents: bool = True) -> None:
         raise FailedPrecondition(f"cannot make the NVMe tier's directory {path}: {exc.strerror or exc}") from None
 
 
+#: the LMDB map of the NVMe tier: twice its capacity (values that do not compress, LMDB's own
+#: pages) plus this, and at least the file already there plus this; never under MAP_FLOOR
+MAP_HEADROOM = 256 << 20
+MAP_FLOOR = 1 << 26
+
+
 class NVMeTier:
     tier = Tier.NVME
 
@@ -247,7 +253,15 @@ class NVMeTier:
         # pages, no copy at commit) is off by default: LMDB then extends the file to map_size
         # as a sparse file, and a write fault on a full disk is SIGBUS, not an error; on this
         # VM its gain did not stand out of the noise (see bench/RESULTS.md, tiers suite).
-        map_size = map_size or max(capacity * 2 + (256 << 20), 1 << 26)
+        map_size = map_size or max(capacity * 2 + MAP_HEADROOM, MAP_FLOOR)
+        # NOTE: at least the file and room to write: a store reopened with a lower nvme_bytes
+        # than its file already held mapped less than the file, and every put that had to evict
+        # (a write) failed with MDB_MAP_FULL, as did close, with the disk nearly empty
+        try:
+            held = (self.path / "data.mdb").stat().st_size
+        except OSError:
+            held = 0
+        map_size = max(map_size, held + MAP_HEADROOM)
         _check_file(self.path, lenient=LENIENT_DBS)
         _check_file(self.path / "keys")
         try:
