@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-import tiers.nvme as nvme
 from kvstore.config import StoreConfig
 from kvstore.spec import ModelSpec
 from kvstore.store import Store
+from tiers import nvme
 
 SPEC = ModelSpec(model="m", revision="r", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16",
                  block_tokens=64)  # 64 KiB blocks
