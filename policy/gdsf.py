@@ -24,6 +24,8 @@ class GDSFPolicy:
         self._costs = CostModels(spec_lookup, costs)
         self._level = [0.0] * len(Tier)  # L per tier
         self._h: dict[bytes, float] = {}
+        # per tier: (key, now) of the victim demote_to last learnt from (see there)
+        self._leaving: list[tuple[bytes, float] | None] = [None] * len(Tier)
 
     def _value(self, meta: BlockMeta) -> float:
         model = self._costs.get(meta.fingerprint, meta.tokens)
@@ -54,9 +56,14 @@ class GDSFPolicy:
     def demote_to(
         self, meta: BlockMeta, src: Tier, available: Sequence[Tier], now: float
     ) -> Tier | None:
-        h = self._h.get(meta.key)
-        if h is not None and h > self._level[src]:
-            self._level[src] = h
+        if self._leaving[src] != (meta.key, now):
+            # NOTE: the Store asks again, with the tiers after the one named, when that one
+            # could not take the victim (policy.base): the second ask read the H the first had
+            # stamped for the destination, and raised ``src``'s level past the victim's
+            self._leaving[src] = (meta.key, now)
+            h = self._h.get(meta.key)
+            if h is not None and h > self._level[src]:
+                self._level[src] = h
         if not available:
             return None
         self._stamp(meta, available[0])

@@ -286,3 +286,23 @@ def test_the_last_tier_still_tells_the_policy_of_each_victim(open_store, spec, c
     rp = make_replay_policy("cost", cfg)
     run_replay([TraceRequest(float(i), 512, 1, (i + 1,)) for i in range(8)], cfg, rp)
     assert rp.horizon(Tier.NVME) < float("inf")  # type: ignore[attr-defined]
+
+
+def test_gdsf_learns_from_one_eviction_once_when_the_store_asks_again():
+    """The Store asks demote_to again, with the tiers after the one named, when that one could
+    not take the victim: GDSF raised the source tier's level on each ask, and the second read
+    the H the first had stamped for the destination (L_hbm became L_dram + the block's value,
+    not the victim's H)."""
+    from policy.gdsf import GDSFPolicy
+
+    p = GDSFPolicy()
+    meta = BlockMeta(key=b"k" * 32, tenant="t", fingerprint=b"f" * 16, parent=ROOT_KEY, depth=1,
+                     tier=Tier.HBM, nbytes=1024, tokens=16, created=0.0, last_access=0.0)
+    p._level[Tier.DRAM] = 5.0
+    p.on_insert(meta, 0.0)
+    h = p._h[meta.key]
+    assert p.demote_to(meta, Tier.HBM, [Tier.DRAM, Tier.NVME], 1.0) is Tier.DRAM
+    assert p._level[Tier.HBM] == h
+    # DRAM could not take it: asked again with NVMe only, the same eviction
+    assert p.demote_to(meta, Tier.HBM, [Tier.NVME], 1.0) is Tier.NVME
+    assert p._level[Tier.HBM] == h  # was 5.0 + the block's value
