@@ -276,6 +276,25 @@ class Placement:
                 cur = self._index.get(cur.tenant, cur.parent) if cur.parent != ROOT_KEY else None
         return list(out.values())
 
+    def hold_chain(self, chain: list[BlockMeta]) -> list[Ident]:
+        """Protect ``chain`` (a read's prefix, each block the child of the one before) and every
+        ancestor of its first block; the idents this added, for the caller to discard.
+
+        NOTE: the read paths protected only the chain: a get or lease continuing from a
+        ``parent`` in HBM whose children were all below it (a leaf there) evicted that parent
+        to make room for promoting the chain's first block, which then sat in HBM under a
+        parent in DRAM (lookups of the whole chain stopped at the parent); :meth:`promote`
+        protects the lineage the same way."""
+        protected = self.protected
+        idents = [(m.tenant, m.key) for m in chain if (m.tenant, m.key) not in protected]
+        if chain and chain[0].parent != ROOT_KEY:
+            up = self._index.get(chain[0].tenant, chain[0].parent)
+            if up is not None:
+                idents += [(m.tenant, m.key) for m in self.lineage([up])
+                           if (m.tenant, m.key) not in protected]
+        protected.update(idents)
+        return idents
+
     def write(self, tier: Tier, ref: BlockRef, meta: BlockMeta, data: Any) -> bool:
         if tier == Tier.NVME:
             assert self._nvme is not None

@@ -88,8 +88,7 @@ class LeasedGets:
             now = self._clock()
             chain = self._chain(tenant, spec, keys, now, parent0)
             protected = self._place.protected
-            idents = [(m.tenant, m.key) for m in chain if (m.tenant, m.key) not in protected]
-            protected.update(idents)
+            idents = self._place.hold_chain(chain)  # the parent's lineage too: see hold_chain
             views = lease.views
             try:
                 for m in chain:

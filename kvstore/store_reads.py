@@ -269,8 +269,7 @@ class ReadPath:
         now = self._clock()
         chain = self._chain(tenant, spec, keys, now, parent)
         served = 0
-        idents = [(m.tenant, m.key) for m in chain if (m.tenant, m.key) not in self._place.protected]
-        self._place.protected.update(idents)
+        idents = self._place.hold_chain(chain)  # the parent's lineage too: see hold_chain
         try:
             for m in chain:
                 if not self._place.serve(m, out(served), now):
