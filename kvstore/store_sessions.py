@@ -16,15 +16,18 @@ pins (see DESIGN.md §7):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from kvstore.block import BlockMeta, SessionState, Tier
-from kvstore.errors import InvalidArgument, ResourceExhausted
+from kvstore.errors import InvalidArgument, NVMeWriteFailed, ResourceExhausted
 from kvstore.keys import check_keys
 from kvstore.sessions import Session
 from kvstore.sizes import format_size
 from kvstore.spec import ModelSpec
 from kvstore.store_reserve import _parent
+
+log = logging.getLogger(__name__)
 
 
 class SessionPins:
@@ -108,7 +111,9 @@ class SessionPins:
             blocks = self._turn(tenant, session, pause=True)
             if blocks is None:
                 return 0
-            return self._park(blocks)
+            moved = self._park(blocks)
+            self._fit_quotas(tenant)
+            return moved
 
     def _park(self, blocks: list[BlockMeta]) -> int:
         """Demote a paused session's unpinned HBM blocks to DRAM, leaves first (a prefix that an
@@ -210,6 +215,21 @@ class SessionPins:
                     m.pins -= 1
                 m.sessions.discard(session)
             self._sessions.remove(tenant, session, how)
+            try:
+                with self._batch():
+                    self._fit_quotas(tenant)
+            except NVMeWriteFailed as exc:  # the session is closed: the demotions are best effort
+                log.warning("session %r of %r %s, but %s", session, tenant, how, exc)
+
+    def _fit_quotas(self, tenant: str) -> None:
+        """Bring ``tenant`` within its quotas now that pins are gone (under the lock).
+
+        NOTE: a quota lowered under a session's pinned blocks keeps them (set_tenant_policy);
+        once they were unpinned nothing applied it: the tenant stayed over its quota until it
+        happened to put again (3x its HBM quota in the prober's case). Its own blocks are
+        evicted (demoted) now, as set_tenant_policy evicts them."""
+        for tier in self.tiers:
+            self._place.fit_quota(tenant, tier)
 
     def session_state(self, tenant: str, session: str) -> SessionState:
         """The session's state: a look, no use of it (its idle timer runs on). NOTE: it was a

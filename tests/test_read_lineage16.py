@@ -4,6 +4,11 @@ A. ``get(keys, parent=P)`` and ``lease_prefix(keys, parent=P)`` protected only t
    promoting the first of them into HBM evicted ``P`` (a leaf in HBM, its only child below) to
    make room, and the block then sat in HBM under a parent in DRAM (lookups of the chain
    stopped at ``P``). The parent's lineage is held now, as ``Placement.promote`` holds it.
+B. a tenant's quota lowered under its session-pinned blocks (kept while pinned) was never
+   applied once the session ended: after close_session / end_session the tenant held 3x its
+   quota until it put again (and a pause that could not park every block in DRAM, its DRAM
+   quota binding, left it over its HBM quota). The quota is fitted when the pins go, as
+   set_tenant_policy does.
 """
 
 from __future__ import annotations
@@ -64,3 +69,40 @@ def test_read_under_parent_keeps_parent_above_child(tmp_path: Path, how: str) ->
     finally:
         s.close()
 
+
+
+@pytest.mark.parametrize("how", ["close_session", "end_session"])
+def test_quota_lowered_under_pins_applies_once_session_ends(tmp_path: Path, how: str) -> None:
+    s = Store.open(StoreConfig(path=tmp_path, hbm_bytes=3 * N, dram_bytes=1 * N, nvme_bytes=6 * N,
+                               master_key=bytes(range(32)), policy="lru"))
+    try:
+        s.open_session("b", "s1")
+        keys = s.block_keys("b", SPEC, list(range(6)))
+        s.put("b", SPEC, keys, torch.zeros(3, *SPEC.block_shape, dtype=SPEC.torch_dtype), session="s1")
+        s.set_tenant_policy("b", quota_bytes={"hbm": N})
+        assert s.stats()["tenants"]["b"]["hbm"] == 3 * N  # pinned: kept, as documented
+        getattr(s, how)("b", "s1")
+        assert s.stats()["tenants"]["b"]["hbm"] <= N
+        # demoted, not lost: the whole chain is still there, in tier order
+        assert len(s.lookup("b", SPEC, keys).tiers) == 3
+        assert all(a <= b for a, b in pairwise(s._index.get("b", k).tier for k in keys))
+    finally:
+        s.close()
+
+
+def test_quota_applies_after_pause(tmp_path: Path) -> None:
+    """Pause parks the blocks in DRAM; what its DRAM quota left in HBM was over the HBM quota."""
+    s = Store.open(StoreConfig(path=tmp_path, hbm_bytes=3 * N, dram_bytes=4 * N, nvme_bytes=6 * N,
+                               master_key=bytes(range(32)), policy="lru"))
+    try:
+        s.open_session("b", "s1")
+        keys = s.block_keys("b", SPEC, list(range(6)))
+        s.put("b", SPEC, keys, torch.zeros(3, *SPEC.block_shape, dtype=SPEC.torch_dtype), session="s1")
+        s.set_tenant_policy("b", quota_bytes={"hbm": N, "dram": N})
+        s.pause_session("b", "s1")
+        held = s.stats()["tenants"]["b"]
+        assert held.get("hbm", 0) <= N and held.get("dram", 0) <= N, held
+        assert len(s.lookup("b", SPEC, keys).tiers) == 3  # kept: pushed down to NVMe
+        assert all(a <= b for a, b in pairwise(s._index.get("b", k).tier for k in keys))
+    finally:
+        s.close()
