@@ -91,8 +91,9 @@ F_BIGDATA, F_SUBDATA = 0x01, 0x02
 MDB_INTEGERKEY = 0x08
 MAX_DEPTH = 32  # LMDB's cursor stack (CURSOR_STACK)
 _PGNO = struct.Struct("<Q")
-#: overflow headers read together (:meth:`_Walk.overflow_heads`): at most this many pages apart,
-#: at most this many bytes in one read
+#: overflow headers the kernel is told of together (``POSIX_FADV_WILLNEED``, in
+#: :meth:`_Walk.overflow_heads`): runs of them at most this many pages apart, told of at most
+#: this many bytes at a time
 _GAP_PAGES = 16
 _RUN_BYTES = 1 << 20
 _WILLNEED = hasattr(os, "posix_fadvise")
@@ -102,7 +103,7 @@ _HDR_DTYPE = np.dtype([("pgno", "<u8"), ("pad", "<u2"), ("flags", "<u2"), ("lowe
 
 class FileDamage(Exception):
     """The file is damaged in a way LMDB would not survive; the message says where and how.
-    ``truncated``: the file is shorter than its last commit (``have`` < ``need`` bytes)."""
+    ``truncated``: the file ends before a page its last commit uses (``have`` < ``need`` bytes)."""
 
     def __init__(self, message: str, *, truncated: bool = False, have: int = 0, need: int = 0) -> None:
         super().__init__(message)
