@@ -104,6 +104,17 @@ def _write_all(fd: int, blocks: list[np.ndarray]) -> None:
             view = view[os.write(fd, view):]
 
 
+def _write_synced(path: Path, flags: int, blocks: list[np.ndarray]) -> None:
+    """``blocks`` written from the start of ``path`` (opened write-only with ``flags`` more),
+    then fsync."""
+    fd = os.open(path, os.O_WRONLY | flags, 0o600)
+    try:
+        _write_all(fd, blocks)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def disk_write_measure(blocks: list[np.ndarray], workdir: Path) -> Measure:
     """Sequential rewrite in place of the op's bytes in a file written (and fsynced) once
     beforehand, then fsync: the durable-disk limit of a write path."""
@@ -112,22 +123,8 @@ def disk_write_measure(blocks: list[np.ndarray], workdir: Path) -> Measure:
     # 1.3x faster here, so the NVMe paths showed up to "2.2x the raw disk". The fresh-file
     # variant is kept, labelled, as disk_new_file_measure.
     path = workdir / "seq-rewrite.bin"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        _write_all(fd, blocks)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-    def rewrite() -> None:
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            _write_all(fd, blocks)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    return Measure("disk_write_fsync", sum(b.nbytes for b in blocks), rewrite)
+    _write_synced(path, os.O_CREAT | os.O_TRUNC, blocks)
+    return Measure("disk_write_fsync", sum(b.nbytes for b in blocks), lambda: _write_synced(path, 0, blocks))
 
 
 def disk_new_file_measure(blocks: list[np.ndarray], workdir: Path) -> Measure:
@@ -136,12 +133,7 @@ def disk_new_file_measure(blocks: list[np.ndarray], workdir: Path) -> Measure:
     path = workdir / "seq-write.bin"
 
     def write() -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            _write_all(fd, blocks)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_synced(path, os.O_CREAT | os.O_TRUNC, blocks)
 
     return Measure(NEW_FILE, sum(b.nbytes for b in blocks), write,
                    teardown=lambda: path.unlink(missing_ok=True))
