@@ -323,7 +323,8 @@ class Client:
         self._region_bytes = region_bytes
         self._register_lock = threading.Lock()
         self._retry_register_at: float | None = None  # monotonic time of the next attempt
-        self._stream_cap: int | None = None  # the server's limits.max_stream_bytes, once a Get learned it
+        # limits.max_stream_bytes of a server that predates GetRequest.partial, once a refusal stated it
+        self._stream_cap: int | None = None
         auto = local is None
         if auto:
             local = is_local_target(target)
@@ -743,14 +744,17 @@ class Client:
 
     def _get_stream(self, spec: ModelSpec, keys: list[bytes], rows: np.ndarray, namespace: str,
                     parent: bytes | None, timeout: float | None = None) -> int:
-        """An in-band get, in pieces of at most the server's ``limits.max_stream_bytes``, each
-        continuing from the previous piece's last key (a miss ends the prefix), within one
-        deadline. Why: a Get stream asking for more bytes than that limit was refused
+        """An in-band get, in pieces within one deadline: the server serves at most its
+        ``limits.max_stream_bytes`` per Get (``GetRequest.partial``) and says when it stopped
+        there (``GetHeader.limited``) rather than at a miss; the next piece continues from the
+        last key served. Why: a Get stream asking for more bytes than that limit was refused
         (RESOURCE_EXHAUSTED) however few of them were stored, where the Store and the
-        shared-memory plane return the stored prefix. No call tells a client the limit
-        before a Get: the server's refusal states it (``limits.max_stream_bytes=N``), and the
-        client keeps it for its later gets (one refused call per client, not per get); a
-        refusal that does not state it halves the piece until the server takes it."""
+        shared-memory plane return the stored prefix.
+
+        A server that predates ``partial`` still refuses: its refusal states the limit
+        (``limits.max_stream_bytes=N``), which the client keeps for its later gets (one refused
+        call per client, not per get); a refusal that does not state it halves the piece until
+        the server takes it."""
         deadline = time.monotonic() + timeout if timeout is not None else self._deadline()
         nbytes = spec.block_nbytes
         got = 0
@@ -758,8 +762,8 @@ class Client:
             cap = self._stream_cap
             count = len(keys) - got if cap is None else min(len(keys) - got, max(1, cap // nbytes))
             try:
-                k = self._get_piece(spec, keys[got : got + count], rows[got : got + count], namespace, parent,
-                                    self._left(deadline))
+                k, limited = self._get_piece(spec, keys[got : got + count], rows[got : got + count], namespace,
+                                             parent, self._left(deadline))
             except ResourceExhausted as exc:
                 if count == 1 or _STREAM_LIMIT not in str(exc):
                     raise
@@ -768,15 +772,18 @@ class Client:
                 self._stream_cap = min(limit, (count - 1) * nbytes)  # NOTE: always fewer blocks than refused
                 continue
             got += k
-            if k < count:  # a miss ends the prefix
+            if k < count and not limited:  # a miss ends the prefix
                 break
+            if not k:  # NOTE: a server that cut a piece to nothing would loop for ever
+                raise IntegrityError("the server served no block of a Get it said it had cut at its limit")
             parent = keys[got - 1]
         return got
 
     def _get_piece(self, spec: ModelSpec, keys: list[bytes], rows: np.ndarray, namespace: str,
-                   parent: bytes | None, timeout: float | None) -> int:
-        """One Get stream of ``keys`` into ``rows``; how many leading blocks it wrote."""
-        req = pb.GetRequest(chunk_bytes=self.chunk_bytes, pack_blocks=True)
+                   parent: bytes | None, timeout: float | None) -> tuple[int, bool]:
+        """One Get stream of ``keys`` into ``rows``: how many leading blocks it wrote, and
+        whether the server stopped at its stream limit (more may follow) rather than a miss."""
+        req = pb.GetRequest(chunk_bytes=self.chunk_bytes, pack_blocks=True, partial=True)
         self._target(req.target, spec, keys, None, namespace, parent)
         nbytes = spec.block_nbytes
         stream = None
@@ -797,7 +804,7 @@ class Client:
         finally:
             if stream is not None:
                 stream.cancel()  # no-op once the stream completed; stops it on an error
-        return n
+        return n, first.meta.header.limited
 
     def _get_local(self, spec: ModelSpec, keys: list[bytes], rows: np.ndarray, namespace: str,
                    parent: bytes | None) -> int:

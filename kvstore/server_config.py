@@ -47,6 +47,7 @@ from pydantic import (
 from kvstore.config import StoreConfig, validation_error
 from kvstore.errors import InvalidArgument
 from kvstore.memtune import NONTEMPORAL_MIN as STREAMING_COPY_MIN
+from kvstore.metrics import MAX_TENANT_LABELS
 from kvstore.paths import OptionalUserPath, UserPath, private_file_problem
 from kvstore.sizes import ByteCount, Float, Int
 
@@ -160,7 +161,9 @@ class LimitsConfig(BaseModel):
     """Most blocks one Put stream may carry."""
 
     max_stream_bytes: Annotated[ByteCount, Field(ge=1)] = 2 * GiB
-    """Most payload bytes one Put stream may buffer before it commits (and one Get stream may stage)."""
+    """Most payload bytes one Put stream may buffer before it commits (and one Get stream may
+    stage: a Get asking for more is served up to it when the request says ``partial``, as
+    :class:`kvstore.client.Client` does, and reads on in another Get; else refused)."""
 
     max_inflight_bytes_per_tenant: Annotated[ByteCount, Field(ge=1)] = 4 * GiB
     """Payload bytes one principal (a tenant or a publisher, whatever namespaces it writes) may
@@ -341,6 +344,16 @@ class MetricsConfig(BaseModel):
     ``<store.path>/metrics.token``. Made with a new random token (mode 0600) when missing; its
     directory must exist (NOTE: the example above named /etc/kvstore/, which a fresh host lacks:
     it failed as written)."""
+
+    max_tenant_labels: Annotated[Int, Field(ge=0, le=100_000)] = MAX_TENANT_LABELS
+    """Tenants (and shared namespaces) with their own ``tenant`` label value at once, in the
+    per-tenant series (lookups, saved prefill tokens, bytes per tier, quota refusals
+    ``resource="quota:TENANT:TIER"``); the others are counted together under
+    ``tenant="_other"``, so a metric's sum over its series stays the total. A tenant keeps
+    its place until it is deleted (its series go then). Why: every tenant label value is ~10
+    series, and uncapped, 50,000 tenants made ~450,000 series: each scrape ~30 MB, the
+    sidecar's memory and Prometheus's growing with every tenant. 0 = every tenant under
+    ``_other``; at most 100,000."""
 
 
 class ServerConfig(BaseModel):

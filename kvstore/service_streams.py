@@ -27,6 +27,10 @@
   vanished client never reads bytes that changed under it; the Store's lock is not held while
   grpc sends. With ``plane.auth``, the caller's right to read is checked again before each frame: a
   stream whose token was rotated (or grant revoked) meanwhile ends with that error.
+  A Get asking for more bytes than ``limits.max_stream_bytes`` is refused (RESOURCE_EXHAUSTED),
+  unless the request sets ``partial``: then it serves the leading blocks that fit the limit
+  and its header says ``limited`` when the prefix reached that cut (the client asks again from
+  the next block). Why: clients learned the limit by parsing the refusal's text.
 
 Frames are :mod:`kvstore.frames`; the servicer only authenticates and maps errors.
 """
@@ -34,6 +38,7 @@ Frames are :mod:`kvstore.frames`; the servicer only authenticates and maps error
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -135,8 +140,12 @@ def get_stream(plane: DataPlane, p: Principal, request: pb.GetRequest) -> Iterat
     (``plane.sent``) once the consumer asks for the next one (grpc asks once it sent it), and
     the blocks as served (``plane.served``: their prefill tokens) once the last one was."""
     b = plane.resolve(p, request.target)
-    _check_size(plane, b, count_blocks=False)  # bounds what one Get holds (leased or staged)
     nbytes = b.spec.block_nbytes
+    fit = plane.limits.max_stream_bytes // max(nbytes, 1)  # whole blocks within the limit
+    cut = request.partial and 0 < fit < len(b.keys)
+    if cut:  # NOTE: refused before, and clients learned the limit from the refusal's text
+        b = replace(b, keys=list(b.keys[:fit]))
+    _check_size(plane, b, count_blocks=False)  # bounds what one Get holds (leased or staged)
     chunk = get_chunk_bytes(plane.limits.chunk_bytes, request.chunk_bytes)
     staged: list[np.ndarray] = []
 
@@ -154,7 +163,8 @@ def get_stream(plane: DataPlane, p: Principal, request: pb.GetRequest) -> Iterat
     staged = [buf for buf in staged if id(buf) in served]
     _give_all(plane.staging, unused)
     n = len(lease.views)
-    header = encode(pb.GetFrame(header=pb.GetHeader(num_blocks=n, block_nbytes=nbytes)))
+    # limited: the prefix ran to the cut, so it may go on past it (a miss before it ended it)
+    header = encode(pb.GetFrame(header=pb.GetHeader(num_blocks=n, block_nbytes=nbytes, limited=cut and n == fit)))
     auth = plane.auth
     check = (lambda: auth.check(p, b.namespace)) if auth is not None else None
     frames = _chunks(header, lease, nbytes, chunk, request.pack_blocks, plane.staging, staged, check,

@@ -169,22 +169,26 @@ class PutResponse(_message.Message):
     def __init__(self, blocks_written: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("target", "chunk_bytes", "pack_blocks")
+    __slots__ = ("target", "chunk_bytes", "pack_blocks", "partial")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     PACK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     target: Target
     chunk_bytes: int
     pack_blocks: bool
-    def __init__(self, target: _Optional[_Union[Target, _Mapping]] = ..., chunk_bytes: _Optional[int] = ..., pack_blocks: _Optional[bool] = ...) -> None: ...
+    partial: bool
+    def __init__(self, target: _Optional[_Union[Target, _Mapping]] = ..., chunk_bytes: _Optional[int] = ..., pack_blocks: _Optional[bool] = ..., partial: _Optional[bool] = ...) -> None: ...
 
 class GetHeader(_message.Message):
-    __slots__ = ("num_blocks", "block_nbytes")
+    __slots__ = ("num_blocks", "block_nbytes", "limited")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    LIMITED_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_nbytes: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_nbytes: _Optional[int] = ...) -> None: ...
+    limited: bool
+    def __init__(self, num_blocks: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., limited: _Optional[bool] = ...) -> None: ...
 
 class GetFrame(_message.Message):
     __slots__ = ("meta_bytes", "header", "block", "offset", "xxh3", "data")
