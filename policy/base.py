@@ -42,6 +42,13 @@ def parent_key(meta: BlockMeta) -> bytes:
     return b"" if parent == ROOT_KEY else parent
 
 
+def life_left(meta: BlockMeta, now: float) -> float | None:
+    """Seconds until ``meta``'s TTL deadline (``<= 0``: expired, as the Store's
+    ``now >= ttl_deadline``), or None for a block without a deadline."""
+    deadline = meta.ttl_deadline
+    return None if deadline is None else deadline - now
+
+
 @runtime_checkable
 class EvictionPolicy(Protocol):
     name: str

@@ -70,6 +70,23 @@ one is read again; from :mod:`policy.cost_model` the time a hit saves in each ti
   is a block whose committed NVMe copy exists (demoting it there writes nothing). When the
   tier it names cannot take the victim, the Store (and the replay) ask again with the tiers
   after it (:class:`policy.base.EvictionPolicy`); the eviction is learnt from once.
+* **Expiry** (``expiry_aware``, on by default): a read after a block's TTL deadline is a miss,
+  so only the reads before it count. With ``F`` the class's gap distribution
+  (:meth:`policy.reuse.ReuseEstimator.within`, gaps from the block's ``last_access``) and
+  ``w = ttl_deadline − last_access``, the next read comes before the deadline with
+  probability ``p·F(w)`` (:meth:`policy.reuse.ReuseEstimator.probability` with ``now``), and
+  a later one needs every gap before it shorter than ``w``, so the expected reads before the
+  deadline that fall within the horizon are at most ``q·F(min(T_t, w)) / (1 − q·F(w))``
+  (``q = min(p, 0.999)``; ``w = ∞`` gives ``p/(1 − p) × F(T_t)``, the value above). This is
+  non-decreasing in the deadline, and 0 once the block has expired (``now >= ttl_deadline``),
+  so of two blocks otherwise alike the one expiring sooner goes first; a block without a
+  deadline is valued exactly as before. ``reads`` and ``rate`` use ``p·F(w)`` for ``p``; a
+  demoted block's idle value (below) conditions the same window on its idle age. Demotion and
+  admission use ``p·F(w)`` too, and never write an expired block or one whose deadline comes
+  before its copy could be written (``restore_seconds`` to ``dest``, as the write cost takes
+  it): that write could only be deleted. The key is stamped as before (the deadline enters
+  the value, not the time left), so keys stay stable between notifications; a block that
+  expires is deleted by the Store's expiry, not re-ranked.
 * **Idle time at demotion** (``demotion_aging`` = β, 0.5 by default): a demoted block is
   keyed in the tier it goes to with ``L_t + v · (v_idle / v)^β``, where ``v`` is its value
   as if just read and ``v_idle`` its value given that it has not been read for its age
@@ -114,7 +131,7 @@ from dataclasses import dataclass, field
 
 from kvstore.block import BlockMeta, Tier
 from kvstore.errors import InvalidArgument
-from policy.base import SpecLookup, register
+from policy.base import SpecLookup, life_left, register
 from policy.cost_model import CostModel, CostModelConfig, CostModels
 from policy.reuse import ReuseConfig, ReuseEstimator
 
@@ -158,6 +175,10 @@ class CostPolicyConfig:
     than at the notification; the level ``L_t`` is still the one at the notification. The
     first ``rank``/``evict_key`` of such a block stores its key (a cache: the order it returns
     is the same on every later call)."""
+
+    expiry_aware: bool = True
+    """Count only the reads expected before a block's TTL deadline (module docstring,
+    "Expiry"); False values every block as if it had none (the behaviour before)."""
 
     def __post_init__(self) -> None:
         if self.valuation not in ("rate", "reads", "horizon"):
@@ -227,33 +248,82 @@ class CostPolicy:
             reads *= max(meta.access_count, 1) ** self.config.frequency_weight
         return reads
 
-    def value(self, meta: BlockMeta, tier: Tier, c: int | None = None) -> float:
+    def _left(self, meta: BlockMeta, now: float | None) -> float | None:
+        """Seconds to ``meta``'s deadline when the valuation counts it, else None."""
+        if now is None or not self.config.expiry_aware:
+            return None
+        return life_left(meta, now)
+
+    def _p_before(self, meta: BlockMeta, c: int | None, now: float | None,
+                  left: float | None) -> float | None:
+        """P(read again before the deadline) when ``left`` (from :meth:`_left`) is not None,
+        else None (the caller's plain ``p``, its call unchanged).
+
+        NOTE: ``probability(meta, c) × before_deadline``, not ``probability(meta, c, now)``:
+        the bounds of bench/replay_bounds.py replace ``probability`` with one that takes no
+        ``now``, and get the deadline applied too."""
+        if left is None or now is None:
+            return None
+        if c is None:
+            c = self.reuse.klass(meta)
+        return self.reuse.probability(meta, c) * self.reuse.before_deadline(meta, now, c)
+
+    def _reads_before(self, meta: BlockMeta, p: float, soon: float, life: float) -> float:
+        """Expected reads within a window, of a block read again with probability ``p``, its
+        next read within the window with probability ``soon`` and before its deadline with
+        ``life`` (``soon <= life``): ``q·soon / (1 − q·life)``, ``q = min(p, _P_MAX)``; with
+        ``life = 1`` (no deadline) this is ``expected_reads × soon``."""
+        q = min(p, _P_MAX)
+        reads = q * soon / (1.0 - q * life)
+        if self.config.frequency_weight:
+            reads *= max(meta.access_count, 1) ** self.config.frequency_weight
+        return reads
+
+    def value(self, meta: BlockMeta, tier: Tier, c: int | None = None,
+              now: float | None = None) -> float:
         """What keeping the block in ``tier`` is worth, per byte (see the module docstring).
-        ``c``: the block's reuse class, when the caller has it already."""
+        ``c``: the block's reuse class, when the caller has it already; ``now``: count only
+        the reads before its TTL deadline (0 once expired; None: ignore the deadline)."""
+        left = self._left(meta, now)
+        if left is not None and left <= 0.0:
+            return 0.0  # expired: no read can come
         per_byte = self.gain(meta, tier) / max(meta.nbytes, 1)
         if self.config.valuation == "reads":
-            return self.expected_reads(meta, c) * per_byte
+            return self.expected_reads(meta, c, self._p_before(meta, c, now, left)) * per_byte
         if self.config.valuation == "horizon":
             horizon = self._horizon[tier]
             if c is None:
                 c = self.reuse.klass(meta)  # NOTE: once, for both estimates
-            return self.expected_reads(meta, c) * per_byte * self.reuse.within(meta, horizon, c)
-        p = min(self.reuse.probability(meta), _P_MAX)
+            if left is None:
+                return self.expected_reads(meta, c) * per_byte * self.reuse.within(meta, horizon, c)
+            window = meta.ttl_deadline - meta.last_access  # type: ignore[operator]
+            soon = self.reuse.within(meta, min(horizon, window), c)
+            life = self.reuse.within(meta, window, c)
+            return self._reads_before(meta, self.reuse.probability(meta, c), soon, life) * per_byte
+        p = self._p_before(meta, None, now, left)
+        p = min(self.reuse.probability(meta) if p is None else p, _P_MAX)
         return p * per_byte / max(self.reuse.mean_gap(meta), _MIN_GAP_S)
 
-    def idle_value(self, meta: BlockMeta, tier: Tier, age: float) -> float:
+    def idle_value(self, meta: BlockMeta, tier: Tier, age: float, now: float | None = None) -> float:
         """:meth:`value` for a block idle for ``age`` seconds, discounted by
         ``demotion_aging`` (the value itself where that is 0 or the valuation is not
-        ``horizon``)."""
+        ``horizon``). ``now``: as in :meth:`value` (the idle read must come within
+        ``ttl_deadline − now``)."""
         beta = self.config.demotion_aging
         if not beta or self.config.valuation != "horizon":
-            return self.value(meta, tier)
+            return self.value(meta, tier, now=now)
         c = self.reuse.klass(meta)
-        fresh = self.value(meta, tier, c)
+        fresh = self.value(meta, tier, c, now)
         if fresh <= 0.0:
             return fresh
-        alive, soon = self.reuse.after_idle(meta, age, self._horizon[tier], c)
-        idle = self.expected_reads(meta, c, alive) * soon * self.gain(meta, tier) / max(meta.nbytes, 1)
+        left = self._left(meta, now)
+        if left is None:
+            alive, soon = self.reuse.after_idle(meta, age, self._horizon[tier], c)
+            idle = self.expected_reads(meta, c, alive) * soon * self.gain(meta, tier) / max(meta.nbytes, 1)
+        else:
+            alive, soon = self.reuse.after_idle(meta, age, min(self._horizon[tier], left), c)
+            _, life = self.reuse.after_idle(meta, age, left, c)
+            idle = self._reads_before(meta, alive, soon, life) * self.gain(meta, tier) / max(meta.nbytes, 1)
         return fresh * (idle / fresh) ** beta if idle > 0.0 else 0.0
 
     def horizon(self, tier: Tier) -> float:
@@ -265,8 +335,8 @@ class CostPolicy:
         prev = self._horizon[tier]
         self._horizon[tier] = age if math.isinf(prev) else prev + (age - prev) / n
 
-    def _stamp(self, meta: BlockMeta, tier: Tier) -> None:
-        self._h[meta.key] = self._level[tier] + self.value(meta, tier)
+    def _stamp(self, meta: BlockMeta, tier: Tier, now: float) -> None:
+        self._h[meta.key] = self._level[tier] + self.value(meta, tier, now=now)
 
     # -- protocol ---------------------------------------------------------------------------
     def on_insert(self, meta: BlockMeta, now: float) -> None:
@@ -275,7 +345,7 @@ class CostPolicy:
         if self.config.deferred_stamp:
             self._pending[meta.key] = self._level[meta.tier]
         else:
-            self._stamp(meta, meta.tier)
+            self._stamp(meta, meta.tier, now)
 
     def on_access(self, meta: BlockMeta, now: float) -> None:
         self.reuse.on_access(meta, now)
@@ -283,7 +353,7 @@ class CostPolicy:
         if self.config.deferred_stamp:  # a read brings the block to HBM
             self._pending[meta.key] = self._level[Tier.HBM]
         else:
-            self._stamp(meta, Tier.HBM)
+            self._stamp(meta, Tier.HBM, now)
 
     def _back(self, meta: BlockMeta) -> None:
         """``meta`` is stored or read: an eviction of it from now on is a new one (demote_to)."""
@@ -296,32 +366,42 @@ class CostPolicy:
         self._h.pop(meta.key, None)
         self._pending.pop(meta.key, None)
 
-    def _stamped(self, meta: BlockMeta, tier: Tier) -> float | None:
+    def _stamped(self, meta: BlockMeta, tier: Tier, now: float) -> float | None:
         """The block's key, valued now (once) if its notification deferred it."""
         level = self._pending.pop(meta.key, None) if self._pending else None
         if level is not None:
-            h = self._h[meta.key] = level + self.value(meta, tier)
+            h = self._h[meta.key] = level + self.value(meta, tier, now=now)
             return h
         return self._h.get(meta.key)
 
     def evict_key(self, meta: BlockMeta, tier: Tier, now: float) -> tuple[float, int]:
-        h = self._stamped(meta, tier)
+        h = self._stamped(meta, tier, now)
         if h is None:
-            h = self._level[tier] + self.value(meta, tier)
+            h = self._level[tier] + self.value(meta, tier, now=now)
         return (h, -meta.depth)
 
     def rank(self, tier: Tier, candidates: Sequence[BlockMeta], now: float) -> list[BlockMeta]:
         return sorted(candidates, key=lambda m: self.evict_key(m, tier, now))
 
-    def worth_writing(self, meta: BlockMeta, dest: Tier) -> bool:
+    def worth_writing(self, meta: BlockMeta, dest: Tier, now: float | None = None) -> bool:
         """Expected saving in ``dest`` pays for the write there (always, with children, and
-        into NVMe when a committed copy is already there: keeping it costs no write)."""
+        into NVMe when a committed copy is already there: keeping it costs no write). With
+        ``now``, only reads before the block's TTL deadline count: never for an expired block,
+        nor for one that expires before its copy could be written (the write taken to last
+        ``restore_seconds``, as the write cost does)."""
+        left = self._left(meta, now)
+        if left is not None and left <= 0.0:
+            return False
         if meta.children > 0 or (dest == Tier.NVME and meta.persisted):
             return True
         model = self._model(meta)
-        expected = self.reuse.probability(meta) * model.saving(
+        write_s = model.restore_seconds(meta.nbytes, dest)
+        if left is not None and left <= write_s:
+            return False
+        p = self._p_before(meta, None, now, left)
+        expected = (self.reuse.probability(meta) if p is None else p) * model.saving(
             meta.tokens, meta.depth, meta.nbytes, dest)
-        return expected >= self.config.write_cost_weight * model.restore_seconds(meta.nbytes, dest)
+        return expected >= self.config.write_cost_weight * write_s
 
     def demote_to(
         self, meta: BlockMeta, src: Tier, available: Sequence[Tier], now: float
@@ -332,18 +412,18 @@ class CostPolicy:
             # could not take the victim (policy.base); the eviction from ``src`` is learnt once
             # (the key stamped by the first answer is the destination's, not ``src``'s level)
             self._leaving[src] = (meta.key, now)
-            h = self._stamped(meta, src)
+            h = self._stamped(meta, src, now)
             if h is not None and h > self._level[src]:
                 self._level[src] = h
             self._learn_horizon(src, age)
         for dest in available:
-            if self.worth_writing(meta, dest):
-                self._h[meta.key] = self._level[dest] + self.idle_value(meta, dest, age)
+            if self.worth_writing(meta, dest, now):
+                self._h[meta.key] = self._level[dest] + self.idle_value(meta, dest, age, now)
                 return dest
         return None
 
     def admit(self, meta: BlockMeta, tier: Tier, now: float) -> bool:
-        return self.worth_writing(meta, tier)
+        return self.worth_writing(meta, tier, now)
 
 
 register("cost", CostPolicy)

@@ -44,7 +44,11 @@ distribution), the posterior that a block idle for ``age`` seconds is read again
 probability that the read comes within ``horizon``; the cost policy uses it to value a demoted
 block for the time it has already been idle.
 
-Time enters only through ``now`` arguments and the blocks' ``last_access``.
+A block's TTL deadline bounds its reuse: ``probability(meta, c, now)`` is the probability that
+it is read again *before* the deadline, ``p × P(gap ≤ ttl_deadline − last_access)`` from the
+same gap histogram (0 once expired); a block without a deadline keeps ``p`` exactly.
+
+Time enters only through ``now`` arguments and the blocks' ``last_access`` and ``ttl_deadline``.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from dataclasses import dataclass
 
 from kvstore.block import BlockMeta
 from kvstore.errors import InvalidArgument
-from policy.base import parent_key
+from policy.base import life_left, parent_key
 from policy.request_lift import RequestLift
 
 #: access-count buckets: 1, 2, 3, 4-7, 8-15, 16+
@@ -298,11 +302,27 @@ class ReuseEstimator:
         soon = (self.within(meta, age + max(horizon, 0.0), c) - f_age) / s
         return alive, min(1.0, max(0.0, soon))
 
-    def probability(self, meta: BlockMeta, c: int | None = None) -> float:
-        """P(the block is read again), in (0, 1). ``c``: the block's :meth:`klass`, when the
-        caller has it already."""
+    def before_deadline(self, meta: BlockMeta, now: float, c: int | None = None) -> float:
+        """P(the next read comes before the block's TTL deadline | it is read again): 1 for a
+        block without a deadline, 0 for an expired one (``now >= ttl_deadline``), else the
+        share of the class's gaps no longer than ``ttl_deadline − last_access`` (:meth:`within`;
+        gaps are counted from the read or store that opened the episode, the block's
+        ``last_access``). Non-decreasing in the deadline."""
+        left = life_left(meta, now)
+        if left is None:
+            return 1.0
+        if left <= 0.0:
+            return 0.0
+        return self.within(meta, meta.ttl_deadline - meta.last_access, c)  # type: ignore[operator]
+
+    def probability(self, meta: BlockMeta, c: int | None = None, now: float | None = None) -> float:
+        """P(the block is read again), in (0, 1); with ``now``, P(it is read again before its
+        TTL deadline) (× :meth:`before_deadline`: 0 once expired, unchanged without a
+        deadline). ``c``: the block's :meth:`klass`, when the caller has it already."""
         if c is None:
             c = self.klass(meta)
+        if now is not None and meta.ttl_deadline is not None:
+            return self.probability(meta, c) * self.before_deadline(meta, now, c)
         p = self.class_probability(c)
         if self._lift is not None:
             lift = self._lift.lift(meta.key, c)
