@@ -88,6 +88,9 @@ class Placement:
         #: the tenant whose quota is making room now (:meth:`fit_quota`): the blocks it pushes
         #: down find room in lower tiers from free space and that tenant's blocks only
         self._quota_scope: str | None = None
+        #: while a pause parks its session (``SessionPins._park``): a paused block in the last
+        #: local tier is no eviction candidate (evicting it there drops it)
+        self.keep_paused = False
 
     def ref(self, meta: BlockMeta) -> BlockRef:
         return BlockRef(meta.tenant, meta.key, self._specs[meta.fingerprint])
@@ -442,8 +445,15 @@ class Placement:
         """The eviction order of ``tier``'s evictable leaves (of one tenant only, if given) for
         one make-room loop; NVMe's includes the NVMe copies of blocks living above."""
 
+        # NOTE: a pause dropped another paused session's blocks (of any tenant: DRAM, the last
+        # tier, full of them; or its own, its DRAM quota full of them) to park its own, which
+        # stay kept in HBM, unpinned, when they cannot move: one kept session lost for nothing
+        keep = self.keep_paused and tier == self.tiers[-1]
+
         def candidates() -> list[BlockMeta]:
             cands = self._index.candidates(tier, self.protected, tenant)
+            if keep:
+                cands = [m for m in cands if not m.paused]
             if tier == Tier.NVME:
                 cands += [m for m in self._index.persisted_copies() if self._nvme_copy_evictable(m, tenant)]
             return cands
@@ -451,7 +461,7 @@ class Placement:
         def valid(m: BlockMeta) -> bool:
             if tier == Tier.NVME and m.tier < Tier.NVME:
                 return self._nvme_copy_evictable(m, tenant)
-            return self._index.is_candidate(m, tier, self.protected, tenant)
+            return self._index.is_candidate(m, tier, self.protected, tenant) and not (keep and m.paused)
 
         prio = self.priorities
         if tier != self.tiers[-1]:

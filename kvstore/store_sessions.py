@@ -8,7 +8,8 @@ pins (see DESIGN.md §7):
   :meth:`SessionPins.resume_session`, or re-opening the session, pins a paused session's blocks
   again and brings them up);
 * PAUSED unpins them and demotes them to DRAM, where they are kept (the reuse policy counts
-  them as a paused session's blocks);
+  them as a paused session's blocks); one DRAM has no room for, short of dropping another
+  paused block, stays in HBM unpinned and kept (counted ``pause_left_in_hbm``);
 * CLOSED unpins them: they stay as shareable prefix cache under the policy.
 
 :meth:`SessionPins.prefetch` brings the usable prefix of any chain up to a tier ahead of use.
@@ -113,17 +114,25 @@ class SessionPins:
                 return 0
             moved = self._park(blocks)
             self._fit_quotas(tenant)
+            self._left_in_hbm(tenant, session, blocks)
             return moved
 
     def _park(self, blocks: list[BlockMeta]) -> int:
         """Demote a paused session's unpinned HBM blocks to DRAM, leaves first (a prefix that an
-        HBM branch still needs stays); returns blocks moved. Under the lock."""
+        HBM branch still needs stays); returns blocks moved. Under the lock.
+
+        Room in DRAM is made as for any block (the tenant's own blocks first when its quota
+        binds), except that no paused block is evicted out of the last local tier for it
+        (``Placement.keep_paused``): a block that finds no other room stays in HBM, unpinned
+        and kept (:meth:`_left_in_hbm` counts it), where HBM's own eviction demotes it later
+        if HBM needs the room."""
         moved = 0
         if Tier.HBM in self._mem and Tier.DRAM in self._mem:
             # The session's blocks are protected while it moves them, so making room in
             # DRAM for one never pushes an already-moved one further down.
             idents = [(m.tenant, m.key) for m in blocks]
             self._place.protected.update(idents)
+            keep, self._place.keep_paused = self._place.keep_paused, True
             try:
                 for m in sorted(blocks, key=lambda m: -m.depth):  # leaves first
                     if m.tier != Tier.HBM or m.pins:
@@ -133,8 +142,27 @@ class SessionPins:
                     moved += self._place.move(m, Tier.DRAM)
             finally:
                 self._place.protected.difference_update(idents)
+                self._place.keep_paused = keep
         self.counters.add("demotions", moved)  # NOTE: counted in moved_hbm_to_dram only, before
         return moved
+
+    def _left_in_hbm(self, tenant: str, session: str, blocks: list[BlockMeta]) -> int:
+        """Count (``pause_left_in_hbm``) and log the blocks of paused ``session`` that stay in
+        HBM unpinned; returns how many. Under the lock.
+
+        NOTE: pause_session returns the blocks it moved, and nothing said that the rest had
+        stayed in HBM (DRAM full of pinned or paused blocks, or the tenant's DRAM quota full of
+        its own): kept and unpinned, so nothing is lost, but not where DESIGN.md §5 puts them."""
+        if Tier.HBM not in self._mem:
+            return 0
+        left = sum(1 for m in blocks
+                   if m.tier == Tier.HBM and not m.pins and self._index.get(m.tenant, m.key) is m)
+        if left:
+            self.counters.add("pause_left_in_hbm", left)
+            log.info("session %r of %r paused: %d of its %d blocks stay in hbm, unpinned (no room "
+                     "below without evicting kept blocks, or a prefix an hbm branch needs)",
+                     session, tenant, left, len(blocks))
+        return left
 
     def resume_session(self, tenant: str, session: str) -> int:
         """Pin the session's blocks again and bring them (with any ancestors they continue
@@ -170,6 +198,7 @@ class SessionPins:
             # (the check above is an upper bound: what it let through may still not fit)
             self._turn(tenant, session, pause=True)
             self._park(blocks)
+            self._left_in_hbm(tenant, session, blocks)
             raise self._resume_refusal(tenant, session, top, up, blocks, moved=True)
         return moved
 
