@@ -27,8 +27,11 @@ Long chains: every verb takes ``parent=`` (the stored block ``keys[0]`` continue
 Store does. The client uses it itself when a staged get does not fit the free part of the
 shared region: it reads the chain in pieces that fit, each continuing from the previous piece's
 last key (a miss ends the prefix). An in-band get does the same in pieces of at most the
-server's ``limits.max_stream_bytes``, which its first refusal of a bigger Get states (a Get
-asking for more was refused, however little of it was stored). A staged put that does not fit goes in-band as one stream
+server's ``limits.max_stream_bytes``: each Get asks for the rest (``GetRequest.partial``), the
+server serves what fits that limit and says when it stopped there rather than at a miss (a Get
+asking for more was refused, however little of it was stored, and the client learned the limit
+from the refusal's text; it still does against a server that predates ``partial``). A staged
+put that does not fit goes in-band as one stream
 instead, so that a put is all or nothing on either plane (in pieces, a failed later piece left
 the earlier ones stored); the stream's limits then apply (``limits.max_blocks_per_stream``,
 ``max_stream_bytes``): put a bigger one from :meth:`Client.local_blocks`, or in calls of your
