@@ -650,21 +650,34 @@ class Placement:
 
     def spill_remote(self, meta: BlockMeta) -> bool:
         """Queue a copy of ``meta`` to the remote tier (asynchronous; False when refused),
-        quantized when the tenant's or model's rule says so (as for NVMe)."""
+        quantized when the tenant's or model's rule says so (as for NVMe); True without
+        writing when this server's copy is there already (counted ``remote_copy_kept``).
+
+        NOTE: with ``remote_write="through"`` every block was queued at its put, and again
+        when the last local tier evicted it: encoded and written over the copy Redis held. Now
+        a copy the tier knows to be there (:meth:`~tiers.remote.RemoteTier.holds`: its write
+        succeeded, nothing deleted or expired it since, written for this deadline or a later
+        one; quantized or not) is kept, and a copy still queued is written once (the second
+        write is skipped by the writer, counted ``remote_queue_skipped_held``, though it counts
+        here as a queued demotion). A write refused (queue, quota) or failed is not a copy: the
+        block is queued again."""
         assert self.remote is not None
         if self.remote.under_deletion(meta.tenant, meta.fingerprint, lambda: self._chain_keys(meta)):
             self.counters.add("remote_skipped_deleted")
             return False
+        ref = self.ref(meta)
+        if self.remote.holds(ref, meta.ttl_deadline):
+            self.counters.add("remote_copy_kept")
+            return True
         host = self.host_copy(meta)
         if host is None:
             return False
-        ref = self.ref(meta)
         # NOTE: the tenant's remote quota is enforced here, by the tier (it was accepted and
         # ignored: a tenant with a 256-byte remote quota held 1,536 bytes there)
         ok = self.remote.submit(ref, host, ttl_deadline=meta.ttl_deadline,
                                 quant=self.quant_policy.for_block(ref.tenant, ref.spec),
                                 quota=self._quota_of(meta.tenant, Tier.REMOTE), created=meta.created,
-                                parent=meta.parent)
+                                parent=meta.parent, skip_held=True)
         self.counters.add("demotions_remote" if ok else "remote_queue_full")
         return ok
 

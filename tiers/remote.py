@@ -20,8 +20,9 @@
   HMAC under a key derived from the master key (:meth:`open`); a reader thread hands the other
   servers' authenticated entries to the Store (which drops its local copies) and cancels their
   queued demotions here.
-* ``usage`` / ``tenant_bytes`` / ``can_fit`` / ``resync`` — :mod:`tiers.remote_accounting`: raw
-  block bytes this server wrote (quotas and capacity are per server).
+* ``usage`` / ``tenant_bytes`` / ``can_fit`` / ``resync`` / ``holds`` —
+  :mod:`tiers.remote_accounting`: raw block bytes this server wrote (quotas and capacity are per
+  server), and whether its copy of a block is there (a spill of it is not written again).
 * tombstones and tenant data keys (key ids) — :mod:`tiers.remote_tenants`.
 * the value envelope (deadline, creation time, key id) — :mod:`tiers.remote_envelope`.
 * commands under the per-node circuit breaker — :mod:`tiers.remote_calls`; the client

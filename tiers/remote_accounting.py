@@ -7,6 +7,9 @@ under it), clocks, capacity, counters and ``_batch`` of :mod:`tiers.remote_calls
 * ``usage`` / ``tenant_bytes`` — raw block bytes this server wrote, accounted locally: the
   server's own eviction shows up as misses, and the accounting forgets those blocks then; a
   block past its (capped) deadline is forgotten at the next ask.
+* ``holds(ref, deadline)`` — whether this server's copy of a block is in Redis as far as it
+  knows (written by it, not deleted, expired, purged or found missing since, and written or
+  moved for a deadline at least as late): a spill of it would write what is there already.
 * ``resync`` — forgets every accounted block Redis no longer holds (``EXISTS``, pipelined, under
   the breakers): a write refused for capacity or quota asks the background writer for one, at
   most once every ``accounting_resync_s``, so blocks that vanished unseen (a ``FLUSHALL``, a
@@ -27,12 +30,14 @@ from tiers.base import BlockRef, TierUsage
 
 
 class Held(NamedTuple):
-    """A block this node wrote: raw bytes, local deadline (capped), model, Redis key."""
+    """A block this node wrote: raw bytes, local deadline (capped), model, Redis key, and the
+    deadline it was written (or moved) for, before the cap (None: none)."""
 
     nbytes: int
     deadline: float | None
     fingerprint: bytes
     rkey: bytes
+    wanted: float | None
 
 
 def take_bytes(per_tenant: dict[str, int], tenant: str, nbytes: int) -> None:
@@ -52,10 +57,11 @@ class Accounting:
         self._tenant_used: dict[str, int] = {}
         self._used = 0
 
-    def _account(self, ref: BlockRef, deadline: float | None, rkey: bytes) -> None:
+    def _account(self, ref: BlockRef, deadline: float | None, rkey: bytes,
+                 wanted: float | None) -> None:
         with self._lock:
             self._unheld(ref.ident)
-            self._held[ref.ident] = Held(ref.nbytes, deadline, ref.spec.fingerprint, rkey)
+            self._held[ref.ident] = Held(ref.nbytes, deadline, ref.spec.fingerprint, rkey, wanted)
             self._used += ref.nbytes
             self._tenant_used[ref.tenant] = self._tenant_used.get(ref.tenant, 0) + ref.nbytes
 
@@ -75,12 +81,29 @@ class Accounting:
         with self._lock:
             self._unheld(ident)
 
-    def _held_deadline(self, ident: tuple[str, bytes], deadline: float | None) -> None:
-        """The (local, capped) deadline of a block this node wrote moved to ``deadline``."""
+    def _held_deadline(self, ident: tuple[str, bytes], deadline: float | None,
+                       wanted: float | None) -> None:
+        """The (local, capped) deadline of a block this node wrote moved to ``deadline``
+        (``wanted`` before the cap)."""
         with self._lock:
             h = self._held.get(ident)
             if h is not None:
-                self._held[ident] = h._replace(deadline=deadline)
+                self._held[ident] = h._replace(deadline=deadline, wanted=wanted)
+
+    def holds(self, ref: BlockRef, deadline: float | None) -> bool:
+        """Whether this server's copy of ``ref`` is in Redis as far as it knows: a write of it
+        (:meth:`put` or the background writer's) succeeded, and since then it was not deleted,
+        purged (its tenant or model, here or by another server through the deletions stream),
+        found missing or damaged by a read or a :meth:`resync`, and has not expired; and it was
+        written (or its deadline moved) for ``deadline`` (None: no TTL) or later. Whatever
+        quantization it was written with: a copy all the same. Redis' own eviction of it is
+        not seen until a read misses it."""
+        now = self._clock()
+        with self._lock:
+            h = self._held.get(ref.ident)
+        return (h is not None and h.fingerprint == ref.spec.fingerprint
+                and (h.deadline is None or now < h.deadline)
+                and (h.wanted is None or (deadline is not None and h.wanted >= deadline)))
 
     def _held_bytes_but(self, ref: BlockRef) -> int:
         """Bytes of ``ref``'s tenant this node holds, less those of ``ref``'s own copy (a write

@@ -80,7 +80,7 @@ class Writes:
             return False, scratch
         if not res:
             return False, scratch
-        self._account(ref, local_deadline, self.redis_key(ref))
+        self._account(ref, local_deadline, self.redis_key(ref), deadline)
         self._count("puts")
         self._count("put_bytes", ref.nbytes)
         self._count("put_stored_bytes", res)
@@ -178,7 +178,7 @@ class Writes:
         res = self._multi([(key, update_ttl_command(key, ttl_deadline, px)),
                            *self._add_child(ref, parent, px)])[0]
         if res == 1:
-            self._held_deadline(ref.ident, local)
+            self._held_deadline(ref.ident, local, ttl_deadline)
             return True
         return False
 

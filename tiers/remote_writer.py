@@ -8,7 +8,8 @@ writes (:mod:`tiers.remote_put`: ``_put_with``, ``update_ttl``) and the deletion
 * ``submit(ref, data, ...)`` — queues a demotion and answers True, or False at once when the
   queue is full (depth or bytes), closed, or the tenant's blocks here, written and queued, would
   pass ``quota``: it never blocks. ``data`` then belongs to the tier (the caller must not change
-  it).
+  it). ``skip_held``: the writer skips it (counted ``queue_skipped_held``) when, by its turn,
+  this server's copy of the block is in Redis (``holds``: a write of it queued before landed).
 * ``submit_ttl(ref, deadline, ...)`` — queues a move of a block's deadline, written after every
   demotion queued before it.
 * ``flush(timeout)`` — waits until every queued item (and re-count) was attempted.
@@ -47,8 +48,9 @@ from tiers.remote_accounting import take_bytes
 
 class Job(NamedTuple):
     """One queued item: a demotion — the block, its bytes (owned by the tier), TTL deadline, the
-    tenant's epoch when queued, quantization, creation time and parent key (None: not known) —
-    or a move of a block's deadline (``data`` None: :meth:`DemotionQueue.submit_ttl`)."""
+    tenant's epoch when queued, quantization, creation time and parent key (None: not known),
+    whether it is skipped when the block is held by then (:meth:`DemotionQueue.submit`) — or a
+    move of a block's deadline (``data`` None: :meth:`DemotionQueue.submit_ttl`)."""
 
     ref: BlockRef
     data: np.ndarray | None
@@ -57,6 +59,7 @@ class Job(NamedTuple):
     quant: QuantArg
     created: float | None
     parent: bytes | None
+    skip_held: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -236,11 +239,14 @@ class DemotionQueue:
 
     def submit(self, ref: BlockRef, data: Any, *, ttl_deadline: float | None = None,
                quant: QuantArg = None, quota: int | None = None,
-               created: float | None = None, parent: bytes | None = None) -> bool:
+               created: float | None = None, parent: bytes | None = None,
+               skip_held: bool = False) -> bool:
         """Queue an asynchronous put; False (nothing queued) when the queue is full or closed,
         or when the tenant's blocks here, written and queued, would pass ``quota`` bytes.
         ``data`` (a buffer of ``ref.nbytes``) is owned by the tier from now on. ``parent``:
-        as for :meth:`put`."""
+        as for :meth:`put`. ``skip_held``: not written when, by the writer's turn, this
+        server's copy is in Redis (:meth:`holds` with ``ttl_deadline``): a write of it queued
+        before (write-through) landed meanwhile."""
         view = as_bytes_view(data)
         over = False
         with self._cond:
@@ -257,7 +263,7 @@ class DemotionQueue:
                         over = True
             if not over:
                 epoch = self._epochs.get(ref.tenant, 0)
-                self._enqueue(Job(ref, view, ttl_deadline, epoch, quant, created, parent))
+                self._enqueue(Job(ref, view, ttl_deadline, epoch, quant, created, parent, skip_held))
         if over:
             self._want_resync()
             return False
@@ -333,6 +339,8 @@ class DemotionQueue:
                 elif job.data is None:
                     ok = self.update_ttl(ref, job.deadline, parent=job.parent)
                     self._count("ttl_moved" if ok else "ttl_not_moved")
+                elif job.skip_held and self.holds(ref, job.deadline):
+                    self._count("queue_skipped_held")
                 else:
                     ok, scratch = self._put_with(scratch, ref, job.data, job.deadline, job.quant,
                                                  job.created, job.parent)
