@@ -8,6 +8,12 @@ for information. JSON on stdout, a table on stderr.
 
     python bench/replay_bench.py                       # shared trace + 4 generated workloads
     python bench/replay_bench.py --workloads none --capacities 400
+    python bench/replay_bench.py --workloads none --ttl-s 120 --policies lru,cost,cost-ttl-blind,belady
+
+``--ttl-s`` gives every block that TTL in trace seconds (:class:`kvstore.replay.ReplayConfig`;
+the traces carry none). ``cost-ttl-blind`` is ``cost`` valuing every block as if it had no
+deadline (``CostPolicyConfig.expiry_aware=False``, the policy before it counted expiry), for
+a comparison in the same run.
 """
 
 from __future__ import annotations
@@ -57,8 +63,21 @@ def _trace(name: str, path: str, seed: int, requests: int):
     return generate(name, WorkloadConfig(requests=requests), seed=seed)  # type: ignore[arg-type]
 
 
-def _cell(args: tuple[str, str, int, int, int, str]) -> dict:
-    name, path, seed, requests, hbm, policy = args
+def _policy(name: str, cfg: ReplayConfig):
+    """A registered policy, or ``cost-ttl-blind`` (see the module docstring)."""
+    if name != "cost-ttl-blind":
+        return make_replay_policy(name, cfg)
+    from policy.cost import CostPolicy, CostPolicyConfig
+
+    spec = cfg.spec
+    return CostPolicy(lambda fp: spec if fp == spec.fingerprint else None,
+                      CostPolicyConfig(costs=cfg.costs, expiry_aware=False))
+
+
+def _cell(args: tuple) -> dict:
+    """One replay: (trace, path, seed, requests, hbm, policy[, ttl_s])."""
+    name, path, seed, requests, hbm, policy, *rest = args
+    ttl_s = rest[0] if rest else None
     try:
         import torch
 
@@ -66,8 +85,8 @@ def _cell(args: tuple[str, str, int, int, int, str]) -> dict:
     except ImportError:
         pass
     trace = _trace(name, path, seed, requests)
-    cfg = ReplayConfig.with_defaults(hbm)
-    pol = make_replay_policy(policy, cfg)
+    cfg = ReplayConfig.with_defaults(hbm, ttl_s=ttl_s)
+    pol = _policy(policy, cfg)
     t0 = time.perf_counter()
     r = run_replay(trace, cfg, pol)
     wall = time.perf_counter() - t0
@@ -76,7 +95,8 @@ def _cell(args: tuple[str, str, int, int, int, str]) -> dict:
             "token_hit_rate": r.token_hit_rate,
             "nvme_bytes_written": r.bytes_written_by_tier["nvme"],
             "dram_bytes_written": r.bytes_written_by_tier["dram"],
-            "block_hits_by_tier": r.block_hits_by_tier, "wall_s": round(wall, 2)}
+            "block_hits_by_tier": r.block_hits_by_tier, "ttl_s": ttl_s,
+            "expired_blocks": r.expired_blocks, "wall_s": round(wall, 2)}
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -102,13 +122,14 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-def print_table(summary: list[dict], stream=sys.stderr) -> None:
-    head = f"{'trace':14s} {'hbm':>5s} " + " ".join(f"{p:>20s}" for p in POLICIES)
+def print_table(summary: list[dict], stream=sys.stderr, policies: Iterable[str] = POLICIES) -> None:
+    policies = list(policies)
+    head = f"{'trace':14s} {'hbm':>5s} " + " ".join(f"{p:>20s}" for p in policies)
     print("net_saved_time_fraction / NVMe TB written [gap closed]", file=stream)
     print(head, file=stream)
     for e in summary:
         cols = []
-        for p in POLICIES:
+        for p in policies:
             if p not in e:
                 cols.append(f"{'-':>20s}")
                 continue
@@ -130,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--json", type=Path, default=None, help="also write the JSON here")
+    ap.add_argument("--ttl-s", type=float, default=None,
+                    help="TTL of every block, trace seconds (default: none)")
     args = ap.parse_args(argv)
 
     traces: list[tuple[str, str, int]] = []
@@ -140,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             for seed in (int(s) for s in args.seeds.split(",")):
                 traces.append((w, "", seed))
     caps = [int(c) for c in args.capacities.split(",")]
-    jobs = [(n, p, s, args.requests, c, pol) for (n, p, s) in traces for c in caps
+    jobs = [(n, p, s, args.requests, c, pol, args.ttl_s) for (n, p, s) in traces for c in caps
             for pol in args.policies.split(",")]
     t0 = time.perf_counter()
     if args.jobs > 1:
@@ -149,9 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows = [_cell(j) for j in jobs]
     summary = summarize(rows)
-    doc = {"bench": "replay", "capacities": caps, "dram_factor": 3, "nvme_factor": 10,
+    doc = {"bench": "replay", "capacities": caps, "dram_factor": 3, "nvme_factor": 10, "ttl_s": args.ttl_s,
            "wall_s": round(time.perf_counter() - t0, 1), "summary": summary, "runs": rows}
-    print_table(summary)
+    print_table(summary, policies=args.policies.split(","))
     text = json.dumps(doc, indent=1)
     print(text)
     if args.json is not None:

@@ -44,6 +44,12 @@ What the model is, and is not (read the figures with these in mind):
   Two tenants whose requests carry the same ids share those blocks, as if every prefix were in
   one shared namespace; the Store keeps tenants apart unless a namespace is explicitly shared,
   so a trace whose tenants share ids replays more hits than the Store would give them.
+* **TTL** (``ReplayConfig.ttl_s``, none by default; the Mooncake trace carries none): every
+  block gets the deadline ``insert time + ttl_s``, as a Store put with that TTL does; a hit
+  does not extend it (a get does not), a block dropped and computed again gets a new one.
+  Before each request the blocks whose deadline has passed (``now >= deadline``) are removed
+  with their subtrees (unreachable without them), counted in ``expired_blocks``, not as
+  evictions. ``belady``'s future knows next uses, not expiry.
 * **Token counts.** Only a request's last block may be partial, and an id covers the same
   tokens wherever it appears; :func:`kvstore.workloads.load_trace` refuses a file that breaks
   this (a trace built in memory is taken as given).
@@ -53,6 +59,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -95,10 +102,14 @@ class ReplayConfig:
     nvme_blocks: int
     spec: ModelSpec = field(default_factory=replay_spec)
     costs: CostModelConfig = field(default_factory=CostModelConfig)
+    ttl_s: float | None = None
+    """TTL of every block, seconds of trace time (None: blocks never expire)."""
 
     def __post_init__(self) -> None:
         if self.hbm_blocks <= 0:
             raise InvalidArgument(f"hbm_blocks must be positive, got {self.hbm_blocks}")
+        if self.ttl_s is not None and not (isinstance(self.ttl_s, (int, float)) and 0 < self.ttl_s < math.inf):
+            raise InvalidArgument(f"ttl_s must be a finite number of seconds > 0, got {self.ttl_s!r}")
         if self.dram_blocks < 0 or self.nvme_blocks < 0:
             raise InvalidArgument("dram_blocks and nvme_blocks must be >= 0")
 
@@ -129,6 +140,7 @@ class ReplayResult:
     drops_by_tier: dict[str, int] = field(default_factory=lambda: {t.label: 0 for t in TIERS})
     bytes_promoted: int = 0
     refused_inserts: int = 0
+    expired_blocks: int = 0
 
     @property
     def token_hit_rate(self) -> float:
@@ -158,6 +170,7 @@ class ReplayResult:
             "evictions_by_tier": dict(self.evictions_by_tier),
             "drops_by_tier": dict(self.drops_by_tier),
             "refused_inserts": self.refused_inserts,
+            "expired_blocks": self.expired_blocks,
         }
 
 
@@ -242,6 +255,7 @@ class _Sim:
         self.cands: list[dict[int, None]] = [{}, {}, {}]
         self.seq = itertools.count()
         self.now = 0.0
+        self.deadlines: list[tuple[float, int, int, BlockMeta]] = []  # (deadline, seq, node, meta)
         self.nbytes = cfg.spec.block_nbytes
         self.result = ReplayResult(policy=policy.name)
         if isinstance(policy, TieredPolicy):  # as the Store's placement does
@@ -373,12 +387,24 @@ class _Sim:
         res.drops_by_tier[TIERS[src].label] += 1
         self.drop(n)
 
-    def drop(self, n: int) -> None:
+    def expire(self) -> None:
+        """Remove the blocks whose TTL deadline has passed, with their subtrees."""
+        heap = self.deadlines
+        while heap and heap[0][0] <= self.now:
+            _, _, n, m = heapq.heappop(heap)
+            if self.meta[n] is m:  # else dropped (and maybe computed again) since
+                self.result.expired_blocks += 1
+                self.drop(n, expiry=True)
+
+    def drop(self, n: int, expiry: bool = False) -> None:
         for c in self.kids[n]:
             if self.tier[c] != _NO_TIER:
-                self.result.evictions_by_tier[TIERS[self.tier[c]].label] += 1
-                self.result.drops_by_tier[TIERS[self.tier[c]].label] += 1
-                self.drop(c)
+                if expiry:
+                    self.result.expired_blocks += 1
+                else:
+                    self.result.evictions_by_tier[TIERS[self.tier[c]].label] += 1
+                    self.result.drops_by_tier[TIERS[self.tier[c]].label] += 1
+                self.drop(c, expiry)
         meta = self.meta[n]
         assert meta is not None
         self.set_tier(n, _NO_TIER)
@@ -390,6 +416,9 @@ class _Sim:
     def serve(self, req: TraceRequest, model: CostModel, before: Callable[[], None] | None) -> None:
         res = self.result
         self.now = req.timestamp_ms / 1000.0
+        ttl = self.cfg.ttl_s
+        if ttl is not None:
+            self.expire()
         bt = self.cfg.spec.block_tokens
         ids = req.hash_ids
         nodes: list[int] = []
@@ -452,7 +481,10 @@ class _Sim:
                 tokens=tokens[i], tier=Tier.HBM, created=self.now, last_access=self.now,
                 access_count=1, pins=1,
                 children=sum(1 for c in self.kids[n] if self.tier[c] != _NO_TIER),
+                ttl_deadline=None if ttl is None else self.now + ttl,
             )
+            if ttl is not None:
+                heapq.heappush(self.deadlines, (self.now + ttl, next(self.seq), n, m))
             assert p < 0 or self.tier[p] == Tier.HBM
             self.meta[n] = m
             self.policy.on_insert(m, self.now)

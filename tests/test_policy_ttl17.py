@@ -1,4 +1,5 @@
-"""The cost policy counts only the reads that come before a block's TTL deadline.
+"""The cost policy counts only the reads that come before a block's TTL deadline; the trace
+replay can give blocks a TTL (``ReplayConfig.ttl_s``, ``bench/replay_bench.py --ttl-s``).
 
 It valued a block that expires in one second as one with a day left: of two blocks otherwise
 alike, eviction kept whichever it happened to meet second, and a victim that would expire
@@ -14,11 +15,15 @@ from __future__ import annotations
 import itertools
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.block import BlockMeta, Tier
+from kvstore.errors import InvalidArgument
+from kvstore.replay import ReplayConfig, make_replay_policy, run_replay
 from kvstore.spec import ModelSpec
+from kvstore.workloads import TraceRequest
 from policy.cost import CostPolicy, CostPolicyConfig
 
 SPEC = ModelSpec(model="llama-3-8b", revision="0", num_layers=32, num_kv_heads=8, head_dim=128,
@@ -200,3 +205,35 @@ def test_value_is_monotone_in_the_time_left_never_negative_and_0_once_expired(
         assert all(a <= b for a, b in zip(shorter, longer, strict=True)), (shorter, longer)
     m.ttl_deadline = None  # no deadline: the value with the clock is the value without
     assert pol.value(m, Tier.DRAM, now=now) == pol.value(m, Tier.DRAM)
+
+
+# -- the trace replay's TTL (ReplayConfig.ttl_s) --------------------------------------------
+
+def _replay(trace, policy: str, ttl_s: float | None, hbm: int = 4, dram: int = 0):
+    cfg = ReplayConfig(hbm_blocks=hbm, dram_blocks=dram, nvme_blocks=0, ttl_s=ttl_s)
+    return run_replay(trace, cfg, make_replay_policy(policy, cfg), check_invariants=True)
+
+
+def _req(t: float, *ids: int) -> TraceRequest:
+    return TraceRequest(timestamp_ms=1000.0 * t, input_length=512 * len(ids), output_length=1,
+                        hash_ids=ids)
+
+
+def test_the_replay_expires_blocks_at_their_deadline_with_their_subtree():
+    """Blocks stored at 0 s with a 3 s TTL are gone at 5 s (a miss, counted as expired, not
+    evicted); a block stored again gets a new deadline; no TTL: as before."""
+    trace = [_req(0, 1, 2), _req(5, 1, 2, 3), _req(6, 1, 2, 3)]
+    for policy in ("lru", "cost"):
+        none = _replay(trace, policy, None)
+        assert none.expired_blocks == 0 and none.block_hits_by_tier["hbm"] == 2 + 3
+        short = _replay(trace, policy, 3.0)
+        assert short.expired_blocks == 2  # block 1 and, under it, block 2
+        assert short.block_hits_by_tier["hbm"] == 3  # the third request: stored again at 5 s
+        assert sum(short.evictions_by_tier.values()) == 0
+        assert _replay(trace, policy, 10.0).block_hits_by_tier["hbm"] == 2 + 3
+
+
+def test_the_replay_refuses_a_ttl_that_is_not_a_finite_positive_number():
+    for bad in (0, -1.0, math.inf, math.nan):
+        with pytest.raises(InvalidArgument, match="ttl_s"):
+            ReplayConfig(hbm_blocks=1, dram_blocks=0, nvme_blocks=0, ttl_s=bad)
