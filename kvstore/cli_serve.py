@@ -189,8 +189,10 @@ def serve(
 ) -> None:
     """Run the kvstore gRPC sidecar (embedded defaults when there is no config file).
 
-    Every config field is documented in kvstore/server_config.py (top level, [tls], [limits],
-    [metrics]), kvstore/config.py ([store]) and tiers/remote_config.py ([store.remote])."""
+    Every config field is documented in kvstore/server_config.py (top level, \\[tls], \\[limits],
+    \\[metrics]), kvstore/config.py (\\[store]) and tiers/remote_config.py (\\[store.remote])."""
+    # NOTE: the backslashes keep rich (typer's help) from reading the section names as markup:
+    # --help printed "(top level, , , )"
     from kvstore import memtune, server_config
     from kvstore.server import serve as run
 

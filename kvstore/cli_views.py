@@ -159,7 +159,7 @@ def policy_view(policy: dict[str, Any], shown: Shown) -> RenderableType:
     table = Table("", "", show_header=False, title=f"policy of {shown(policy.get('tenant', ''))}",
                   title_justify="left")
     ttl = policy.get("ttl_s")
-    table.add_row("ttl", "none" if ttl is None else f"{ttl:g} s")
+    table.add_row("ttl", "none" if ttl is None else ttl_text(ttl))
     table.add_row("priority", shown(policy.get("priority", 0)))
     quotas = policy.get("quota_bytes") or {}
     if not quotas:
@@ -167,6 +167,14 @@ def policy_view(policy: dict[str, Any], shown: Shown) -> RenderableType:
     for tier, size in sorted(quotas.items()):
         table.add_row(f"quota {shown(tier)}", _shown_size(size, shown))
     return table
+
+
+def ttl_text(seconds: float) -> str:
+    """A TTL exactly as it is in force (``1234567 s (14 d 06 h)``, ``0.25 s``), the seconds
+    first. NOTE: it was ``f"{ttl:g}"``, 6 significant digits: 1234567 s showed as
+    ``1.23457e+06 s``, 14 days as ``1.2096e+06 s``."""
+    exact = str(int(seconds)) if float(seconds).is_integer() and abs(seconds) < 1e16 else repr(float(seconds))
+    return f"{exact} s" + (f" ({duration(seconds)})" if seconds >= 60 else "")
 
 
 def duration(seconds: float) -> str:
