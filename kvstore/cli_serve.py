@@ -419,7 +419,9 @@ def _console() -> Console:
 def policy_set(
     name: str,
     ttl: Annotated[float | None, typer.Option("--ttl", help="Block TTL in seconds: the default of a put that gives none, and the most any put gets (omit: none).")] = None,
-    quota: Annotated[list[str] | None, typer.Option("--quota", help="TIER=SIZE, e.g. hbm=2GiB; repeat.")] = None,
+    quota: Annotated[list[str] | None, typer.Option("--quota", help=(
+        "TIER=SIZE (hbm, dram, nvme, remote), e.g. hbm=2GiB; repeat. 0 keeps the tenant out of that "
+        "tier: with hbm=0 a put in a session (pinned in HBM) is refused."))] = None,
     priority: Annotated[int, typer.Option(help="Eviction priority: when a tier makes room, every block of a lower priority goes first (default 0).")] = 0,
     as_json: JsonOpt = False,
     target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
