@@ -10,13 +10,22 @@ Two sources:
   pair, integrity failures, ...). Every numeric leaf of the stats mapping becomes a gauge named
   ``kvstore_store_<path>``; a mapping whose keys are tier or tenant names becomes a label.
 
+Tenant labels (``tenant=``, and the tenant inside ``resource="quota:TENANT:TIER"``) are
+bounded by :class:`TenantLabels`: at most ``[metrics] max_tenant_labels`` tenants have their
+own label value at once, the others are counted under ``tenant="_other"`` (summed, so totals
+over a metric stay right), and a deleted tenant's series go (:meth:`ServiceMetrics.forget_tenant`),
+freeing its place. NOTE: unbounded, 50,000 tenants (one block, a lookup, a Get and a quota
+refusal each) were 450,019 series on the endpoint, a 32 MB scrape taking 7 s, and Prometheus's
+memory and the sidecar's grew with every tenant seen; capped at 1,000: 9,028 series, 0.6 MB.
+
 No module-global registry: each server owns its :class:`prometheus_client.CollectorRegistry`.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -28,11 +37,65 @@ _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 _TIER_NAMES = {"hbm", "dram", "nvme", "remote"}
 _LABEL_SECTIONS = {"tiers": "tier", "tenants": "tenant", "per_tenant": "tenant", "namespaces": "tenant",
                    "migrations": "pair", "moves": "pair"}
+#: the label value of the tenants past the cap; no principal can be named so (a name starts
+#: with a letter or digit: :func:`kvstore.auth.check_name`)
+OVERFLOW_TENANT = "_other"
+#: ``[metrics] max_tenant_labels``'s default (:class:`kvstore.server_config.MetricsConfig`)
+MAX_TENANT_LABELS = 1000
+
+
+class TenantLabels:
+    """Which tenants have their own label value: at most ``cap`` at once, first come first
+    served, the rest :data:`OVERFLOW_TENANT`. A tenant keeps its place until it is forgotten
+    (deleted), or, when only the store gauges gave it one, until a scrape finds it has no bytes
+    left. Thread-safe; :attr:`lock` is held while a label is chosen and its counter changed,
+    and while a tenant is forgotten: a series never outlives its tenant's place, so the cap
+    holds on the endpoint."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.lock = threading.Lock()
+        self._held: dict[str, bool] = {}  # tenant -> it has counter series (else: gauges only)
+
+    def counted(self, tenant: str) -> str:
+        """The label value to count ``tenant`` under. Call with :attr:`lock` held."""
+        if tenant in self._held or len(self._held) < self.cap:
+            self._held[tenant] = True
+            return tenant
+        return OVERFLOW_TENANT
+
+    def forget(self, tenant: str) -> None:
+        """``tenant`` is gone: its place is free. Call with :attr:`lock` held."""
+        self._held.pop(tenant, None)
+
+    def for_gauges(self, tenants: Iterable[str]) -> dict[str, str]:
+        """The label value of each of ``tenants`` (those the store reports now, the ones to
+        keep first): tenants with a place keep it, the others take the free places in the
+        order given. Places only gauges held and whose tenant is no longer reported are freed
+        first (else a tenant seen once by the store, e.g. on a remote tier another server
+        shares, kept its place for good)."""
+        tenants = list(tenants)
+        with self.lock:
+            present = set(tenants)
+            for tenant in [t for t, counted in self._held.items() if not counted and t not in present]:
+                del self._held[tenant]
+            labels = {}
+            for tenant in tenants:
+                if tenant in self._held or len(self._held) < self.cap:
+                    self._held.setdefault(tenant, False)
+                    labels[tenant] = tenant
+                else:
+                    labels[tenant] = OVERFLOW_TENANT
+            return labels
 
 
 class ServiceMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    """Counters of the service. ``max_tenant_labels``: tenants with their own label value at
+    once (:class:`TenantLabels`, shared with the :class:`StoreCollector` given ``tenants``)."""
+
+    def __init__(self, registry: CollectorRegistry, max_tenant_labels: int = MAX_TENANT_LABELS) -> None:
         self.registry = registry
+        self.tenants = TenantLabels(max_tenant_labels)
         self.requests = Counter("kvstore_requests", "RPCs served", ["rpc", "code"], registry=registry)
         self.latency = Histogram("kvstore_request_latency_seconds", "RPC latency", ["rpc"],
                                  buckets=_LATENCY_BUCKETS, registry=registry)
@@ -54,36 +117,54 @@ class ServiceMetrics:
 
     def forget_tenant(self, tenant: str) -> None:
         """Drop every series of a deleted tenant: its lookups and saved tokens, and its quota
-        rejections (``resource="quota:TENANT:TIER"``). A tenant created later under its name
-        started with its counts, and the label stayed on the endpoint for good."""
-        for counter in (self.lookup_hits, self.lookup_misses, self.saved_tokens):
-            try:
-                counter.remove(tenant)
-            except KeyError:
-                pass  # no series yet
-        for resource in self._resources():
-            kind, _, rest = resource.partition(":")
-            if kind == "quota" and rest.rpartition(":")[0] == tenant:
+        rejections (``resource="quota:TENANT:TIER"``), and free its label place. A tenant
+        created later under its name started with its counts, and the label stayed on the
+        endpoint for good. What a tenant counted under :data:`OVERFLOW_TENANT` stays there
+        (a counter never goes down; the series is every tenant past the cap, deleted or not)."""
+        with self.tenants.lock:
+            self.tenants.forget(tenant)
+            for counter in (self.lookup_hits, self.lookup_misses, self.saved_tokens):
                 try:
-                    self.rejections.remove(resource)
+                    counter.remove(tenant)
                 except KeyError:
-                    pass  # removed meanwhile
+                    pass  # no series yet
+            for resource in self._resources():
+                kind, _, rest = resource.partition(":")
+                if kind == "quota" and rest.rpartition(":")[0] == tenant:
+                    try:
+                        self.rejections.remove(resource)
+                    except KeyError:
+                        pass  # removed meanwhile
 
     def _resources(self) -> set[str]:
         """The ``resource`` labels the rejections counter has series for."""
         return {sample.labels["resource"] for family in self.rejections.collect()
                 for sample in family.samples if "resource" in sample.labels}
 
+    def rejected(self, resource: str | None) -> None:
+        """A call refused by a limit or quota (``ResourceExhausted.resource``; None: unknown).
+        A quota's resource names its tenant (``quota:TENANT:TIER``): past the cap, ``_other``."""
+        resource = resource or "unknown"
+        kind, _, rest = resource.partition(":")
+        with self.tenants.lock:
+            if kind == "quota" and ":" in rest:
+                tenant, _, tier = rest.rpartition(":")
+                resource = f"quota:{self.tenants.counted(tenant)}:{tier}"
+            self.rejections.labels(resource=resource).inc()
+
     def lookup(self, tenant: str, asked: int, found: int) -> None:
         """Blocks a Lookup found and missed (what it would save is counted when it is served)."""
-        self.lookup_hits.labels(tenant=tenant).inc(found)
-        self.lookup_misses.labels(tenant=tenant).inc(asked - found)
+        with self.tenants.lock:
+            label = self.tenants.counted(tenant)
+            self.lookup_hits.labels(tenant=label).inc(found)
+            self.lookup_misses.labels(tenant=label).inc(asked - found)
 
     def served(self, tenant: str, blocks: int, block_tokens: int) -> None:
         """``blocks`` blocks of ``block_tokens`` tokens served to a client (a Get or GetLocal):
         the prefill they save. NOTE: counted per Lookup before, so a client that looks up before
         it saves (HF PrefixCache.save) or once per rank (vLLM) counted what it reused twice."""
-        self.saved_tokens.labels(tenant=tenant).inc(blocks * block_tokens)
+        with self.tenants.lock:
+            self.saved_tokens.labels(tenant=self.tenants.counted(tenant)).inc(blocks * block_tokens)
 
 
 def _name(parts: list[str]) -> str:
@@ -109,17 +190,33 @@ def flatten(stats: Any, path: list[str] | None = None, labels: dict[str, str] | 
 
 
 class StoreCollector(Collector):
-    """Gauges read from ``stats()`` at scrape time."""
+    """Gauges read from ``stats()`` at scrape time. With ``tenants`` (the service's
+    :attr:`ServiceMetrics.tenants`), tenants past its cap are summed under ``_other``, the
+    largest (their bytes together) keeping their own label when places are free. The
+    per-tenant statistics are byte counts, so the sum is their total."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]], tenants: TenantLabels | None = None) -> None:
         self._stats = stats
+        self._tenants = tenants
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        families: dict[tuple[str, tuple[str, ...]], GaugeMetricFamily] = {}
-        for name, labels, value in flatten(self._stats()):
+        rows = list(flatten(self._stats()))
+        if self._tenants is not None:
+            size: dict[str, float] = {}
+            for _, labels, value in rows:
+                if "tenant" in labels:
+                    size[labels["tenant"]] = size.get(labels["tenant"], 0.0) + value
+            named = self._tenants.for_gauges(sorted(size, key=lambda t: (-size[t], t)))
+            rows = [(name, {**labels, "tenant": named[labels["tenant"]]} if "tenant" in labels else labels, value)
+                    for name, labels, value in rows]
+        sums: dict[tuple[str, tuple[str, ...]], dict[tuple[str, ...], float]] = {}
+        for name, labels, value in rows:
             keys = tuple(sorted(labels))
-            fam = families.get((name, keys))
-            if fam is None:
-                fam = families[(name, keys)] = GaugeMetricFamily(name, f"Store statistic {name}", labels=list(keys))
-            fam.add_metric([labels[k] for k in keys], value)
-        yield from families.values()
+            values = sums.setdefault((name, keys), {})
+            at = tuple(labels[k] for k in keys)
+            values[at] = values.get(at, 0.0) + value
+        for (name, keys), values in sums.items():
+            fam = GaugeMetricFamily(name, f"Store statistic {name}", labels=list(keys))
+            for at, value in values.items():
+                fam.add_metric(list(at), value)
+            yield fam

@@ -288,8 +288,8 @@ def create_server(config: ServerConfig, *, store: Any = None, clock: Callable[[]
             lock.release()  # idempotent: the Store released it if it got that far
             raise
     metrics_registry = CollectorRegistry()
-    metrics = ServiceMetrics(metrics_registry)
-    metrics_registry.register(StoreCollector(store.stats))
+    metrics = ServiceMetrics(metrics_registry, config.metrics.max_tenant_labels)
+    metrics_registry.register(StoreCollector(store.stats, metrics.tenants))
     limits = config.limits
     data = DataPlane(store, audit, limits, metrics, copy_threads=config.copy_threads, auth=registry)
     admin = AdminPlane(store, registry, audit, data.regions, metrics, limits.max_message_bytes)

@@ -177,7 +177,7 @@ class RpcRunner:
             elif refused is not None and who == "?":
                 _audit_quietly(refused, who, code, name)
             if self.metrics is not None and isinstance(exc, ResourceExhausted):
-                self.metrics.rejections.labels(resource=exc.resource or "unknown").inc()
+                self.metrics.rejected(exc.resource)
             context.abort(status, message)
         except Exception:
             if context.code() is not None or not context.is_active():
@@ -212,7 +212,7 @@ class RpcRunner:
             status, message = to_status(exc)
             code = status.name
             if self.metrics is not None and isinstance(exc, ResourceExhausted):
-                self.metrics.rejections.labels(resource=exc.resource or "unknown").inc()
+                self.metrics.rejected(exc.resource)
             context.abort(status, message)
         except Exception:
             if context.code() is not None or not context.is_active():
