@@ -10,6 +10,12 @@ principal is marked as being deleted first (saved), then its data and key go, th
 principal; :meth:`AdminPlane.finish_deletions` (at every start) and :meth:`AdminPlane.create_tenant`
 (of that name) finish a deletion left marked, and audit it.
 
+Admin calls that race on one name are ordered by the plane (:attr:`AdminPlane._lock`, held only
+over steps that do not wait on the remote tier): a deletion running in this process is not run a
+second time, nor overtaken by a ``tenant add`` of the name (FAILED_PRECONDITION: it is still being
+deleted); a policy is put in force and saved under the lock, and a deletion is marked under it, so
+the Store enforces what ``policy get`` shows.
+
 :meth:`AdminPlane.sessions` and :meth:`AdminPlane.close_session` show and end the open sessions
 (an engine that died leaves its session pinning HBM until the idle expiry closes it).
 """
@@ -17,13 +23,15 @@ principal; :meth:`AdminPlane.finish_deletions` (at every start) and :meth:`Admin
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from kvstore.audit import AuditLog
 from kvstore.auth import SHARED_PREFIX, AuthRegistry, Principal, Role, TenantPolicy, check_name, check_shared
 from kvstore.block import Tier
-from kvstore.errors import InvalidArgument, KVStoreError, NotFound
+from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound
 from kvstore.service_resources import RegionTable
 from kvstore.spec import FINGERPRINT_BYTES
 from kvstore.store_admin import SessionInfo
@@ -45,14 +53,53 @@ class AdminPlane:
         self.metrics = metrics  # ServiceMetrics: a deleted tenant's series go with it
         #: the server's gRPC message limit: the audit log is read in responses under it
         self.max_message_bytes = max_message_bytes
+        # NOTE: one lock for the plane (admin calls are rare): held over a policy's apply and
+        # save, over a deletion's mark and over a create; never over a deletion's data part (the
+        # remote tier's SCAN of the whole keyspace), which the names in _running order instead
+        self._lock = threading.Lock()
+        #: the names whose deletion runs now in this process (a tenant delete, or a create
+        #: finishing a deletion left over), under _lock
+        self._running: set[str] = set()
 
     def create_tenant(self, name: str, role: Role, namespaces: list[str]) -> str:
         """Create a principal; returns its token (shown once). A deletion of the name left
         unfinished (a step failed) is finished first: the new principal must not find the
-        deleted one's blocks or data key; when it cannot be finished, nothing is created."""
-        if name in self.registry.deleting():
+        deleted one's blocks or data key; when it cannot be finished, nothing is created.
+
+        FailedPrecondition while a deletion of the name runs in this process: it is refused at
+        once, not waited for (a deletion can run for minutes, the remote tier's SCAN having no
+        bound, and a bounded wait would hold an admin worker to fail the same way). (It was
+        taken for one left over and run a second time, the tenant created, and the running
+        deletion then removed the new tenant's blocks and data key, counting them as its own.)"""
+        with self._lock:
+            self._not_running(name)
+            if name not in self.registry.deleting():
+                return self.registry.create(name, role, namespaces)
+            self._running.add(name)  # a deletion left over: this call finishes it
+        try:
             self._finish(name, "before tenant.create of the same name")
-        return self.registry.create(name, role, namespaces)
+            return self.registry.create(name, role, namespaces)
+        finally:
+            with self._lock:
+                self._running.discard(name)
+
+    def _not_running(self, name: str) -> None:
+        """FailedPrecondition when a deletion of ``name`` runs now in this process (under _lock)."""
+        if name in self._running:
+            raise FailedPrecondition(f"{name!r} is being deleted: its deletion is still running (tenant list shows "
+                                     "it deleting until it ends); try again once it has ended")
+
+    @contextmanager
+    def _deleting(self, name: str) -> Iterator[None]:
+        """Run a deletion of ``name`` as the only one (FailedPrecondition when one runs already)."""
+        with self._lock:
+            self._not_running(name)
+            self._running.add(name)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running.discard(name)
 
     def finish_deletions(self) -> list[str]:
         """Finish every deletion left marked (the server stopped, or a step failed, part-way):
@@ -63,7 +110,8 @@ class AdminPlane:
         done = []
         for name in self.registry.deleting():
             try:
-                self._finish(name, "at start: the server stopped during its deletion")
+                with self._deleting(name):
+                    self._finish(name, "at start: the server stopped during its deletion")
                 done.append(name)
             except KVStoreError as exc:
                 log.warning("the deletion of %r could not be finished (%s); it is retried at the next start, "
@@ -131,24 +179,28 @@ class AdminPlane:
             # a publisher's put running meanwhile fails ABORTED (retry), not UNAUTHENTICATED
             n = self.store.drop_tenant(name, namespace_stays=True)
             # the namespace stays (its publishers and grants do): so does the operator's policy
-            # for it, which drop_tenant had taken out of the Store while `policy get` showed it
-            policy = self.registry.policies().get(name)
-            if policy is not None:
-                self._apply(name, policy)
+            # for it, which drop_tenant had taken out of the Store while `policy get` showed it.
+            # NOTE: read and applied under the lock: a policy set meanwhile is in force after
+            with self._lock:
+                policy = self.registry.policies().get(name)
+                if policy is not None:
+                    self._apply(name, policy)
             return n
         check_name(name)
-        if name not in self.registry.deleting():
-            try:
-                self.registry.get(name)
-            except NotFound:
-                keyring = getattr(self.store, "keyring", None)
-                had_key = keyring is not None and name in keyring.tenants()
-                # NOTE: local only: the remote tier's copies may be another server's tenant
-                if (n := self.store.drop_tenant(name, local_only=True)) or had_key:
-                    return n
-                raise
-        self.registry.begin_delete(name)  # saved: from here on the deletion is finished, whatever stops it
-        return self._delete_marked(name)
+        with self._deleting(name):
+            if name not in self.registry.deleting():
+                try:
+                    self.registry.get(name)
+                except NotFound:
+                    keyring = getattr(self.store, "keyring", None)
+                    had_key = keyring is not None and name in keyring.tenants()
+                    # NOTE: local only: the remote tier's copies may be another server's tenant
+                    if (n := self.store.drop_tenant(name, local_only=True)) or had_key:
+                        return n
+                    raise
+            with self._lock:  # NOTE: not between a policy's apply and its save (set_policy)
+                self.registry.begin_delete(name)  # saved: from here on the deletion is finished, whatever stops it
+            return self._delete_marked(name)
 
     def _delete_marked(self, name: str) -> int:
         """The steps after the mark: regions, blocks and data key, then the principal; returns
@@ -196,20 +248,30 @@ class AdminPlane:
         self.store.set_tenant_policy(namespace, policy.ttl_s, dict(policy.quota_bytes) or None,
                                      priority=policy.priority)
 
-    def set_policy(self, namespace: str, policy: TenantPolicy) -> TenantPolicy:
-        self._policy_holder(namespace)
-        quota = quota_by_tier(policy.quota_bytes)
-        policy = TenantPolicy(ttl_s=policy.ttl_s, quota_bytes=quota, priority=policy.priority)
-        before = self.registry.policies().get(namespace) or TenantPolicy()
-        # NOTE: the Store checks and applies it before it is saved: a value the Store refused
-        # after the save (a NaN TTL) stayed in the principals file, and the next start failed
-        self._apply(namespace, policy)
-        try:
-            self.registry.set_policy(namespace, policy)
-        except KVStoreError:
-            self._apply(namespace, before)  # as it was
-            raise
-        return policy
+    def set_policy(self, namespace: str, policy: TenantPolicy) -> tuple[TenantPolicy, TenantPolicy]:
+        """Put ``policy`` in force in the Store and save it; returns it as saved and the policy it
+        replaced (read under the same lock: the audit entry's ``before -> after``).
+
+        Under the plane's lock from the check to the save: two overlapping calls left the Store
+        enforcing one policy while the registry (``policy get``, the next start) held the other,
+        and a tenant deleted between the apply and the save had the old policy put back in the
+        Store by the rollback (its deletion had just removed it), inherited by a tenant created
+        again under the name until a restart. A deletion is marked under the lock too, so the
+        save cannot meet it half-way."""
+        with self._lock:
+            self._policy_holder(namespace)
+            quota = quota_by_tier(policy.quota_bytes)
+            policy = TenantPolicy(ttl_s=policy.ttl_s, quota_bytes=quota, priority=policy.priority)
+            before = self.registry.policies().get(namespace) or TenantPolicy()
+            # NOTE: the Store checks and applies it before it is saved: a value the Store refused
+            # after the save (a NaN TTL) stayed in the principals file, and the next start failed
+            self._apply(namespace, policy)
+            try:
+                self.registry.set_policy(namespace, policy)
+            except KVStoreError:
+                self._apply(namespace, before)  # as it was
+                raise
+        return policy, before
 
     def apply_policies(self) -> None:
         """Re-apply the recorded policies to a freshly opened Store."""

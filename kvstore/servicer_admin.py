@@ -103,8 +103,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         audit = Recorder(self.plane.audit, "policy.set", request.tenant, f"-> {policy_detail(policy)}")
 
         def call(p: Principal) -> apb.TenantPolicy:
-            before = self.plane.registry.policy(request.tenant)
-            after = self.plane.set_policy(request.tenant, policy)
+            after, before = self.plane.set_policy(request.tenant, policy)  # NOTE: before read with it, not ahead
             audit.detail = f"{policy_detail(before)} -> {policy_detail(after)}"  # the outcome's entry
             return _policy_pb(request.tenant, after)
         return self._run("SetPolicy", "policy.set", "", context, call, audit=audit)
