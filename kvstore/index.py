@@ -31,7 +31,9 @@ class PrefixIndex:
         self._children: dict[Ident, set[bytes]] = {}
         self._by_tier: dict[Tier, dict[Ident, BlockMeta]] = {t: {} for t in Tier}
         self._persisted: dict[Ident, BlockMeta] = {}  # blocks above NVMe that keep an NVMe copy
-        self._deadlines = DeadlineHeap()  # NOTE: a block's deadline only moves later once indexed
+        # NOTE: a deadline moved later is refiled when its old one comes due; one moved earlier
+        # (a tenant's TTL lowered) is filed again by :meth:`deadline_moved`
+        self._deadlines = DeadlineHeap()
 
     def __len__(self) -> int:
         return self._count
@@ -60,6 +62,11 @@ class PrefixIndex:
             parent.children += 1
         meta.children = len(self._children.get(ident, ()))
         self._track_persisted(meta)
+        self._deadlines.push(meta, self._count)
+
+    def deadline_moved(self, meta: BlockMeta) -> None:
+        """``meta``'s TTL deadline moved earlier: file it at the new one (the entry at the old
+        one is discarded or refiled when it comes due)."""
         self._deadlines.push(meta, self._count)
 
     def remove(self, meta: BlockMeta) -> None:
@@ -109,7 +116,8 @@ class PrefixIndex:
         the caller drops them (with their subtrees)."""
         if self._deadlines.needs_rebuild:
             self._deadlines.rebuild(self)
-        return self._deadlines.due(now, self._indexed)
+        # NOTE: a block filed again by deadline_moved may come due twice
+        return list({id(m): m for m in self._deadlines.due(now, self._indexed)}.values())
 
     def _indexed(self, meta: BlockMeta) -> bool:
         per = self._metas.get(meta.tenant)

@@ -101,9 +101,11 @@ FLUSH_STEP = 64
 __all__ = ["LookupResult", "Store"]  # LookupResult lives in kvstore.store_reads
 
 
-def _later(a: float | None, b: float | None) -> float | None:
-    """The later of two TTL deadlines, None meaning never."""
-    return None if a is None or b is None else max(a, b)
+def _later(a: float | None, b: float | None, cap: float | None = None) -> float | None:
+    """The later of two TTL deadlines, None meaning never, but no later than ``cap`` (None: no
+    cap). NOTE: a re-put under a tenant's TTL kept a block's longer deadline, or its none."""
+    later = None if a is None or b is None else max(a, b)
+    return cap if cap is not None and (later is None or later > cap) else later
 
 
 class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
@@ -534,11 +536,16 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                     held.append(m)
                     parent_tier = m.tier
                 # NOTE: only once every block is placed: a failed put changes no TTL
+                pol = self._tenant_policy.get(tenant)  # the tenant's TTL caps a re-put's deadline too
+                cap = now + pol.ttl_s if pol is not None and pol.ttl_s is not None else None
                 for m in existing:
                     self._place.touch(m, now)
-                    later = _later(m.ttl_deadline, deadline)
+                    later = _later(m.ttl_deadline, deadline, cap)
                     if later != m.ttl_deadline:
+                        earlier = later is not None and (m.ttl_deadline is None or later < m.ttl_deadline)
                         m.ttl_deadline = later
+                        if earlier:
+                            self._index.deadline_moved(m)
                         if self._nvme is not None and (m.persisted or m.tier == Tier.NVME):
                             # NOTE: its NVMe record too: a restart read the old deadline there
                             # and dropped the block before the one it had been given

@@ -20,8 +20,12 @@ lock, index, placement, session table, keyring, quantization policy and remote t
 * ``expire`` drops every local block past its TTL deadline with its subtree (``lookup`` does the
   same first, through ``_expire_due``).
 * ``set_tenant_policy`` sets a tenant's TTL and per-tier quotas (a :class:`TenantPolicy`) and its
-  NVMe quantization, ``set_model_quantization`` a model's; a new TTL or quantization applies to
-  blocks put from then on.
+  NVMe quantization, ``set_model_quantization`` a model's. A TTL caps at once the deadline of
+  every block the tenant holds, in every tier, at now + TTL (a block without one gets it, one
+  expiring sooner keeps its own), and every put or re-put from then on; raising or removing it
+  extends no deadline. A new quantization applies to blocks written from then on. A quota on a
+  tier this server does not have is refused (or skipped with a warning: a stored policy of a
+  tier since configured away, re-applied at a start).
 * ``session_ids``, ``session_info`` and ``end_session`` — the operator's view of the open sessions
   and the close of one (an engine that died leaves its session pinning HBM until its idle expiry);
   a look is no use of a session (its idle time stays).
@@ -29,10 +33,11 @@ lock, index, placement, session table, keyring, quantization policy and remote t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kvstore.block import BlockMeta, SessionState, Tier
 from kvstore.errors import InvalidArgument, NotFound
@@ -40,6 +45,8 @@ from kvstore.expiry import check_ttl
 from kvstore.keys import check_keys
 from kvstore.sessions import Session
 from tiers.remote_invalidate import Deletion
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -422,16 +429,31 @@ class TenantAdmin:
 
     def set_tenant_policy(self, tenant: str, ttl_s: float | None = None,
                           quota_bytes: dict[str, int] | None = None,
-                          quantization: str | None = None, priority: int = 0) -> None:
-        """Per-tenant TTL (applies to blocks put from now on: the default of a put that gives
-        none, and the most a put's own ``ttl_s`` gets), per-tier quotas in bytes, and the
-        format of the tenant's blocks written to NVMe from now on: ``"int8"``, ``"fp8_e4m3"``
-        (``"/head"`` for per-head key scales), ``"none"`` = lossless even where a model rule
-        quantizes; None = no tenant rule (the model's rule or StoreConfig.nvme_quantization).
+                          quantization: str | None = None, priority: int = 0, *,
+                          absent_tiers: Literal["skip", "refuse"] = "skip") -> None:
+        """Per-tenant TTL, per-tier quotas in bytes, and the format of the tenant's blocks
+        written to NVMe from now on: ``"int8"``, ``"fp8_e4m3"`` (``"/head"`` for per-head key
+        scales), ``"none"`` = lossless even where a model rule quantizes; None = no tenant rule
+        (the model's rule or StoreConfig.nvme_quantization).
+
+        The TTL is the operator's retention: the default of a put that gives none, the most a
+        put's own ``ttl_s`` gets, and the most a re-put extends a block to (now + TTL); and at
+        once, every block the tenant holds is capped at now + TTL (one without a deadline gets
+        it, one expiring sooner keeps its own): in the index, in its NVMe record, and (with a
+        remote tier) its copies in Redis, written by this server or another, through the remote
+        writer (:meth:`RemoteTier.cap_ttl`: its queued demotions at once, the copies in Redis
+        next, in the background). NOTE: before, it applied only to blocks put afterwards: blocks
+        put without a TTL outlived a retention set later, even when put again. Raising or
+        removing the TTL extends no deadline (a block keeps the one it has until put again).
+
         ``priority``: when a tier makes room, every evictable block of a tenant of lower
         priority goes before any of a higher one; the policy orders blocks of equal priority
         (0 for every tenant by default). Quotas still bound what a tenant holds; a quota lower
-        than what the tenant holds evicts (demotes) its own blocks at once."""
+        than what the tenant holds evicts (demotes) its own blocks at once. A quota on a tier
+        this server does not have (NVMe with ``nvme_bytes`` 0, the remote tier without
+        ``[store.remote]``) binds nothing: ``absent_tiers="refuse"`` raises InvalidArgument
+        (what an operator setting one must be told), ``"skip"`` logs a warning and keeps it (a
+        stored policy re-applied at a start after the tier was configured away)."""
         from kvstore.quantization import Quantization
 
         self._check_tenant(tenant)
@@ -445,8 +467,18 @@ class TenantAdmin:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidArgument(f"priority must be an int, got {priority!r}")
         quant = Quantization.parse(quantization) if quantization is not None else None
+        have = [*self.tiers, *([Tier.REMOTE] if self._remote is not None else [])]
+        absent = [t.label for t in quotas if t not in have]
+        if absent and absent_tiers == "refuse":
+            raise InvalidArgument(f"quota for tier {absent[0]!r}: this server has no {absent[0]} tier "
+                                  f"(its tiers are {', '.join(t.label for t in have)})")
+        if absent:
+            log.warning("the policy of %r has a quota on %s, which this server does not have: it binds nothing",
+                        tenant, ", ".join(absent))
         with self._lock, self._batch():
             self._tenant_policy[tenant] = TenantPolicy(ttl_s, quotas)
+            if ttl_s is not None:
+                self._cap_deadlines(tenant, self._clock() + ttl_s)
             # a quota lowered below what the tenant holds takes effect now: it stayed over it
             # until its next put. (Pinned blocks stay; the quota still bounds new ones.)
             for tier in quotas:
@@ -460,6 +492,28 @@ class TenantAdmin:
                 self.quant_policy.clear(tenant=tenant)
             else:
                 self.quant_policy.set(quant, tenant=tenant)
+
+    def _cap_deadlines(self, tenant: str, cap: float) -> int:
+        """No block of ``tenant`` outlives ``cap``: the later deadlines (and none) of its blocks
+        are moved there, in the index and in their NVMe records, and (with a remote tier) its
+        copies there are capped through the writer; returns how many local blocks moved.
+        Caller holds the lock and an NVMe batch."""
+        moved = 0
+        for m in self._index.of_tenant(tenant):
+            if m.ttl_deadline is not None and m.ttl_deadline <= cap:
+                continue
+            m.ttl_deadline = cap
+            self._index.deadline_moved(m)
+            if self._nvme is not None and (m.persisted or m.tier == Tier.NVME):
+                self._nvme.update_record(self._place.record(m))  # NOTE: a restart reads it there
+            moved += 1
+        if self._remote is not None:
+            # NOTE: under the lock: a block spilled from now on carries its capped deadline,
+            # and the demotions queued before are capped in the queue
+            self._remote.cap_ttl(tenant, cap)
+        if moved:
+            self.counters.add("ttl_capped", moved)
+        return moved
 
     def set_model_quantization(self, fingerprint: bytes, quantization: str | None) -> None:
         """Format of a model's blocks written to NVMe from now on (see set_tenant_policy; a

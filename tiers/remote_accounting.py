@@ -10,6 +10,8 @@ under it), clocks, capacity, counters and ``_batch`` of :mod:`tiers.remote_calls
 * ``holds(ref, deadline)`` — whether this server's copy of a block is in Redis as far as it
   knows (written by it, not deleted, expired, purged or found missing since, and written or
   moved for a deadline at least as late): a spill of it would write what is there already.
+* ``_cap_held(tenant, deadline)`` — a tenant's TTL set or lowered: the copies of it this server
+  wrote are accounted as living until ``deadline`` at most (``_px`` of :mod:`tiers.remote_put`).
 * ``resync`` — forgets every accounted block Redis no longer holds (``EXISTS``, pipelined, under
   the breakers): a write refused for capacity or quota asks the background writer for one, at
   most once every ``accounting_resync_s``, so blocks that vanished unseen (a ``FLUSHALL``, a
@@ -89,6 +91,15 @@ class Accounting:
             h = self._held.get(ident)
             if h is not None:
                 self._held[ident] = h._replace(deadline=deadline, wanted=wanted)
+
+    def _cap_held(self, tenant: str, deadline: float) -> None:
+        """``tenant``'s TTL was lowered: no copy of it this node wrote lives past ``deadline``
+        (its local deadline, and the one it counts as written for, capped there)."""
+        _, local = self._px(deadline)
+        with self._lock:
+            for ident, h in [(i, h) for i, h in self._held.items() if i[0] == tenant]:
+                self._held[ident] = h._replace(deadline=local if h.deadline is None else min(h.deadline, local),
+                                               wanted=deadline if h.wanted is None else min(h.wanted, deadline))
 
     def holds(self, ref: BlockRef, deadline: float | None) -> bool:
         """Whether this server's copy of ``ref`` is in Redis as far as it knows: a write of it

@@ -19,6 +19,8 @@ Primitives (pure: no Redis round trip, no tier state):
 * ``update_ttl_command(key, deadline, px)`` — the command that moves a block's deadline in place:
   its envelope's field (at :data:`DEADLINE_AT`) and Redis' expiry together, only when the key
   holds a value with the envelope (it never creates a key).
+* ``cap_ttl_command(key, deadline, px)`` — the same, only for a value whose deadline is later
+  than ``deadline`` or none (a tenant's TTL lowered), and Redis' expiry only ever shortened.
 """
 
 from __future__ import annotations
@@ -49,6 +51,17 @@ _UPDATE_TTL = ("if redis.call('GETRANGE', KEYS[1], 0, 3) ~= ARGV[1] then return 
                f"redis.call('SETRANGE', KEYS[1], {DEADLINE_AT}, ARGV[2]) "
                "if ARGV[3] == '' then redis.call('PERSIST', KEYS[1]) "
                "else redis.call('PEXPIRE', KEYS[1], ARGV[3]) end return 1")
+
+# Lowers a block's deadline to ARGV[2] (packed in ARGV[3]) when it is later or none (NaN ~= NaN):
+# its envelope's field, and Redis' expiry to ARGV[4] ms unless it expires sooner already. ARGV:
+# magic, the deadline as a number, packed, PX. Replies 1 when it moved, else 0.
+_CAP_TTL = ("local h = redis.call('GETRANGE', KEYS[1], 0, 15) "
+            "if string.len(h) < 16 or string.sub(h, 1, 4) ~= ARGV[1] then return 0 end "
+            "local d = struct.unpack('<d', string.sub(h, 9, 16)) "
+            "if d == d and d <= tonumber(ARGV[2]) then return 0 end "
+            f"redis.call('SETRANGE', KEYS[1], {DEADLINE_AT}, ARGV[3]) "
+            "local t = redis.call('PTTL', KEYS[1]) local px = tonumber(ARGV[4]) "
+            "if t < 0 or t > px then redis.call('PEXPIRE', KEYS[1], px) end return 1")
 
 
 class RemoteInfo(NamedTuple):
@@ -118,5 +131,14 @@ def update_ttl_command(key: bytes, deadline: float | None, px: int | None) -> tu
             "" if px is None else str(px))
 
 
+def cap_ttl_command(key: bytes, deadline: float, px: int) -> tuple[Any, ...]:
+    """The command that lowers the deadline of the value at ``key`` to ``deadline`` when it is
+    later or none, and its Redis expiry to ``px`` ms (> 0) unless it expires sooner already; it
+    replies 1 when it moved the deadline, 0 when not (or the key holds no value with the
+    envelope: never one without it, nor a key it would create)."""
+    return ("EVAL", _CAP_TTL, 1, key, ENVELOPE_MAGIC, repr(float(deadline)), _DEADLINE.pack(float(deadline)),
+            str(px))
+
+
 __all__ = ["DEADLINE_AT", "ENVELOPE", "ENVELOPE_MAGIC", "ENVELOPE_V1", "ENVELOPE_VERSION", "NO_KID",
-           "UNKNOWN", "RemoteInfo", "live_at", "pack_envelope", "split_value", "update_ttl_command"]
+           "UNKNOWN", "RemoteInfo", "cap_ttl_command", "live_at", "pack_envelope", "split_value", "update_ttl_command"]

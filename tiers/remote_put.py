@@ -13,6 +13,10 @@ tenants' ``_admit`` and key check, and the deletions' children and models sets
   (:mod:`tiers.remote_writer`) writes through ``_put_with`` too.
 * ``update_ttl(ref, deadline, parent=)`` — moves a block's deadline: its envelope's and Redis'
   expiry together, and keeps its parent's children set alive as long.
+* ``_cap_tenant(tenant, deadline)`` — lowers to ``deadline`` the deadline of every copy of the
+  tenant's blocks in Redis (written by any server) that is later or has none (``SCAN`` of every
+  primary by the tenant's prefix, then one pipelined conditional ``EVAL`` per 512 keys): a
+  tenant's TTL set or lowered (:meth:`tiers.remote_writer.DemotionQueue.cap_ttl` runs it).
 
 Redis' own expiry (``PX``) is the deadline capped at ``ttl_cap_s``; the envelope
 (:mod:`tiers.remote_envelope`) keeps the deadline itself, so a block promoted from here keeps it
@@ -35,8 +39,8 @@ import numpy as np
 from kvstore.errors import FailedPrecondition
 from kvstore.quantization import QuantArg
 from tiers.base import BlockRef, as_bytes_view
-from tiers.remote_calls import FAULTS, succeeded
-from tiers.remote_envelope import ENVELOPE, NO_KID, pack_envelope, update_ttl_command
+from tiers.remote_calls import FAULTS, fault_text, succeeded
+from tiers.remote_envelope import ENVELOPE, NO_KID, cap_ttl_command, pack_envelope, update_ttl_command
 
 _STALE = object()  # a write made with a data key that is not the tenant's any more
 
@@ -181,6 +185,35 @@ class Writes:
             self._held_deadline(ref.ident, local, ttl_deadline)
             return True
         return False
+
+    def _cap_tenant(self, tenant: str, deadline: float) -> int:
+        """Lower to ``deadline`` every deadline of ``tenant``'s copies in Redis that is later
+        or none (see the module docstring); returns how many moved. A fault (the ``SCAN``, or a
+        reply) raises it (the caller counts it): the copies not reached keep their deadlines."""
+        px, _ = self._px(deadline)
+        px = max(1, px or 0)  # NOTE: _px says 0 for a deadline passed: it expires at once
+        moved = 0
+        batch: list[bytes] = []
+
+        def send() -> int:
+            replies = self._multi([(k, cap_ttl_command(k, deadline, px)) for k in batch])
+            bad = [r for r in replies if not succeeded(r)]
+            if bad:
+                raise ConnectionError(f"{len(bad)} of {len(batch)} copies not reached ({fault_text(bad[0])})")
+            return sum(1 for r in replies if r == 1)
+
+        prefix = f"{self._ns}:{self._tenant_hex(tenant)}:"
+        for k in self._client.scan_iter(match=prefix + "*", count=1000):
+            k = bytes(k)
+            if k.count(b":", len(prefix.encode())) != 1:  # <fingerprint>:<block key>; not a children set
+                continue
+            batch.append(k)
+            if len(batch) >= 512:
+                moved += send()
+                batch = []
+        if batch:
+            moved += send()
+        return moved
 
 
 __all__ = ["Writes"]

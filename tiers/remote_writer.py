@@ -12,7 +12,13 @@ writes (:mod:`tiers.remote_put`: ``_put_with``, ``update_ttl``) and the deletion
   this server's copy of the block is in Redis (``holds``: a write of it queued before landed).
 * ``submit_ttl(ref, deadline, ...)`` — queues a move of a block's deadline, written after every
   demotion queued before it.
-* ``flush(timeout)`` — waits until every queued item (and re-count) was attempted.
+* ``cap_ttl(tenant, deadline)`` — a tenant's TTL was set or lowered: its queued demotions and
+  deadline moves are capped at ``deadline`` at once, and the writer lowers every later deadline
+  of its copies in Redis (any server's, :meth:`tiers.remote_put.Writes._cap_tenant`) to it,
+  after the write in flight (which may land with the old one); counted ``ttl_capped`` (copies
+  moved) and ``ttl_cap_failures`` (a cap that could not reach every copy: logged, not retried
+  until the policy is set again or the server restarts, which sets it again).
+* ``flush(timeout)`` — waits until every queued item (and re-count, and cap) was attempted.
 * ``_cancel(idents)`` / ``_doomed_subtree(tenant, keys)`` — what deletion uses: a queued
   demotion of a deleted block (or, while a subtree deletion holds its filter — one set of keys
   per deletion, several may run at once — of a block under one) is taken out of the queue; the one being written is waited for (one write's timeouts at most) and unlinked
@@ -32,6 +38,7 @@ queue's state is under ``_cond``.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections import deque
@@ -44,6 +51,8 @@ import numpy as np
 from kvstore.quantization import QuantArg
 from tiers.base import BlockRef, as_bytes_view
 from tiers.remote_accounting import take_bytes
+
+log = logging.getLogger(__name__)
 
 
 class Job(NamedTuple):
@@ -205,6 +214,7 @@ class DemotionQueue:
         self._purging: dict[tuple[str, bytes | str], int] = {}
         self._resync_due = False
         self._last_resync = -math.inf
+        self._caps: dict[str, float] = {}  # tenant -> the deadline its copies in Redis are capped at next
         self._closed = False
         self._recent = RecentWrites(self.config.rewrite_window_s, self.config.rewrite_window_blocks,
                                     self._monotonic)
@@ -285,8 +295,37 @@ class DemotionQueue:
         self._count("ttl_submitted")
         return True
 
+    def cap_ttl(self, tenant: str, deadline: float) -> None:
+        """No copy of ``tenant``'s blocks outlives ``deadline``: its queued demotions and
+        deadline moves are capped now, the copies this node wrote are accounted so, and the
+        writer caps every copy in Redis next (see the module docstring). Never blocks."""
+        with self._cond:
+            if self._closed:
+                return
+            self._queue = deque(j._replace(deadline=deadline)
+                                if j.ref.tenant == tenant and (j.deadline is None or j.deadline > deadline) else j
+                                for j in self._queue)
+            if tenant not in self._caps:
+                self._pending += 1
+            self._caps[tenant] = min(self._caps.get(tenant, deadline), deadline)
+            self._cond.notify_all()
+        self._cap_held(tenant, deadline)
+
+    def _run_cap(self, tenant: str, deadline: float) -> None:
+        """The writer's part of :meth:`cap_ttl`."""
+        try:
+            self._count("ttl_capped", self._cap_tenant(tenant, deadline))
+        except Exception as exc:  # noqa: BLE001 - NOTE: counted and logged; the writer must outlive it
+            self._count("ttl_cap_failures")
+            log.warning("remote tier: the TTL of %r could not be applied to all its copies (%s): some keep "
+                        "a later deadline until the policy is set again or the server restarts", tenant, exc)
+        finally:
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued demotion (and re-count) was attempted; False on timeout."""
+        """Wait until every queued demotion (and re-count, and cap) was attempted; False on timeout."""
         with self._cond:
             return self._cond.wait_for(lambda: self._pending == 0, timeout)
 
@@ -308,11 +347,14 @@ class DemotionQueue:
         scratch = np.empty(0, dtype=np.uint8)
         while True:
             with self._cond:
-                while not self._queue and not self._closed and not self._resync_due:
+                while not self._queue and not self._closed and not self._resync_due and not self._caps:
                     self._cond.wait()
                 resync = self._resync_due
+                cap = None
                 if resync:
                     self._resync_due = False
+                elif self._caps:
+                    cap = self._caps.popitem()
                 elif not self._queue:
                     return
                 else:
@@ -321,6 +363,9 @@ class DemotionQueue:
                     self._writing, self._writing_cancelled = job, False
                     if self._is_doomed(job) or self._purged(ref.tenant, ref.spec.fingerprint):
                         self._writing_cancelled = True  # it, an ancestor or its model is being deleted
+            if cap is not None:
+                self._run_cap(*cap)
+                continue
             if resync:
                 try:
                     self.resync()
@@ -537,6 +582,8 @@ class DemotionQueue:
             if self._resync_due:
                 self._resync_due = False
                 self._pending -= 1
+            self._pending -= len(self._caps)  # NOTE: the next start sets the policies again
+            self._caps.clear()
             self._queued_bytes -= sum(job.nbytes for job in self._queue)
             self._queue.clear()
             self._tenant_queued.clear()
