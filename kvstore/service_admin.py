@@ -243,10 +243,13 @@ class AdminPlane:
         self._policy_holder(namespace)
         return self.registry.policy(namespace)
 
-    def _apply(self, namespace: str, policy: TenantPolicy) -> None:
-        """Put a recorded policy in force in the Store (which checks every value)."""
+    def _apply(self, namespace: str, policy: TenantPolicy, *, absent_tiers: str = "skip") -> None:
+        """Put a recorded policy in force in the Store (which checks every value). A quota on a
+        tier this server does not have is skipped with a warning (a policy saved before a
+        config change took the tier away still loads), or refused with ``absent_tiers="refuse"``
+        (a new policy: it was accepted, saved and shown as if it applied)."""
         self.store.set_tenant_policy(namespace, policy.ttl_s, dict(policy.quota_bytes) or None,
-                                     priority=policy.priority)
+                                     priority=policy.priority, absent_tiers=absent_tiers)
 
     def set_policy(self, namespace: str, policy: TenantPolicy) -> tuple[TenantPolicy, TenantPolicy]:
         """Put ``policy`` in force in the Store and save it; returns it as saved and the policy it
@@ -265,7 +268,7 @@ class AdminPlane:
             before = self.registry.policies().get(namespace) or TenantPolicy()
             # NOTE: the Store checks and applies it before it is saved: a value the Store refused
             # after the save (a NaN TTL) stayed in the principals file, and the next start failed
-            self._apply(namespace, policy)
+            self._apply(namespace, policy, absent_tiers="refuse")
             try:
                 self.registry.set_policy(namespace, policy)
             except KVStoreError:
