@@ -418,7 +418,9 @@ def _console() -> Console:
 @policy_app.command("set")
 def policy_set(
     name: str,
-    ttl: Annotated[float | None, typer.Option("--ttl", help="Block TTL in seconds: the default of a put that gives none, and the most any put gets (omit: none).")] = None,
+    ttl: Annotated[float | None, typer.Option("--ttl", help=(
+        "Block TTL in seconds: the default of a put that gives none, and the most any put gets; "
+        "setting or lowering it caps the blocks already stored at now + TTL (omit: none)."))] = None,
     quota: Annotated[list[str] | None, typer.Option("--quota", help=(
         "TIER=SIZE (hbm, dram, nvme, remote), e.g. hbm=2GiB; repeat. 0 keeps the tenant out of that "
         "tier: with hbm=0 a put in a session (pinned in HBM) is refused."))] = None,

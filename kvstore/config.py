@@ -112,7 +112,10 @@ class StoreConfig(BaseModel):
     allocator. No effect outside glibc (:mod:`kvstore.memtune`)."""
 
     durable: bool = True
-    """LMDB syncs on every commit: a put that returned survives a crash (kill -9)."""
+    """LMDB syncs on every commit: a put that returned and whose blocks went to NVMe survives a
+    crash (kill -9). Blocks living only in HBM/DRAM (the usual case while they fit) are not
+    committed until a :meth:`~kvstore.store.Store.flush` or a close (``persist_on_close``).
+    NOTE: it said every put that returned survived: with the default tier sizes none did."""
 
     persist_on_close: bool = True
     """On a graceful close, write the HBM/DRAM blocks that have no NVMe copy to NVMe (as room
