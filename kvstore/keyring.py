@@ -20,6 +20,14 @@ Primitives and what each guarantees:
   under it becomes unreadable (crypto-shredding), and ``data_key(tenant, create=False)`` then
   raises :class:`~kvstore.errors.KeyUnavailable`. It is idempotent: a key already gone (another
   server sharing the backend destroyed it first) is no error.
+* :meth:`Keyring.condemn` marks a key for destruction, durably (the backend's own write), without
+  destroying it yet: the cached copy still works, but a key read from the backend is none
+  (:meth:`data_key` makes a new one, or raises KeyUnavailable), :meth:`tenants` leaves it out and
+  :meth:`condemned` names it, so whoever opens the backend next finishes the destruction. Why: a
+  tenant's deletion commits its blocks' deletions, then destroys the key; killed between the two,
+  the key stayed for good (freed pages may hold ciphertext it opens, and a tenant created again
+  under the name got it). The mark is the wrapped key itself with another magic, one entry, so
+  a key and its mark can never be apart.
 * Every data key has a **key id** (:func:`key_id`: 8 bytes of a hash of its wrapped form, which
   is public anyway): :meth:`Keyring.key_id` answers it for the cached copy, so a reader can tell
   a value written under another key (a tenant deleted and created again: a server with the old
@@ -55,13 +63,15 @@ from pathlib import Path
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from kvstore.errors import FailedPrecondition, InvalidArgument, KeyUnavailable
+from kvstore.errors import FailedPrecondition, InvalidArgument, KeyUnavailable, NVMeWriteFailed
 from kvstore.paths import private_file_problem
 
 KEY_BYTES = 32
 DEFAULT_ENV_VAR = "KVSTORE_MASTER_KEY"
 
 _WRAP_MAGIC = b"KVK1"
+#: a wrapped key marked for destruction (:meth:`Keyring.condemn`): the same bytes, this magic
+_CONDEMNED_MAGIC = b"KVX1"
 _NONCE_BYTES = 12
 _WRAPPED_BYTES = len(_WRAP_MAGIC) + _NONCE_BYTES + KEY_BYTES + 16
 _AAD_PREFIX = b"kvstore-keyring-v1\x00"
@@ -196,6 +206,11 @@ def load_master_key(
 
 
 # -- keyring ----------------------------------------------------------------------------------
+def _condemned(wrapped: bytes) -> bool:
+    """Whether a backend entry is a key marked for destruction (:meth:`Keyring.condemn`)."""
+    return bytes(wrapped[: len(_CONDEMNED_MAGIC)]) == _CONDEMNED_MAGIC
+
+
 def _check_tenant(tenant: object) -> str:
     if not isinstance(tenant, str) or not tenant:
         raise InvalidArgument("tenant must be a non-empty string")
@@ -292,6 +307,8 @@ class Keyring:
             if self._recheck:
                 self._assert_check()  # NOTE: the backend may have lost it (see the module doc)
             wrapped = self._backend.get(tenant)
+            if wrapped is not None and _condemned(wrapped):
+                wrapped = None  # NOTE: being destroyed: a new key (replacing it) or none, never it
             if wrapped is not None:
                 key = self._unwrap(tenant, wrapped)
             elif not create:
@@ -351,10 +368,42 @@ class Keyring:
                 existed = False
             return existed or cached is not None
 
-    def tenants(self) -> list[str]:
-        """Sorted names of tenants that hold a data key."""
+    def condemn(self, tenant: str) -> bool:
+        """Mark the tenant's key for destruction, durably as the backend writes; True if it
+        had one. The cached copy stays usable until :meth:`destroy`; from the backend, the key
+        is gone at once (see the module docstring). Call it before deleting what the key
+        encrypts, :meth:`destroy` after; whoever opens the backend after a crash between them
+        destroys what :meth:`condemned` names."""
+        tenant = _check_tenant(tenant)
         with self._io:
-            return sorted(name for name in self._backend if name != _CHECK_NAME)
+            wrapped = self._backend.get(tenant)
+            if wrapped is None:
+                return False
+            wrapped = bytes(wrapped)
+            if wrapped.startswith(_WRAP_MAGIC):
+                try:
+                    self._backend[tenant] = _CONDEMNED_MAGIC + wrapped[len(_WRAP_MAGIC):]
+                except NVMeWriteFailed as exc:  # NOTE: the backend says it could not *store* a key
+                    raise NVMeWriteFailed(f"could not destroy tenant {tenant!r}'s data key (marking it "
+                                          f"for destruction failed: {exc})") from None
+            return True
+
+    def condemned(self) -> list[str]:
+        """Sorted names of tenants whose key was condemned and not destroyed yet."""
+        return self._names(condemned=True)
+
+    def tenants(self) -> list[str]:
+        """Sorted names of tenants that hold a data key (a condemned key is none)."""
+        return self._names(condemned=False)
+
+    def _names(self, *, condemned: bool) -> list[str]:
+        with self._io:
+            out = []
+            for name in list(self._backend):
+                wrapped = self._backend.get(name) if name != _CHECK_NAME else None
+                if wrapped is not None and _condemned(wrapped) == condemned:
+                    out.append(name)
+            return sorted(out)
 
 
 __all__ = ["DEFAULT_ENV_VAR", "KEY_BYTES", "KEY_ID_BYTES", "Keyring", "key_id", "load_master_key"]

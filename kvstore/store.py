@@ -256,6 +256,9 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         # tenants with a data key: a block of any other tenant cannot be decrypted (its tenant
         # was deleted, and a crash came between the key's destruction and the blocks' deletion)
         keyed = set(self.keyring.tenants()) if self.keyring is not None and self.config.encrypt else None
+        # tenants whose deletion a crash interrupted once their key was condemned: no key to
+        # tenants() (their blocks go as keyless), and their key goes after (Keyring.condemn)
+        condemned = self.keyring.condemned() if self.keyring is not None else []
         keyless: list[tuple[str, bytes]] = []
         unreadable: list[tuple[str, bytes]] = []
         if progress is not None and records:  # NOTE: the first report came RECOVERY_STEP blocks in
@@ -284,6 +287,11 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
             for tenant, key in (*keyless, *unreadable):
                 self._nvme.delete_key(tenant, key)
             damaged = self._nvme.drop_damaged()
+        if condemned:  # NOTE: before, such a key stayed for good (a tenant created again got it)
+            assert self.keyring is not None
+            for tenant in condemned:
+                self.keyring.destroy(tenant)
+            log.warning("destroyed the data keys of %d tenants whose deletion was interrupted", len(condemned))
         if keyless:
             self.counters.add("keyless_dropped", len(keyless))
             log.warning("dropped %d blocks of deleted tenants (no data key): a tenant deletion was "

@@ -382,6 +382,12 @@ class TenantAdmin:
         returns how many blocks were removed in all."""
         with self._lock, self._batch():
             self._check_open()
+            if self.keyring is not None:
+                # NOTE: first, durably (its own LMDB): the block deletions below are committed
+                # before the key goes, and a crash between the two left the key for good (a
+                # tenant created again under the name got it); the next open destroys a
+                # condemned key (Store._recover), after dropping whatever blocks it still has
+                self.keyring.condemn(tenant)
             self._removals += 1  # a get that fetched meanwhile promotes nothing either
             self._drop_epoch += 1  # NOTE: a reservation made before fails its commit
             self._dropped_at[tenant] = self._drop_epoch
