@@ -40,6 +40,14 @@ principal was removed (saved) before its data was gone for good; killed in betwe
 found no principal but the tenant's blocks and key, and a tenant created later under the name
 read them. Only a mark says a deletion is under way: a name with data and no principal at all
 (a principals file lost, to be restored from a backup) is left alone.
+
+The first admin's token: :meth:`AuthRegistry.ensure_admin` creates the admin and records, in the
+same save, that its token was not shown yet (``"token_unshown"`` in the file); the caller shows
+it, then calls :meth:`AuthRegistry.admin_token_shown`. A start that finds the mark (the one
+before died in between: its token was never seen, and no token can make another without an
+admin's) gives that admin a new token to show. Why: the admin was saved, then the start died
+before printing its token (kill -9, a closed terminal), and every later start saw an admin and
+printed none: no admin token could be had at all.
 """
 
 from __future__ import annotations
@@ -123,6 +131,17 @@ class Principal:
         if self.role is Role.PUBLISHER and len(self.namespaces) == 1:
             return self.namespaces[0]
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class AdminToken:
+    """The first admin's token, for a start to show (:meth:`AuthRegistry.ensure_admin`)."""
+
+    name: str
+    token: str
+    replaced: bool
+    """The admin existed already, its token never shown (a start died first): this one
+    replaces it. False: the admin was created now."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +282,7 @@ class AuthRegistry:
         self._epoch = 0  # the auth epoch: advanced after every change of principals
         self._token_epoch: dict[str, int] = {}  # name -> the epoch its current token was set at
         self._deleting: dict[str, Principal] = {}  # marked by begin_delete: no token, data going
+        self._unshown: str | None = None  # the admin whose token no start has shown yet
         self._gate = _Gate()
         try:
             data = _load(self.path)
@@ -282,6 +302,10 @@ class AuthRegistry:
                                    priority=int(p.get("priority", 0)))
                 for name, p in data.get("policies", {}).items()
             }
+            unshown = data.get("token_unshown")
+            if unshown is not None and not isinstance(unshown, str):
+                raise TypeError(f"token_unshown is {type(unshown).__name__}, not a name")
+            self._unshown = unshown
         except OSError as exc:  # NOTE: a directory or an unreadable file was called "damaged"
             raise FailedPrecondition(f"cannot read the principals file {self.path}: "
                                      f"{exc.strerror or exc}") from None
@@ -307,6 +331,8 @@ class AuthRegistry:
                 name: {"role": p.role.value, "namespaces": list(p.namespaces), "created": p.created}
                 for name, p in sorted(self._deleting.items())
             }
+        if self._unshown is not None:  # NOTE: only then, as "deleting"
+            data["token_unshown"] = self._unshown
         tmp = self.path.with_suffix(".tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -328,12 +354,13 @@ class AuthRegistry:
         memory when it raises or the save fails (a deletion or rotation that memory had made
         and the file had not would bring the old token back at the next start)."""
         before = (dict(self._principals), dict(self._hashes), dict(self._policies), dict(self._token_epoch),
-                  dict(self._deleting))
+                  dict(self._deleting), self._unshown)
         try:
             yield
             self._save()
         except BaseException:
-            self._principals, self._hashes, self._policies, self._token_epoch, self._deleting = before
+            (self._principals, self._hashes, self._policies, self._token_epoch, self._deleting,
+             self._unshown) = before
             raise
 
     @contextmanager
@@ -419,20 +446,26 @@ class AuthRegistry:
         check_name(name)
         ns = self._check_namespaces(role, namespaces)
         with self._changing_rights():
-            if name in self._principals:
-                raise AlreadyExists(f"principal {name!r} already exists")
-            if name in self._deleting:  # NOTE: its data may still be there: finish the deletion first
-                raise FailedPrecondition(f"principal {name!r} is being deleted: delete it again to finish "
-                                         "the deletion, then create it")
-            self._principals[name] = Principal(name, role, ns, created=self._clock())
-            token = self._set_token(name)
-        return token
+            return self._add(name, role, ns)
+
+    def _add(self, name: str, role: Role, ns: tuple[str, ...]) -> str:
+        """Add a principal; returns its token. Caller is in :meth:`_changing_rights`."""
+        if name in self._principals:
+            raise AlreadyExists(f"principal {name!r} already exists")
+        if name in self._deleting:  # NOTE: its data may still be there: finish the deletion first
+            raise FailedPrecondition(f"principal {name!r} is being deleted: delete it again to finish "
+                                     "the deletion, then create it")
+        self._principals[name] = Principal(name, role, ns, created=self._clock())
+        return self._set_token(name)
 
     def rotate(self, name: str) -> str:
-        """Replace a principal's token; the old one stops working at once."""
+        """Replace a principal's token; the old one stops working at once. The caller is
+        shown the new one: an admin's token not shown yet (:meth:`ensure_admin`) is shown now."""
         with self._changing_rights():
             self.get(name)
             token = self._set_token(name)
+            if self._unshown == name:
+                self._unshown = None
         return token
 
     def delete(self, name: str) -> Principal:
@@ -452,6 +485,8 @@ class AuthRegistry:
         self._hashes = {h: n for h, n in self._hashes.items() if n != name}
         self._token_epoch.pop(name, None)
         self._deleting[name] = p
+        if self._unshown == name:
+            self._unshown = None
         return p
 
     def begin_delete(self, name: str) -> Principal:
@@ -507,11 +542,35 @@ class AuthRegistry:
         with self._lock:
             return self.list(), self.deleting()
 
-    def ensure_admin(self) -> str | None:
-        """Create the ``admin`` principal if no admin exists; return its token, else None."""
-        if any(p.role is Role.ADMIN for p in self._principals.values()):
-            return None
-        return self.create(ADMIN_NAME, Role.ADMIN)
+    def ensure_admin(self) -> AdminToken | None:
+        """The first admin's token for the caller to show, then to confirm with
+        :meth:`admin_token_shown`: the ``admin`` principal created when no admin exists, or a
+        new token for the admin whose token was never shown (the start that created it died
+        before showing it; its token stops working); else None. Saved with the mark that the
+        token is not shown yet, so a crash before :meth:`admin_token_shown` leaves the next
+        start to show one."""
+        has_admin = any(p.role is Role.ADMIN for p in self._principals.values())
+        if self._unshown is None and has_admin:
+            return None  # NOTE: a normal start: nothing written
+        with self._changing_rights():
+            name, self._unshown = self._unshown, None
+            if name is not None and name in self._principals:
+                token = AdminToken(name, self._set_token(name), replaced=True)
+            elif any(p.role is Role.ADMIN for p in self._principals.values()):
+                return None  # the mark outlived its admin (not saved otherwise): drop it
+            else:
+                token = AdminToken(ADMIN_NAME, self._add(ADMIN_NAME, Role.ADMIN, ()), replaced=False)
+            self._unshown = token.name
+        return token
+
+    def admin_token_shown(self, token: AdminToken) -> None:
+        """Record (saved) that ``token`` from :meth:`ensure_admin` was shown: no later start
+        replaces it. Call it only once it was shown."""
+        if self._unshown != token.name:
+            return
+        with self._lock, self._changing():
+            if self._unshown == token.name:
+                self._unshown = None
 
     # -- policies -----------------------------------------------------------------------------
     def policy(self, namespace: str) -> TenantPolicy:

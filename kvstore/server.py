@@ -247,7 +247,12 @@ def bootstrap(config: ServerConfig, *, clock: Callable[[], float] = time.time) -
     _make_data_dir(config)
     lock = DirLock(config.data_dir)  # NOTE: not into the directory of a running server
     try:
-        return AuthRegistry(config.auth_file, clock=clock).ensure_admin()
+        registry = AuthRegistry(config.auth_file, clock=clock)
+        admin = registry.ensure_admin()
+        if admin is None:
+            return None
+        registry.admin_token_shown(admin)  # NOTE: returned is shown: the caller holds it now
+        return admin.token
     finally:
         lock.release()
 
@@ -365,7 +370,8 @@ def _second_signal_abandons(echo: Callable[[str], None], persisted: _Counted) ->
 def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
           clock: Callable[[], float] = time.time,
           progress: Callable[[str, int, int], None] | None = None) -> None:
-    """Run the sidecar until SIGINT/SIGTERM. Prints the admin token the first time only, how
+    """Run the sidecar until SIGINT/SIGTERM. Prints the admin token the first time only (or at
+    the next start, a new one, when the start that made it died before printing it), how
     many blocks were recovered from NVMe at start and how many were committed to it at stop;
     ``progress(what, done, total)`` while either runs."""
     done = threading.Event()
@@ -401,9 +407,16 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
         recovered = _Counted("recovering blocks from NVMe", progress)
         server, port = create_server(config, clock=clock, progress=recovered)
         server.start()
-        token = server.registry.ensure_admin()
-        if token is not None:  # NOTE: the first admin's creation was the one change not on record
-            server.audit.append("kvstore serve", "tenant.create", "admin", "OK", "role=admin (first start)")
+        # NOTE: saved as not shown until the echo below: a start that died in between (it
+        # printed the token after the lines below) left an admin whose token nobody saw, and no
+        # later start printed one; the next start now replaces that token and prints it
+        admin = server.registry.ensure_admin()
+        if admin is not None:  # NOTE: the first admin's creation was the one change not on record
+            if admin.replaced:
+                server.audit.append("kvstore serve", "tenant.rotate", admin.name, "OK",
+                                    "role=admin (its token was never shown: a start died first)")
+            else:
+                server.audit.append("kvstore serve", "tenant.create", admin.name, "OK", "role=admin (first start)")
         if config.listen.startswith("unix:"):
             echo(f"kvstore serving on {config.listen}")
         else:
@@ -420,8 +433,11 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
         if getattr(server.store, "disk_warning", None):
             echo(f"warning: {server.store.disk_warning}")
         announce_key()
-        if token is not None:
-            echo(f"admin token (shown once, store it now): {token}")
+        if admin is not None:
+            echo(f"admin token (shown once, store it now): {admin.token}")
+            if echo is print:  # NOTE: print buffers a pipe: shown is written out
+                print(end="", flush=True)
+            server.registry.admin_token_shown(admin)
         keyring = getattr(server.store, "keyring", None)
         orphans = [t for t in keyring.tenants() if not t.startswith(SHARED_PREFIX)] if keyring is not None else []
         if not had_principals and orphans:

@@ -1,4 +1,4 @@
-"""A crash window that lost something for good, found by a kill -9 at one point.
+"""Two crash windows that lost something for good, each found by a kill -9 at one point.
 
 * ``Store.drop_tenant`` commits its block deletions, then destroys the tenant's data key.
   Killed between the two, the key stayed on disk for good: nothing at the next open destroyed
@@ -6,14 +6,21 @@
   ciphertext stayed readable under it and a tenant created again under the name got it
   (DESIGN.md §7 invariant 5). Now the key is condemned first (durably), and the next open
   drops whatever blocks the tenant still has, then destroys the key.
+* ``kvstore serve``'s first start saved the admin principal, then wrote an audit entry and
+  several lines before printing the admin token. Killed in between, the token was never seen
+  and every later start, finding an admin, printed none: no admin token could be had. Now the
+  registry records that the token was not shown until it is; the next start replaces it and
+  prints the new one.
 
-The crashes run in child processes that ``os._exit`` at the point (as a kill -9 leaves it:
+The crashes run in child processes that ``os._exit`` at the point (as a kill -9 leaves them:
 nothing closed or committed at exit).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -21,10 +28,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from service_harness import config
 
+from kvstore.audit import AuditLog
+from kvstore.auth import AuthRegistry, Role
 from kvstore.config import StoreConfig
-from kvstore.errors import KeyUnavailable
+from kvstore.errors import KeyUnavailable, Unauthenticated
 from kvstore.keyring import Keyring
+from kvstore.server import serve
 from kvstore.spec import ModelSpec
 from kvstore.store import Store
 
@@ -107,3 +118,75 @@ def test_a_condemned_key_is_no_key_to_a_keyring_opened_after(tmp_path):
     assert reopened.condemned() == [] and reopened.tenants() == ["t"]
     assert ring.destroy("t") and backend.keys() == {""}
 
+
+# The first start of ``kvstore serve`` dies at the audit entry of the first admin's creation:
+# after the admin was saved, before its token was printed.
+_SERVE_CHILD = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    sys.path[:0] = [{tests!r}, {root!r}]
+    from service_harness import config
+    from kvstore import audit
+    from kvstore.server import serve
+
+    real = audit.AuditLog.append
+    def append(self, principal, action, target, result, detail="", *a, **k):
+        if action == "tenant.create" and "first start" in detail:
+            os._exit(9)
+        return real(self, principal, action, target, result, detail, *a, **k)
+    audit.AuditLog.append = append
+    serve(config(Path(sys.argv[1])))
+""").format(tests=str(TESTS), root=str(ROOT))
+
+
+def _serve_once(data_dir: Path) -> list[str]:
+    """One start of serve in this process, stopped once ready; its lines."""
+    lines: list[str] = []
+
+    def echo(line: str) -> None:
+        lines.append(line)
+        if line.startswith("ready"):  # serve's own SIGINT handler is in place: it stops
+            os.kill(os.getpid(), signal.SIGINT)
+    serve(config(data_dir), echo=echo)
+    return lines
+
+
+def test_a_first_start_killed_before_it_printed_the_admin_token_leaves_the_next_one_to(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", _SERVE_CHILD, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, env=ENV, cwd=str(ROOT), check=False)
+    assert proc.returncode == 9, proc.stdout + proc.stderr
+    assert "admin token" not in proc.stdout
+    assert "admin" in json.loads((tmp_path / "auth.json").read_text())["principals"]  # saved, never shown
+
+    lines = _serve_once(tmp_path)
+    shown = [ln for ln in lines if ln.startswith("admin token (shown once, store it now): ")]
+    assert len(shown) == 1, lines
+    token = shown[0].rsplit(" ", 1)[1]
+    registry = AuthRegistry(tmp_path / "auth.json", clock=lambda: 0.0)
+    assert registry.authenticate(token).role is Role.ADMIN
+    last = AuditLog(tmp_path / "audit.log", clock=lambda: 0.0).read(0, 100)[-1]
+    assert (last.principal, last.action, last.target, last.result) == ("kvstore serve", "tenant.rotate",
+                                                                       "admin", "OK")
+
+    # shown once: the next start prints none, and the token still works
+    lines = _serve_once(tmp_path)
+    assert not any("admin token" in ln for ln in lines), lines
+    assert AuthRegistry(tmp_path / "auth.json", clock=lambda: 0.0).authenticate(token).role is Role.ADMIN
+
+
+def test_an_admin_token_never_confirmed_shown_is_replaced_until_one_is(tmp_path):
+    path = tmp_path / "auth.json"
+    first = AuthRegistry(path, clock=lambda: 0.0).ensure_admin()
+    assert first is not None and not first.replaced  # saved; killed before it was shown
+
+    registry = AuthRegistry(path, clock=lambda: 0.0)
+    again = registry.ensure_admin()
+    assert again is not None and again.replaced and again.name == first.name
+    assert registry.authenticate(again.token).role is Role.ADMIN
+    with pytest.raises(Unauthenticated):
+        registry.authenticate(first.token)  # never seen: it stops working
+    registry.admin_token_shown(again)
+
+    registry = AuthRegistry(path, clock=lambda: 0.0)
+    assert registry.ensure_admin() is None
+    assert registry.authenticate(again.token).role is Role.ADMIN
