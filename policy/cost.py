@@ -71,22 +71,34 @@ one is read again; from :mod:`policy.cost_model` the time a hit saves in each ti
   tier it names cannot take the victim, the Store (and the replay) ask again with the tiers
   after it (:class:`policy.base.EvictionPolicy`); the eviction is learnt from once.
 * **Expiry** (``expiry_aware``, on by default): a read after a block's TTL deadline is a miss,
-  so only the reads before it count. With ``F`` the class's gap distribution
-  (:meth:`policy.reuse.ReuseEstimator.within`, gaps from the block's ``last_access``) and
-  ``w = ttl_deadline − last_access``, the next read comes before the deadline with
-  probability ``p·F(w)`` (:meth:`policy.reuse.ReuseEstimator.probability` with ``now``), and
-  a later one needs every gap before it shorter than ``w``, so the expected reads before the
-  deadline that fall within the horizon are at most ``q·F(min(T_t, w)) / (1 − q·F(w))``
-  (``q = min(p, 0.999)``; ``w = ∞`` gives ``p/(1 − p) × F(T_t)``, the value above). This is
-  non-decreasing in the deadline, and 0 once the block has expired (``now >= ttl_deadline``),
-  so of two blocks otherwise alike the one expiring sooner goes first; a block without a
-  deadline is valued exactly as before. ``reads`` and ``rate`` use ``p·F(w)`` for ``p``; a
-  demoted block's idle value (below) conditions the same window on its idle age. Demotion and
-  admission use ``p·F(w)`` too, and never write an expired block or one whose deadline comes
-  before its copy could be written (``restore_seconds`` to ``dest``, as the write cost takes
-  it): that write could only be deleted. The key is stamped as before (the deadline enters
-  the value, not the time left), so keys stay stable between notifications; a block that
-  expires is deleted by the Store's expiry, not re-ranked.
+  so the deadline bounds the window in which its reads count. With ``F`` the class's gap
+  distribution (:meth:`policy.reuse.ReuseEstimator.within`, gaps from the block's
+  ``last_access``) and ``w = ttl_deadline − last_access``, the next read comes before the
+  deadline with probability ``p·F(w)`` (:meth:`policy.reuse.ReuseEstimator.probability` with
+  ``now``). ``horizon`` counts the first read within ``min(T_t, w)`` instead of ``T_t``: a
+  deadline past the tier's horizon changes nothing (the block leaves the tier before it
+  expires), a nearer one scales the value by ``F(w) / F(T_t)``; ``reads`` and ``rate`` scale
+  by ``F(w)``; a demoted block's idle value caps its horizon at ``ttl_deadline − now``. Each
+  is non-decreasing in the deadline and 0 once the block has expired (``now >=
+  ttl_deadline``), so of two blocks otherwise alike the one expiring sooner goes first; a
+  block without a deadline is valued exactly as before. Demotion and admission weigh the
+  write against ``p·F(w) × saving(dest)``, and never write an expired block or one whose
+  deadline comes before its copy could be written (``restore_seconds`` to ``dest``, as the
+  write cost takes it). The key is stamped as before (the deadline enters the value, not the
+  time left), so keys stay stable between notifications; a block that expires is deleted by
+  the Store's expiry, not re-ranked. Tried and not kept (Mooncake replay with every block
+  given one TTL, ``bench/replay_bench.py --ttl-s``, 2026-12-01): counting every later read
+  before the deadline too (``q·F(min(T_t, w)) / (1 − q·F(w))`` expected reads, which lowers
+  blocks of high ``p`` most) saved less prefill time than this form in 4 of 6 cells (up to
+  −0.0027; +0.0009 at best; TTL 60/120/300/600 s, HBM 400 and 1000). Against ``expiry_aware=False`` in the same replay (HBM
+  400/1000/1500, DRAM 3×, NVMe 10×): net saved prefill time −0.0029/−0.0020/−0.0006 at TTL
+  60 s, +0.0009/−0.0025/−0.0013 at 120 s, +0.0010/+0.0015/−0.0013 at 300 s, +0.0007/−0.0008/
+  −0.0001 at 600 s, with NVMe written −22/−36/−47 % at 60 s and −4/−5/−6 % at 120 s (about
+  equal at 300 and 600 s). The write rule, not the order, makes the difference (the order
+  alone, with writes decided as before: +0.0003/0.0000 at 60 s HBM 400/1000, −0.0008 at 120 s
+  HBM 1000); the replay counts no write time, and at ``write_cost_weight`` 0.1 the NVMe time
+  saved at 60 s (248 s and 206 s of writes at 5 GB/s, weighted 25 s and 21 s) is about the
+  prefill time lost (11 s and 8 s of 3,946 s), at 120 s HBM 1000 it is not (4 s against 10 s).
 * **Idle time at demotion** (``demotion_aging`` = β, 0.5 by default): a demoted block is
   keyed in the tier it goes to with ``L_t + v · (v_idle / v)^β``, where ``v`` is its value
   as if just read and ``v_idle`` its value given that it has not been read for its age
@@ -268,17 +280,6 @@ class CostPolicy:
             c = self.reuse.klass(meta)
         return self.reuse.probability(meta, c) * self.reuse.before_deadline(meta, now, c)
 
-    def _reads_before(self, meta: BlockMeta, p: float, soon: float, life: float) -> float:
-        """Expected reads within a window, of a block read again with probability ``p``, its
-        next read within the window with probability ``soon`` and before its deadline with
-        ``life`` (``soon <= life``): ``q·soon / (1 − q·life)``, ``q = min(p, _P_MAX)``; with
-        ``life = 1`` (no deadline) this is ``expected_reads × soon``."""
-        q = min(p, _P_MAX)
-        reads = q * soon / (1.0 - q * life)
-        if self.config.frequency_weight:
-            reads *= max(meta.access_count, 1) ** self.config.frequency_weight
-        return reads
-
     def value(self, meta: BlockMeta, tier: Tier, c: int | None = None,
               now: float | None = None) -> float:
         """What keeping the block in ``tier`` is worth, per byte (see the module docstring).
@@ -289,17 +290,15 @@ class CostPolicy:
             return 0.0  # expired: no read can come
         per_byte = self.gain(meta, tier) / max(meta.nbytes, 1)
         if self.config.valuation == "reads":
-            return self.expected_reads(meta, c, self._p_before(meta, c, now, left)) * per_byte
+            reads = self.expected_reads(meta, c) * per_byte
+            return reads if left is None else reads * self.reuse.before_deadline(meta, now, c)  # type: ignore[arg-type]
         if self.config.valuation == "horizon":
             horizon = self._horizon[tier]
             if c is None:
                 c = self.reuse.klass(meta)  # NOTE: once, for both estimates
-            if left is None:
-                return self.expected_reads(meta, c) * per_byte * self.reuse.within(meta, horizon, c)
-            window = meta.ttl_deadline - meta.last_access  # type: ignore[operator]
-            soon = self.reuse.within(meta, min(horizon, window), c)
-            life = self.reuse.within(meta, window, c)
-            return self._reads_before(meta, self.reuse.probability(meta, c), soon, life) * per_byte
+            if left is not None:  # the deadline caps the horizon (gaps from last_access)
+                horizon = min(horizon, meta.ttl_deadline - meta.last_access)  # type: ignore[operator]
+            return self.expected_reads(meta, c) * per_byte * self.reuse.within(meta, horizon, c)
         p = self._p_before(meta, None, now, left)
         p = min(self.reuse.probability(meta) if p is None else p, _P_MAX)
         return p * per_byte / max(self.reuse.mean_gap(meta), _MIN_GAP_S)
@@ -307,8 +306,8 @@ class CostPolicy:
     def idle_value(self, meta: BlockMeta, tier: Tier, age: float, now: float | None = None) -> float:
         """:meth:`value` for a block idle for ``age`` seconds, discounted by
         ``demotion_aging`` (the value itself where that is 0 or the valuation is not
-        ``horizon``). ``now``: as in :meth:`value` (the idle read must come within
-        ``ttl_deadline − now``)."""
+        ``horizon``). ``now``: as in :meth:`value` (the read must come within
+        ``ttl_deadline − now`` as well as within the tier's horizon)."""
         beta = self.config.demotion_aging
         if not beta or self.config.valuation != "horizon":
             return self.value(meta, tier, now=now)
@@ -316,14 +315,12 @@ class CostPolicy:
         fresh = self.value(meta, tier, c, now)
         if fresh <= 0.0:
             return fresh
+        horizon = self._horizon[tier]
         left = self._left(meta, now)
-        if left is None:
-            alive, soon = self.reuse.after_idle(meta, age, self._horizon[tier], c)
-            idle = self.expected_reads(meta, c, alive) * soon * self.gain(meta, tier) / max(meta.nbytes, 1)
-        else:
-            alive, soon = self.reuse.after_idle(meta, age, min(self._horizon[tier], left), c)
-            _, life = self.reuse.after_idle(meta, age, left, c)
-            idle = self._reads_before(meta, alive, soon, life) * self.gain(meta, tier) / max(meta.nbytes, 1)
+        if left is not None:  # the deadline caps the horizon (here counted from now)
+            horizon = min(horizon, left)
+        alive, soon = self.reuse.after_idle(meta, age, horizon, c)
+        idle = self.expected_reads(meta, c, alive) * soon * self.gain(meta, tier) / max(meta.nbytes, 1)
         return fresh * (idle / fresh) ** beta if idle > 0.0 else 0.0
 
     def horizon(self, tier: Tier) -> float:
