@@ -16,6 +16,7 @@ import itertools
 import math
 
 import pytest
+from conftest import make_kv, tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -237,3 +238,21 @@ def test_the_replay_refuses_a_ttl_that_is_not_a_finite_positive_number():
     for bad in (0, -1.0, math.inf, math.nan):
         with pytest.raises(InvalidArgument, match="ttl_s"):
             ReplayConfig(hbm_blocks=1, dram_blocks=0, nvme_blocks=0, ttl_s=bad)
+
+
+# -- the Store: its clock reaches the policy ------------------------------------------------
+
+def test_a_full_store_drops_the_block_that_expires_sooner(open_store, spec, clock):
+    """HBM of two blocks and nothing below: of two prompts alike, stored at the same time, the
+    one with 0.5 s left is dropped for a third, not the one with 999 s (before: the older)."""
+    s = open_store(spec, hbm_blocks=2, dram_blocks=0, nvme_blocks=0, high_watermark=1.0,
+                   low_watermark=1.0)
+    long = s.block_keys("a", spec, tokens(1, spec))
+    short = s.block_keys("a", spec, tokens(1, spec, start=100))
+    third = s.block_keys("a", spec, tokens(1, spec, start=200))
+    s.put("a", spec, long, make_kv(spec, 1), ttl_s=1000.0)
+    s.put("a", spec, short, make_kv(spec, 1), ttl_s=1.5)
+    clock.advance(1.0)
+    s.put("a", spec, third, make_kv(spec, 1), ttl_s=1000.0)
+    assert s.lookup("a", spec, long).num_blocks == 1
+    assert s.lookup("a", spec, short).num_blocks == 0
