@@ -22,12 +22,18 @@ Contracts:
   (lookup, allocation update, metadata, request finished) and one worker instance per worker
   (load, save). Each opens its own :class:`kvstore.client.Client` on first use. The scheduler
   sends the workers everything they need in :class:`KVStoreConnectorMetadata` (every rank's
-  keys, block ids, the LoRA adapter): the workers never compute keys.
+  keys, block ids, the LoRA adapter): the workers never compute keys. vLLM's ``kv_role`` is
+  honoured: ``kv_producer`` only saves (no lookup is offered as a hit), ``kv_consumer`` only
+  loads (nothing is sent to be saved), ``kv_both`` (or none) does both.
 * **Blocks.** One kvstore block = one vLLM block (``block_tokens`` = vLLM's ``block_size``),
   all layers of this worker's shard, shaped ``[2, L, H, T, D]`` (:func:`spec_for` gives the
   spec). Each layer's cache is moved as vLLM allocated it by :mod:`kernels.paged`, in its
   layout (``BLOCKS_FIRST``/``KV_FIRST`` on GPU; on CPU ``CPU_SPLIT``: ``[nb, H, bs, 2D]`` written
-  as a K slab then a V slab per block and head). The order inside a CPU slab is the kernel's and
+  as a K slab then a V slab per block and head). A cache on a device (GPU) is gathered on the
+  device, one layer at a time, and copied to a host staging buffer (page-locked with CUDA;
+  the copies are asynchronous and waited for before the client reads them); loaded blocks go
+  host -> device before they are scattered. CPU caches are gathered into and scattered from
+  the host buffers directly. The order inside a CPU slab is the kernel's and
   depends on its ISA: for ``vec`` (K dim-major ``[D, bs]``, V token-major) the gather/scatter
   kernel itself reads K as ``[D, bs]`` (``CPU_SPLIT_KDIM``), so stored blocks are canonical
   with no transposing pass; other ISAs keep the engine's bytes under the layout tag ``vllm-cpu-<isa>`` (part of the fingerprint), so such blocks
@@ -36,8 +42,11 @@ Contracts:
   ``uint8``, are viewed as the spec's fp8 dtype (same bytes).
 * **Keys.** The server-computed chained keys of the prompt's full blocks (the tenant namespace
   is applied by the server), so a block is only ever reused after the same prefix. They are
-  computed under each TP rank's own spec (its shard has its own fingerprint), so the scheduler
-  asks for the keys of every rank. A request's LoRA adapter (``lora_request.lora_name``, else
+  computed under each rank's own spec (its shard has its own fingerprint), so the scheduler
+  asks for the keys of every rank. A rank here is a worker: TP rank ``r`` of pipeline stage
+  ``s`` (index ``s * tp_size + r``); a stage's spec holds its own layers and has the stage and
+  its layer range in its layout tag, so stages never share keys (with one stage the spec is as
+  before). A request's LoRA adapter (``lora_request.lora_name``, else
   its id) is the spec's ``adapter`` (so another fingerprint), and its ``cache_salt`` is an extra
   key of the first block (as vLLM's own prefix cache does), so requests vLLM keeps apart never
   share KV here either. NOTE: the adapter is known by its name, which must name one set of
@@ -46,12 +55,14 @@ Contracts:
   token ids (placeholder tokens stand for an image), so such requests are neither looked up nor
   saved (counted in ``counts.skipped_requests``, logged at debug).
 * **Lookup.** :meth:`get_num_new_matched_tokens` asks the sidecar for the longest stored prefix
-  of every TP rank's shard (one lookup per rank; two with a ``cache_salt``, keys then lookup)
+  of every rank's shard (one lookup per rank; two with a ``cache_salt``, keys then lookup)
   and takes the shortest, so a hit is offered only where every rank has its blocks; capped so
   that at least one prompt token is left to compute, it returns the part beyond vLLM's own
   (block-aligned) local hit. Loads are synchronous (``load_kv_async`` is False). A lookup that
   fails is a miss; the request's keys are looked up again when its blocks are planned for
   saving (once per step until one answers), so it is still saved once the sidecar is back.
+  A request vLLM marks ``skip_reading_prefix_cache`` (``prompt_logprobs``, or the user's
+  choice) is offered no hit (vLLM asks the connector anyway), and is still saved.
 * **Load.** :meth:`start_load_kv` gets every scheduled load's blocks (under this rank's keys) and
   scatters all layers before the forward pass (so :meth:`wait_for_layer_load` has nothing to
   wait for). Blocks the sidecar no longer has (evicted since the lookup, on any rank) are
@@ -61,12 +72,12 @@ Contracts:
   chain holds a block that did not load, in that step and after, until the scheduler sends the
   save from that block again. It does so when vLLM runs the request from fewer computed tokens
   than it planned: vLLM's recompute cuts them back to the first failed block, and everything
-  saved from there on is computed in that rerun. With TP > 1 the ranks whose load succeeded
-  stored that step's blocks (computed over the other rank's garbage, and a put keeps what a
-  key holds): the scheduler deletes every rank's blocks the request sent since its lookup, at
-  the rollback, or when vLLM ends the request for the failure (``kv_load_failure_policy="fail"``).
-  NOTE: until then they are no hit, as the failing rank lacks them, unless another request
-  stores those very blocks on that rank in the step between.
+  saved from there on is computed in that rerun. With more than one rank (TP or PP) the ranks
+  whose load succeeded stored that step's blocks (computed over the other rank's garbage, and a
+  put keeps what a key holds): the scheduler deletes every rank's blocks the request sent since
+  its lookup, at the rollback, or when vLLM ends the request for the failure
+  (``kv_load_failure_policy="fail"``). NOTE: until then they are no hit, as the failing rank
+  lacks them, unless another request stores those very blocks on that rank in the step between.
 * **Save.** Each step, full prompt blocks that become computed in that step and were not yet
   stored or sent to be saved are saved: :meth:`save_kv_layer` gathers each layer into a staging
   buffer right after the layer's attention wrote it, and :meth:`wait_for_save` fills any layer
@@ -85,6 +96,7 @@ Contracts:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from dataclasses import dataclass, field
@@ -116,6 +128,9 @@ __all__ = ["ConnectorCounts", "KVStoreConnector", "KVStoreConnectorMetadata", "T
 log = logging.getLogger(__name__)
 
 _FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+#: ``--kv-cache-dtype`` values that name a plain torch dtype (vLLM 0.32 accepts "bfloat16"; some
+#: releases also "float16")
+_PLAIN = {"bfloat16": "bfloat16", "float16": "float16"}
 #: default size of the client's shared-memory region (``kvstore_region_mib``)
 DEFAULT_REGION_MIB = 64
 #: the extra key of a request's first block that carries its ``cache_salt``
@@ -131,22 +146,59 @@ def make_spec(model: str, *, num_layers: int, num_kv_heads: int, head_dim: int, 
                      adapter=adapter, tp_rank=tp_rank, tp_size=tp_size)
 
 
-def spec_for(vllm_config: VllmConfig, extra: dict[str, Any], tp_rank: int = 0, adapter: str = "") -> ModelSpec:
-    """Spec of one worker's shard, from vLLM's config (the same in every process); ``adapter``:
-    the request's LoRA adapter (:func:`request_adapter`), "" for the base model."""
+def spec_for(vllm_config: VllmConfig, extra: dict[str, Any], tp_rank: int = 0, adapter: str = "",
+             pp_rank: int = 0) -> ModelSpec:
+    """Spec of one worker's shard (pipeline stage ``pp_rank``, TP rank ``tp_rank``), from vLLM's
+    config (the same in every process); ``adapter``: the request's LoRA adapter
+    (:func:`request_adapter`), "" for the base model.
+
+    NOTE: the identity is the model id (``kvstore_model``, else vLLM's served model name) and
+    ``kvstore_revision`` (else vLLM's ``--revision``, often ""): two checkpoints served under one
+    name share KV unless one of those tells them apart. With pipeline parallelism the stage and
+    its layer range are in the layout tag (so in the fingerprint): stages hold different layers
+    and never share keys; with one stage the tag is unchanged."""
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     if cc.cache_dtype == "auto":
         dtype = str(mc.dtype).removeprefix("torch.")
     elif cc.cache_dtype in _FP8:
         dtype = _FP8[cc.cache_dtype]
+    elif cc.cache_dtype in _PLAIN:
+        dtype = _PLAIN[cc.cache_dtype]
     else:
         raise InvalidArgument(f"kvstore connector: unsupported kv cache dtype {cc.cache_dtype!r}")
     model = str(extra.get("kvstore_model") or mc.served_model_name or mc.model)
-    return make_spec(model, num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
+    layout = _layout_tag(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype)
+    pp_size = pipeline_stages(vllm_config)
+    if pp_size > 1:
+        start, end = stage_layers(vllm_config, pp_rank)
+        num_layers, layout = end - start, f"{layout};pp={pp_rank}/{pp_size};layers={start}-{end}"
+    else:
+        num_layers = mc.get_num_layers(pc)
+    return make_spec(model, num_layers=num_layers, num_kv_heads=mc.get_num_kv_heads(pc),
                      head_dim=mc.get_head_size(), dtype=dtype, block_size=cc.block_size,
                      revision=str(extra.get("kvstore_revision") or mc.revision or ""),
-                     tp_rank=tp_rank, tp_size=pc.tensor_parallel_size, adapter=adapter,
-                     layout=_layout_tag(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype))
+                     tp_rank=tp_rank, tp_size=pc.tensor_parallel_size, adapter=adapter, layout=layout)
+
+
+def pipeline_stages(vllm_config: VllmConfig) -> int:
+    """vLLM's pipeline-parallel size (1 without pipeline parallelism)."""
+    return int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+
+
+def stage_layers(vllm_config: VllmConfig, pp_rank: int) -> tuple[int, int]:
+    """Layers ``[start, end)`` of pipeline stage ``pp_rank``, as vLLM splits them in any process.
+
+    NOTE: vLLM's ``ModelConfig.get_layers_start_end_indices`` reads the stage from
+    ``parallel_config.rank`` (ranks laid out DP x PP x TP: a stage spans ``world_size / pp``
+    ranks), which is 0 in the scheduler: it is asked with a copy whose rank is the stage's first.
+    A worker checks the answer against its own (:class:`KVStoreConnector`)."""
+    pc = vllm_config.parallel_config
+    pp_size = pipeline_stages(vllm_config)
+    per_stage = max(1, int(getattr(pc, "world_size", 0) or pc.tensor_parallel_size * pp_size) // pp_size)
+    stage_pc = copy.copy(pc)
+    stage_pc.rank = pp_rank * per_stage
+    start, end = vllm_config.model_config.get_layers_start_end_indices(stage_pc)
+    return int(start), int(end)
 
 
 def request_adapter(request: Any) -> str:
@@ -195,9 +247,10 @@ def _layout_tag(dtype: torch.dtype, block_size: int, head_size: int, cache_dtype
 class Transfer:
     """Blocks of one request to move this step: the prompt's blocks ``start..len(block_ids)``.
 
-    ``keys[r][i]``: TP rank r's key of the prompt's block i, for every block up to the last one
-    moved (the ones before ``start`` are the chain the moved blocks continue from, which a
-    save sends again if the store lost it); ``block_ids[i]``: the engine block holding block i;
+    ``keys[r][i]``: rank r's (PP stage x TP rank, see the module docstring) key of the prompt's
+    block i, for every block up to the last one moved (the ones before ``start`` are the chain
+    the moved blocks continue from, which a save sends again if the store lost it);
+    ``block_ids[i]``: the engine block holding block i;
     ``adapter``: the request's spec adapter (:func:`request_adapter`)."""
 
     req_id: str
@@ -227,11 +280,64 @@ class ConnectorCounts:
     failed_loads: int = 0  # worker: blocks a load did not get (reported to vLLM, recomputed)
 
 
+def _host_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host buffer for blocks moving to or from ``device``: page-locked for a CUDA device (so
+    the copies are asynchronous DMA), plain memory otherwise."""
+    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def _to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Start copying ``src`` (on the cache's device) into the host tensor ``dst``, on the
+    device's current stream; the bytes are there once :func:`_host_ready` returns."""
+    dst.copy_(src, non_blocking=True)
+
+
+def _host_ready(device: torch.device) -> None:
+    """Wait for the copies :func:`_to_host` started on ``device`` (nothing to wait for on the CPU).
+
+    NOTE: the whole current stream (the copies were queued on it after the layers' attention):
+    called once per step, from wait_for_save at the end of the forward pass, or for a chain
+    sent again from its root."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    elif device.type not in ("cpu", "meta"):
+        torch.accelerator.synchronize(device)
+
+
+def _to_device(blocks: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Blocks the client returned (host memory) on the cache's device, as is on the CPU. The
+    copy and the scatter after it run in order on the device's current stream."""
+    return blocks if blocks.device == device else blocks.to(device, non_blocking=True)
+
+
+@dataclass(slots=True)
+class _Stage:
+    """One save's blocks on their way from the caches to the sidecar.
+
+    On the CPU ``host`` is ``[n, 2, L, H, T, D]`` and each layer is gathered straight into it
+    (no other copy). For a cache on a device it is ``[L, n, 2, H, T, D]`` on the host (pinned
+    with CUDA): each layer is gathered on the device into a buffer of that layer's blocks only
+    (device memory for one layer, not the whole save) and copied into its own contiguous slab."""
+
+    t: Transfer
+    host: torch.Tensor
+    on_device: bool
+    seen: set[int] = field(default_factory=set)
+
+    @property
+    def n(self) -> int:
+        return self.host.shape[1] if self.on_device else self.host.shape[0]
+
+    def blocks(self) -> torch.Tensor:
+        """The blocks as the client takes them, ``[n, 2, L, H, T, D]``."""
+        return self.host.permute(1, 2, 0, 3, 4, 5) if self.on_device else self.host
+
+
 @dataclass(slots=True)
 class _ReqState:
     """Scheduler-side record of one request."""
 
-    keys: list[list[bytes]]  # per TP rank: keys of the prompt's full blocks; [] until a lookup answers
+    keys: list[list[bytes]]  # per rank (PP stage x TP rank): the prompt's full blocks' keys; [] till looked up
     adapter: str = ""
     saved: int = 0  # leading blocks found stored by the lookup or sent to the workers to save
     sent: int = 0  # blocks sent to the workers to save
@@ -259,13 +365,29 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._guard = SidecarGuard(str(extra["kvstore_target"]))
         self._namespace = str(extra.get("kvstore_namespace", ""))
         self._block_size = vllm_config.cache_config.block_size
-        self._tp_rank = 0
+        # kv_role: kv_producer saves only, kv_consumer loads only, kv_both (or unset) both
+        kv_role = getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both"
+        self._loads, self._saves = kv_role != "kv_producer", kv_role != "kv_consumer"
+        tp_rank = pp_rank = 0
+        pp_size = pipeline_stages(vllm_config)
         if role == KVConnectorRole.WORKER:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-            self._tp_rank = get_tensor_model_parallel_rank()
-        self._spec = spec_for(vllm_config, extra, self._tp_rank)
-        # the scheduler computes keys for every rank's shard (ranks differ only in tp_rank)
-        self._rank_specs = [dataclasses.replace(self._spec, tp_rank=r) for r in range(self._spec.tp_size)]
+            tp_rank = get_tensor_model_parallel_rank()
+            if pp_size > 1:
+                from vllm.distributed.parallel_state import get_pp_group
+                pp_rank = get_pp_group().rank_in_group
+        # every worker's shard, PP stage s and TP rank r at s * tp_size + r: the scheduler
+        # computes keys and looks up for all of them (stages differ in their layers, ranks in tp_rank)
+        stages = [spec_for(vllm_config, extra, 0, pp_rank=s) for s in range(pp_size)]
+        self._rank_specs = [dataclasses.replace(stage, tp_rank=r) for stage in stages
+                            for r in range(stage.tp_size)]
+        self._rank = pp_rank * stages[0].tp_size + tp_rank  # this worker's index in _rank_specs
+        self._spec = self._rank_specs[self._rank]
+        if role == KVConnectorRole.WORKER and pp_size > 1:
+            mine = tuple(vllm_config.model_config.get_layers_start_end_indices(vllm_config.parallel_config))
+            if mine != stage_layers(vllm_config, pp_rank):
+                raise InvalidArgument(f"kvstore connector: pipeline stage {pp_rank} holds layers {mine}, the "
+                                      f"scheduler would key it as {stage_layers(vllm_config, pp_rank)}")
         self._adapter_specs: dict[tuple[str, int], ModelSpec] = {}
         mc, cc = vllm_config.model_config, vllm_config.cache_config
         self._k_dim_major = cpu_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype) in _K_DIM_MAJOR_ISAS
@@ -278,7 +400,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._layers: list[torch.Tensor] = []  # the engine's caches, in layer order
         self._layout = PagedLayout.BLOCKS_FIRST  # theirs (set by register_kv_caches)
         self._layer_pos: dict[str, int] = {}
-        self._staged: list[tuple[Transfer, torch.Tensor, set[int]]] | None = None  # None: not planned this step
+        self._staged: list[_Stage] | None = None  # None: not planned this step
         self._load_errors: set[int] = set()
         # engine blocks whose load failed and that no save has seen computed since; and this step's
         self._unloaded: set[int] = set()
@@ -303,7 +425,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._client_obj = None
 
     def _spec_of(self, adapter: str, rank: int) -> ModelSpec:
-        """Rank ``rank``'s spec for requests of LoRA adapter ``adapter`` (cached)."""
+        """Rank ``rank``'s spec (``_rank_specs[rank]``) for requests of LoRA adapter ``adapter`` (cached)."""
         if not adapter:
             return self._rank_specs[rank]
         spec = self._adapter_specs.get((adapter, rank))
@@ -314,7 +436,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     # == scheduler side ===========================================================================
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Stored prompt tokens beyond vLLM's local hit (block-aligned, at least one token left),
-        counting only blocks that every TP rank has."""
+        counting only blocks that every rank has (none for a producer, or for a request that
+        may not read a prefix cache)."""
         prompt = list(request.prompt_token_ids or ())
         bs = self._block_size
         full = len(prompt) // bs
@@ -342,6 +465,12 @@ class KVStoreConnector(KVConnectorBase_V1):
             st.load = None
             return 0, False
         self._found(st, keys, found)
+        if not self._loads or getattr(request, "skip_reading_prefix_cache", False):
+            # NOTE: vLLM asks the connector for every request; only its own prefix cache honours
+            # skip_reading_prefix_cache (prompt_logprobs requests: their logprobs need the whole
+            # prompt computed). The lookup still gave the keys, so the request's blocks are saved.
+            st.load = None
+            return 0, False
         usable = min(found, (len(prompt) - 1) // bs)
         local = num_computed_tokens // bs
         st.load = (local, usable - local) if usable > local else None
@@ -356,7 +485,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         st.saved = max(st.saved, found)
 
     def _lookup(self, tokens: list[int], adapter: str, salt: str | None) -> tuple[list[list[bytes]], int]:
-        """Every TP rank's keys of ``tokens``' full blocks, and how many leading blocks every
+        """Every rank's keys of ``tokens``' full blocks, and how many leading blocks every
         rank has stored."""
         client, ns = self._client(), self._namespace
         extra = [[_SALT + str(salt).encode()]] if salt else None
@@ -379,7 +508,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if st is None:
             return
         if num_external_tokens == 0:
-            st.load = None  # vLLM chose not to use the hit (e.g. skip_reading_prefix_cache)
+            st.load = None  # vLLM chose not to use the hit
         elif st.load is not None and st.load[1] * self._block_size != num_external_tokens:
             log.warning("kvstore connector: vLLM took %d external tokens of %s's %d offered",
                         num_external_tokens, request.request_id, st.load[1] * self._block_size)
@@ -418,12 +547,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         failed load, nor any later block until a save starts at or before the failed block
         (:meth:`_computable`): that is this one, and everything it sends is computed in this
         step or after, by vLLM rerunning from ``start`` (or was loaded fine before it). With
-        TP > 1 a rank whose own load succeeded cannot know another's failed: it stored its
-        blocks computed in that step, over the other rank's garbage (the hidden state is
-        reduced across ranks), and a put keeps what a key already holds. So every rank's
-        blocks this request sent since its lookup are deleted here, before the resave. Until
-        then they are no hit: the failing rank lacks them, and a hit needs every rank (unless
-        another request stores those very blocks on that rank in the step between)."""
+        more than one rank a rank whose own load succeeded cannot know another's failed: it
+        stored its blocks computed in that step, over the other rank's garbage (the hidden state
+        is reduced across TP ranks, and passed on from one PP stage to the next), and a put keeps
+        what a key already holds. So every rank's blocks this request sent since its lookup are
+        deleted here, before the resave. Until then they are no hit: the failing rank lacks them,
+        and a hit needs every rank (unless another request stores those very blocks on that rank
+        in the step between)."""
         first = start // self._block_size
         if start >= st.planned or first >= st.saved or not st.keys:
             return  # no rollback, or past the prompt's saved blocks (e.g. rejected draft tokens)
@@ -433,7 +563,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         st.saved = first
 
     def _forget(self, req_id: str, st: _ReqState, first: int) -> None:
-        """Delete every rank's blocks ``first..st.saved`` of the request (TP > 1 only: one rank
+        """Delete every rank's blocks ``first..st.saved`` of the request (TP or PP > 1 only: one rank
         alone never keeps a block computed over a failed load, see :meth:`_rolled_back`)."""
         if len(st.keys) < 2 or first >= st.saved:
             return
@@ -462,7 +592,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             st.loaded_tokens += n * self._block_size
             st.load = None
         done = min(computed_end // self._block_size, len(st.keys[0]), len(st.block_ids))
-        if done > st.saved:
+        if self._saves and done > st.saved:
             meta.saves.append(Transfer(req_id, [k[:done] for k in st.keys], st.saved, st.block_ids[:done],
                                        st.adapter))
             st.sent += done - st.saved
@@ -495,7 +625,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if st is None:
             return False, None
         if st.loaded_tokens and getattr(getattr(request, "status", None), "name", "") == "FINISHED_ERROR":
-            # NOTE: kv_load_failure_policy="fail" ends the request without a rollback: with TP > 1
+            # NOTE: kv_load_failure_policy="fail" ends the request without a rollback: with TP or PP > 1
             # the blocks other ranks saved over the failed load are deleted here (see _rolled_back)
             self._forget(request.request_id, st, st.found)
         return False, {"kvstore": {"loaded_tokens": st.loaded_tokens, "sent_blocks": st.sent}}
@@ -547,9 +677,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
         for t in meta.loads:
-            keys, ids = t.keys[self._tp_rank], t.block_ids[t.start :]
+            keys, ids = t.keys[self._rank], t.block_ids[t.start :]
             try:
-                blocks = self._guard.call(self._client().get, self._spec_of(t.adapter, self._tp_rank),
+                blocks = self._guard.call(self._client().get, self._spec_of(t.adapter, self._rank),
                                           keys[t.start :], parent=keys[t.start - 1] if t.start else None,
                                           namespace=self._namespace)
             except KVStoreError as exc:
@@ -557,7 +687,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 blocks = None
             n = 0 if blocks is None else blocks.shape[0]
             if n:
-                scatter_blocks(blocks, self._layers, ids[:n], self._layout)
+                scatter_blocks(_to_device(blocks, self._device), self._layers, ids[:n], self._layout)
                 self._unloaded.difference_update(ids[:n])
             if n < len(ids):
                 self._load_errors.update(ids[n:])
@@ -573,17 +703,39 @@ class KVStoreConnector(KVConnectorBase_V1):
         pos = self._layer_pos.get(layer_name)
         if pos is None:
             return
-        for t, buf, seen in self._staging():
-            gather_layer(self._layers[pos], t.block_ids[t.start :], self._layout, buf[:, :, pos])
-            seen.add(pos)
+        for stage in self._staging():
+            self._gather(pos, stage)
 
-    def _staging(self) -> list[tuple[Transfer, torch.Tensor, set[int]]]:
+    def _gather(self, pos: int, stage: _Stage) -> None:
+        """Gather layer ``pos`` of the save's blocks into its staging buffer (through the
+        device, then a copy to the host, for a cache on a device)."""
+        cache, ids = self._layers[pos], stage.t.block_ids[stage.t.start :]
+        if stage.on_device:
+            s = self._spec
+            out = torch.empty((stage.n, 2, s.num_kv_heads, s.block_tokens, s.head_dim), dtype=cache.dtype,
+                              device=cache.device)
+            _to_host(gather_layer(cache, ids, self._layout, out), stage.host[pos])
+        else:
+            gather_layer(cache, ids, self._layout, stage.host[:, :, pos])
+        stage.seen.add(pos)
+
+    @property
+    def _device(self) -> torch.device:
+        """Where the registered caches live (the CPU before any is registered)."""
+        return self._layers[0].device if self._layers else torch.device("cpu")
+
+    def _staging(self) -> list[_Stage]:
         if self._staged is None:
             meta = self._get_connector_metadata()
             assert isinstance(meta, KVStoreConnectorMetadata)
-            s = self._spec
-            self._staged = [(t, torch.empty((len(t.block_ids) - t.start, *s.block_shape), dtype=s.torch_dtype),
-                             set()) for t in meta.saves if self._computable(t)]
+            s, device = self._spec, self._device
+            on_device = device.type != "cpu"
+            self._staged = []
+            for t in meta.saves:
+                if self._computable(t):
+                    n = len(t.block_ids) - t.start
+                    shape = (s.num_layers, n, 2, *s.block_shape[2:]) if on_device else (n, *s.block_shape)
+                    self._staged.append(_Stage(t, _host_empty(shape, s.torch_dtype, device), on_device))
         return self._staged
 
     def _computable(self, t: Transfer) -> bool:
@@ -614,25 +766,28 @@ class KVStoreConnector(KVConnectorBase_V1):
         if staged and len(self._layers) != self._spec.num_layers:
             # NOTE: staging buffers are torch.empty: without a cache for every layer (none was
             # registered) uninitialised memory was put as KV, and offered to every engine as a hit
-            n = sum(len(buf) for _, buf, _ in staged)
+            n = sum(stage.n for stage in staged)
             log.log(self._guard.level(), "kvstore save skipped: %d of the spec's %d layers have a registered "
                     "KV cache (register_kv_caches)", len(self._layers), self._spec.num_layers)
             self.counts.failed_blocks += n
             return
-        for t, buf, seen in staged:
-            for pos in set(range(len(self._layers))) - seen:
-                gather_layer(self._layers[pos], t.block_ids[t.start :], self._layout, buf[:, :, pos])
+        for stage in staged:
+            for pos in set(range(len(self._layers))) - stage.seen:
+                self._gather(pos, stage)
+        if staged:
+            _host_ready(self._device)  # NOTE: before the client reads a byte of the host buffers
+        for stage in staged:
             try:
-                self._put(t, buf)
-                self.counts.stored_blocks += len(buf)
+                self._put(stage.t, stage.blocks())
+                self.counts.stored_blocks += stage.n
             except KVStoreError as exc:
-                log.log(self._guard.level(), "kvstore save failed for %s: %s", t.req_id, exc)
-                self.counts.failed_blocks += len(buf)
+                log.log(self._guard.level(), "kvstore save failed for %s: %s", stage.t.req_id, exc)
+                self.counts.failed_blocks += stage.n
 
     def _put(self, t: Transfer, blocks: torch.Tensor) -> None:
         """Put ``blocks`` (the transfer's blocks from ``start``) chained on the block before;
         if the store no longer has that chain, put the whole chain from its root."""
-        spec, keys = self._spec_of(t.adapter, self._tp_rank), t.keys[self._tp_rank]
+        spec, keys = self._spec_of(t.adapter, self._rank), t.keys[self._rank]
         put = self._client().put
         if t.start == 0:
             self._guard.call(put, spec, keys, blocks, namespace=self._namespace)
@@ -644,10 +799,20 @@ class KVStoreConnector(KVConnectorBase_V1):
             # save otherwise (a failed load left whatever the engine block held)
             log.info("kvstore: the stored prefix of %s is gone; saving its %d blocks from the root",
                      t.req_id, len(keys))
-            head = gather_blocks(self._layers, t.block_ids[: t.start], self._layout,
-                                 out=torch.empty((t.start, *spec.block_shape), dtype=blocks.dtype))
+            head = self._gather_all(t.block_ids[: t.start])
             self._guard.call(put, spec, keys, torch.cat([head, blocks]), namespace=self._namespace)
             self.counts.resent_blocks += t.start
+
+    def _gather_all(self, block_ids: list[int]) -> torch.Tensor:
+        """All layers of the engine blocks ``block_ids`` as store blocks on the host."""
+        s, device = self._spec, self._device
+        if device.type == "cpu":
+            return gather_blocks(self._layers, block_ids, self._layout,
+                                 out=torch.empty((len(block_ids), *s.block_shape), dtype=s.torch_dtype))
+        host = _host_empty((len(block_ids), *s.block_shape), s.torch_dtype, device)
+        _to_host(gather_blocks(self._layers, block_ids, self._layout), host)
+        _host_ready(device)
+        return host
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
