@@ -101,8 +101,8 @@ def _hold_first_apply(monkeypatch) -> tuple[threading.Event, threading.Event]:
     real = AdminPlane._apply
     held, go = threading.Event(), threading.Event()
 
-    def apply(self: AdminPlane, namespace: str, policy: Any) -> None:
-        real(self, namespace, policy)
+    def apply(self: AdminPlane, namespace: str, policy: Any, **kw: Any) -> None:
+        real(self, namespace, policy, **kw)
         if not held.is_set():
             held.set()
             assert go.wait(WAIT_S)
