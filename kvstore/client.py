@@ -17,7 +17,11 @@ Data planes, chosen automatically:
   :meth:`Client.local_blocks` already live in the region: put/get on them move the bytes exactly
   once; other tensors are staged through the region (one more copy on the client). A client
   that could not reach its server when it started (an engine up before its sidecar) uses
-  streams and registers the region at a later put or get, once the server answers.
+  streams and registers the region at a later put or get, once the server answers. With
+  ``register="at_first_use"`` the constructor makes no call at all: the region is registered
+  by the first put or get, within that call's timeout (an engine builds its client outside
+  its circuit breaker, and a sidecar that accepts connections but never answers held the
+  constructor for a whole timeout).
 * **in-band streams** otherwise: blocks in frames of at most ``chunk_bytes`` of payload with an
   xxh3 checksum each (:mod:`kvstore.frames`: the payload is copied once per side, never parsed
   out of a protobuf field). Blocks smaller than a frame share frames, both ways (grpc pays a
@@ -37,6 +41,11 @@ the earlier ones stored); the stream's limits then apply (``limits.max_blocks_pe
 ``max_stream_bytes``): put a bigger one from :meth:`Client.local_blocks`, or in calls of your
 own with ``parent=``.
 
+Timeouts: ``timeout`` bounds each verb as a whole (``close`` aside), however many RPCs a put
+or get makes: a registration of the region, pieces of a long chain, fences of calls in doubt
+(these may add up to :data:`HELD_FENCE_WAIT_S` before the call and as much after it). A put
+or get that registered the region again first waited two timeouts against a hung sidecar.
+
 Errors come back as the same typed exceptions the Store raises (see :mod:`kvstore.status`).
 A client is thread-safe.
 
@@ -51,6 +60,7 @@ leaves the process's allocator alone.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import threading
@@ -59,7 +69,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import grpc
 import numpy as np
@@ -286,8 +296,10 @@ class Client:
                  region_bytes: int = 256 * MiB, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  max_message_bytes: int = 4 * MiB, timeout: float | None = 60.0,
                  tls: ClientTLS | None = None, options: Sequence[tuple[str, Any]] = (),
-                 retain_freed_memory: bool = True) -> None:
+                 retain_freed_memory: bool = True, register: Literal["at_start", "at_first_use"] = "at_start") -> None:
         bearer = _bearer_token(token)
+        if register not in ("at_start", "at_first_use"):
+            raise InvalidArgument(f"register must be 'at_start' or 'at_first_use', got {register!r}")
         if not isinstance(target, str) or not target.strip():
             # NOTE: grpc failed later, as UNKNOWN "Failed to create channel"
             raise InvalidArgument(f"target must name the server (host:port or unix:/path), got {target!r}")
@@ -326,12 +338,18 @@ class Client:
         self._region_bytes = region_bytes
         self._register_lock = threading.Lock()
         self._retry_register_at: float | None = None  # monotonic time of the next attempt
+        self._register_required = False  # a registration at first use raises when it fails
         # limits.max_stream_bytes of a server that predates GetRequest.partial, once a refusal stated it
         self._stream_cap: int | None = None
         auto = local is None
         if auto:
             local = is_local_target(target)
-        if local:
+        if local and register == "at_first_use":
+            # NOTE: no call here: an engine builds its client outside its guard, and a sidecar
+            # that accepts connections but never answers held it for a whole timeout
+            self._register_required = not auto
+            self._retry_register_at = -math.inf
+        elif local:
             # an explicit local=True must succeed; automatic detection falls back to streams
             self._register(required=not auto)
 
@@ -377,14 +395,15 @@ class Client:
         wait, so grpc answers DEADLINE_EXCEEDED)."""
         return None if deadline is None else max(1e-3, deadline - time.monotonic())
 
-    def _register(self, required: bool) -> None:
+    def _register(self, required: bool, deadline: float | None = None) -> None:
         """Create the shared-memory region and register it: a sealed memfd, else (a server that
         cannot open it: another pid namespace, an older server) a ``/dev/shm`` segment, whose
         pages are reserved as it is made (a ``/dev/shm`` too small for it is an error here, not
         a SIGBUS later). When the server cannot be reached (down, not started yet, not
         answering) and ``required`` is false, the client goes on with streams and tries again
         :data:`REGISTER_RETRY_S` later, from its next put or get: an engine may start before its
-        sidecar does. Any other failure leaves it on streams (``required``: raised)."""
+        sidecar does. Any other failure leaves it on streams (``required``: raised). ``deadline``:
+        the calling put's or get's, which the registration shares (None: the client's timeout)."""
         failure: KVStoreError | None = None
         for memfd in (True, False):
             try:
@@ -393,7 +412,7 @@ class Client:
                 failure = exc
                 continue
             try:
-                region_id = self._register_region(region)
+                region_id = self._register_region(region, self._left(deadline))
             except KVStoreError as exc:
                 region.close()
                 failure = exc
@@ -413,16 +432,17 @@ class Client:
         transient = failure.code in _UNREACHABLE
         self._retry_register_at = time.monotonic() + REGISTER_RETRY_S if transient else None
 
-    def _plane(self) -> LocalPlane | None:
-        """The shared-memory plane, registered now if an earlier attempt could not reach the
-        server and its retry time has come; None: streams."""
+    def _plane(self, deadline: float | None = None) -> LocalPlane | None:
+        """The shared-memory plane, registered now (within the calling put's or get's
+        ``deadline``) if it is registered at first use, or an earlier attempt could not reach
+        the server and its retry time has come; None: streams."""
         self._usable()  # NOTE: before the caller copies anything into the region
         due = self._retry_register_at
         if self._local is None and due is not None and time.monotonic() >= due:
             with self._register_lock:
                 due = self._retry_register_at
                 if self._local is None and due is not None and time.monotonic() >= due:
-                    self._register(required=False)
+                    self._register(required=self._register_required, deadline=deadline)
         lp = self._local
         if lp is not None and not lp.region_id:  # dropped by the server, not taken back (_InBand)
             if due is None or time.monotonic() < due:
@@ -430,26 +450,28 @@ class Client:
             with lp.lock:
                 if not lp.region_id:
                     try:
-                        lp.region_id = self._register_region(lp.region)
+                        lp.region_id = self._register_region(lp.region, self._left(deadline))
                         self._retry_register_at = None
                     except KVStoreError:
                         self._retry_register_at = time.monotonic() + REGISTER_RETRY_S
                         return None
         return lp
 
-    def _register_region(self, region: ShmRegion) -> int:
-        """Register ``region`` with the server; its id there."""
+    def _register_region(self, region: ShmRegion, timeout: float | None = None) -> int:
+        """Register ``region`` with the server; its id there. ``timeout``: what is left of the
+        calling put's or get's (default: the client's)."""
         resp = self._call(self._kv.RegisterRegion, pb.RegisterRegionRequest(
-            kind=pb.REGION_KIND_POSIX_SHM, name=region.name, size=region.usable, nonce=region.nonce))
+            kind=pb.REGION_KIND_POSIX_SHM, name=region.name, size=region.usable, nonce=region.nonce), timeout)
         if resp.nonce != region.nonce:
             raise KVStoreError("the server mapped a different region (not on this host)")
         return resp.region_id
 
     def _call_local(self, method: Any, request: Any, staged: int | None = None,
-                    timeout: float | None = None) -> Any:
-        """A PutLocal/GetLocal ``request`` on this client's region. A server that restarted has
-        forgotten the region (UnknownRegion, answered before it touched anything): the region
-        is registered again and the call made once more.
+                    deadline: float | None = None) -> Any:
+        """A PutLocal/GetLocal ``request`` on this client's region, ending by ``deadline``
+        (None: each RPC gets the client's timeout). A server that restarted has forgotten the
+        region (UnknownRegion, answered before it touched anything): the region is registered
+        again and the call made once more, within the same deadline.
 
         When the call fails, its slots are settled here: ``staged`` (the offset of slots this
         client reserved for the call) is given back once the server is known to be done with
@@ -463,12 +485,12 @@ class Client:
         request.seq = lp.next_seq()
         try:
             try:
-                return self._call(method, request, timeout)
+                return self._call(method, request, self._left(deadline))
             except UnknownRegion:
                 with lp.lock:
                     if lp.region_id == request.region_id:  # NOTE: another thread may have done it
                         try:
-                            lp.region_id = self._register_region(lp.region)
+                            lp.region_id = self._register_region(lp.region, self._left(deadline))
                         except ResourceExhausted:
                             # NOTE: every later put and get failed RESOURCE_EXHAUSTED while the
                             # principal's other regions were busy: they go in-band until a
@@ -478,13 +500,16 @@ class Client:
                     if not lp.region_id:
                         raise _InBand from None
                     request.region_id = lp.region_id
-                return self._call(method, request, timeout)
+                return self._call(method, request, self._left(deadline))
         except _InBand:
             if staged is not None:
                 lp.release(staged)  # the server never saw this call
             raise
         except BaseException as exc:
-            wait = FENCE_AFTER_ERROR_S if self.timeout is None else min(self.timeout, FENCE_AFTER_ERROR_S)
+            # NOTE: within what is left of the deadline (at least HELD_FENCE_WAIT_S): past it, a
+            # hung sidecar held the call FENCE_AFTER_ERROR_S more; slots not known free are held
+            wait = FENCE_AFTER_ERROR_S if deadline is None else \
+                min(FENCE_AFTER_ERROR_S, max(HELD_FENCE_WAIT_S, deadline - time.monotonic()))
             # NOTE: a call cut short by close() is FailedPrecondition, but still in doubt
             doubt = _in_doubt(exc) or self._closed
             over = not doubt or self._fence(request.region_id, request.seq, wait_s=wait)
@@ -513,8 +538,16 @@ class Client:
 
     def _settle_held(self, lp: LocalPlane) -> None:
         """Give back the slots of earlier calls in doubt that the server has finished (asked
-        without waiting long: this runs before a call)."""
-        lp.settle_held(lambda region_id, seq: self._fence(region_id, seq, wait_s=HELD_FENCE_WAIT_S))
+        without waiting long: this runs before a call). NOTE: HELD_FENCE_WAIT_S for all of
+        them together, not each: against a hung sidecar every call in doubt is held, and a
+        call waited for each one's fence before it started."""
+        until = time.monotonic() + HELD_FENCE_WAIT_S
+
+        def fence(region_id: int, seq: int) -> bool:
+            left = until - time.monotonic()
+            return left > 0 and self._fence(region_id, seq, wait_s=left)
+
+        lp.settle_held(fence)
 
     @property
     def uses_shared_memory(self) -> bool:
@@ -622,17 +655,19 @@ class Client:
             # put of no blocks, on either plane (the shared-memory one returned quietly)
             self._put_stream(put, rows, parent)
             return
-        lp = self._plane()
+        # NOTE: one deadline for the whole put, a registration of the region included
+        deadline = self._deadline()
+        lp = self._plane(deadline)
         if lp is not None:
             try:
                 with lp.in_use():
-                    self._put_local(put, rows, parent)
+                    self._put_local(put, rows, parent, deadline)
                 return
             except _InBand:
                 pass
-        self._put_stream(put, rows, parent)
+        self._put_stream(put, rows, parent, deadline)
 
-    def _put_stream(self, put: _Put, rows: Any, parent: bytes | None) -> None:
+    def _put_stream(self, put: _Put, rows: Any, parent: bytes | None, deadline: float | None = None) -> None:
         header = pb.PutHeader(session=put.session)
         self._target(header.target, put.spec, put.keys, None, put.namespace, parent)
         if put.ttl_s is not None:
@@ -642,15 +677,16 @@ class Client:
             yield encode(pb.PutFrame(header=header))
             yield from block_frames(pb.PutFrame, rows, put.spec.block_nbytes, self.chunk_bytes)
 
-        self._call(self._put_frames, frames())
+        self._call(self._put_frames, frames(), self._left(deadline))
 
-    def _put_local(self, put: _Put, rows: Any, parent: bytes | None) -> None:
+    def _put_local(self, put: _Put, rows: Any, parent: bytes | None, deadline: float | None = None) -> None:
         lp = self._local
         assert lp is not None
         nbytes = put.spec.block_nbytes
         base = lp.offsets_of(rows) if isinstance(rows, np.ndarray) else None
         if base is not None:  # already in the region: the server copies it once
-            self._put_slots(put, put.keys, [base + i * nbytes for i in range(len(put.keys))], parent)
+            self._put_slots(put, put.keys, [base + i * nbytes for i in range(len(put.keys))], parent,
+                            deadline=deadline)
             return
         # staged through the region (one more copy), in one call
         if not put.keys:
@@ -665,7 +701,7 @@ class Client:
             # this put (puts of existing keys dedupe), maybe read by other clients meanwhile. A
             # Put stream is all or nothing, so the whole put goes in-band (slower, not wrong;
             # bounded by the stream limits, where pieces were not: see the module docstring).
-            self._put_stream(put, rows, parent)
+            self._put_stream(put, rows, parent, deadline)
             return
         try:
             for j in range(len(put.keys)):
@@ -673,11 +709,12 @@ class Client:
         except BaseException:
             lp.release(off)
             raise
-        self._put_slots(put, put.keys, [off + j * nbytes for j in range(len(put.keys))], parent, staged=off)
+        self._put_slots(put, put.keys, [off + j * nbytes for j in range(len(put.keys))], parent, staged=off,
+                        deadline=deadline)
         lp.release(off)
 
     def _put_slots(self, put: _Put, keys: list[bytes], offsets: list[int], parent: bytes | None,
-                   staged: int | None = None) -> None:
+                   staged: int | None = None, deadline: float | None = None) -> None:
         try:
             req = pb.PutLocalRequest(offsets=offsets, session=put.session)
             self._target(req.target, put.spec, keys, None, put.namespace, parent)
@@ -687,7 +724,7 @@ class Client:
             if staged is not None:
                 self._local.release(staged)  # type: ignore[union-attr]
             raise
-        self._call_local(self._kv.PutLocal, req, staged)
+        self._call_local(self._kv.PutLocal, req, staged, deadline)
 
     # -- get ----------------------------------------------------------------------------------
     def get(self, spec: ModelSpec, keys: Sequence[bytes], *, namespace: str = "",
@@ -728,16 +765,19 @@ class Client:
         rows = _flat_bytes(out if host is None else host, len(keys), spec.block_nbytes, "out")
         if not keys:
             return 0
-        lp = self._plane()
+        # NOTE: one deadline for the whole get, a registration of the region included: the
+        # registration and the get had a whole timeout each (a hung sidecar held a get twice it)
+        deadline = self._deadline()
+        lp = self._plane(deadline)
         n = None
         if lp is not None:
             try:
                 with lp.in_use():
-                    n = self._get_local(spec, keys, rows, namespace, parent)
+                    n = self._get_local(spec, keys, rows, namespace, parent, deadline)
             except _InBand:
                 pass  # NOTE: pieces before the one refused are in rows: the stream reads all again
         if n is None:
-            n = self._get_stream(spec, keys, rows, namespace, parent)
+            n = self._get_stream(spec, keys, rows, namespace, parent, self._left(deadline))
         if host is not None and n:
             if isinstance(out, torch.Tensor):
                 out.copy_(host)
@@ -810,25 +850,25 @@ class Client:
         return n, first.meta.header.limited
 
     def _get_local(self, spec: ModelSpec, keys: list[bytes], rows: np.ndarray, namespace: str,
-                   parent: bytes | None) -> int:
+                   parent: bytes | None, deadline: float | None = None) -> int:
         lp = self._local
         assert lp is not None
         nbytes = spec.block_nbytes
         base = lp.offsets_of(rows)
         if base is not None:
-            return self._get_slots(spec, keys, [base + i * nbytes for i in range(len(keys))], namespace, parent)
+            return self._get_slots(spec, keys, [base + i * nbytes for i in range(len(keys))], namespace, parent,
+                                   deadline=deadline)
         # staged through the region, in pieces that fit its free part (each continues from the
         # previous piece's last key; a get may end short, so pieces need no atomicity)
         self._settle_held(lp)
         got = 0
-        # NOTE: one deadline for the whole get: each piece had the client's whole timeout
-        deadline = self._deadline()
+        # NOTE: one deadline for the whole get (the caller's): each piece had the client's whole timeout
         while got < len(keys):
             off, count = lp.reserve_blocks(len(keys) - got, nbytes)
             if not count:
                 return got + self._get_stream(spec, keys[got:], rows[got:], namespace, parent, self._left(deadline))
             k = self._get_slots(spec, keys[got : got + count], [off + j * nbytes for j in range(count)],
-                                namespace, parent, staged=off, timeout=self._left(deadline))
+                                namespace, parent, staged=off, deadline=deadline)
             try:
                 for j in range(k):
                     host_copy(rows[got + j], lp.arena[off + j * nbytes : off + (j + 1) * nbytes])
@@ -841,7 +881,7 @@ class Client:
         return got
 
     def _get_slots(self, spec: ModelSpec, keys: list[bytes], offsets: list[int], namespace: str,
-                   parent: bytes | None, staged: int | None = None, timeout: float | None = None) -> int:
+                   parent: bytes | None, staged: int | None = None, deadline: float | None = None) -> int:
         try:
             req = pb.GetLocalRequest(offsets=offsets)
             self._target(req.target, spec, keys, None, namespace, parent)
@@ -849,7 +889,7 @@ class Client:
             if staged is not None:
                 self._local.release(staged)  # type: ignore[union-attr]
             raise
-        return self._call_local(self._kv.GetLocal, req, staged, timeout).num_blocks
+        return self._call_local(self._kv.GetLocal, req, staged, deadline).num_blocks
 
     # -- sessions, prefetch, delete, stats -----------------------------------------------------
     def _session(self, method: Any, session_id: str, namespace: str) -> SessionState | None:

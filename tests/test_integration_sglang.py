@@ -107,12 +107,12 @@ def test_factory_reports_a_backend_without_target(sidecar: Any) -> None:
 def test_set_get_exists_round_trip_bit_exact(sidecar: Any, token: str, shared_memory: bool | None) -> None:
     backend = create(sidecar, token, kvstore_page_bytes=PAGE_BYTES, kvstore_dtype="bfloat16",
                      kvstore_shared_memory=shared_memory)
-    assert backend.client.uses_shared_memory is (shared_memory is None)
     (page,) = pages(1, seed=1)
     key = f"page-{shared_memory}"
     assert not backend.exists(key)
     assert backend.get(key) is None
     assert backend.set(key, page) is True
+    assert backend.client.uses_shared_memory is (shared_memory is None)  # registered at the first get
     assert backend.exists(key)
     fresh = backend.get(key)
     assert fresh is not None and fresh.dtype == torch.bfloat16 and same_bits(fresh, page)
@@ -247,7 +247,7 @@ def test_a_sidecar_that_does_not_answer_costs_one_timeout_then_misses() -> None:
                               "kvstore_page_bytes": PAGE_BYTES, "kvstore_timeout_s": 0.3})
         backend = API.StorageBackendFactory.create_backend("dynamic", cfg, None)
         try:
-            assert not backend.client.uses_shared_memory  # registration timed out: streams
+            assert not backend.client.uses_shared_memory  # it registers at its first put or get
             keys = [f"page-{i}" for i in range(8)]
             t0 = time.monotonic()
             assert backend.batch_get(keys) == [None] * 8

@@ -496,7 +496,7 @@ def test_a_local_client_registers_its_region_again_after_the_server_restarts(tmp
     c = Client(sc.target, sc.admin().create_tenant("again"), local=True)
     registered = []
     real = c._register_region
-    c._register_region = lambda region: registered.append(region.name) or real(region)
+    c._register_region = lambda region, *a: registered.append(region.name) or real(region, *a)
     try:
         keys = c.block_keys(SPEC, fresh_tokens(2))
         c.put(SPEC, keys, random_kv(2, seed=5))

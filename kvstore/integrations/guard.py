@@ -3,12 +3,20 @@
 An engine asks the sidecar from its scheduling loop. While the sidecar is down, a call fails
 at once (connection refused) and costs nothing; while it hangs, every call waits its whole
 timeout, once per request and per step. :class:`SidecarGuard` stops that: after ``failures``
-calls in a row end in a transport fault, calls raise :class:`kvstore.errors.Unavailable` at once
-for an open period (jittered exponential from ``base_s`` up to ``cap_s``: redis-py's backoff,
-in :class:`tiers.remote_redis.CircuitBreaker`, the remote tier's breaker); when it ends, the
-next call goes through as a probe and either closes the breaker or opens it for longer. The
-engine sees each skipped call as a miss, as it sees a failed one. Opening and closing are
+calls in a row end in a transport fault, the breaker opens and calls raise
+:class:`kvstore.errors.Unavailable` at once for an open period. When the period ends, exactly
+one call goes through as a probe; every other call keeps being skipped while it runs. A probe
+that succeeds closes the breaker; one that fails opens it for a longer period. So a hung
+sidecar costs the engine one timeout per open period, never one per caller or per request.
+The engine sees each skipped call as a miss, as it sees a failed one. Opening and closing are
 logged once each (warning, info), not once per call.
+
+Open periods are *equal jitter* (:class:`EqualJitter`): the n-th period in a row lasts between
+half and all of ``min(cap_s, base_s * 2**n)``, so with the defaults 1-2 s, 2-4 s, ... up to
+15-30 s. NOTE: full jitter (``random() * 2**n``, redis-py's ExponentialWithJitterBackoff, used
+here before) made the first periods last 0-2 s, often next to nothing: against a hung sidecar
+the engine then waited a whole timeout again almost at once. The clock and the random source
+are injected, so tests set them.
 
 Transport faults are the statuses that say nothing about the request: UNAVAILABLE,
 DEADLINE_EXCEEDED, INTERNAL, UNKNOWN. Any other answer (NOT_FOUND, RESOURCE_EXHAUSTED,
@@ -17,15 +25,17 @@ INVALID_ARGUMENT...) means the sidecar is working.
 
 from __future__ import annotations
 
+import enum
 import logging
+import random
+import threading
 import time
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
-from redis.backoff import AbstractBackoff, ExponentialWithJitterBackoff
+from redis.backoff import AbstractBackoff
 
 from kvstore.errors import KVStoreError, Unavailable
-from tiers.remote_redis import CircuitBreaker
 
 log = logging.getLogger(__name__)
 
@@ -36,43 +46,124 @@ R = TypeVar("R")
 FAULTS = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL", "UNKNOWN"})
 
 
+class EqualJitter(AbstractBackoff):
+    """Open period after the ``n``-th failure in a row: ``d/2 + rng() * d/2`` seconds with
+    ``d = min(cap_s, base_s * 2**n)``, so never under ``min(base_s, cap_s / 2)``."""
+
+    def __init__(self, base_s: float = 1.0, cap_s: float = 30.0, rng: Callable[[], float] = random.random) -> None:
+        if not 0 < base_s <= cap_s:
+            raise ValueError(f"need 0 < base_s <= cap_s, got base_s={base_s}, cap_s={cap_s}")
+        self.base_s, self.cap_s, self._rng = base_s, cap_s, rng
+
+    def compute(self, failures: int) -> float:
+        # NOTE: the exponent is capped: base_s * 2**n overflows a float past n ~ 1000
+        d = min(self.cap_s, self.base_s * 2.0 ** min(failures, 64))
+        return d / 2 + self._rng() * d / 2
+
+
+class _State(enum.Enum):
+    CLOSED = "closed"  # calls go through; faults in a row are counted
+    OPEN = "open"  # calls are skipped until the period ends; then the next one is the probe
+    PROBING = "probing"  # one call (the probe) is under way; the others are skipped
+
+
 class SidecarGuard:
-    """Fail fast while the sidecar at ``target`` keeps failing; see the module docstring."""
+    """Fail fast while the sidecar at ``target`` keeps failing; see the module docstring.
+
+    ``clock`` (monotonic seconds) and ``rng`` (uniform in [0, 1)) drive the open periods;
+    ``backoff`` replaces :class:`EqualJitter` (its ``compute(n)``: the n-th period in a row).
+    Thread-safe: one probe at a time across threads."""
 
     def __init__(self, target: str, *, failures: int = 3, base_s: float = 1.0, cap_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic, backoff: AbstractBackoff | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, rng: Callable[[], float] = random.random,
+                 backoff: AbstractBackoff | None = None) -> None:
+        if failures < 1:
+            raise ValueError(f"failures must be >= 1, got {failures}")
         self.target = target
-        backoff = backoff or ExponentialWithJitterBackoff(cap=cap_s, base=base_s)
-        self._breaker = CircuitBreaker(failures, backoff, clock)
+        self._threshold = failures
+        self._backoff = backoff or EqualJitter(base_s, cap_s, rng)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._state = _State.CLOSED
+        self._fails = 0  # faults in a row while closed
+        self._trips = 0  # open periods in a row (the probe of each failed)
+        self._open_until = 0.0
         self._skipped = 0
 
     @property
     def is_open(self) -> bool:
-        """Whether calls are being skipped now."""
-        return self._breaker.is_open
+        """Whether the breaker is open: calls are skipped, but for one probe after each period."""
+        return self._state is not _State.CLOSED
 
     def call(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
-        """``fn(*args, **kwargs)``; :class:`Unavailable` at once while the breaker is open."""
-        if not self._breaker.allow():
-            self._skipped += 1
-            raise Unavailable(f"kvstore sidecar at {self.target} keeps failing: call skipped")
+        """``fn(*args, **kwargs)``; :class:`Unavailable` at once while the breaker is open
+        (but for the one probe after each open period)."""
+        probe = self._admit()
+        verdict: bool | None = None  # True: the sidecar works; False: a fault; None: no word
         try:
             out = fn(*args, **kwargs)
+            verdict = True
+            return out
         except KVStoreError as exc:
-            if exc.code in FAULTS and self._breaker.record(False):
+            verdict = exc.code not in FAULTS
+            if not verdict and self._record_fault(probe):
                 log.warning("kvstore sidecar at %s failed %s: skipping calls to it for a while "
-                            "(each a miss), then trying again", self.target, exc)
-            elif exc.code not in FAULTS:
-                self._working()
+                            "(each a miss), then trying one", self.target, exc)
             raise
-        self._working()
-        return out
+        finally:
+            if verdict:
+                self._working()
+            elif verdict is None and probe:
+                self._probe_void()
+
+    def _admit(self) -> bool:
+        """Whether this call may go through (raises Unavailable when not); True when it is the
+        probe of an ended open period."""
+        with self._lock:
+            if self._state is _State.CLOSED:
+                return False
+            if self._state is _State.OPEN and self._clock() >= self._open_until:
+                self._state = _State.PROBING
+                return True
+            self._skipped += 1
+        raise Unavailable(f"kvstore sidecar at {self.target} keeps failing: call skipped")
+
+    def _record_fault(self, probe: bool) -> bool:
+        """Count a transport fault; True when it opened the breaker (from closed)."""
+        with self._lock:
+            if self._state is _State.CLOSED:
+                self._fails += 1
+                if self._fails < self._threshold:
+                    return False
+                self._open()
+                return True
+            if probe:
+                self._open()
+            # NOTE: a call let through before the breaker opened, failing late, changes nothing
+            return False
+
+    def _open(self) -> None:
+        """Open for the next, longer period (under the lock)."""
+        self._trips += 1
+        self._fails = 0
+        self._state = _State.OPEN
+        self._open_until = self._clock() + self._backoff.compute(self._trips)
+
+    def _probe_void(self) -> None:
+        """The probe ended without a word on the sidecar (an exception not of the client, e.g.
+        a bad argument caught before any call): the next call probes instead."""
+        with self._lock:
+            if self._state is _State.PROBING:
+                self._state = _State.OPEN
 
     def _working(self) -> None:
-        self._breaker.record(True)
-        if self._skipped:
-            log.info("kvstore sidecar at %s answers again (%d calls were skipped)", self.target, self._skipped)
-            self._skipped = 0
+        with self._lock:
+            was_open = self._state is not _State.CLOSED
+            self._state = _State.CLOSED
+            self._fails = self._trips = 0
+            skipped, self._skipped = self._skipped, 0
+        if was_open:
+            log.info("kvstore sidecar at %s answers again (%d calls were skipped)", self.target, skipped)
 
     def level(self) -> int:
         """The log level for one failed call: DEBUG while the breaker is open (its opening was

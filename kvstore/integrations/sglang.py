@@ -205,8 +205,10 @@ def hicache_storage_class() -> type:
         def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
             self.storage_config = storage_config
             self.config = KVStoreBackendConfig.from_storage_config(storage_config)
+            # NOTE: registers its region at its first (guarded) put or get: built here, outside
+            # the guard, a sidecar that never answers held SGLang's start for a whole timeout
             self.client = Client(self.config.target, self.config.token, local=self.config.shared_memory,
-                                 timeout=self.config.timeout_s)
+                                 timeout=self.config.timeout_s, register="at_first_use")
             self.guard = SidecarGuard(self.config.target)
             self._spec: ModelSpec | None = None
             self._dtype = self.config.dtype
