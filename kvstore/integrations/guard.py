@@ -11,6 +11,15 @@ sidecar costs the engine one timeout per open period, never one per caller or pe
 The engine sees each skipped call as a miss, as it sees a failed one. Opening and closing are
 logged once each (warning, info), not once per call.
 
+With ``probe`` (a cheap call to the sidecar, e.g. the client's ``whoami``), the probe after an
+open period runs in a background thread instead of an engine's call: every call keeps missing
+at once while it runs, and its answer closes the breaker or opens the next period. With
+``timeouts_open``, one DEADLINE_EXCEEDED opens the breaker (a refused connection costs nothing,
+so those are counted up to ``failures``; a call that timed out cost the engine a whole timeout).
+So a hung sidecar costs the engine one timeout in all, not one per open period. NOTE: with the
+probe taking an engine call, a hung sidecar with the default 10 s timeout still held the vLLM
+scheduler 80 of the first 150 s (each probe a whole timeout, and three timeouts to open).
+
 Open periods are *equal jitter* (:class:`EqualJitter`): the n-th period in a row lasts between
 half and all of ``min(cap_s, base_s * 2**n)``, so with the defaults 1-2 s, 2-4 s, ... up to
 15-30 s. NOTE: full jitter (``random() * 2**n``, redis-py's ExponentialWithJitterBackoff, used
@@ -76,11 +85,16 @@ class SidecarGuard:
 
     def __init__(self, target: str, *, failures: int = 3, base_s: float = 1.0, cap_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic, rng: Callable[[], float] = random.random,
-                 backoff: AbstractBackoff | None = None) -> None:
+                 backoff: AbstractBackoff | None = None, probe: Callable[[], object] | None = None,
+                 timeouts_open: bool = False,
+                 spawn: Callable[[Callable[[], None]], None] | None = None) -> None:
         if failures < 1:
             raise ValueError(f"failures must be >= 1, got {failures}")
         self.target = target
         self._threshold = failures
+        self._probe = probe
+        self._timeouts_open = timeouts_open
+        self._spawn = spawn or _in_background
         self._backoff = backoff or EqualJitter(base_s, cap_s, rng)
         self._clock = clock
         self._lock = threading.Lock()
@@ -106,7 +120,7 @@ class SidecarGuard:
             return out
         except KVStoreError as exc:
             verdict = exc.code not in FAULTS
-            if not verdict and self._record_fault(probe):
+            if not verdict and self._record_fault(probe, hung=exc.code == "DEADLINE_EXCEEDED"):
                 log.warning("kvstore sidecar at %s failed %s: skipping calls to it for a while "
                             "(each a miss), then trying one", self.target, exc)
             raise
@@ -118,22 +132,47 @@ class SidecarGuard:
 
     def _admit(self) -> bool:
         """Whether this call may go through (raises Unavailable when not); True when it is the
-        probe of an ended open period."""
+        probe of an ended open period. With ``probe``, that probe is started in the background
+        instead, and this call is skipped too."""
+        background = False
         with self._lock:
             if self._state is _State.CLOSED:
                 return False
             if self._state is _State.OPEN and self._clock() >= self._open_until:
                 self._state = _State.PROBING
-                return True
+                if self._probe is None:
+                    return True
+                background = True
             self._skipped += 1
+        if background:
+            self._spawn(self._run_probe)
         raise Unavailable(f"kvstore sidecar at {self.target} keeps failing: call skipped")
 
-    def _record_fault(self, probe: bool) -> bool:
-        """Count a transport fault; True when it opened the breaker (from closed)."""
+    def _run_probe(self) -> None:
+        """The background probe: its answer closes the breaker, a fault (or anything it raises
+        that is not the sidecar's answer: it must not be retried at once, in a loop of threads)
+        opens the next, longer period."""
+        assert self._probe is not None
+        try:
+            self._probe()
+            working = True
+        except KVStoreError as exc:
+            working = exc.code not in FAULTS
+        except Exception as exc:  # noqa: BLE001 - a thread's exception would only be printed
+            log.debug("kvstore sidecar probe of %s raised %r", self.target, exc)
+            working = False
+        if working:
+            self._working()
+        else:
+            self._record_fault(True)
+
+    def _record_fault(self, probe: bool, *, hung: bool = False) -> bool:
+        """Count a transport fault (``hung``: a timeout); True when it opened the breaker
+        (from closed)."""
         with self._lock:
             if self._state is _State.CLOSED:
                 self._fails += 1
-                if self._fails < self._threshold:
+                if self._fails < self._threshold and not (hung and self._timeouts_open):
                     return False
                 self._open()
                 return True
@@ -169,3 +208,7 @@ class SidecarGuard:
         """The log level for one failed call: DEBUG while the breaker is open (its opening was
         logged as a warning), else WARNING."""
         return logging.DEBUG if self.is_open else logging.WARNING
+
+
+def _in_background(fn: Callable[[], None]) -> None:
+    threading.Thread(target=fn, name="kvstore-sidecar-probe", daemon=True).start()

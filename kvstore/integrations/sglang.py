@@ -209,7 +209,7 @@ def hicache_storage_class() -> type:
             # the guard, a sidecar that never answers held SGLang's start for a whole timeout
             self.client = Client(self.config.target, self.config.token, local=self.config.shared_memory,
                                  timeout=self.config.timeout_s, register="at_first_use")
-            self.guard = SidecarGuard(self.config.target)
+            self.guard = SidecarGuard(self.config.target, probe=self.client.whoami, timeouts_open=True)
             self._spec: ModelSpec | None = None
             self._dtype = self.config.dtype
             if self.config.page_bytes:

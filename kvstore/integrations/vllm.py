@@ -110,7 +110,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kernels.paged import PagedLayout, gather_blocks, gather_layer, scatter_blocks
-from kvstore.errors import DTypeMismatch, InvalidArgument, KVStoreError, ParentNotStored, ShapeMismatch
+from kvstore.errors import DTypeMismatch, InvalidArgument, KVStoreError, ParentNotStored, ShapeMismatch, Unavailable
 from kvstore.integrations.guard import SidecarGuard
 from kvstore.integrations.options import DEFAULT_TIMEOUT_S, positive_int, positive_seconds
 from kvstore.spec import ModelSpec
@@ -362,7 +362,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._timeout = positive_seconds(extra.get("kvstore_timeout_s", DEFAULT_TIMEOUT_S), "kvstore_timeout_s")
         self._region_bytes = positive_int(extra.get("kvstore_region_mib", DEFAULT_REGION_MIB),
                                           "kvstore_region_mib") << 20
-        self._guard = SidecarGuard(str(extra["kvstore_target"]))
+        # NOTE: the probe after an open period runs in the background and one timeout opens
+        # the breaker: a hung sidecar held the scheduler a whole timeout per probe (80 of the
+        # first 150 s at the default 10 s), each a stall of every request
+        self._guard = SidecarGuard(str(extra["kvstore_target"]), probe=self._probe_sidecar,
+                                   timeouts_open=True)
         self._namespace = str(extra.get("kvstore_namespace", ""))
         self._block_size = vllm_config.cache_config.block_size
         # kv_role: kv_producer saves only, kv_consumer loads only, kv_both (or unset) both
@@ -415,9 +419,20 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _client(self) -> Any:
         if self._client_obj is None:
             from kvstore.client import Client
+            # NOTE: registers its region at its first (guarded) put or get: registered as it was
+            # built, a sidecar that never answers held the first lookup a whole timeout more
             self._client_obj = Client(str(self._extra["kvstore_target"]), str(self._extra["kvstore_token"]),
-                                      region_bytes=self._region_bytes, timeout=self._timeout)
+                                      region_bytes=self._region_bytes, timeout=self._timeout,
+                                      register="at_first_use")
         return self._client_obj
+
+    def _probe_sidecar(self) -> None:
+        """The guard's background probe: a WhoAmI through the client the calls use (none made
+        here: after a shutdown there is nothing to probe, and the breaker stays open)."""
+        client = self._client_obj
+        if client is None:
+            raise Unavailable("the connector has no client (shut down)")
+        client.whoami()
 
     def shutdown(self) -> None:
         if self._client_obj is not None:
