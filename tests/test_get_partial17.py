@@ -24,6 +24,13 @@ def sidecar(tmp_path):
     sc.stop()
 
 
+def _put_within_limit(c, keys: list[bytes], kv: torch.Tensor) -> None:
+    """Put a chain in puts of at most LIMIT_BLOCKS (a Put stream past the limit is refused)."""
+    for lo in range(0, len(keys), LIMIT_BLOCKS):
+        hi = min(lo + LIMIT_BLOCKS, len(keys))
+        c.put(SPEC, keys[lo:hi], kv[lo:hi], parent=keys[lo - 1] if lo else None)
+
+
 def _raw_get(sidecar, token: str, keys: list[bytes], *, partial: bool, parent: bytes = b""):
     """(header, payload bytes) of one raw Get."""
     ch = grpc.insecure_channel(sidecar.target)
@@ -43,9 +50,7 @@ def test_a_partial_get_serves_what_fits_and_says_it_stopped_at_the_limit(sidecar
     c = sidecar.client(token, local=False)
     keys = c.block_keys(SPEC, fresh_tokens(10))
     kv = random_kv(10, seed=3)
-    for lo in range(0, 10, LIMIT_BLOCKS):
-        hi = min(lo + LIMIT_BLOCKS, 10)
-        c.put(SPEC, keys[lo:hi], kv[lo:hi], parent=keys[lo - 1] if lo else None)
+    _put_within_limit(c, keys, kv)
     raw = kv.contiguous().view(torch.uint8).numpy().tobytes()
     n = SPEC.block_nbytes
 
@@ -79,9 +84,7 @@ def test_the_client_reads_past_the_limit_without_a_refused_call(sidecar, monkeyp
     c = sidecar.tenant("no-refusal", local=False)
     keys = c.block_keys(SPEC, fresh_tokens(11))
     kv = random_kv(11, seed=4)
-    for lo in range(0, 11, LIMIT_BLOCKS):
-        hi = min(lo + LIMIT_BLOCKS, 11)
-        c.put(SPEC, keys[lo:hi], kv[lo:hi], parent=keys[lo - 1] if lo else None)
+    _put_within_limit(c, keys, kv)
     calls: list[int] = []
     failures: list[Exception] = []
     get_frames, failure = c._get_frames, c._failure
@@ -110,9 +113,7 @@ def test_against_a_server_that_predates_partial_the_client_learns_the_limit_once
     c = sidecar.tenant("old-server", local=False)
     keys = c.block_keys(SPEC, fresh_tokens(9))
     kv = random_kv(9, seed=6)
-    for lo in range(0, 9, LIMIT_BLOCKS):
-        hi = min(lo + LIMIT_BLOCKS, 9)
-        c.put(SPEC, keys[lo:hi], kv[lo:hi], parent=keys[lo - 1] if lo else None)
+    _put_within_limit(c, keys, kv)
     assert torch.equal(c.get(SPEC, keys), kv)
     assert c._stream_cap == LIMIT_BLOCKS * SPEC.block_nbytes  # learned from the refusal's text
     assert torch.equal(c.get(SPEC, keys), kv)  # and kept: read in pieces with no refusal
