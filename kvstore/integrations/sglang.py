@@ -42,6 +42,21 @@ Contracts:
   leading keys present. The ``*_v1`` variants move pages between the registered host pool and
   the store with one staging page buffer (not zero-copy: the host pool does not live in the
   client's shared-memory region).
+* **Side pools (``*_v2``).** SGLang 0.5.23 runs every HiCache model through its
+  ``HybridCacheController``; a model with pools beside the KV pool (DSA indexer, Mamba/SWA state,
+  a speculative draft KV pool) registers them with ``register_mem_host_pool_v2`` and moves them
+  with ``batch_exists_v2`` / ``batch_get_v2`` / ``batch_set_v2``. Each side pool's page is a block
+  of its own flat bytes spec (the pool's page size and dtype, its name in the layout tag; keys as
+  above, so a side page never shares a key with the KV page of the same SGLang key). Under MLA they
+  are shared by the TP ranks as the KV pages are, but Mamba state, which SGLang shards over TP
+  even then. Hit policies ``all_pages`` and ``trailing_pages`` are computed as SGLang's file
+  backend does; a pool whose flat page kvstore cannot hold (an odd number of bytes, no flat pages)
+  is refused at ``register_mem_host_pool_v2``, which fails SGLang's attach, instead of failing
+  every transfer in its cache threads. Same guard, timeout and misses as the KV pages: after one
+  failed call, the pages left in that call are misses.
+* **Hooks.** ``get_stats`` returns ``None`` (SGLang logs empty storage metrics; the sidecar's
+  stats are ``client.stats()``); ``clear`` keeps the pages, logs a warning and returns ``False``
+  (a tenant token can neither list nor purge pages).
 * **Cost.** Pages are independent roots, so each page is one RPC (lookup, put or get).
 """
 
@@ -70,6 +85,8 @@ log = logging.getLogger(__name__)
 _PERSON = b"kvstore-sglang1"
 #: what a call to the sidecar returns when the sidecar failed (logged; the page is a miss)
 _FAILED = object()
+#: SGLang's names (``PoolName`` values) of the KV pool and of the Mamba state pool
+_KV_POOL, _MAMBA_POOL = "kv", "mamba"
 #: torch dtype -> kvstore dtype name
 _DTYPE_NAMES = {getattr(torch, attr): name for name, (attr, _) in DTYPES.items() if name == attr}
 
@@ -136,13 +153,15 @@ class KVStoreBackendConfig:
 
 
 def page_spec(cfg: KVStoreBackendConfig, storage_config: Any, page_bytes: int, dtype: str,
-              layout: str) -> ModelSpec:
-    """The flat bytes spec of one SGLang page (see the module docstring)."""
+              layout: str, *, tp_shared: bool | None = None) -> ModelSpec:
+    """The flat bytes spec of one SGLang page (see the module docstring). ``tp_shared``: one
+    page for all TP ranks (default: MLA models' pages are, others' are not)."""
     itemsize = DTYPES[dtype][1]
     if page_bytes <= 0 or page_bytes % (2 * itemsize):
         raise InvalidArgument(f"page of {page_bytes} bytes is not a whole number of K/V {dtype} pairs")
     mla = bool(storage_config.is_mla_model)
-    tp_rank, tp_size = (0, 1) if mla else (storage_config.tp_rank, storage_config.tp_size)
+    shared = mla if tp_shared is None else tp_shared
+    tp_rank, tp_size = (0, 1) if shared else (storage_config.tp_rank, storage_config.tp_size)
     tag = (f"sglang-page:{layout or 'flat'}:pp{storage_config.pp_rank}/{storage_config.pp_size}"
            f":cp{storage_config.attn_cp_rank}/{storage_config.attn_cp_size}:mla={int(mla)}")
     dcp_rank, dcp_size = _dcp_shard(storage_config)
@@ -152,7 +171,7 @@ def page_spec(cfg: KVStoreBackendConfig, storage_config: Any, page_bytes: int, d
         # index is the spec's rank (equal across DCP groups, which hold the same shards), and
         # the tag carries the topology the shard's contents depend on, as SGLang's file and
         # Mooncake backends do. Without DCP the tag is unchanged (keys stay as they were).
-        if mla:
+        if shared:
             tp_rank, tp_size = dcp_rank, dcp_size
         tag += (f":dcp{dcp_rank}/{dcp_size}:tp{storage_config.tp_size}"
                 f":page{getattr(storage_config, 'logical_page_size', None)}")
@@ -175,6 +194,11 @@ def _dcp_shard(storage_config: Any) -> tuple[int, int]:
     return rank, size
 
 
+def _pool_name(name: Any) -> str:
+    """SGLang's pool name (a ``PoolName``, a str enum, or a plain str) as a plain str."""
+    return str(getattr(name, "value", name))
+
+
 def page_key(spec: ModelSpec, key: str) -> bytes:
     """The kvstore block key of SGLang page ``key`` under ``spec`` (deterministic everywhere)."""
     if not isinstance(key, str):  # NOTE: bytes or None gave an AttributeError from .encode()
@@ -195,6 +219,7 @@ def _byte_rows(t: torch.Tensor, nbytes: int) -> torch.Tensor:
 @functools.cache
 def hicache_storage_class() -> type:
     """Build (once) the ``HiCacheStorage`` subclass; needs the sglang package importable."""
+    from sglang.srt.mem_cache import hicache_storage as hs  # NOTE: its v2 types are looked up when used
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
     from kvstore.client import Client
@@ -212,6 +237,7 @@ def hicache_storage_class() -> type:
             self.guard = SidecarGuard(self.config.target, probe=self.client.whoami, timeouts_open=True)
             self._spec: ModelSpec | None = None
             self._dtype = self.config.dtype
+            self._side_pools: dict[str, tuple[Any, ModelSpec]] = {}  # pool name -> (host pool, page spec)
             if self.config.page_bytes:
                 self._spec = page_spec(self.config, storage_config, self.config.page_bytes,
                                        self._dtype or "float16", "flat")
@@ -259,10 +285,14 @@ def hicache_storage_class() -> type:
                 log.log(self.guard.level(), "kvstore HiCache %s failed: %s", what, err)
                 return _FAILED
 
+        def _present(self, spec: ModelSpec, key: str) -> Any:
+            """Whether page ``key`` of ``spec`` is stored; :data:`_FAILED` when the sidecar fails."""
+            hit = self._ask(f"exists of {key}", self.client.lookup, spec, [page_key(spec, key)])
+            return _FAILED if hit is _FAILED else hit.num_blocks == 1
+
         def exists(self, key: str) -> bool:
             """Whether the page is stored; ``False`` too when the sidecar fails (see :meth:`_ask`)."""
-            hit = self._ask(f"exists of {key}", self.client.lookup, self.spec, [self._key(key)])
-            return hit is not _FAILED and hit.num_blocks == 1
+            return self._present(self.spec, key) is True
 
         def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
             """Number of leading ``keys`` present (stops at the first miss)."""
@@ -274,17 +304,16 @@ def hicache_storage_class() -> type:
         def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
             """The page into ``target_location`` (a tensor of ``page_bytes``) or a new flat tensor
             of the spec's dtype; ``None`` on a miss, and when the sidecar fails (logged)."""
-            out = self._get(key, target_location)
+            out = self._get(self.spec, key, target_location)
             return None if out is _FAILED else out
 
-        def _get(self, key: str, target_location: Any) -> Any:
-            """:meth:`get`, a failure of the sidecar returned as :data:`_FAILED`."""
-            spec = self.spec
+        def _get(self, spec: ModelSpec, key: str, target_location: Any) -> Any:
+            """:meth:`get` of a page of ``spec``, a failure of the sidecar returned as :data:`_FAILED`."""
             out = target_location if isinstance(target_location, torch.Tensor) else \
                 torch.empty(spec.block_nbytes // spec.itemsize, dtype=spec.torch_dtype)
             direct = out.device.type == "cpu" and out.is_contiguous()
             buf = out if direct else torch.empty(out.shape, dtype=out.dtype)  # CPU staging page
-            n = self._ask(f"get of {key}", self.client.get_into, spec, [self._key(key)],
+            n = self._ask(f"get of {key}", self.client.get_into, spec, [page_key(spec, key)],
                           _byte_rows(buf, spec.block_nbytes))
             if n is _FAILED:
                 return _FAILED
@@ -299,7 +328,7 @@ def hicache_storage_class() -> type:
             targets = target_locations or [None] * len(keys)
             out: list[torch.Tensor | None] = [None] * len(keys)
             for i, (k, t) in enumerate(zip(keys, targets)):
-                page = self._get(k, t)
+                page = self._get(self.spec, k, t)
                 if page is _FAILED:  # the rest would wait as long: all misses
                     break
                 out[i] = page
@@ -308,9 +337,11 @@ def hicache_storage_class() -> type:
         def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
             """Store one page (``value``, else ``target_location``); ``True`` when stored (or
             already present), ``False`` on a store-side failure."""
-            page = value if value is not None else target_location
-            rows = _byte_rows(page, self.spec.block_nbytes)
-            return self._ask(f"set of {key}", self.client.put_bytes, self.spec, [self._key(key)],
+            return self._set(self.spec, key, value if value is not None else target_location)
+
+        def _set(self, spec: ModelSpec, key: str, page: Any) -> bool:
+            rows = _byte_rows(page, spec.block_nbytes)
+            return self._ask(f"set of {key}", self.client.put_bytes, spec, [page_key(spec, key)],
                              rows.numpy(), ttl_s=self.config.ttl_s) is not _FAILED
 
         def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
@@ -321,43 +352,170 @@ def hicache_storage_class() -> type:
             return all(self.set(k, v) for k, v in zip(keys, pages))
 
         # -- host-pool variants ---------------------------------------------------------------
-        def _page_offsets(self, keys: list[str], host_indices: torch.Tensor) -> list[int]:
-            page_size = int(getattr(self.mem_pool_host, "page_size", 1) or 1)
-            if host_indices.numel() != len(keys) * page_size:
-                raise InvalidArgument(f"{host_indices.numel()} host indices for {len(keys)} pages of {page_size}")
+        @staticmethod
+        def _page_offsets(pool: Any, keys: list[str], host_indices: Any) -> list[int]:
+            page_size = int(getattr(pool, "page_size", 1) or 1)
+            if not isinstance(host_indices, torch.Tensor) or host_indices.numel() != len(keys) * page_size:
+                got = host_indices.numel() if isinstance(host_indices, torch.Tensor) else host_indices
+                raise InvalidArgument(f"{got} host indices for {len(keys)} pages of {page_size}")
             return [int(host_indices[i * page_size]) for i in range(len(keys))]
 
-        def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
-            """Load pages into the registered host pool at ``host_indices``; per-page success."""
-            pool = self.mem_pool_host
+        def _load(self, spec: ModelSpec, pool: Any, keys: list[str], host_indices: Any) -> tuple[list[bool], bool]:
+            """Pages ``keys`` of ``spec`` into ``pool`` at ``host_indices``: (per-page success,
+            whether the sidecar failed; then the rest are misses, not asked)."""
             staging = pool.get_dummy_flat_data_page()
             done = [False] * len(keys)
-            for i, (key, offset) in enumerate(zip(keys, self._page_offsets(keys, host_indices))):
-                page = self._get(key, staging)
+            for i, (key, offset) in enumerate(zip(keys, self._page_offsets(pool, keys, host_indices))):
+                page = self._get(spec, key, staging)
                 if page is _FAILED:  # the rest would wait as long: all misses
-                    break
+                    return done, True
                 done[i] = page is not None
                 if done[i]:
                     pool.set_from_flat_data_page(offset, staging)
-            return done
+            return done, False
+
+        def _store(self, spec: ModelSpec, pool: Any, keys: list[str], host_indices: Any) -> tuple[list[bool], bool]:
+            """Pool pages at ``host_indices`` as pages ``keys`` of ``spec``; as :meth:`_load`."""
+            done = [False] * len(keys)
+            for i, (key, offset) in enumerate(zip(keys, self._page_offsets(pool, keys, host_indices))):
+                done[i] = self._set(spec, key, pool.get_data_page(offset, flat=True))
+                if not done[i]:  # the sidecar failed (logged): the rest would fail as slowly
+                    return done, True
+            return done, False
+
+        def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+            """Load pages into the registered host pool at ``host_indices``; per-page success."""
+            return self._load(self.spec, self.mem_pool_host, keys, host_indices)[0]
 
         def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
             """Store the host pool's pages at ``host_indices``; per-page success."""
-            pool = self.mem_pool_host
-            done = [False] * len(keys)
-            for i, (key, offset) in enumerate(zip(keys, self._page_offsets(keys, host_indices))):
-                done[i] = self.set(key, pool.get_data_page(offset, flat=True))
-                if not done[i]:  # the sidecar failed (logged): the rest would fail as slowly
+            return self._store(self.spec, self.mem_pool_host, keys, host_indices)[0]
+
+        # -- hybrid pools (v2) ----------------------------------------------------------------
+        def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+            """Register a pool of SGLang's host pool group (the KV pool, or a side pool: DSA
+            indexer, Mamba/SWA state, draft KV...). A side pool's pages get their own spec
+            (its page size and dtype, the pool's name in the layout tag); a page kvstore cannot
+            hold is refused here, when SGLang attaches the backend, not in its cache threads."""
+            name = _pool_name(host_pool_name)
+            spec = None if name == _KV_POOL else self._side_spec(name, host_pool)
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+            if spec is not None:
+                self._side_pools[name] = (host_pool, spec)
+
+        def _side_spec(self, name: str, pool: Any) -> ModelSpec:
+            try:
+                page = pool.get_dummy_flat_data_page()
+            except NotImplementedError as err:  # e.g. SGLang's MXFP8 pool: no flat pages
+                raise InvalidArgument(f"SGLang host pool {name!r} cannot be stored in kvstore: {err}") from None
+            nbytes = page.numel() * page.element_size()
+            dtype = _DTYPE_NAMES.get(page.dtype)
+            if dtype is None or nbytes % (2 * DTYPES[dtype][1]):
+                dtype = "float8_e4m3fn"  # NOTE: opaque bytes (an fp8 indexer is uint8): 1-byte items
+            # NOTE: as SGLang's file backend keys them: Mamba state is TP-sharded even when the
+            # model's (MLA) KV, and the pools derived from it, are replicated over TP ranks
+            shared = bool(self.storage_config.is_mla_model) and name != _MAMBA_POOL
+            layout = f"{getattr(pool, 'layout', '') or 'flat'}/pool={name}"
+            try:
+                return page_spec(self.config, self.storage_config, nbytes, dtype, layout, tp_shared=shared)
+            except InvalidArgument as err:
+                raise InvalidArgument(f"SGLang host pool {name!r} cannot be stored in kvstore: {err}") from None
+
+        def _pool(self, name: Any) -> tuple[Any, ModelSpec]:
+            """The registered host pool named ``name`` and the spec of its pages."""
+            key = _pool_name(name)
+            if key == _KV_POOL:
+                return self.mem_pool_host, self.spec
+            if key not in self._side_pools:
+                raise InvalidArgument(f"SGLang host pool {key!r} was not registered (register_mem_host_pool_v2)")
+            return self._side_pools[key]
+
+        def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
+            """Load each transfer's pages into its pool; per pool, per-page success. After a
+            failure of the sidecar every page left is a miss (one timeout per call)."""
+            return self._io_v2(transfers, self._load)
+
+        def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
+            """Store each transfer's pool pages; as :meth:`batch_get_v2`."""
+            return self._io_v2(transfers, self._store)
+
+        def _io_v2(self, transfers: list[Any], move: Any) -> dict[Any, list[bool]]:
+            out: dict[Any, list[bool]] = {}
+            failed = False
+            for transfer in transfers:
+                pool, spec = self._pool(transfer.name)
+                keys = list(transfer.keys or [])
+                if failed:
+                    out[transfer.name] = [False] * len(keys)
+                    continue
+                out[transfer.name], failed = move(spec, pool, keys, transfer.host_indices)
+            return out
+
+        def batch_exists_v2(self, keys: list[str], pool_transfers: list[Any] | None = None,
+                            extra_info: Any = None) -> Any:
+            """The usable prefix of ``keys`` given the side pools' hit policies: ``all_pages``
+            needs the pool's page for every page of the prefix, ``trailing_pages`` (N keys)
+            only for its last N pages, so the prefixes that can be restored need not be
+            contiguous (``restorable_prefix_pages``); as SGLang's file backend computes it.
+            After a failure of the sidecar every page left is a miss (one timeout per call)."""
+            have, failed = self._presence(self.spec, keys, leading=True)
+            kv_pages = sum(have)
+            hits: dict[Any, int] = {hs.PoolName.KV: kv_pages} if kv_pages else {}
+            restorable = list(range(1, kv_pages + 1))
+            for transfer in pool_transfers or []:
+                if not restorable:
                     break
-            return done
+                _, spec = self._pool(transfer.name)
+                if transfer.hit_policy == hs.PoolHitPolicy.ALL_PAGES:
+                    have, failed = self._presence(spec, keys[:kv_pages], leading=True, skip=failed)
+                    boundary = sum(have)
+                    pool_restorable = set(range(1, boundary + 1))
+                elif transfer.hit_policy == hs.PoolHitPolicy.TRAILING_PAGES:
+                    trailing = max(1, len(transfer.keys or ()))
+                    have, failed = self._presence(spec, keys[:kv_pages], leading=False, skip=failed)
+                    pool_restorable = {p for p in range(1, kv_pages + 1) if all(have[max(0, p - trailing):p])}
+                    boundary = max(pool_restorable, default=0)
+                else:
+                    raise InvalidArgument(f"hit policy {transfer.hit_policy!r} of SGLang host pool "
+                                          f"{_pool_name(transfer.name)!r} is not supported")
+                if boundary:
+                    hits[transfer.name] = boundary
+                restorable = [p for p in restorable if p in pool_restorable]
+            return hs.PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
+
+        def _presence(self, spec: ModelSpec, keys: list[str], *, leading: bool,
+                      skip: bool = False) -> tuple[list[bool], bool]:
+            """(presence of each page of ``keys``, whether the sidecar failed). ``leading``:
+            stop at the first miss. After a failure (or with ``skip``) the pages left are
+            misses, not asked."""
+            have = [False] * len(keys)
+            for i, key in enumerate([] if skip else keys):
+                hit = self._present(spec, key)
+                if hit is _FAILED:
+                    return have, True
+                if not hit and leading:
+                    break
+                have[i] = hit
+            return have, skip
 
         # -- housekeeping ---------------------------------------------------------------------
         def delete(self, key: str) -> bool:
             """Drop one page (not part of ``HiCacheStorage``; for tests and tools)."""
             return self.client.delete([self._key(key)]) == 1
 
-        def get_stats(self) -> dict[str, Any]:
-            return self.client.stats()
+        def get_stats(self) -> None:
+            """``None``: SGLang (0.5.23, with storage metrics on) then logs an empty
+            ``StorageMetrics``. NOTE: it calls this on its scheduler thread and sets an
+            attribute on the result: the sidecar's stats dict raised there, and the unguarded
+            Stats call could hold the scheduler a whole timeout. ``client.stats()`` has them."""
+
+        def clear(self) -> bool:
+            """Pages are not cleared (returns ``False``, logged): a tenant's token can neither
+            list nor purge its pages; an operator purges each page spec's fingerprint
+            (``kvstore model purge``)."""
+            log.warning("kvstore HiCache: SGLang asked to clear the storage backend; kvstore pages are "
+                        "not cleared by the engine (an operator runs `kvstore model purge FINGERPRINT`)")
+            return False
 
         def close(self) -> None:
             self.client.close()
