@@ -112,3 +112,28 @@ def test_a_hung_sidecar_costs_the_engine_one_timeout(hung):
         assert sum(m.endswith("/Get") for m in hung.calls) <= 1 and calls > 10
     finally:
         client.close()
+
+
+def test_a_probe_that_cannot_start_reopens_and_the_call_misses():
+    """A probe thread that could not start (threads exhausted, the interpreter exiting) left the
+    breaker probing for good, every later call skipped, and gave the engine's call a RuntimeError."""
+    clock, side = Clock(), Sidecar()
+    spawned = []
+
+    def spawn(fn):
+        if not spawned:
+            spawned.append("refused")
+            raise RuntimeError("can't start new thread")
+        spawned.append("ran")
+        fn()
+
+    guard = SidecarGuard("t", failures=1, clock=clock, backoff=ConstantBackoff(5.0), probe=lambda: None, spawn=spawn)
+    trip(guard, side, 1)
+    clock.now += 5.0
+    with pytest.raises(Unavailable):
+        guard.call(side)
+    assert guard.is_open
+    clock.now += 5.0  # the next period ends: this probe starts, and the sidecar answers
+    with pytest.raises(Unavailable):
+        guard.call(side)
+    assert spawned == ["refused", "ran"] and not guard.is_open

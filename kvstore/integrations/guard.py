@@ -145,7 +145,13 @@ class SidecarGuard:
                 background = True
             self._skipped += 1
         if background:
-            self._spawn(self._run_probe)
+            try:
+                self._spawn(self._run_probe)
+            except Exception as exc:  # noqa: BLE001 - no thread (exhausted, interpreter exiting)
+                # NOTE: the breaker stayed PROBING for good (every later call skipped, the
+                # sidecar answering or not) and the engine's call got the RuntimeError
+                log.debug("kvstore sidecar probe of %s could not start: %r", self.target, exc)
+                self._record_fault(True)
         raise Unavailable(f"kvstore sidecar at {self.target} keeps failing: call skipped")
 
     def _run_probe(self) -> None:
