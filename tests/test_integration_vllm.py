@@ -167,6 +167,11 @@ class VllmConfig:
         self.cache_config = types.SimpleNamespace(block_size=BS, cache_dtype=self.cache_dtype)
         self.parallel_config = types.SimpleNamespace(tensor_parallel_size=self.tp)
         self.kv_transfer_config = types.SimpleNamespace(kv_connector_extra_config=self.extra)
+        # vLLM's attention layers by name, with their default fp8 KV scales (1.0)
+        self.compilation_config = types.SimpleNamespace(static_forward_context={
+            f"model.layers.{i}.self_attn.attn": types.SimpleNamespace(_k_scale=torch.tensor(1.0),
+                                                                      _v_scale=torch.tensor(1.0))
+            for i in range(8)})
 
 
 @dataclass

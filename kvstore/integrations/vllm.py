@@ -40,6 +40,14 @@ Contracts:
   round-trip exactly but never mix with canonical ones. Caches must hold the spec's dtype,
   checked at :meth:`~KVStoreConnector.register_kv_caches`; fp8 caches, which vLLM allocates as
   ``uint8``, are viewed as the spec's fp8 dtype (same bytes).
+* **fp8 scales.** fp8 bytes mean something only under the layer's k and v scales, so a worker
+  reads every layer's ``_k_scale``/``_v_scale`` at ``register_kv_caches`` (after the weights
+  loaded them) and, unless all are 1.0 (vLLM's default: the fingerprint is unchanged), puts a
+  hash of them in its spec's layout tag; vLLM's handshake gives each worker's to the scheduler
+  before the first request, so engines of one checkpoint (the same scales) share blocks and
+  engines with other scales under the same model name never load each other's. Scales that
+  cannot be read are refused at registration; scales computed from the first batch
+  (``calculate_kv_scales``, vLLM before 0.32) are refused when the connector is built.
 * **Keys.** The server-computed chained keys of the prompt's full blocks (the tenant namespace
   is applied by the server), so a block is only ever reused after the same prefix. They are
   computed under each rank's own spec (its shard has its own fingerprint), so the scheduler
@@ -89,6 +97,13 @@ Contracts:
   data), so :meth:`request_finished` never delays freeing blocks. The scheduler cannot see a
   worker's outcome: its report says how many blocks it *sent* to be saved; each worker counts
   what it stored (``counts``).
+* **Refused at startup** (:func:`refuse_unsupported`, when the connector is built, with a message
+  naming the option): MLA models (DeepSeek-V2/V3 and the like: their cache is one latent per
+  token, ``[blocks, block_size, latent]``; a 3-D cache is also refused at registration);
+  decode or prefill context parallelism > 1 (the scheduler's block is ``block_size x dcp``
+  tokens spread over the ranks); speculative decoding whose draft model has its own KV cache
+  (EAGLE, EAGLE3, MTP, ``draft_model``: vLLM would not recompute the draft's KV of loaded
+  tokens; ``ngram`` and ``suffix`` are fine).
 * **Limits.** One KV cache group (no hybrid/HMA models); prompt tokens only; no multimodal
   requests. A save's metadata carries every rank's keys of the prompt's blocks up to the saved
   ones (32 bytes per block and rank), so the workers can resend a chain from its root.
@@ -98,11 +113,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1 import base as _vllm_base
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -122,8 +139,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-__all__ = ["ConnectorCounts", "KVStoreConnector", "KVStoreConnectorMetadata", "Transfer", "cpu_isa",
-           "make_spec", "request_adapter", "spec_for"]
+__all__ = ["ConnectorCounts", "KVStoreConnector", "KVStoreConnectorMetadata", "KVStoreHandshake", "Transfer",
+           "cpu_isa", "make_spec", "refuse_unsupported", "request_adapter", "spec_for"]
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +152,12 @@ _PLAIN = {"bfloat16": "bfloat16", "float16": "float16"}
 DEFAULT_REGION_MIB = 64
 #: the extra key of a request's first block that carries its ``cache_salt``
 _SALT = b"vllm-cache-salt:"
+#: speculative methods whose draft model has attention layers (so KV in the target's blocks), for
+#: vLLM releases without ``SpeculativeConfig.uses_draft_kv_cache`` (0.32 has it)
+_DRAFT_KV_METHODS = frozenset({"eagle", "eagle3", "mtp", "deepseek_mtp", "draft_model", "dflash", "dspark",
+                               "extract_hidden_states"})
+#: the handshake's base class (vLLM sends every worker's to the scheduler once its caches are registered)
+_HandshakeBase: type = getattr(_vllm_base, "KVConnectorHandshakeMetadata", object)
 
 
 def make_spec(model: str, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str,
@@ -178,6 +201,47 @@ def spec_for(vllm_config: VllmConfig, extra: dict[str, Any], tp_rank: int = 0, a
                      head_dim=mc.get_head_size(), dtype=dtype, block_size=cc.block_size,
                      revision=str(extra.get("kvstore_revision") or mc.revision or ""),
                      tp_rank=tp_rank, tp_size=pc.tensor_parallel_size, adapter=adapter, layout=layout)
+
+
+def refuse_unsupported(vllm_config: VllmConfig) -> None:
+    """Refuse, when the connector is built (engine startup), what it cannot store correctly:
+    MLA models, context parallelism, speculative decoding with a draft model's KV, and fp8 KV
+    scales computed at run time (InvalidArgument naming the option).
+
+    NOTE: each checked against vLLM 0.32's source. MLA caches hold one latent per token, not
+    per-head K and V. With decode context parallelism the scheduler's block is ``block_size x
+    dcp`` tokens, each rank holding every dcp-th token of it (prefill context parallelism also
+    shards a block's tokens): the connector's blocks and keys are ``block_size`` tokens of one
+    rank. A draft model (EAGLE, MTP, ``draft_model``) keeps its KV in the target's blocks, and
+    vLLM does not recompute it for tokens a connector loaded: the drafts would attend to
+    whatever those blocks held before. Scales computed from the first batch
+    (``calculate_kv_scales``, in vLLM releases before 0.32) differ from engine to engine, and
+    their fp8 bytes decoded under another engine's scales are wrong attention."""
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    if getattr(mc, "use_mla", False):
+        raise InvalidArgument("kvstore connector: MLA models (DeepSeek-V2/V3, Kimi K2, ...) are not supported: their "
+                              "KV cache is one compressed latent per token ([blocks, block_size, latent]), not "
+                              "per-head K and V; run without kv_transfer_config")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = int(getattr(pc, name, 1) or 1)
+        if size > 1:
+            raise InvalidArgument(f"kvstore connector: context parallelism ({name}={size}) is not supported: "
+                                  f"each rank holds every {size}th token of a block of block_size x {size} "
+                                  f"tokens, which the connector's keys and blocks do not describe; set it to 1")
+    sc = getattr(vllm_config, "speculative_config", None)
+    if sc is not None:
+        draft_kv = getattr(sc, "uses_draft_kv_cache", None)
+        method = getattr(sc, "method", None)
+        if draft_kv() if callable(draft_kv) else method in _DRAFT_KV_METHODS:
+            raise InvalidArgument(f"kvstore connector: speculative decoding with a draft model that has its own KV "
+                                  f"cache (speculative_config method {method!r}) is not supported: vLLM does not "
+                                  f"recompute the draft's KV of the tokens a connector loads; use a method "
+                                  f"without one (\"ngram\", \"suffix\") or no speculative_config")
+    if getattr(cc, "calculate_kv_scales", False) and cc.cache_dtype in _FP8:
+        raise InvalidArgument("kvstore connector: fp8 KV scales computed from the first batch "
+                              "(calculate_kv_scales=True) differ from engine to engine, and KV stored under one "
+                              "engine's scales is wrong under another's; use the checkpoint's scales "
+                              "(calculate_kv_scales=False)")
 
 
 def pipeline_stages(vllm_config: VllmConfig) -> int:
@@ -258,6 +322,15 @@ class Transfer:
     start: int
     block_ids: list[int]
     adapter: str = ""
+
+
+@dataclass
+class KVStoreHandshake(_HandshakeBase):  # type: ignore[misc]
+    """What a worker tells the scheduler once at startup (vLLM's handshake metadata).
+
+    ``scales``: the layout tag part of the worker's fp8 KV scales ("" for none or all 1.0)."""
+
+    scales: str = ""
 
 
 @dataclass
@@ -359,6 +432,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             if not extra.get(name):
                 raise InvalidArgument(f"kvstore connector needs kv_connector_extra_config[{name!r}]")
         self._extra = extra
+        refuse_unsupported(vllm_config)
+        self._vllm_config = vllm_config
         self._timeout = positive_seconds(extra.get("kvstore_timeout_s", DEFAULT_TIMEOUT_S), "kvstore_timeout_s")
         self._region_bytes = positive_int(extra.get("kvstore_region_mib", DEFAULT_REGION_MIB),
                                           "kvstore_region_mib") << 20
@@ -387,6 +462,9 @@ class KVStoreConnector(KVConnectorBase_V1):
                             for r in range(stage.tp_size)]
         self._rank = pp_rank * stages[0].tp_size + tp_rank  # this worker's index in _rank_specs
         self._spec = self._rank_specs[self._rank]
+        # every rank's layout before its fp8 scales tag, and the tag (_tag_scales)
+        self._layouts = [spec.layout for spec in self._rank_specs]
+        self._scales = [""] * len(self._rank_specs)
         if role == KVConnectorRole.WORKER and pp_size > 1:
             mine = tuple(vllm_config.model_config.get_layers_start_end_indices(vllm_config.parallel_config))
             if mine != stage_layers(vllm_config, pp_rank):
@@ -653,14 +731,77 @@ class KVStoreConnector(KVConnectorBase_V1):
 
         names = sorted(kv_caches, key=extract_layer_index)
         if len(names) != self._spec.num_layers:
-            raise ShapeMismatch(f"kvstore connector: {len(names)} KV layers, spec has {self._spec.num_layers}")
+            raise ShapeMismatch(f"kvstore connector: vLLM registered {len(names)} KV cache layers, the model has "
+                                f"{self._spec.num_layers} (a draft model's layers, of speculative decoding, "
+                                f"are not supported)")
+        if any(kv_caches[n].dim() == 3 for n in names):
+            raise ShapeMismatch(f"kvstore connector: 3-D KV caches {tuple(kv_caches[names[0]].shape)} (MLA: one "
+                                f"latent per token) are not supported, only per-head K and V")
         caches = [self._typed(n, kv_caches[n]) for n in names]
+        self._tag_scales(self._rank, self._scales_tag(names))
         layouts = {self._layout_of(c) for c in caches}
         if len(layouts) != 1:
             raise ShapeMismatch(f"kvstore connector: layers use different KV layouts {sorted(layouts)}")
         self._layout = layouts.pop()
         self._layers = caches
         self._layer_pos = {n: i for i, n in enumerate(names)}
+
+    def _scales_tag(self, names: list[str]) -> str:
+        """The layout tag part of this worker's fp8 KV scales: "" for a cache that is not fp8 or
+        whose every layer's k and v scale is 1.0 (vLLM's default: the fingerprint is as before),
+        else a hash of them all. Read from vLLM's attention layers once the weights are loaded.
+
+        NOTE: fp8 bytes mean something only under their scales: a checkpoint's own scales (the same
+        in every engine of that checkpoint) give the same tag, so engines share blocks; another
+        checkpoint's, under the same model name, give another fingerprint, so no block of one is
+        ever loaded by the other. Scales that cannot be read are refused (scales computed at run
+        time are refused when the connector is built, see :func:`refuse_unsupported`)."""
+        if self._spec.itemsize != 1:
+            return ""
+        layers = getattr(getattr(self._vllm_config, "compilation_config", None), "static_forward_context", None)
+        scales = []
+        for name in names:
+            layer = (layers or {}).get(name)
+            k, v = getattr(layer, "_k_scale", None), getattr(layer, "_v_scale", None)
+            if k is None or v is None:
+                raise InvalidArgument(f"kvstore connector: cannot read the fp8 KV scales (_k_scale, _v_scale) of "
+                                      f"layer {name}: KV stored under other scales could not be told apart")
+            scales += [torch.as_tensor(x).detach().to("cpu", torch.float32).reshape(-1) for x in (k, v)]
+        flat = torch.cat(scales)
+        if bool((flat == 1.0).all()):
+            return ""
+        return "kv_scales=" + hashlib.blake2b(flat.numpy().tobytes(), digest_size=8).hexdigest()
+
+    def _tag_scales(self, rank: int, tag: str) -> None:
+        """Rank ``rank``'s spec with its fp8 scales tag (:meth:`_scales_tag`) in its layout."""
+        if self._scales[rank] == tag:
+            return
+        self._scales[rank] = tag
+        layout = self._layouts[rank] + (f";{tag}" if tag else "")
+        log.info("kvstore connector: rank %d's fp8 KV scales are part of its model identity (%s)", rank, tag)
+        self._rank_specs[rank] = dataclasses.replace(self._rank_specs[rank], layout=layout)
+        self._spec = self._rank_specs[self._rank]
+        self._adapter_specs = {k: v for k, v in self._adapter_specs.items() if k[1] != rank}
+
+    def get_handshake_metadata(self) -> KVStoreHandshake:
+        """What the scheduler must know of this worker once its caches are registered: its fp8
+        scales tag (vLLM gives every worker's to :meth:`set_xfer_handshake_metadata_pp_aware`)."""
+        return KVStoreHandshake(self._scales[self._rank])
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Take every worker's fp8 scales tag (keyed ``(pp_rank, tp_rank)``) into its rank's spec,
+        before any request is looked up.
+
+        NOTE: a vLLM that never sends them leaves a worker whose scales are not all 1.0 with
+        another fingerprint than the scheduler's keys: its blocks are then never a hit (and never
+        loaded under other scales)."""
+        tp = self._rank_specs[0].tp_size
+        for (pp_rank, tp_rank), meta in metadata.items():
+            if isinstance(meta, KVStoreHandshake) and 0 <= pp_rank * tp + tp_rank < len(self._rank_specs):
+                self._tag_scales(pp_rank * tp + tp_rank, meta.scales)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, tp_rank): meta for tp_rank, meta in metadata.items()})
 
     def _typed(self, name: str, cache: torch.Tensor) -> torch.Tensor:
         """``cache`` as the spec's dtype: as is, or an fp8 cache vLLM allocated as ``uint8``
