@@ -5,8 +5,10 @@ lock and counters (``_count``); ``_init_breakers`` makes its state.
 
 Faults are tracked per server (per cluster node) by a :class:`~tiers.remote_redis.CircuitBreaker`:
 after ``breaker_failures`` consecutive faults the node is skipped (a miss without network) for a
-backoff period from ``redis.backoff``; the first call after the period is a probe, which closes
-the breaker on success. Command retries are redis-py's ``Retry`` (see
+backoff period from ``redis.backoff``; when the period ends exactly one call is a probe (the others
+are still skipped while it runs: with Redis hung, one caller waits a timeout per period, not every
+one), which closes the breaker on success and opens a longer period on a fault. A pipeline holds
+one admission per node for all its commands. Command retries are redis-py's ``Retry`` (see
 :func:`tiers.remote_redis.connect`).
 
 Only a node that cannot serve counts toward its breaker: a connection or a timeout error, a
@@ -48,7 +50,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from tiers.remote_redis import CircuitBreaker
+from tiers.remote_redis import Admit, CircuitBreaker
 
 #: Everything a Redis round trip can raise (RedisClusterException is not a RedisError).
 FAULTS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
@@ -137,14 +139,25 @@ class BreakerCalls:
     def _call(self, key: bytes | str, fn: Callable[[], Any]) -> Any:
         """Run one command under its node's breaker: the result, or ``SKIPPED`` / a fault."""
         node = self._node(key)
-        if not self._breaker(node).allow():
+        admit = self._breaker(node).admit()
+        if admit is Admit.SKIP:
             self._count("breaker_skips")
             return SKIPPED
+        return self._sent(node, admit, fn)
+
+    def _sent(self, node: str, admit: Admit, fn: Callable[[], Any]) -> Any:
+        """Run one command admitted by ``node``'s breaker (``admit``: CALL or PROBE) and record
+        its outcome: the result, or the fault. A probe that raises anything else is released
+        (the next call probes)."""
         try:
             res = fn()
         except FAULTS as exc:
             self._outcome(node, self._error_reply(exc))  # NOTE: an error reply: the node answered
             return exc
+        except BaseException:
+            if admit is Admit.PROBE:
+                self._breaker(node).release()
+            raise
         self._outcome(node, True)
         return res
 
@@ -159,15 +172,18 @@ class BreakerCalls:
         that fails as a whole (a node unreachable) is replayed one command at a time, so the
         live nodes still answer."""
         nodes = [self._node(k) for k, _ in cmds]
+        # NOTE: one admission per node: after an open period the pipeline is that node's one probe
+        admits = {n: self._breaker(n).admit() for n in dict.fromkeys(nodes)}
         out: list[Any] = [SKIPPED] * len(cmds)
         send = []
         for i, n in enumerate(nodes):
-            if self._breaker(n).allow():
+            if admits[n] is not Admit.SKIP:
                 send.append(i)
             else:
                 self._count("breaker_skips")
         if not send:
             return out
+        probes = {n for n, a in admits.items() if a is Admit.PROBE}
         try:
             pipe = self._client.pipeline(transaction=False)
             for i in send:
@@ -179,9 +195,11 @@ class BreakerCalls:
                 for i in send:
                     out[i] = exc
                 return out
-            for i in send:
-                out[i] = self._call(cmds[i][0], lambda i=i: self._client.execute_command(*cmds[i][1]))
+            self._replay(cmds, nodes, send, probes, out)
             return out
+        except BaseException:
+            self._release(probes)
+            raise
         failed: set[str] = set()
         for i, r in zip(send, replies):
             out[i] = r
@@ -190,6 +208,27 @@ class BreakerCalls:
         for n in {nodes[i] for i in send}:
             self._outcome(n, n not in failed)
         return out
+
+    def _replay(self, cmds: Sequence[Command], nodes: list[str], send: list[int], probes: set[str],
+                out: list[Any]) -> None:
+        """A cluster pipeline that failed as a whole, one command at a time into ``out``: the
+        first command of a node whose probe the pipeline held is that probe; the others ask
+        their breaker again."""
+        try:
+            for i in send:
+                fn = (lambda i=i: self._client.execute_command(*cmds[i][1]))
+                if nodes[i] in probes:
+                    probes.discard(nodes[i])
+                    out[i] = self._sent(nodes[i], Admit.PROBE, fn)
+                else:
+                    out[i] = self._call(cmds[i][0], fn)
+        finally:
+            self._release(probes)
+
+    def _release(self, probes: set[str]) -> None:
+        """Release the probes of ``probes``' nodes that were not sent."""
+        for n in probes:
+            self._breaker(n).release()
 
 
 __all__ = ["FAULTS", "SKIPPED", "BreakerCalls", "Command", "error_reply", "fault_text", "succeeded"]

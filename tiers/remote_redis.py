@@ -20,13 +20,18 @@ Primitives and what each guarantees:
   tenant made before its deletion (its own local tiers, its queue) must find the marker whenever
   it would write them. Redis faults propagate to the caller.
 * ``CircuitBreaker(failures, backoff, clock)`` — consecutive-fault breaker of one server:
-  ``failures`` faults in a row open it for ``backoff.compute(trips)`` seconds of ``clock``;
-  ``allow()`` is False while open; after the period the first fault reopens it at once (for a
-  longer period) and a success closes it. Thread-safe.
+  ``failures`` faults in a row open it for ``backoff.compute(trips)`` seconds of ``clock``
+  (``backoff`` is injected, so is ``clock``: tests set both). ``admit()`` says whether a call
+  goes: :attr:`Admit.SKIP` while open; when a period ends, exactly one caller gets
+  :attr:`Admit.PROBE` and every other one keeps getting SKIP until the probe's outcome is
+  recorded: a success closes the breaker, a fault opens the next, longer period, and a probe
+  that ended without a word on the server (``release``) lets the next call probe instead.
+  Thread-safe.
 """
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
@@ -143,43 +148,90 @@ class TenantTombstones:
         return float(self._client.eval(self._MARK, 1, self.key(tenant), repr(float(when))))
 
 
+class Admit(enum.Enum):
+    """What :meth:`CircuitBreaker.admit` lets a call do."""
+
+    SKIP = "skip"  # open (or another call is the probe): send nothing, a miss
+    CALL = "call"  # closed: send it
+    PROBE = "probe"  # the one call after an open period: send it; its outcome decides
+
+
 class CircuitBreaker:
     """Consecutive-fault breaker for one server; open periods come from ``backoff``.
 
-    ``allow()`` is False while open. When the period ends calls go through again; the first
-    fault then reopens it at once, for a longer period (``backoff.compute(trips)``)."""
+    Closed: every call goes; ``failures`` faults in a row open it. Open: calls are skipped
+    until the period ends; then exactly one call is the probe (half-open) and the others are
+    still skipped while it runs. The probe's success closes the breaker; its fault opens it for
+    a longer period (``backoff.compute(trips)``). NOTE: every call went through once a period
+    ended: with Redis paused (SIGSTOP), 8 threads of gets each waited a whole timeout per
+    period (a prober saw 24 gets stall ~4 s each within 30 s), not one of them."""
 
     def __init__(self, failures: int, backoff: AbstractBackoff, clock: Clock) -> None:
         self._threshold = failures
         self._backoff = backoff
         self._clock = clock
         self._lock = threading.Lock()
-        self._fails = 0
-        self._trips = 0
+        self._fails = 0  # faults in a row while closed
+        self._trips = 0  # open periods in a row (the probe of each failed)
         self._open_until = 0.0
+        self._probing = False  # a probe is under way (the period ended)
+
+    def admit(self) -> Admit:
+        """Whether one call may go (see the class docstring). A caller given
+        :attr:`Admit.PROBE` must end it with :meth:`record` or :meth:`release`."""
+        with self._lock:
+            if not self._trips:
+                return Admit.CALL
+            if self._probing or self._clock() < self._open_until:
+                return Admit.SKIP
+            self._probing = True
+            return Admit.PROBE
 
     def allow(self) -> bool:
-        return self._clock() >= self._open_until
+        """``admit()`` is not SKIP (a True after an open period takes the probe: record its
+        outcome)."""
+        return self.admit() is not Admit.SKIP
 
     @property
     def is_open(self) -> bool:
-        return not self.allow()
+        """Whether calls are being skipped (open, or half-open with a probe under way)."""
+        with self._lock:
+            return self._trips > 0
 
     def record(self, ok: bool) -> bool:
-        """Record one call's outcome; True when this fault opened the breaker."""
+        """Record one call's outcome; True when this fault opened the breaker (from closed,
+        or the probe's fault: the next, longer period). A success closes it. A fault of a
+        call let through before the breaker opened, ending while it is open, changes nothing."""
         with self._lock:
             if ok:
                 self._fails = self._trips = 0
                 self._open_until = 0.0
+                self._probing = False
                 return False
+            if self._trips:
+                if not self._probing:
+                    return False  # NOTE: a late fault of a call sent while closed
+                self._open()
+                return True
             self._fails += 1
             if self._fails < self._threshold:
                 return False
-            self._trips += 1
-            self._fails = self._threshold - 1  # the probe after the open period decides
-            self._open_until = self._clock() + self._backoff.compute(self._trips)
+            self._open()
             return True
 
+    def release(self) -> None:
+        """The probe ended without a word on the server (it raised something that is not a
+        Redis fault): the next call probes instead."""
+        with self._lock:
+            self._probing = False
 
-__all__ = ["CircuitBreaker", "Clock", "KeyringRace", "RedisKeyBackend", "TenantTombstones", "connect",
+    def _open(self) -> None:
+        """Open for the next period (under the lock)."""
+        self._trips += 1
+        self._fails = 0
+        self._probing = False
+        self._open_until = self._clock() + self._backoff.compute(self._trips)
+
+
+__all__ = ["Admit", "CircuitBreaker", "Clock", "KeyringRace", "RedisKeyBackend", "TenantTombstones", "connect",
            "keyring_key"]

@@ -1,0 +1,157 @@
+"""The remote tier, round 17: its breaker's probe.
+
+1. The per-node breaker let every call through once an open period ended, not one probe: with
+   Redis paused (SIGSTOP) and 8 threads getting misses, a prober saw 24 gets stall ~4 s each
+   within 30 s. Now one call probes (half-open) while the others keep missing at once.
+
+On a real Redis where a test needs one (``servers`` / ``redis_ns`` of conftest.py); clocks are
+injected, and a Redis that hangs is a client whose pipeline waits for an event.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import redis
+from conftest import FakeClock
+from redis.backoff import ConstantBackoff
+
+from kvstore.codec import Codec, CodecConfig
+from kvstore.spec import ModelSpec
+from tiers.base import BlockRef
+from tiers.remote import RemoteTier
+from tiers.remote_config import RemoteConfig
+from tiers.remote_redis import CircuitBreaker, connect
+
+SPEC = ModelSpec(model="m", revision="r1", num_layers=2, num_kv_heads=2, head_dim=8,
+                 dtype="float16", block_tokens=4)
+N = SPEC.block_nbytes
+
+
+def _ref(i: int, tenant: str = "acme") -> BlockRef:
+    return BlockRef(tenant, bytes([i]) * 32, SPEC)
+
+
+def _data(i: int) -> np.ndarray:
+    return np.full(N, i, dtype=np.uint8)
+
+
+# -- 1. one probe after an open period ------------------------------------------------------------
+def test_a_breaker_lets_one_probe_through_after_its_open_period() -> None:
+    """8 threads asking at once when the period has ended: one goes (the probe), 7 are
+    skipped until its outcome is recorded; its fault opens the next period, its success
+    closes the breaker."""
+    now = FakeClock(0.0)
+    b = CircuitBreaker(2, ConstantBackoff(5.0), now)
+    b.record(False)
+    assert b.record(False) and not b.allow()
+    now.advance(5.0)
+    start = threading.Barrier(8)
+    allowed: list[bool] = []
+
+    def ask() -> None:
+        start.wait(10)
+        allowed.append(b.allow())
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(allowed) == [False] * 7 + [True]
+    assert b.is_open and not b.allow()  # still skipped while the probe runs
+    assert b.record(False)  # the probe failed: the next period
+    now.advance(4.9)
+    assert not b.allow()
+    now.advance(0.1)
+    assert b.allow() and not b.allow()
+    assert not b.record(True) and not b.is_open  # the probe answered: closed
+    assert b.allow() and b.allow()
+
+
+class _Hanging:
+    """A redis client in front of a real one. While ``hung``: the first command (a ``GET`` or a
+    pipeline) waits for ``gate`` (a paused Redis, until its socket timeout), then raises a
+    timeout; any other raises one at once (counted in ``sent`` all the same)."""
+
+    def __init__(self, real: redis.Redis) -> None:
+        self.real = real
+        self.hung = False
+        self.sent = 0
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self._lock = threading.Lock()
+
+    def send(self, fn: Any) -> Any:
+        with self._lock:
+            self.sent += 1
+            first = self.hung and not self.entered.is_set()
+            if first:
+                self.entered.set()
+        if not self.hung:
+            return fn()
+        if first:
+            assert self.gate.wait(30)
+        raise redis.exceptions.TimeoutError("Timeout reading from socket")
+
+    def get(self, key: Any) -> Any:
+        return self.send(lambda: self.real.get(key))
+
+    def pipeline(self, transaction: bool = False) -> Any:
+        return _Pipe(self, self.real.pipeline(transaction=transaction))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+class _Pipe:
+    def __init__(self, owner: _Hanging, pipe: Any) -> None:
+        self.owner, self.pipe = owner, pipe
+
+    def execute_command(self, *args: Any) -> None:
+        self.pipe.execute_command(*args)
+
+    def execute(self, raise_on_error: bool = True) -> Any:
+        return self.owner.send(lambda: self.pipe.execute(raise_on_error=raise_on_error))
+
+
+def test_gets_on_a_hung_redis_wait_for_one_probe_per_open_period(redis_ns) -> None:
+    """Redis hangs; the breaker opened. When its period ends, one get waits (the probe) while
+    8 others miss at once without reaching Redis (each waited a whole timeout before); the
+    probe's timeout opens the next period; once Redis answers, the next probe closes it."""
+    url, ns = redis_ns
+    mono = FakeClock(0.0)
+    cfg = RemoteConfig(urls=[url], namespace=ns, retries=0, breaker_failures=1, breaker_base_s=1.0,
+                       breaker_cap_s=2.0)
+    client = _Hanging(connect(cfg))
+    t = RemoteTier(cfg, client, Codec(CodecConfig(encrypt=False), None), monotonic=mono)  # type: ignore[arg-type]
+    out = np.empty(N, np.uint8)
+    try:
+        client.hung = True
+        client.gate.set()  # the first timeout: at once
+        assert not t.get_into(_ref(1), out)
+        assert t.metrics()["breakers_open"] == 1 and client.sent == 1
+        client.entered.clear()
+        client.gate.clear()
+        mono.advance(10.0)  # past any period: the next get is the probe
+        probe = threading.Thread(target=t.get_into, args=(_ref(1), np.empty(N, np.uint8)))
+        probe.start()
+        assert client.entered.wait(30)
+        missed = [t.get_into(_ref(i), np.empty(N, np.uint8)) for i in range(2, 6)]
+        missed += t.get_many_into([_ref(i) for i in range(6, 10)], [np.empty(N, np.uint8)] * 4)
+        assert missed == [False] * 8
+        assert client.sent == 2, "gets went to the hung Redis besides the probe"
+        assert t.metrics()["breaker_skips"] == 8
+        client.gate.set()
+        probe.join(30)
+        m = t.metrics()
+        assert m["breaker_trips"] == 2 and m["breakers_open"] == 1  # the next, longer period
+        client.hung = False
+        mono.advance(10.0)
+        assert not t.get_into(_ref(1), out)  # the probe: Redis answers (nothing there)
+        assert t.metrics()["breakers_open"] == 0
+    finally:
+        client.gate.set()
+        t.close()
