@@ -1,8 +1,12 @@
-"""The remote tier, round 17: its breaker's probe.
+"""The remote tier, round 17: its breaker's probe, the deletions position.
 
 1. The per-node breaker let every call through once an open period ended, not one probe: with
    Redis paused (SIGSTOP) and 8 threads getting misses, a prober saw 24 gets stall ~4 s each
    within 30 s. Now one call probes (half-open) while the others keep missing at once.
+2. The deletions stream position was written without fsync, and a position file read empty or
+   torn was taken for none: the server started from the stream's end and silently skipped the
+   deletions made while it was down. Now such a file means "unknown": the whole retained stream
+   is applied from its start (counted ``deletions_position_unknown``, logged).
 
 On a real Redis where a test needs one (``servers`` / ``redis_ns`` of conftest.py); clocks are
 injected, and a Redis that hangs is a client whose pipeline waits for an event.
@@ -10,12 +14,15 @@ injected, and a Redis that hangs is a client whose pipeline waits for an event.
 
 from __future__ import annotations
 
+import logging
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import redis
-from conftest import FakeClock
+from conftest import MASTER, FakeClock
 from redis.backoff import ConstantBackoff
 
 from kvstore.codec import Codec, CodecConfig
@@ -155,3 +162,59 @@ def test_gets_on_a_hung_redis_wait_for_one_probe_per_open_period(redis_ns) -> No
     finally:
         client.gate.set()
         t.close()
+
+
+# -- 2. an empty or torn deletions position -------------------------------------------------------
+@pytest.mark.parametrize("content", [b"", b"\x00" * 24, b"kv", b"{ns} 17"],
+                         ids=["empty", "zeros", "torn-namespace", "no-newline"])
+def test_a_torn_position_applies_the_whole_retained_stream(redis_ns, tmp_path: Path, caplog,
+                                                           content: bytes) -> None:
+    """A position file read empty or torn (a power loss before its data reached the disk) is
+    "unknown": B applies every deletion the stream holds, from its start, before its open
+    returns, counts it and says so. (Read as none, B started from the stream's end and applied
+    nothing: a deleted tenant's blocks were served from its NVMe.)"""
+    url, ns = redis_ns
+    cfg = RemoteConfig(urls=[url], namespace=ns)
+    a = RemoteTier.open(cfg, MASTER)
+    b = RemoteTier.open(cfg, MASTER)
+    pos = tmp_path / "remote-deletions.pos"
+    pos.write_bytes(content.replace(b"{ns}", ns.encode()))
+    seen: list[Any] = []
+    try:
+        a.publish_deletion("acme", [bytes([1]) * 32])
+        a.publish_deletion("acme", [bytes([2]) * 32])
+        with caplog.at_level(logging.WARNING, logger="tiers.remote_invalidate"):
+            b.on_deletion(lambda d: seen.append(d) or 0, position=pos)
+        assert [sorted(d.keys) for d in seen] == [[bytes([1]) * 32], [bytes([2]) * 32]]
+        assert b.metrics()["deletions_position_unknown"] == 1
+        assert "applying every deletion the stream" in caplog.text
+        text = pos.read_text()
+        assert text.startswith(f"{ns} ") and text.endswith("\n")  # whole again
+        assert not pos.with_name(pos.name + ".tmp").exists()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_missing_or_whole_position_is_read_as_before(redis_ns, tmp_path: Path) -> None:
+    """No file (a first start): from the stream's end, nothing counted; a whole file: from the
+    entry it names."""
+    url, ns = redis_ns
+    cfg = RemoteConfig(urls=[url], namespace=ns)
+    a = RemoteTier.open(cfg, MASTER)
+    pos = tmp_path / "remote-deletions.pos"
+    seen: list[Any] = []
+    try:
+        a.publish_deletion("acme", [bytes([1]) * 32])
+        b = RemoteTier.open(cfg, MASTER)
+        b.on_deletion(lambda d: seen.append(d) or 0, position=pos)
+        b.close()
+        assert seen == [] and b.metrics().get("deletions_position_unknown", 0) == 0
+        a.publish_deletion("acme", [bytes([2]) * 32])
+        b = RemoteTier.open(cfg, MASTER)
+        b.on_deletion(lambda d: seen.append(d) or 0, position=pos)
+        b.close()
+        assert [sorted(d.keys) for d in seen] == [[bytes([2]) * 32]]
+        assert b.metrics().get("deletions_position_unknown", 0) == 0
+    finally:
+        a.close()

@@ -139,6 +139,8 @@ _READ_COUNT = 64  # entries per XREAD
 #: seconds an open spends applying what was deleted while the server was down, at most
 CATCH_UP_S = 30.0
 _LOG_EVERY = 1000  # a refused entry is logged the first time, then once per this many
+#: a position file: ``<namespace> <entry id>`` and a newline (without it: torn)
+_POSITION = re.compile(rb"(\S+) ([0-9]{1,20}-[0-9]{1,20})\n")
 
 
 class Deletion(NamedTuple):
@@ -422,24 +424,56 @@ class SharedDeletions:
         return saved
 
     def _saved_id(self) -> str | None:
+        """The entry the position file names: None when there is none to read (no file: the
+        first start; a file of another namespace), ``"0-0"`` (the stream's start) when the file
+        is there but unreadable, empty or torn (counted ``deletions_position_unknown``, logged).
+
+        NOTE: an unreadable position read as none made the server start from the stream's end
+        and skip, silently, every deletion made while it was down (a deleted tenant's blocks
+        then served from its NVMe); applying the whole retained stream again is safe (a
+        deletion applied twice removes nothing more) and costs at most some local cache."""
         if self._position is None:
             return None
         try:
-            ns, _, eid = self._position.read_text().strip().partition(" ")
-            if ns != self._ns:
-                return None
-            _id_tuple(eid)
-            return eid
-        except (OSError, ValueError):
+            text = self._position.read_bytes()
+        except FileNotFoundError:
             return None
+        except OSError as exc:
+            return self._position_unknown(f"unreadable ({exc})")
+        m = _POSITION.fullmatch(text)
+        if m is None:
+            return self._position_unknown(f"empty or torn ({len(text)} bytes)")
+        if m[1].decode() != self._ns:
+            return None
+        return m[2].decode()
+
+    def _position_unknown(self, why: str) -> str:
+        self._count("deletions_position_unknown")
+        log.warning("deletions stream position in %s is %s: applying every deletion the stream %s still "
+                    "holds, from its start (what it no longer holds may be missed)",
+                    self._position, why, self._stream)
+        return "0-0"
 
     def _save_id(self, entry_id: str) -> None:
+        """Write the position atomically and durably: a temporary file, fsynced, renamed over
+        the position, then its directory fsynced. NOTE: written without fsync, a power loss
+        could leave the position empty or torn (see :meth:`_saved_id`)."""
         if self._position is None:
             return
         tmp = self._position.with_name(self._position.name + ".tmp")
         try:
-            tmp.write_text(f"{self._ns} {entry_id}\n")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, f"{self._ns} {entry_id}\n".encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, self._position)
+            dir_fd = os.open(self._position.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
         except OSError as exc:
             log.warning("could not save the deletions stream position in %s: %s", self._position, exc)
 
