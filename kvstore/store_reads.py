@@ -318,8 +318,11 @@ class ReadPath:
         """Promote the fetched blocks into the local tiers (lock held, store open; best effort:
         a block that finds no room is still served). A promoted block keeps the TTL deadline
         and creation time its remote copy was written with (it got the tenant's default TTL,
-        and a re-spill the remote cap, before); ``guard`` receives the promoted blocks, which
-        stay protected until the caller lets them go.
+        and a re-spill the remote cap, before), but no later than now + the tenant's TTL
+        (``set_tenant_policy(ttl_s)``), as a put gets (a copy written without a deadline, by a
+        server without the policy, came in with none), and a copy so capped has its deadline
+        in Redis moved there too (queued); ``guard`` receives the promoted blocks, which stay
+        protected until the caller lets them go.
 
         The lock may have been released since the plan was made, so what it saw is checked
         again: nothing is promoted when a delete, drop_tenant or purge_model ran meanwhile (it
@@ -354,19 +357,28 @@ class ReadPath:
         protected.update(held)
         try:
             default = self._ttl_deadline(tenant, None, now)  # for a copy that says nothing
+            pol = self._tenant_policy.get(tenant)
+            cap = now + pol.ttl_s if pol is not None and pol.ttl_s is not None else None
             for i in range(n):
                 key, p = rest[i], (rest[i - 1] if i else (prev.key if prev else ROOT_KEY))
                 if self._index.get(tenant, key) is not None:
                     break
                 depth = (prev.depth + 1) if prev is not None else 0
                 meta = info[i]
+                deadline = meta.deadline if meta.known else default
+                capped = cap is not None and (deadline is None or deadline > cap)
+                if capped:
+                    deadline = cap  # NOTE: the tenant's TTL caps every block it holds
                 try:
                     prev = self._place.insert_new(
-                        tenant, spec, key, p, depth, plan.hosts[i], now,
-                        meta.deadline if meta.known else default,
+                        tenant, spec, key, p, depth, plan.hosts[i], now, deadline,
                         prev.tier if prev is not None else self.tiers[0], pinned=False)
                 except ResourceExhausted:
                     break
+                if capped:
+                    # NOTE: and its remote copy, as a re-put moves it: every server read it there
+                    # with the later deadline (or none), served it, and promoted it again
+                    self._remote.submit_ttl(self._place.ref(prev), deadline, parent=p)
                 if meta.created is not None and meta.created < prev.created:
                     # NOTE: its age goes with it: a block made before its tenant was deleted
                     # must not pass for a new one when it is spilled again (see tiers.remote)

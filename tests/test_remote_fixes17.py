@@ -1,4 +1,4 @@
-"""The remote tier, round 17: its breaker's probe, the deletions position.
+"""The remote tier, round 17: its breaker's probe, the deletions position, promotion.
 
 1. The per-node breaker let every call through once an open period ended, not one probe: with
    Redis paused (SIGSTOP) and 8 threads getting misses, a prober saw 24 gets stall ~4 s each
@@ -7,6 +7,8 @@
    torn was taken for none: the server started from the stream's end and silently skipped the
    deletions made while it was down. Now such a file means "unknown": the whole retained stream
    is applied from its start (counted ``deletions_position_unknown``, logged).
+3. A block promoted from the remote tier kept its copy's deadline as is: a copy written without
+   one (by a server without the tenant's TTL policy) came in with none.
 
 On a real Redis where a test needs one (``servers`` / ``redis_ns`` of conftest.py); clocks are
 injected, and a Redis that hangs is a client whose pipeline waits for an event.
@@ -22,7 +24,8 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from conftest import MASTER, FakeClock
+import torch
+from conftest import MASTER, FakeClock, make_kv, tokens
 from redis.backoff import ConstantBackoff
 
 from kvstore.codec import Codec, CodecConfig
@@ -218,3 +221,39 @@ def test_a_missing_or_whole_position_is_read_as_before(redis_ns, tmp_path: Path)
         assert b.metrics().get("deletions_position_unknown", 0) == 0
     finally:
         a.close()
+
+
+# -- 3. the tenant's TTL caps a promoted block ----------------------------------------------------
+def test_a_promoted_copy_without_a_deadline_gets_the_tenants_ttl(servers) -> None:
+    """B (no policy) wrote a chain without a deadline; A, whose tenant TTL is 10 s, promotes
+    it: it expires on A 10 s later (before: never), and its copy in Redis with it."""
+    a, b = servers("a"), servers("b")
+    clock = servers.clock
+    a.set_tenant_policy("t", ttl_s=10.0)
+    a.flush()
+    keys = b.block_keys("t", SPEC, tokens(2, SPEC))
+    kv = make_kv(SPEC, 2)
+    b.put("t", SPEC, keys, kv)
+    b.flush()
+    assert torch.equal(a.get("t", SPEC, keys), kv)  # promoted into A's HBM
+    assert a.lookup("t", SPEC, keys).tiers == ["hbm", "hbm"]
+    a.flush()
+    clock.advance(9.0)
+    assert a.lookup("t", SPEC, keys).num_blocks == 2
+    clock.advance(1.0)
+    assert a.lookup("t", SPEC, keys).num_blocks == 0  # here, and no remote copy either
+
+
+def test_a_promoted_copy_keeps_a_sooner_deadline(servers) -> None:
+    """A copy whose deadline comes before the tenant's TTL keeps it."""
+    a, b = servers("a"), servers("b")
+    clock = servers.clock
+    a.set_tenant_policy("t", ttl_s=10.0)
+    keys = b.block_keys("t", SPEC, tokens(2, SPEC))
+    b.put("t", SPEC, keys, make_kv(SPEC, 2), ttl_s=4.0)
+    b.flush()
+    assert a.get("t", SPEC, keys).shape[0] == 2
+    clock.advance(3.9)
+    assert a.lookup("t", SPEC, keys).tiers == ["hbm", "hbm"]
+    clock.advance(0.1)
+    assert a.lookup("t", SPEC, keys).num_blocks == 0
