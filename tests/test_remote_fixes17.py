@@ -1,4 +1,4 @@
-"""The remote tier, round 17: its breaker's probe, the deletions position, promotion.
+"""The remote tier, round 17: its breaker's probe, the deletions position, promotion and quotas.
 
 1. The per-node breaker let every call through once an open period ended, not one probe: with
    Redis paused (SIGSTOP) and 8 threads getting misses, a prober saw 24 gets stall ~4 s each
@@ -9,6 +9,9 @@
    is applied from its start (counted ``deletions_position_unknown``, logged).
 3. A block promoted from the remote tier kept its copy's deadline as is: a copy written without
    one (by a server without the tenant's TTL policy) came in with none.
+4. The remote quota check counted a block two or three times while a demotion of it was
+   queued (a queued write-through and a queued eviction spill; a queued rewrite of a copy
+   already written): a spill was refused though the first write was coming.
 
 On a real Redis where a test needs one (``servers`` / ``redis_ns`` of conftest.py); clocks are
 injected, and a Redis that hangs is a client whose pipeline waits for an event.
@@ -257,3 +260,53 @@ def test_a_promoted_copy_keeps_a_sooner_deadline(servers) -> None:
     assert a.lookup("t", SPEC, keys).tiers == ["hbm", "hbm"]
     clock.advance(0.1)
     assert a.lookup("t", SPEC, keys).num_blocks == 0
+
+
+# -- 4. a block with a queued demotion counts once against its tenant's remote quota --------------
+@pytest.fixture
+def held_writer(servers):
+    """A Store's remote tier whose writer is held in its writes until ``gate`` is set (a
+    ``put`` of the test's own thread is not held)."""
+    tier = servers("a")._remote
+    inner, gate, entered = tier._put_with, threading.Event(), threading.Event()
+
+    def held_put(*args: Any, **kw: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():  # the writer's
+            entered.set()
+            assert gate.wait(30)
+        return inner(*args, **kw)
+
+    tier._put_with = held_put
+    yield tier, gate, entered
+    gate.set()
+
+
+def test_a_spill_queued_behind_its_write_through_counts_once(held_writer) -> None:
+    """Quota 2 blocks: Z is being written, X's write-through queued; X's eviction spill (skip
+    held) was refused (Z + X + X = 3 blocks), though the first write of X was coming."""
+    tier, gate, entered = held_writer
+    assert tier.submit(_ref(9), _data(9))
+    assert entered.wait(30)
+    assert tier.submit(_ref(1), _data(1), quota=2 * N)
+    assert tier.submit(_ref(1), _data(1), quota=2 * N, skip_held=True), "the spill was refused"
+    assert not tier.submit(_ref(2), _data(2), quota=2 * N)  # a third block is over it
+    gate.set()
+    assert tier.flush(30)
+    m = tier.metrics()
+    assert m["queue_written"] == 2 and m["queue_skipped_held"] == 1
+    assert tier.tenant_bytes("acme") == 2 * N
+
+
+def test_a_queued_rewrite_of_a_written_copy_counts_once(held_writer) -> None:
+    """X written (held); its rewrite queued (a later deadline) behind Z: a third block Y with a
+    quota of 3 was refused (X held + Z + X queued + Y = 4 blocks)."""
+    tier, gate, entered = held_writer
+    assert tier.put(_ref(1), _data(1), parent=b"")
+    assert tier.submit(_ref(9), _data(9))
+    assert entered.wait(30)
+    assert tier.submit(_ref(1), _data(1), ttl_deadline=2e9, quota=3 * N)
+    assert tier.submit(_ref(2), _data(2), quota=3 * N), "X was counted twice"
+    assert not tier.submit(_ref(3), _data(3), quota=3 * N)
+    gate.set()
+    assert tier.flush(30)
+    assert tier.tenant_bytes("acme") == 3 * N

@@ -1,7 +1,8 @@
 """Accounting of the remote tier: the blocks this server wrote, their bytes per tenant.
 
 A mixin of :class:`tiers.remote.RemoteTier`: it uses the tier's lock (every structure here is
-under it), clocks, capacity, counters and ``_batch`` of :mod:`tiers.remote_calls`;
+under it), clocks, capacity, counters, ``_batch`` of :mod:`tiers.remote_calls` and the writer's
+``_queued_held`` (a block written or forgotten while a demotion of it is queued counts once);
 ``_init_accounting`` makes its state.
 
 * ``usage`` / ``tenant_bytes`` — raw block bytes this server wrote, accounted locally: the
@@ -66,6 +67,7 @@ class Accounting:
             self._held[ref.ident] = Held(ref.nbytes, deadline, ref.spec.fingerprint, rkey, wanted)
             self._used += ref.nbytes
             self._tenant_used[ref.tenant] = self._tenant_used.get(ref.tenant, 0) + ref.nbytes
+            self._queued_held(ref.ident, ref.nbytes, True)
 
     def _unheld(self, ident: tuple[str, bytes]) -> None:
         """Forget one block of the accounting. Caller holds ``_lock``."""
@@ -73,6 +75,7 @@ class Accounting:
         if old is not None:
             self._used -= old.nbytes
             take_bytes(self._tenant_used, ident[0], old.nbytes)
+            self._queued_held(ident, old.nbytes, False)
 
     def _unheld_where(self, hit: Callable[[tuple[str, bytes], Held], bool]) -> None:
         """Forget every block for which ``hit(ident, held)``. Caller holds ``_lock``."""

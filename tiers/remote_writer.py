@@ -6,7 +6,8 @@ writes (:mod:`tiers.remote_put`: ``_put_with``, ``update_ttl``) and the deletion
 ``_init_queue`` makes its state and starts the writer thread.
 
 * ``submit(ref, data, ...)`` — queues a demotion and answers True, or False at once when the
-  queue is full (depth or bytes), closed, or the tenant's blocks here, written and queued, would
+  queue is full (depth or bytes), closed, or the tenant's blocks here, written and queued (each
+  block once, however many demotions of it are queued, and once if written already), would
   pass ``quota``: it never blocks. ``data`` then belongs to the tier (the caller must not change
   it). ``skip_held``: the writer skips it (counted ``queue_skipped_held``) when, by its turn,
   this server's copy of the block is in Redis (``holds``: a write of it queued before landed).
@@ -200,7 +201,11 @@ class DemotionQueue:
         self._cond = threading.Condition()
         self._queue: deque[Job] = deque()
         self._queued_bytes = 0
-        self._tenant_queued: dict[str, int] = {}
+        # NOTE: a block counts once in its tenant's queued bytes however many demotions of it
+        # are queued (a write-through and an eviction spill, skip_held), and not at all while
+        # its copy is accounted written (_held): the quota check counted it two or three times
+        self._tenant_queued: dict[str, int] = {}  # tenant -> bytes of its blocks queued, not held
+        self._queued_blocks: dict[tuple[str, bytes], int] = {}  # ident -> its demotions queued
         self._pending = 0
         self._epochs: dict[str, int] = {}  # tenant -> deletions of it so far (see Job.epoch)
         self._writing: Job | None = None  # the block the writer is writing now
@@ -232,7 +237,12 @@ class DemotionQueue:
         self._queue.append(job)
         if job.nbytes:
             self._queued_bytes += job.nbytes
-            self._tenant_queued[job.ref.tenant] = self._tenant_queued.get(job.ref.tenant, 0) + job.nbytes
+            ident = job.ref.ident
+            with self._lock:
+                n = self._queued_blocks.get(ident, 0)
+                self._queued_blocks[ident] = n + 1
+                if not n and ident not in self._held:
+                    self._tenant_queued[ident[0]] = self._tenant_queued.get(ident[0], 0) + job.nbytes
         self._pending += 1
         self._cond.notify_all()
 
@@ -241,7 +251,24 @@ class DemotionQueue:
         if not job.nbytes:
             return
         self._queued_bytes -= job.nbytes
-        take_bytes(self._tenant_queued, job.ref.tenant, job.nbytes)
+        ident = job.ref.ident
+        with self._lock:
+            n = self._queued_blocks.pop(ident, 0) - 1
+            if n > 0:
+                self._queued_blocks[ident] = n
+            elif ident not in self._held:
+                take_bytes(self._tenant_queued, ident[0], job.nbytes)
+
+    def _queued_held(self, ident: tuple[str, bytes], nbytes: int, held: bool) -> None:
+        """The accounting's hook: ``ident``'s copy is now accounted written (``held``) or not
+        any more; while a demotion of it is queued, it counts there and not in the queued
+        bytes (once in all). Caller holds ``_lock``."""
+        if ident not in self._queued_blocks:
+            return
+        if held:
+            take_bytes(self._tenant_queued, ident[0], nbytes)
+        else:
+            self._tenant_queued[ident[0]] = self._tenant_queued.get(ident[0], 0) + nbytes
 
     def _queue_gauges(self) -> dict[str, int]:
         with self._cond:
@@ -266,8 +293,10 @@ class DemotionQueue:
                     self._counts["queue_rejected"] += 1
                 return False
             if quota is not None:
-                queued = self._tenant_queued.get(ref.tenant, 0)
                 with self._lock:
+                    queued = self._tenant_queued.get(ref.tenant, 0)
+                    if ref.ident in self._queued_blocks and ref.ident not in self._held:
+                        queued -= ref.nbytes  # NOTE: queued already: this demotion replaces it
                     if self._held_bytes_but(ref) + queued + ref.nbytes > quota:
                         self._counts["quota_rejected"] += 1
                         over = True
@@ -586,7 +615,9 @@ class DemotionQueue:
             self._caps.clear()
             self._queued_bytes -= sum(job.nbytes for job in self._queue)
             self._queue.clear()
-            self._tenant_queued.clear()
+            with self._lock:
+                self._tenant_queued.clear()
+                self._queued_blocks.clear()
             self._cond.notify_all()
         self._worker.join(timeout=self._one_write_s())
 
