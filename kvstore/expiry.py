@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections.abc import Callable, Iterable
 
 from kvstore.block import BlockMeta
@@ -69,11 +68,19 @@ class DeadlineHeap:
         return self._stale
 
 
+#: the longest TTL taken, seconds (about 31 years): longer is spelled None (no TTL). NOTE: any
+#: finite TTL was taken; 1e306 s overflowed the remote tier's milliseconds (an OverflowError out
+#: of a policy set, half applied) and 1e20 s was refused by Redis (PX past int64), after which
+#: the tenant's remote writes failed uncounted
+MAX_TTL_S = 1e9
+
+
 def check_ttl(ttl_s: float | None, what: str = "ttl_s") -> float | None:
-    """``ttl_s`` as a float, None kept (no TTL); InvalidArgument unless a finite number > 0
-    (NaN passed a ``<= 0`` check, and an infinite TTL is spelled None)."""
+    """``ttl_s`` as a float, None kept (no TTL); InvalidArgument unless a number > 0 and at most
+    :data:`MAX_TTL_S` (NaN passed a ``<= 0`` check, and an infinite TTL is spelled None)."""
     if ttl_s is None:
         return None
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s < math.inf:
-        raise InvalidArgument(f"{what} must be a finite number of seconds > 0 (unset it for no TTL), got {ttl_s!r}")
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= MAX_TTL_S:
+        raise InvalidArgument(f"{what} must be a finite number of seconds > 0 and at most {MAX_TTL_S:.0f} "
+                              f"(unset it for no TTL), got {ttl_s!r}")
     return float(ttl_s)
