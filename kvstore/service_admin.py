@@ -243,13 +243,14 @@ class AdminPlane:
         self._policy_holder(namespace)
         return self.registry.policy(namespace)
 
-    def _apply(self, namespace: str, policy: TenantPolicy, *, absent_tiers: str = "skip") -> None:
+    def _apply(self, namespace: str, policy: TenantPolicy, *, absent_tiers: str = "skip",
+               enforce: bool = True) -> None:
         """Put a recorded policy in force in the Store (which checks every value). A quota on a
         tier this server does not have is skipped with a warning (a policy saved before a
         config change took the tier away still loads), or refused with ``absent_tiers="refuse"``
         (a new policy: it was accepted, saved and shown as if it applied)."""
         self.store.set_tenant_policy(namespace, policy.ttl_s, dict(policy.quota_bytes) or None,
-                                     priority=policy.priority, absent_tiers=absent_tiers)
+                                     priority=policy.priority, absent_tiers=absent_tiers, enforce=enforce)
 
     def set_policy(self, namespace: str, policy: TenantPolicy) -> tuple[TenantPolicy, TenantPolicy]:
         """Put ``policy`` in force in the Store and save it; returns it as saved and the policy it
@@ -267,13 +268,16 @@ class AdminPlane:
             policy = TenantPolicy(ttl_s=policy.ttl_s, quota_bytes=quota, priority=policy.priority)
             before = self.registry.policies().get(namespace) or TenantPolicy()
             # NOTE: the Store checks and applies it before it is saved: a value the Store refused
-            # after the save (a NaN TTL) stayed in the principals file, and the next start failed
-            self._apply(namespace, policy, absent_tiers="refuse")
+            # after the save (a NaN TTL) stayed in the principals file, and the next start failed.
+            # What cannot be undone (stored blocks' deadlines capped, blocks demoted to fit a
+            # quota) waits for the save: a set whose save failed had cut every block's lifetime
+            self._apply(namespace, policy, absent_tiers="refuse", enforce=False)
             try:
                 self.registry.set_policy(namespace, policy)
             except KVStoreError:
-                self._apply(namespace, before)  # as it was
+                self._apply(namespace, before, enforce=False)  # as it was
                 raise
+            self.store.enforce_tenant_policy(namespace)
         return policy, before
 
     def apply_policies(self) -> None:

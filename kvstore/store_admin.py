@@ -436,7 +436,7 @@ class TenantAdmin:
     def set_tenant_policy(self, tenant: str, ttl_s: float | None = None,
                           quota_bytes: dict[str, int] | None = None,
                           quantization: str | None = None, priority: int = 0, *,
-                          absent_tiers: Literal["skip", "refuse"] = "skip") -> None:
+                          absent_tiers: Literal["skip", "refuse"] = "skip", enforce: bool = True) -> None:
         """Per-tenant TTL, per-tier quotas in bytes, and the format of the tenant's blocks
         written to NVMe from now on: ``"int8"``, ``"fp8_e4m3"`` (``"/head"`` for per-head key
         scales), ``"none"`` = lossless even where a model rule quantizes; None = no tenant rule
@@ -459,7 +459,13 @@ class TenantAdmin:
         this server does not have (NVMe with ``nvme_bytes`` 0, the remote tier without
         ``[store.remote]``) binds nothing: ``absent_tiers="refuse"`` raises InvalidArgument
         (what an operator setting one must be told), ``"skip"`` logs a warning and keeps it (a
-        stored policy re-applied at a start after the tier was configured away)."""
+        stored policy re-applied at a start after the tier was configured away).
+
+        ``enforce=False`` puts the policy in force for what comes (puts, evictions) without
+        touching the blocks stored (no deadline capped, no block demoted to fit a quota): a
+        caller that must save the policy before it takes effect (the Admin plane) then calls
+        :meth:`enforce_tenant_policy`. NOTE: a policy set whose save then failed had already
+        cut every stored block's lifetime, which no rollback can give back."""
         from kvstore.quantization import Quantization
 
         self._check_tenant(tenant)
@@ -483,13 +489,8 @@ class TenantAdmin:
                         tenant, ", ".join(absent))
         with self._lock, self._batch():
             self._tenant_policy[tenant] = TenantPolicy(ttl_s, quotas)
-            if ttl_s is not None:
-                self._cap_deadlines(tenant, self._clock() + ttl_s)
-            # a quota lowered below what the tenant holds takes effect now: it stayed over it
-            # until its next put. (Pinned blocks stay; the quota still bounds new ones.)
-            for tier in quotas:
-                if tier in self.tiers:
-                    self._place.fit_quota(tenant, tier)
+            if enforce:
+                self._enforce_policy(tenant)
             if priority:
                 self._place.priorities[tenant] = priority
             else:
@@ -498,6 +499,26 @@ class TenantAdmin:
                 self.quant_policy.clear(tenant=tenant)
             else:
                 self.quant_policy.set(quant, tenant=tenant)
+
+    def enforce_tenant_policy(self, tenant: str) -> None:
+        """Apply ``tenant``'s policy (set with ``enforce=False``) to the blocks it holds: the
+        TTL caps their deadlines, a quota lower than what it holds demotes its own blocks."""
+        self._check_tenant(tenant)
+        with self._lock, self._batch():
+            self._enforce_policy(tenant)
+
+    def _enforce_policy(self, tenant: str) -> None:
+        """(Lock held, in a batch.) The tenant's TTL caps its stored blocks at now + TTL; a
+        quota lowered below what it holds takes effect now: it stayed over it until its next
+        put. (Pinned blocks stay; the quota still bounds new ones.)"""
+        policy = self._tenant_policy.get(tenant)
+        if policy is None:
+            return
+        if policy.ttl_s is not None:
+            self._cap_deadlines(tenant, self._clock() + policy.ttl_s)
+        for tier in policy.quota_bytes:
+            if tier in self.tiers:
+                self._place.fit_quota(tenant, tier)
 
     def _cap_deadlines(self, tenant: str, cap: float) -> int:
         """No block of ``tenant`` outlives ``cap``: the later deadlines (and none) of its blocks
