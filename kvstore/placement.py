@@ -650,25 +650,32 @@ class Placement:
 
     def spill_remote(self, meta: BlockMeta) -> bool:
         """Queue a copy of ``meta`` to the remote tier (asynchronous; False when refused),
-        quantized when the tenant's or model's rule says so (as for NVMe); True without
-        writing when this server's copy is there already (counted ``remote_copy_kept``).
+        quantized when the tenant's or model's rule says so (as for NVMe). A block whose copy,
+        as far as this server knows, is in Redis already (it wrote it) is queued to be checked,
+        not written (counted ``remote_copy_kept``, not ``demotions_remote``): the writer writes
+        it only when Redis does not confirm the copy.
 
         NOTE: with ``remote_write="through"`` every block was queued at its put, and again
-        when the last local tier evicted it: encoded and written over the copy Redis held. Now
-        a copy the tier knows to be there (:meth:`~tiers.remote.RemoteTier.holds`: its write
+        when the last local tier evicted it: encoded and written over the copy Redis held. A
+        copy the tier knows to be there (:meth:`~tiers.remote.RemoteTier.holds`: its write
         succeeded, nothing deleted or expired it since, written for this deadline or a later
-        one; quantized or not) is kept, and a copy still queued is written once (the second
-        write is skipped by the writer, counted ``remote_queue_skipped_held``, though it counts
-        here as a queued demotion). A write refused (queue, quota) or failed is not a copy: the
-        block is queued again."""
+        one; quantized or not) was then kept without a word to Redis, but ``holds`` knows only
+        this server's own last write: another server's put of the block with a shorter TTL
+        (its ``SET ... PX`` replaces the expiry), its deadline move, or Redis' eviction took the
+        copy away, and the block evicted here on its word was lost from every tier. Now such a
+        spill is queued with ``skip_held`` like a spill of a copy still queued: the writer
+        checks the copy with one ``PTTL`` (there, expiring no sooner than written: skipped,
+        counted ``remote_queue_skipped_held`` and ``remote_copy_verified``) and writes it as a
+        demotion when not (``remote_copy_not_verified``). The bytes are taken now, as for any
+        spill: the local copy goes. When the queue refuses the check (full), the copy is
+        trusted as before (``remote_copy_check_refused``). A write refused (queue, quota) or failed
+        is not a copy: the block is queued again."""
         assert self.remote is not None
         if self.remote.under_deletion(meta.tenant, meta.fingerprint, lambda: self._chain_keys(meta)):
             self.counters.add("remote_skipped_deleted")
             return False
         ref = self.ref(meta)
-        if self.remote.holds(ref, meta.ttl_deadline):
-            self.counters.add("remote_copy_kept")
-            return True
+        held = self.remote.holds(ref, meta.ttl_deadline)
         host = self.host_copy(meta)
         if host is None:
             return False
@@ -678,6 +685,11 @@ class Placement:
                                 quant=self.quant_policy.for_block(ref.tenant, ref.spec),
                                 quota=self._quota_of(meta.tenant, Tier.REMOTE), created=meta.created,
                                 parent=meta.parent, skip_held=True)
+        if held:
+            self.counters.add("remote_copy_kept")
+            if not ok:
+                self.counters.add("remote_copy_check_refused")
+            return True
         self.counters.add("demotions_remote" if ok else "remote_queue_full")
         return ok
 

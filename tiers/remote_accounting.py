@@ -1,7 +1,8 @@
 """Accounting of the remote tier: the blocks this server wrote, their bytes per tenant.
 
 A mixin of :class:`tiers.remote.RemoteTier`: it uses the tier's lock (every structure here is
-under it), clocks, capacity, counters, ``_batch`` of :mod:`tiers.remote_calls` and the writer's
+under it), client, config, clocks, capacity, counters, ``redis_key``, ``_call``/``_batch`` of
+:mod:`tiers.remote_calls`, ``_px`` of :mod:`tiers.remote_put` and the writer's
 ``_queued_held`` (a block written or forgotten while a demotion of it is queued counts once);
 ``_init_accounting`` makes its state.
 
@@ -11,6 +12,12 @@ under it), clocks, capacity, counters, ``_batch`` of :mod:`tiers.remote_calls` a
 * ``holds(ref, deadline)`` — whether this server's copy of a block is in Redis as far as it
   knows (written by it, not deleted, expired, purged or found missing since, and written or
   moved for a deadline at least as late): a spill of it would write what is there already.
+* ``_verify_held(ref, deadline)`` — one round trip (``PTTL``) that checks what ``holds`` only
+  knows: the copy is in Redis and expires no sooner than this server left it (less
+  ``copy_verify_margin_s``). Another server's put of the same block (its ``SET ... PX``
+  replaces value and expiry), its ``update_ttl``, or Redis' eviction under ``maxmemory`` may have
+  shortened or removed it; the background writer then writes the block (see
+  :meth:`tiers.remote_writer.DemotionQueue.submit`, ``skip_held``).
 * ``_cap_held(tenant, deadline)`` — a tenant's TTL set or lowered: the copies of it this server
   wrote are accounted as living until ``deadline`` at most (``_px`` of :mod:`tiers.remote_put`).
 * ``resync`` — forgets every accounted block Redis no longer holds (``EXISTS``, pipelined, under
@@ -118,6 +125,43 @@ class Accounting:
         return (h is not None and h.fingerprint == ref.spec.fingerprint
                 and (h.deadline is None or now < h.deadline)
                 and (h.wanted is None or (deadline is not None and h.wanted >= deadline)))
+
+    def _verify_held(self, ref: BlockRef, deadline: float | None) -> bool:
+        """Whether Redis confirms :meth:`holds` (call it once that is true, with the same
+        ``deadline``: a block not accounted is False, uncounted): ``ref``'s key exists and its
+        expiry (``PTTL``, one command under the breaker) covers the sooner of ``deadline`` and
+        the (capped) deadline this server wrote or moved it for, less ``copy_verify_margin_s``
+        (none of either: the key has no expiry). Counted ``copy_verified``, else
+        ``copy_not_verified``; a copy found missing or shortened is forgotten (a write of it
+        accounts it again), one not reached (a fault) stays accounted.
+
+        NOTE: ``holds`` knows only this server's own last write: another server's ``SET`` of the
+        same key (a put with a shorter TTL), or Redis' eviction, left it true while the copy went
+        or was about to (a block evicted here on its word was lost from every tier)."""
+        now = self._clock()
+        with self._lock:
+            h = self._held.get(ref.ident)
+        if h is None:
+            return False
+        ends = [d for d in (deadline, h.deadline) if d is not None]
+        key = self.redis_key(ref)
+        left = self._call(key, lambda: self._client.pttl(key))
+        if not isinstance(left, int) or isinstance(left, bool):  # a fault, or the breaker open
+            self._count("copy_not_verified")
+            return False
+        if not ends:
+            there = left == -1
+        else:
+            need_ms = (min(ends) - now - self.config.copy_verify_margin_s) * 1000
+            there = left == -1 or (left >= 0 and left >= need_ms)
+        if there:
+            self._count("copy_verified")
+            return True
+        self._count("copy_not_verified")
+        with self._lock:
+            if self._held.get(ref.ident) is h:  # not written again meanwhile
+                self._unheld(ref.ident)
+        return False
 
     def _held_bytes_but(self, ref: BlockRef) -> int:
         """Bytes of ``ref``'s tenant this node holds, less those of ``ref``'s own copy (a write

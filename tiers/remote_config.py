@@ -112,6 +112,12 @@ class RemoteConfig(BaseModel):
     """Redis expiry of blocks put without a TTL, and the longest expiry of any block, so a
     shared Redis is never filled with blocks nobody deletes; None = no cap."""
 
+    copy_verify_margin_s: Annotated[Float, Field(ge=0, le=3600, allow_inf_nan=False)] = 1.0
+    """How much sooner than this server wrote it a copy in Redis may expire and still count as
+    its copy at eviction (one ``PTTL`` checks it, see ``RemoteTier._verify_held``): the expiry
+    is set in whole milliseconds, after the write's round trip. A copy expiring sooner (another
+    server put the block with a shorter TTL) is written again."""
+
     skew_grace_s: Annotated[Float, Field(ge=0, le=86400, allow_inf_nan=False)] = 60.0
     """A copy read past its TTL deadline (on this server's clock) is a miss at once, but is
     deleted from Redis only once it is this much past it: the servers' clocks differ, and one

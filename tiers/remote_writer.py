@@ -1,7 +1,8 @@
 """The remote tier's background writer: asynchronous demotions and deadline moves, in a queue.
 
 A mixin of :class:`tiers.remote.RemoteTier`: it uses the tier's config, monotonic clock, lock and
-counters, its accounting (:mod:`tiers.remote_accounting`: ``_held_bytes_but``, ``resync``), its
+counters, its accounting (:mod:`tiers.remote_accounting`: ``_held_bytes_but``, ``resync``,
+``_verify_held``), its
 writes (:mod:`tiers.remote_put`: ``_put_with``, ``update_ttl``) and the deletions' ``_unlink``;
 ``_init_queue`` makes its state and starts the writer thread.
 
@@ -10,7 +11,9 @@ writes (:mod:`tiers.remote_put`: ``_put_with``, ``update_ttl``) and the deletion
   block once, however many demotions of it are queued, and once if written already), would
   pass ``quota``: it never blocks. ``data`` then belongs to the tier (the caller must not change
   it). ``skip_held``: the writer skips it (counted ``queue_skipped_held``) when, by its turn,
-  this server's copy of the block is in Redis (``holds``: a write of it queued before landed).
+  this server's copy of the block is in Redis (``holds``: a write of it queued before landed,
+  or an earlier one) and one ``PTTL`` confirms it is there, expiring no sooner than written
+  (``_verify_held`` of :mod:`tiers.remote_accounting`); else it is written as any demotion.
 * ``submit_ttl(ref, deadline, ...)`` — queues a move of a block's deadline, written after every
   demotion queued before it.
 * ``cap_ttl(tenant, deadline)`` — a tenant's TTL was set or lowered: its queued demotions and
@@ -282,8 +285,9 @@ class DemotionQueue:
         or when the tenant's blocks here, written and queued, would pass ``quota`` bytes.
         ``data`` (a buffer of ``ref.nbytes``) is owned by the tier from now on. ``parent``:
         as for :meth:`put`. ``skip_held``: not written when, by the writer's turn, this
-        server's copy is in Redis (:meth:`holds` with ``ttl_deadline``): a write of it queued
-        before (write-through) landed meanwhile."""
+        server's copy is in Redis (:meth:`holds` with ``ttl_deadline``: a write of it queued
+        before, write-through, landed meanwhile, or an earlier one) and Redis confirms it (one
+        ``PTTL``, :meth:`_verify_held`: another server's put may have shortened it)."""
         view = as_bytes_view(data)
         over = False
         with self._cond:
@@ -413,7 +417,7 @@ class DemotionQueue:
                 elif job.data is None:
                     ok = self.update_ttl(ref, job.deadline, parent=job.parent)
                     self._count("ttl_moved" if ok else "ttl_not_moved")
-                elif job.skip_held and self.holds(ref, job.deadline):
+                elif job.skip_held and self.holds(ref, job.deadline) and self._verify_held(ref, job.deadline):
                     self._count("queue_skipped_held")
                 else:
                     ok, scratch = self._put_with(scratch, ref, job.data, job.deadline, job.quant,
