@@ -74,7 +74,8 @@ Contracts:
 * **Load.** :meth:`start_load_kv` gets every scheduled load's blocks (under this rank's keys) and
   scatters all layers before the forward pass (so :meth:`wait_for_layer_load` has nothing to
   wait for). Blocks the sidecar no longer has (evicted since the lookup, on any rank) are
-  reported through :meth:`get_block_ids_with_load_errors`, and vLLM recomputes them.
+  reported through :meth:`get_block_ids_with_load_errors`, and vLLM recomputes them; so are
+  blocks whose move to the device failed (CUDA out of memory, a failed copy: see **Device steps**).
   **Nothing computed over a failed load is stored** (such a block holds whatever the engine
   block held, and the blocks after it were computed over it): a worker drops every save whose
   chain holds a block that did not load, in that step and after, until the scheduler sends the
@@ -94,9 +95,21 @@ Contracts:
   or its own save failed), the put is refused and the whole chain is sent again from the
   prompt's first block (the request still holds those blocks in the engine, each loaded or
   computed: see Load). Any other failed save is logged and dropped (a future miss, never wrong
-  data), so :meth:`request_finished` never delays freeing blocks. The scheduler cannot see a
+  data), so :meth:`request_finished` never delays freeing blocks; so is a save whose staging
+  failed (see **Device steps**). The scheduler cannot see a
   worker's outcome: its report says how many blocks it *sent* to be saved; each worker counts
   what it stored (``counts``).
+* **Device steps.** The moves between a cache and the host (a save's host buffer, pinned with
+  CUDA; for a cache on a device the per-layer device buffer and its gather, the copies and the
+  wait for them, and on a load the copy to the device and the scatter) run inside vLLM's forward
+  pass: one that fails with a RuntimeError (``torch.OutOfMemoryError`` is one, as are CUDA's
+  errors) fails that save or that load, never the engine step, and is logged at warning with
+  the error. A failed save is dropped as a failed put is (counted in ``failed_blocks``, none of
+  its blocks put: its host buffer may hold memory no copy wrote; the request's next save,
+  chained on a block that is not stored, sends the chain again from its root). A failed load is
+  reported as a block the sidecar no longer has (vLLM recomputes it, and nothing computed over
+  it is stored). The kernels' typed errors (a shape or a block table that does not fit) are not
+  caught: they are bugs.
 * **Refused at startup** (:func:`refuse_unsupported`, when the connector is built, with a message
   naming the option): MLA models (DeepSeek-V2/V3 and the like: their cache is one latent per
   token, ``[blocks, block_size, latent]``; a 3-D cache is also refused at registration);
@@ -111,10 +124,12 @@ Contracts:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -383,6 +398,26 @@ def _to_device(blocks: torch.Tensor, device: torch.device) -> torch.Tensor:
     return blocks if blocks.device == device else blocks.to(device, non_blocking=True)
 
 
+class _DeviceStepFailed(Exception):
+    """A device step of a save or a load failed (see :func:`_device_step`); it never leaves
+    the connector's hooks: the save is dropped, the load reported failed."""
+
+
+@contextlib.contextmanager
+def _device_step(what: str) -> Iterator[None]:
+    """Run a move between the cache's device and the host, raising :class:`_DeviceStepFailed`
+    for a RuntimeError in it (``torch.OutOfMemoryError`` for a pinned or device buffer, a CUDA
+    error of a copy or of the wait for it).
+
+    NOTE: these run inside vLLM's forward pass, where an exception ends the engine; a sidecar
+    that fails gives misses, and so does a buffer that cannot be had. Only RuntimeError: the
+    kernels' typed errors (KVStoreError) are bugs, and stay raised."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise _DeviceStepFailed(f"{what} failed: {type(exc).__name__}: {exc}") from exc
+
+
 @dataclass(slots=True)
 class _Stage:
     """One save's blocks on their way from the caches to the sidecar.
@@ -396,6 +431,7 @@ class _Stage:
     host: torch.Tensor
     on_device: bool
     seen: set[int] = field(default_factory=set)
+    failed: _DeviceStepFailed | None = None  # a device step of this save failed: it is not put
 
     @property
     def n(self) -> int:
@@ -843,8 +879,19 @@ class KVStoreConnector(KVConnectorBase_V1):
                 blocks = None
             n = 0 if blocks is None else blocks.shape[0]
             if n:
-                scatter_blocks(_to_device(blocks, self._device), self._layers, ids[:n], self._layout)
-                self._unloaded.difference_update(ids[:n])
+                device = self._device
+                # NOTE: a CPU cache takes the blocks as they are: no device step, nothing caught
+                step = _device_step(f"moving {n} loaded blocks to {device}") if device.type != "cpu" \
+                    else contextlib.nullcontext()
+                try:
+                    with step:
+                        scatter_blocks(_to_device(blocks, device), self._layers, ids[:n], self._layout)
+                except _DeviceStepFailed as exc:
+                    # NOTE: a scatter cut short left some blocks written: all are reported, and recomputed
+                    log.warning("kvstore load failed for %s (vLLM recomputes its %d blocks): %s", t.req_id, n, exc)
+                    n = 0
+                else:
+                    self._unloaded.difference_update(ids[:n])
             if n < len(ids):
                 self._load_errors.update(ids[n:])
                 self._failed_now.update(ids[n:])
@@ -865,12 +912,19 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _gather(self, pos: int, stage: _Stage) -> None:
         """Gather layer ``pos`` of the save's blocks into its staging buffer (through the
         device, then a copy to the host, for a cache on a device)."""
+        if stage.failed is not None:
+            return
         cache, ids = self._layers[pos], stage.t.block_ids[stage.t.start :]
         if stage.on_device:
             s = self._spec
-            out = torch.empty((stage.n, 2, s.num_kv_heads, s.block_tokens, s.head_dim), dtype=cache.dtype,
-                              device=cache.device)
-            _to_host(gather_layer(cache, ids, self._layout, out), stage.host[pos])
+            try:
+                with _device_step(f"copying layer {pos} of {stage.n} blocks to the host"):
+                    out = torch.empty((stage.n, 2, s.num_kv_heads, s.block_tokens, s.head_dim), dtype=cache.dtype,
+                                      device=cache.device)
+                    _to_host(gather_layer(cache, ids, self._layout, out), stage.host[pos])
+            except _DeviceStepFailed as exc:
+                stage.failed = exc
+                return
         else:
             gather_layer(cache, ids, self._layout, stage.host[:, :, pos])
         stage.seen.add(pos)
@@ -891,8 +945,19 @@ class KVStoreConnector(KVConnectorBase_V1):
                 if self._computable(t):
                     n = len(t.block_ids) - t.start
                     shape = (s.num_layers, n, 2, *s.block_shape[2:]) if on_device else (n, *s.block_shape)
-                    self._staged.append(_Stage(t, _host_empty(shape, s.torch_dtype, device), on_device))
+                    try:
+                        with _device_step(f"a host buffer for {n} blocks"):
+                            host = _host_empty(shape, s.torch_dtype, device)
+                    except _DeviceStepFailed as exc:
+                        self._dropped(t, n, exc)
+                        continue
+                    self._staged.append(_Stage(t, host, on_device))
         return self._staged
+
+    def _dropped(self, t: Transfer, n: int, exc: _DeviceStepFailed) -> None:
+        """Drop a save whose device step failed (none of its ``n`` blocks is put: a future miss)."""
+        log.warning("kvstore save failed for %s, its %d blocks are not stored: %s", t.req_id, n, exc)
+        self.counts.failed_blocks += n
 
     def _computable(self, t: Transfer) -> bool:
         """Whether every block the save puts, or may send again from the root, holds KV that
@@ -931,14 +996,24 @@ class KVStoreConnector(KVConnectorBase_V1):
             for pos in set(range(len(self._layers))) - stage.seen:
                 self._gather(pos, stage)
         if staged:
-            _host_ready(self._device)  # NOTE: before the client reads a byte of the host buffers
+            try:
+                with _device_step("waiting for the copies to the host"):
+                    _host_ready(self._device)  # NOTE: before the client reads a byte of the host buffers
+            except _DeviceStepFailed as exc:
+                for stage in staged:
+                    stage.failed = stage.failed or exc
         for stage in staged:
+            if stage.failed is not None:
+                self._dropped(stage.t, stage.n, stage.failed)
+                continue
             try:
                 self._put(stage.t, stage.blocks())
                 self.counts.stored_blocks += stage.n
             except KVStoreError as exc:
                 log.log(self._guard.level(), "kvstore save failed for %s: %s", stage.t.req_id, exc)
                 self.counts.failed_blocks += stage.n
+            except _DeviceStepFailed as exc:  # the chain's head, gathered again (_put)
+                self._dropped(stage.t, stage.n, exc)
 
     def _put(self, t: Transfer, blocks: torch.Tensor) -> None:
         """Put ``blocks`` (the transfer's blocks from ``start``) chained on the block before;
@@ -962,12 +1037,13 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _gather_all(self, block_ids: list[int]) -> torch.Tensor:
         """All layers of the engine blocks ``block_ids`` as store blocks on the host."""
         s, device = self._spec, self._device
+        with _device_step(f"a host buffer for {len(block_ids)} blocks"):
+            host = _host_empty((len(block_ids), *s.block_shape), s.torch_dtype, device)
         if device.type == "cpu":
-            return gather_blocks(self._layers, block_ids, self._layout,
-                                 out=torch.empty((len(block_ids), *s.block_shape), dtype=s.torch_dtype))
-        host = _host_empty((len(block_ids), *s.block_shape), s.torch_dtype, device)
-        _to_host(gather_blocks(self._layers, block_ids, self._layout), host)
-        _host_ready(device)
+            return gather_blocks(self._layers, block_ids, self._layout, out=host)
+        with _device_step(f"copying {len(block_ids)} blocks to the host"):
+            _to_host(gather_blocks(self._layers, block_ids, self._layout), host)
+            _host_ready(device)
         return host
 
     def get_block_ids_with_load_errors(self) -> set[int]:
