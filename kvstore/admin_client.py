@@ -103,6 +103,21 @@ class AdminClient:
             req = apb.PurgeModelRequest(fingerprint=bytes(spec_or_fingerprint))
         return self._call("PurgeModel", req).blocks
 
+    def get_model_policy(self, fingerprint: bytes | str) -> dict[str, Any]:
+        """The policy of a model fingerprint (bytes, or its hex as ``list_models`` gives it):
+        ``{"fingerprint": hex, "ttl_s": seconds or None}``."""
+        return _model_policy_dict(self._call("GetModelPolicy", apb.ModelPolicyRequest(
+            fingerprint=_fingerprint(fingerprint))))
+
+    def set_model_policy(self, fingerprint: bytes | str, *, ttl_s: float | None = None) -> dict[str, Any]:
+        """Set (``ttl_s=None``: remove) a model's TTL: every block of the model, every tenant's,
+        is capped at once at now + TTL and gets at most that at each put; returns the policy
+        in force, as :meth:`get_model_policy`. Audited as ``model.policy.set``."""
+        msg = apb.ModelPolicy(fingerprint=_fingerprint(fingerprint))
+        if ttl_s is not None:
+            msg.ttl_s = ttl_s
+        return _model_policy_dict(self._call("SetModelPolicy", msg))
+
     def list_models(self) -> list[dict[str, Any]]:
         """The models with blocks on the server, most bytes first: each one's ``fingerprint``
         (hex, what :meth:`purge_model` and ``kvstore model purge`` take), the spec's ``model``,
@@ -220,3 +235,18 @@ def _session_dict(msg: apb.SessionInfo) -> dict[str, Any]:
 def _policy_dict(msg: apb.TenantPolicy) -> dict[str, Any]:
     return {"tenant": msg.tenant, "ttl_s": msg.ttl_s if msg.HasField("ttl_s") else None,
             "quota_bytes": dict(msg.quota_bytes), "priority": msg.priority}
+
+
+def _fingerprint(fingerprint: bytes | str) -> bytes:
+    """A fingerprint given as bytes or as hex; InvalidArgument naming it when the hex is bad
+    (the server checks the length)."""
+    if isinstance(fingerprint, str):
+        try:
+            return bytes.fromhex(fingerprint)
+        except ValueError:
+            raise InvalidArgument(f"fingerprint must be hex digits (as list_models shows it), got {fingerprint!r}") from None
+    return bytes(fingerprint)
+
+
+def _model_policy_dict(msg: apb.ModelPolicy) -> dict[str, Any]:
+    return {"fingerprint": msg.fingerprint.hex(), "ttl_s": msg.ttl_s if msg.HasField("ttl_s") else None}

@@ -14,7 +14,8 @@ namespace always comes from its token.
 Tokens are ``kvs_`` + 43 url-safe characters (256 random bits) and are shown once; the registry
 keeps only their SHA-256 (a fast hash is enough for a high-entropy secret). The registry is a
 JSON file (mode 0600) in the store directory, rewritten atomically on every change; it also keeps
-the per-tenant policies set through the Admin service so they survive restarts.
+the per-tenant policies set through the Admin service so they survive restarts, and the per-model
+ones (a model fingerprint's TTL, under ``"model_policies"``, only when there is one).
 
 Errors: a missing or unknown token -> ``Unauthenticated``; a role or namespace the caller may not
 use -> ``PermissionDenied``; unknown names -> ``NotFound``; bad names -> ``InvalidArgument``.
@@ -151,6 +152,13 @@ class TenantPolicy:
     ttl_s: float | None = None
     quota_bytes: dict[str, int] = field(default_factory=dict)
     priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPolicy:
+    """Operator policy of one model fingerprint (``Store.set_model_ttl``): its TTL, None: none."""
+
+    ttl_s: float | None = None
 
 
 def check_name(name: str) -> str:
@@ -302,6 +310,10 @@ class AuthRegistry:
                                    priority=int(p.get("priority", 0)))
                 for name, p in data.get("policies", {}).items()
             }
+            self._model_policies: dict[bytes, ModelPolicy] = {
+                bytes.fromhex(fp): ModelPolicy(ttl_s=p.get("ttl_s"))
+                for fp, p in data.get("model_policies", {}).items()
+            }
             unshown = data.get("token_unshown")
             if unshown is not None and not isinstance(unshown, str):
                 raise TypeError(f"token_unshown is {type(unshown).__name__}, not a name")
@@ -331,6 +343,8 @@ class AuthRegistry:
                 name: {"role": p.role.value, "namespaces": list(p.namespaces), "created": p.created}
                 for name, p in sorted(self._deleting.items())
             }
+        if self._model_policies:  # NOTE: only then, as "deleting"
+            data["model_policies"] = {fp.hex(): asdict(p) for fp, p in sorted(self._model_policies.items())}
         if self._unshown is not None:  # NOTE: only then, as "deleting"
             data["token_unshown"] = self._unshown
         tmp = self.path.with_suffix(".tmp")
@@ -354,13 +368,13 @@ class AuthRegistry:
         memory when it raises or the save fails (a deletion or rotation that memory had made
         and the file had not would bring the old token back at the next start)."""
         before = (dict(self._principals), dict(self._hashes), dict(self._policies), dict(self._token_epoch),
-                  dict(self._deleting), self._unshown)
+                  dict(self._deleting), self._unshown, dict(self._model_policies))
         try:
             yield
             self._save()
         except BaseException:
             (self._principals, self._hashes, self._policies, self._token_epoch, self._deleting,
-             self._unshown) = before
+             self._unshown, self._model_policies) = before
             raise
 
     @contextmanager
@@ -587,4 +601,19 @@ class AuthRegistry:
             else:
                 self.get(namespace)
             self._policies[namespace] = policy
+        return policy
+
+    def model_policy(self, fingerprint: bytes) -> ModelPolicy:
+        return self._model_policies.get(fingerprint, ModelPolicy())
+
+    def model_policies(self) -> dict[bytes, ModelPolicy]:
+        return dict(self._model_policies)
+
+    def set_model_policy(self, fingerprint: bytes, policy: ModelPolicy) -> ModelPolicy:
+        """Record the policy of a model fingerprint (an empty one removes its entry), saved."""
+        with self._lock, self._changing():
+            if policy == ModelPolicy():
+                self._model_policies.pop(fingerprint, None)
+            else:
+                self._model_policies[fingerprint] = policy
         return policy

@@ -7,7 +7,7 @@
     kvstore tenant rotate NAME | delete NAME [--yes] [--timeout S] | list [--json] | grant NAME shared:x [--revoke]
     kvstore policy get NAME [--json] | set NAME [--ttl 3600] [--quota hbm=1GiB ...] [--priority N] [--json]
     kvstore session list [--tenant NAME] [--json] | close TENANT SESSION_ID
-    kvstore model list [--json] | purge FINGERPRINT [--yes] [--timeout S]
+    kvstore model list [--json] | purge FINGERPRINT [--yes] [--timeout S] | policy FINGERPRINT [--ttl S | --clear]
     kvstore stats [--json]
     kvstore audit [--limit N] [--since SEQ] [--json]
 
@@ -31,7 +31,8 @@ deletion in progress, or one a failed step left for the next start or ``tenant d
 finish). ``session list`` shows the open sessions (state, blocks held and pinned in HBM, idle
 time) and ``session close`` ends one that an engine left behind, as the engine's own close would
 (it pinned HBM until the idle expiry). ``model purge`` removes every block of a model fingerprint
-(a rollout's old model), waiting as ``tenant delete`` does.
+(a rollout's old model), waiting as ``tenant delete`` does; ``model policy`` shows, sets
+(``--ttl``) or removes (``--clear``) a model's TTL, which ages its blocks out instead.
 
 ``audit`` shows the newest ``--limit`` entries (1000), as ``tail`` does, and says on stderr how
 many earlier ones it left out (it showed the oldest 1000, the newest actions not at all);
@@ -80,6 +81,7 @@ from kvstore.cli_views import (
     stats_view,
     tenants_listing,
     tsv_line,
+    ttl_text,
     waiting,
     whole_table,
 )
@@ -557,6 +559,45 @@ def model_purge(
         Console(stderr=True, highlight=False).print(
             f"no block of model {fp.hex()} was stored here: `kvstore model list` shows the models stored",
             soft_wrap=True)
+
+
+@model_app.command("policy")
+def model_policy(
+    fingerprint: Annotated[str, typer.Argument(help=(
+        "The model's fingerprint: 32 hex digits, as `kvstore model list` shows it."))],
+    ttl: Annotated[float | None, typer.Option("--ttl", help=(
+        "Block TTL in seconds for every block of the model, every tenant's (at most the tenant's own TTL "
+        "still applies); setting or lowering it caps the blocks already stored at now + TTL."))] = None,
+    clear: Annotated[bool, typer.Option("--clear", help="Remove the model's TTL (extends no block).")] = False,
+    as_json: JsonOpt = False,
+    target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
+    cert_file: CertOpt = None, key_file: KeyOpt = None, server_name: ServerNameOpt = None,
+) -> None:
+    """Show a model's policy, or set (--ttl) or remove (--clear) its TTL (a rollout ageing out
+    the old model's blocks), and print the policy in force. Audited as model.policy.set."""
+    from kvstore.spec import FINGERPRINT_BYTES
+
+    if ttl is not None and clear:
+        raise typer.BadParameter("--ttl and --clear exclude each other")
+    try:
+        fp = bytes.fromhex(fingerprint)
+    except ValueError:
+        fp = b""
+    if len(fp) != FINGERPRINT_BYTES:
+        raise typer.BadParameter(f"FINGERPRINT must be {2 * FINGERPRINT_BYTES} hex digits, got {fingerprint!r}")
+    try:
+        with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
+            if ttl is None and not clear:
+                policy = admin.get_model_policy(fp)
+            else:
+                policy = admin.set_model_policy(fp, ttl_s=ttl)
+    except KVStoreError as exc:
+        _fail(exc)
+    if as_json:
+        typer.echo(json.dumps(policy, indent=2, sort_keys=True))
+    else:
+        shown = "none" if policy["ttl_s"] is None else ttl_text(policy["ttl_s"])
+        typer.echo(f"model {policy['fingerprint']}: ttl {shown}")
 
 
 # -- stats and audit ------------------------------------------------------------------------------

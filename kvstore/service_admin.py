@@ -18,6 +18,11 @@ the Store enforces what ``policy get`` shows.
 
 :meth:`AdminPlane.sessions` and :meth:`AdminPlane.close_session` show and end the open sessions
 (an engine that died leaves its session pinning HBM until the idle expiry closes it).
+
+:meth:`AdminPlane.set_model_policy` sets a model fingerprint's TTL as :meth:`AdminPlane.set_policy`
+sets a tenant's: in force for what comes, saved in the principals file, then enforced on the
+stored blocks (every tenant's of the model); :meth:`AdminPlane.apply_policies` re-applies both
+kinds at a start.
 """
 
 from __future__ import annotations
@@ -29,9 +34,19 @@ from contextlib import contextmanager
 from typing import Any
 
 from kvstore.audit import AuditLog
-from kvstore.auth import SHARED_PREFIX, AuthRegistry, Principal, Role, TenantPolicy, check_name, check_shared
+from kvstore.auth import (
+    SHARED_PREFIX,
+    AuthRegistry,
+    ModelPolicy,
+    Principal,
+    Role,
+    TenantPolicy,
+    check_name,
+    check_shared,
+)
 from kvstore.block import Tier
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound
+from kvstore.expiry import check_ttl
 from kvstore.service_resources import RegionTable
 from kvstore.spec import FINGERPRINT_BYTES
 from kvstore.store_admin import SessionInfo
@@ -280,14 +295,44 @@ class AdminPlane:
             self.store.enforce_tenant_policy(namespace)
         return policy, before
 
+    def get_model_policy(self, fingerprint: bytes) -> ModelPolicy:
+        """The recorded policy of a model fingerprint (an empty one when it has none)."""
+        check_fingerprint(fingerprint)
+        return self.registry.model_policy(fingerprint)
+
+    def set_model_policy(self, fingerprint: bytes, policy: ModelPolicy) -> tuple[ModelPolicy, ModelPolicy]:
+        """Put a model's policy (its TTL; None: none) in force in the Store, save it, then cap
+        the model's stored blocks, as :meth:`set_policy` does a tenant's; returns it as saved and
+        the policy it replaced. Any well-formed fingerprint is taken, stored here or not (a
+        model whose blocks are only in the remote tier, or not put yet)."""
+        check_fingerprint(fingerprint)
+        policy = ModelPolicy(ttl_s=check_ttl(policy.ttl_s))
+        with self._lock:
+            before = self.registry.model_policy(fingerprint)
+            # NOTE: no stored block's deadline is cut before the save succeeded (see set_policy)
+            self.store.set_model_ttl(fingerprint, policy.ttl_s, enforce=False)
+            try:
+                self.registry.set_model_policy(fingerprint, policy)
+            except KVStoreError:
+                self.store.set_model_ttl(fingerprint, before.ttl_s, enforce=False)  # as it was
+                raise
+            self.store.enforce_model_ttl(fingerprint)
+        return policy, before
+
     def apply_policies(self) -> None:
-        """Re-apply the recorded policies to a freshly opened Store."""
+        """Re-apply the recorded policies (tenants' and models') to a freshly opened Store."""
         for ns, policy in self.registry.policies().items():
             try:
                 self._apply(ns, policy)
             except InvalidArgument as exc:
                 raise InvalidArgument(f"the policy of {ns!r} in {self.registry.path} is not valid ({exc}): "
                                       f"correct it there") from None
+        for fp, mpolicy in self.registry.model_policies().items():
+            try:
+                self.store.set_model_ttl(fp, mpolicy.ttl_s)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"the policy of model {fp.hex()} in {self.registry.path} is not valid "
+                                      f"({exc}): correct it there") from None
 
     def sessions(self, tenant: str = "", after: tuple[str, str] = ("", "")) -> Iterator[SessionInfo]:
         """The open sessions (of ``tenant``; "" for every one) after ``after`` in (tenant,
@@ -304,9 +349,15 @@ class AdminPlane:
         return self.store.end_session(tenant, session)
 
     def purge_model(self, fingerprint: bytes) -> int:
-        if len(fingerprint) != FINGERPRINT_BYTES:
-            raise InvalidArgument(f"fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}")
+        check_fingerprint(fingerprint)
         return int(self.store.purge_model(fingerprint))
+
+
+def check_fingerprint(fingerprint: bytes) -> None:
+    """InvalidArgument naming the field unless ``fingerprint`` is ``FINGERPRINT_BYTES`` bytes."""
+    if len(fingerprint) != FINGERPRINT_BYTES:
+        raise InvalidArgument(f"fingerprint must be {FINGERPRINT_BYTES} bytes (ModelSpec.fingerprint, as "
+                              f"`kvstore model list` shows it), got {len(fingerprint)}")
 
 
 def quota_by_tier(quota_bytes: Any) -> dict[str, int]:
@@ -343,3 +394,8 @@ def policy_detail(policy: TenantPolicy) -> str:
     """``ttl_s=30.0 quota={hbm=1048576} priority=0``, one policy as the audit log words it."""
     quota = ", ".join(f"{t}={v}" for t, v in sorted(policy.quota_bytes.items()))
     return f"ttl_s={policy.ttl_s} quota={{{quota}}} priority={policy.priority}"
+
+
+def model_policy_detail(policy: ModelPolicy) -> str:
+    """``ttl_s=30.0``, a model's policy as the audit log words it (``ttl_s=None``: none)."""
+    return f"ttl_s={policy.ttl_s}"

@@ -19,9 +19,16 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore.audit import DETAIL_CHARS, AuditEntry, AuditLog, Recorder, bounded
-from kvstore.auth import Principal, Role, TenantPolicy
+from kvstore.auth import ModelPolicy, Principal, Role, TenantPolicy
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.service_admin import AdminPlane, create_detail, grant_detail, policy_detail, session_detail
+from kvstore.service_admin import (
+    AdminPlane,
+    create_detail,
+    grant_detail,
+    model_policy_detail,
+    policy_detail,
+    session_detail,
+)
 from kvstore.service_convert import spec_from_pb
 from kvstore.service_rpc import RpcRunner
 from kvstore.store_admin import SessionInfo
@@ -107,6 +114,23 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             audit.detail = f"{policy_detail(before)} -> {policy_detail(after)}"  # the outcome's entry
             return _policy_pb(request.tenant, after)
         return self._run("SetPolicy", "policy.set", "", context, call, audit=audit)
+
+    def GetModelPolicy(self, request, context):
+        return self._run("GetModelPolicy", "model.policy.get", request.fingerprint.hex(), context,
+                         lambda p: _model_policy_pb(request.fingerprint, self.plane.get_model_policy(request.fingerprint)),
+                         changes=False)
+
+    def SetModelPolicy(self, request, context):
+        # NOTE: audited as policy.set is: the policy before -> after, read with the change
+        policy = ModelPolicy(ttl_s=request.ttl_s if request.HasField("ttl_s") else None)
+        audit = Recorder(self.plane.audit, "model.policy.set", request.fingerprint.hex(),
+                         f"-> {model_policy_detail(policy)}")
+
+        def call(p: Principal) -> apb.ModelPolicy:
+            after, before = self.plane.set_model_policy(request.fingerprint, policy)
+            audit.detail = f"{model_policy_detail(before)} -> {model_policy_detail(after)}"  # the outcome's entry
+            return _model_policy_pb(request.fingerprint, after)
+        return self._run("SetModelPolicy", "model.policy.set", "", context, call, audit=audit)
 
     def PurgeModel(self, request, context):
         # NOTE: the entry names the fingerprint purged and the model it was computed from (it
@@ -242,6 +266,13 @@ def _session_pb(s: SessionInfo) -> apb.SessionInfo:
 
 def _policy_pb(name: str, policy: TenantPolicy) -> apb.TenantPolicy:
     msg = apb.TenantPolicy(tenant=name, quota_bytes=policy.quota_bytes, priority=policy.priority)
+    if policy.ttl_s is not None:
+        msg.ttl_s = policy.ttl_s
+    return msg
+
+
+def _model_policy_pb(fingerprint: bytes, policy: ModelPolicy) -> apb.ModelPolicy:
+    msg = apb.ModelPolicy(fingerprint=fingerprint)
     if policy.ttl_s is not None:
         msg.ttl_s = policy.ttl_s
     return msg

@@ -127,6 +127,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         self._specs: dict[bytes, ModelSpec] = {}
         self._sessions = SessionTable(clock)  # dates each session's last use (idle expiry)
         self._tenant_policy: dict[str, TenantPolicy] = {}
+        self._model_ttl: dict[bytes, float] = {}  # fingerprint -> its TTL (set_model_ttl)
         # drop_tenant calls so far, and the count at each tenant's last drop (see drop_epoch),
         # and at its last drop that deleted the tenant (not only a namespace's blocks)
         self._drop_epoch = 0
@@ -347,12 +348,20 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         pol = self._tenant_policy.get(tenant)
         return pol.quota_bytes.get(tier) if pol else None
 
-    def _ttl_deadline(self, tenant: str, ttl_s: float | None, now: float) -> float | None:
-        """The deadline of a block put now with ``ttl_s``: the tenant's policy TTL is an upper
-        bound (an operator's retention limit that a put cannot lift; before, any ``ttl_s`` a
-        tenant sent replaced it), and the default where the put gives none."""
+    def _ttl_cap_s(self, tenant: str, fingerprint: bytes) -> float | None:
+        """The most TTL a block of ``tenant`` and model ``fingerprint`` gets: the lesser of
+        the tenant's policy TTL and the model's (:meth:`set_model_ttl`); None: no bound."""
         pol = self._tenant_policy.get(tenant)
-        cap = pol.ttl_s if pol is not None else None
+        caps = [c for c in (pol.ttl_s if pol is not None else None, self._model_ttl.get(fingerprint))
+                if c is not None]
+        return min(caps) if caps else None
+
+    def _ttl_deadline(self, tenant: str, ttl_s: float | None, now: float, fingerprint: bytes) -> float | None:
+        """The deadline of a block put now with ``ttl_s``: the tenant's policy TTL and the
+        model's TTL are an upper bound (an operator's retention limit that a put cannot lift;
+        before, any ``ttl_s`` a tenant sent replaced it), and the default where the put gives
+        none."""
+        cap = self._ttl_cap_s(tenant, fingerprint)
         if ttl_s is None:
             ttl_s = cap if cap is not None else self.config.default_ttl_s
         elif cap is not None:
@@ -491,7 +500,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         if session is not None:
             sess = self._sessions.get(tenant, session)
         now = self._clock()
-        deadline = self._ttl_deadline(tenant, ttl_s, now)
+        deadline = self._ttl_deadline(tenant, ttl_s, now, spec.fingerprint)
         inserted: list[BlockMeta] = []
         existing: list[BlockMeta] = []  # already stored: touched and re-timed on success
         guarded: list[Ident] = []
@@ -544,8 +553,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                     held.append(m)
                     parent_tier = m.tier
                 # NOTE: only once every block is placed: a failed put changes no TTL
-                pol = self._tenant_policy.get(tenant)  # the tenant's TTL caps a re-put's deadline too
-                cap = now + pol.ttl_s if pol is not None and pol.ttl_s is not None else None
+                ttl_cap = self._ttl_cap_s(tenant, spec.fingerprint)  # the TTLs cap a re-put's deadline too
+                cap = now + ttl_cap if ttl_cap is not None else None
                 for m in existing:
                     self._place.touch(m, now)
                     later = _later(m.ttl_deadline, deadline, cap)

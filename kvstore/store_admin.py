@@ -26,6 +26,9 @@ lock, index, placement, session table, keyring, quantization policy and remote t
   extends no deadline. A new quantization applies to blocks written from then on. A quota on a
   tier this server does not have is refused (or skipped with a warning: a stored policy of a
   tier since configured away, re-applied at a start).
+* ``set_model_ttl`` sets a model fingerprint's TTL (a rollout ageing out the old model's blocks):
+  as a tenant's, for every block of the model whatever its tenant; a block gets at most now +
+  the lesser of its tenant's and its model's TTL, at a put, a re-put and a promotion.
 * ``session_ids``, ``session_info`` and ``end_session`` — the operator's view of the open sessions
   and the close of one (an engine that died leaves its session pinning HBM until its idle expiry);
   a look is no use of a session (its idle time stays).
@@ -525,8 +528,20 @@ class TenantAdmin:
         are moved there, in the index and in their NVMe records, and (with a remote tier) its
         copies there are capped through the writer; returns how many local blocks moved.
         Caller holds the lock and an NVMe batch."""
+        moved = self._cap_local(self._index.of_tenant(tenant), cap)
+        if self._remote is not None:
+            # NOTE: under the lock: a block spilled from now on carries its capped deadline,
+            # and the demotions queued before are capped in the queue
+            self._remote.cap_ttl(tenant, cap)
+        if moved:
+            self.counters.add("ttl_capped", moved)
+        return moved
+
+    def _cap_local(self, metas: Iterable[BlockMeta], cap: float) -> int:
+        """Move the deadlines of ``metas`` later than ``cap`` (or none) to ``cap``, in the index
+        and in their NVMe records; returns how many moved. Caller holds the lock and a batch."""
         moved = 0
-        for m in self._index.of_tenant(tenant):
+        for m in metas:
             if m.ttl_deadline is not None and m.ttl_deadline <= cap:
                 continue
             m.ttl_deadline = cap
@@ -534,10 +549,54 @@ class TenantAdmin:
             if self._nvme is not None and (m.persisted or m.tier == Tier.NVME):
                 self._nvme.update_record(self._place.record(m))  # NOTE: a restart reads it there
             moved += 1
+        return moved
+
+    def set_model_ttl(self, fingerprint: bytes, ttl_s: float | None, *, enforce: bool = True) -> None:
+        """A TTL for every block of the model ``fingerprint`` (``ModelSpec.fingerprint``), every
+        tenant's: the most a put, a re-put or a promotion gives one of its blocks is now + the
+        lesser of this and its tenant's TTL (``set_tenant_policy``); and at once (unless
+        ``enforce=False``: then :meth:`enforce_model_ttl`), every stored block of the model is
+        capped at now + TTL, in the index, its NVMe record and its copies in Redis, any
+        server's (:meth:`RemoteTier.cap_model_ttl`, in the background), as a tenant's TTL caps
+        the tenant's. None removes it; raising or removing it extends no deadline. Why: a
+        rollout could only purge the old model's blocks at once, not age them out while the
+        new model's cache warms. InvalidArgument for a fingerprint not of
+        ``FINGERPRINT_BYTES`` bytes or a TTL out of range (:func:`check_ttl`)."""
+        self._check_fingerprint(fingerprint)
+        ttl_s = check_ttl(ttl_s)
+        with self._lock, self._batch():
+            self._check_open()
+            if ttl_s is None:
+                self._model_ttl.pop(fingerprint, None)
+            else:
+                self._model_ttl[fingerprint] = ttl_s
+            if enforce:
+                self._enforce_model_ttl(fingerprint)
+
+    def model_ttl(self, fingerprint: bytes) -> float | None:
+        """The TTL of the model ``fingerprint`` in force here (:meth:`set_model_ttl`), None: none."""
+        self._check_fingerprint(fingerprint)
+        with self._lock:
+            return self._model_ttl.get(fingerprint)
+
+    def enforce_model_ttl(self, fingerprint: bytes) -> int:
+        """Cap every stored block of the model at now + its TTL (set with ``enforce=False``);
+        returns how many local blocks moved."""
+        self._check_fingerprint(fingerprint)
+        with self._lock, self._batch():
+            self._check_open()
+            return self._enforce_model_ttl(fingerprint)
+
+    def _enforce_model_ttl(self, fingerprint: bytes) -> int:
+        """(Lock held, in a batch.) :meth:`enforce_model_ttl`."""
+        ttl_s = self._model_ttl.get(fingerprint)
+        if ttl_s is None:
+            return 0
+        cap = self._clock() + ttl_s
+        # NOTE: a scan of the index (it is not kept by model): an operator's call, rare
+        moved = self._cap_local([m for m in self._index if m.fingerprint == fingerprint], cap)
         if self._remote is not None:
-            # NOTE: under the lock: a block spilled from now on carries its capped deadline,
-            # and the demotions queued before are capped in the queue
-            self._remote.cap_ttl(tenant, cap)
+            self._remote.cap_model_ttl(fingerprint, cap)  # under the lock, as _cap_deadlines
         if moved:
             self.counters.add("ttl_capped", moved)
         return moved

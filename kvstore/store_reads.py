@@ -319,10 +319,10 @@ class ReadPath:
         a block that finds no room is still served). A promoted block keeps the TTL deadline
         and creation time its remote copy was written with (it got the tenant's default TTL,
         and a re-spill the remote cap, before), but no later than now + the tenant's TTL
-        (``set_tenant_policy(ttl_s)``), as a put gets (a copy written without a deadline, by a
-        server without the policy, came in with none), and a copy so capped has its deadline
-        in Redis moved there too (queued); ``guard`` receives the promoted blocks, which stay
-        protected until the caller lets them go.
+        (``set_tenant_policy(ttl_s)``) or its model's (``set_model_ttl``), as a put gets (a
+        copy written without a deadline, by a server without the policy, came in with none),
+        and a copy so capped has its deadline in Redis moved there too (queued); ``guard``
+        receives the promoted blocks, which stay protected until the caller lets them go.
 
         The lock may have been released since the plan was made, so what it saw is checked
         again: nothing is promoted when a delete, drop_tenant or purge_model ran meanwhile (it
@@ -356,9 +356,9 @@ class ReadPath:
                 if (m.tenant, m.key) not in protected]
         protected.update(held)
         try:
-            default = self._ttl_deadline(tenant, None, now)  # for a copy that says nothing
-            pol = self._tenant_policy.get(tenant)
-            cap = now + pol.ttl_s if pol is not None and pol.ttl_s is not None else None
+            default = self._ttl_deadline(tenant, None, now, spec.fingerprint)  # for a copy that says nothing
+            ttl_cap = self._ttl_cap_s(tenant, spec.fingerprint)  # the tenant's and the model's TTL
+            cap = now + ttl_cap if ttl_cap is not None else None
             for i in range(n):
                 key, p = rest[i], (rest[i - 1] if i else (prev.key if prev else ROOT_KEY))
                 if self._index.get(tenant, key) is not None:
@@ -368,7 +368,7 @@ class ReadPath:
                 deadline = meta.deadline if meta.known else default
                 capped = cap is not None and (deadline is None or deadline > cap)
                 if capped:
-                    deadline = cap  # NOTE: the tenant's TTL caps every block it holds
+                    deadline = cap  # NOTE: the tenant's (and the model's) TTL caps every block it holds
                 try:
                     prev = self._place.insert_new(
                         tenant, spec, key, p, depth, plan.hosts[i], now, deadline,

@@ -282,7 +282,7 @@ class ReservedPuts:
         sess = self._sessions.get(tenant, session) if session is not None else None
         if sess is not None and Tier.HBM in self._mem and any(s[0] != Tier.HBM for s in slots[a:b]):
             return []  # session blocks live in HBM: the ordinary put places them
-        deadline = self._ttl_deadline(tenant, ttl_s, now)
+        deadline = self._ttl_deadline(tenant, ttl_s, now, spec.fingerprint)
         adopted: list[BlockMeta] = []
         try:
             for i in range(a, b):

@@ -19,7 +19,8 @@ under it), client, config, clocks, capacity, counters, ``redis_key``, ``_call``/
   shortened or removed it; the background writer then writes the block (see
   :meth:`tiers.remote_writer.DemotionQueue.submit`, ``skip_held``).
 * ``_cap_held(tenant, deadline)`` — a tenant's TTL set or lowered: the copies of it this server
-  wrote are accounted as living until ``deadline`` at most (``_px`` of :mod:`tiers.remote_put`).
+  wrote are accounted as living until ``deadline`` at most (``_px`` of :mod:`tiers.remote_put`);
+  ``_cap_held_model(fingerprint, deadline)`` the same for a model's TTL (every tenant's copies).
 * ``resync`` — forgets every accounted block Redis no longer holds (``EXISTS``, pipelined, under
   the breakers): a write refused for capacity or quota asks the background writer for one, at
   most once every ``accounting_resync_s``, so blocks that vanished unseen (a ``FLUSHALL``, a
@@ -105,9 +106,17 @@ class Accounting:
     def _cap_held(self, tenant: str, deadline: float) -> None:
         """``tenant``'s TTL was lowered: no copy of it this node wrote lives past ``deadline``
         (its local deadline, and the one it counts as written for, capped there)."""
+        self._cap_held_where(lambda ident, _: ident[0] == tenant, deadline)
+
+    def _cap_held_model(self, fingerprint: bytes, deadline: float) -> None:
+        """A model's TTL was lowered: as :meth:`_cap_held`, for the copies of its blocks (every
+        tenant's) this node wrote."""
+        self._cap_held_where(lambda _, h: h.fingerprint == fingerprint, deadline)
+
+    def _cap_held_where(self, hit: Callable[[tuple[str, bytes], Held], bool], deadline: float) -> None:
         _, local = self._px(deadline)
         with self._lock:
-            for ident, h in [(i, h) for i, h in self._held.items() if i[0] == tenant]:
+            for ident, h in [(i, h) for i, h in self._held.items() if hit(i, h)]:
                 self._held[ident] = h._replace(deadline=local if h.deadline is None else min(h.deadline, local),
                                                wanted=deadline if h.wanted is None else min(h.wanted, deadline))
 

@@ -17,6 +17,9 @@ tenants' ``_admit`` and key check, and the deletions' children and models sets
   tenant's blocks in Redis (written by any server) that is later or has none (``SCAN`` of every
   primary by the tenant's prefix, then one pipelined conditional ``EVAL`` per 512 keys): a
   tenant's TTL set or lowered (:meth:`tiers.remote_writer.DemotionQueue.cap_ttl` runs it).
+* ``_cap_model(fingerprint, deadline)`` — the same for every copy of a model's blocks, every
+  tenant's (``SCAN`` by ``<namespace>:*:<fingerprint>:*``): a model's TTL set or lowered
+  (:meth:`tiers.remote_writer.DemotionQueue.cap_model_ttl`).
 
 Redis' own expiry (``PX``) is the deadline capped at ``ttl_cap_s``; the envelope
 (:mod:`tiers.remote_envelope`) keeps the deadline itself, so a block promoted from here keeps it
@@ -190,6 +193,17 @@ class Writes:
         """Lower to ``deadline`` every deadline of ``tenant``'s copies in Redis that is later
         or none (see the module docstring); returns how many moved. A fault (the ``SCAN``, or a
         reply) raises it (the caller counts it): the copies not reached keep their deadlines."""
+        return self._cap_matching(f"{self._ns}:{self._tenant_hex(tenant)}:*", deadline)
+
+    def _cap_model(self, fingerprint: bytes, deadline: float) -> int:
+        """:meth:`_cap_tenant` for every copy of model ``fingerprint``'s blocks, every tenant's."""
+        return self._cap_matching(f"{self._ns}:*:{fingerprint.hex()}:*", deadline, fingerprint.hex().encode())
+
+    def _cap_matching(self, pattern: str, deadline: float, fingerprint: bytes | None = None) -> int:
+        """Cap (as :meth:`_cap_tenant`) the block copies among the keys ``pattern`` matches:
+        ``<namespace>:<tenant hash>:<fingerprint>:<block key>`` (children sets, the keyring,
+        tombstones and the other keys of the namespace are not blocks), of the model
+        ``fingerprint`` (hex) when given."""
         px, _ = self._px(deadline)
         px = max(1, px or 0)  # NOTE: _px says 0 for a deadline passed: it expires at once
         moved = 0
@@ -202,10 +216,12 @@ class Writes:
                 raise ConnectionError(f"{len(bad)} of {len(batch)} copies not reached ({fault_text(bad[0])})")
             return sum(1 for r in replies if r == 1)
 
-        prefix = f"{self._ns}:{self._tenant_hex(tenant)}:"
-        for k in self._client.scan_iter(match=prefix + "*", count=1000):
+        ns = f"{self._ns}:".encode()
+        for k in self._client.scan_iter(match=pattern, count=1000):
             k = bytes(k)
-            if k.count(b":", len(prefix.encode())) != 1:  # <fingerprint>:<block key>; not a children set
+            parts = k[len(ns):].split(b":") if k.startswith(ns) else []
+            # NOTE: <tenant hash>:<fingerprint>:<block key>; a children set has a fourth part
+            if len(parts) != 3 or (fingerprint is not None and parts[1] != fingerprint):
                 continue
             batch.append(k)
             if len(batch) >= 512:

@@ -22,6 +22,8 @@ writes (:mod:`tiers.remote_put`: ``_put_with``, ``update_ttl``) and the deletion
   after the write in flight (which may land with the old one); counted ``ttl_capped`` (copies
   moved) and ``ttl_cap_failures`` (a cap that could not reach every copy: logged, not retried
   until the policy is set again or the server restarts, which sets it again).
+  ``cap_model_ttl(fingerprint, deadline)``: the same for a model's TTL, every tenant's copies of
+  its blocks (:meth:`tiers.remote_put.Writes._cap_model`).
 * ``flush(timeout)`` — waits until every queued item (and re-count, and cap) was attempted.
 * ``_cancel(idents)`` / ``_doomed_subtree(tenant, keys)`` — what deletion uses: a queued
   demotion of a deleted block (or, while a subtree deletion holds its filter — one set of keys
@@ -222,7 +224,8 @@ class DemotionQueue:
         self._purging: dict[tuple[str, bytes | str], int] = {}
         self._resync_due = False
         self._last_resync = -math.inf
-        self._caps: dict[str, float] = {}  # tenant -> the deadline its copies in Redis are capped at next
+        # ("tenant", name) / ("model", fingerprint) -> the deadline its copies in Redis are capped at next
+        self._caps: dict[tuple[str, str | bytes], float] = {}
         self._closed = False
         self._recent = RecentWrites(self.config.rewrite_window_s, self.config.rewrite_window_blocks,
                                     self._monotonic)
@@ -332,26 +335,46 @@ class DemotionQueue:
         """No copy of ``tenant``'s blocks outlives ``deadline``: its queued demotions and
         deadline moves are capped now, the copies this node wrote are accounted so, and the
         writer caps every copy in Redis next (see the module docstring). Never blocks."""
+        if self._cap(("tenant", tenant), deadline, lambda ref: ref.tenant == tenant):
+            self._cap_held(tenant, deadline)
+
+    def cap_model_ttl(self, fingerprint: bytes, deadline: float) -> None:
+        """:meth:`cap_ttl` for every block of the model ``fingerprint``, every tenant's (a
+        model's TTL set or lowered). Never blocks."""
+        if self._cap(("model", fingerprint), deadline, lambda ref: ref.spec.fingerprint == fingerprint):
+            self._cap_held_model(fingerprint, deadline)
+
+    def _cap(self, which: tuple[str, str | bytes], deadline: float, hit: Callable[[BlockRef], bool]) -> bool:
+        """Cap the queued jobs of the blocks ``hit`` at ``deadline`` and have the writer cap
+        the copies in Redis of ``which`` next; False when the queue is closed."""
         with self._cond:
             if self._closed:
-                return
+                return False
             self._queue = deque(j._replace(deadline=deadline)
-                                if j.ref.tenant == tenant and (j.deadline is None or j.deadline > deadline) else j
+                                if hit(j.ref) and (j.deadline is None or j.deadline > deadline) else j
                                 for j in self._queue)
-            if tenant not in self._caps:
+            if which not in self._caps:
                 self._pending += 1
-            self._caps[tenant] = min(self._caps.get(tenant, deadline), deadline)
+            self._caps[which] = min(self._caps.get(which, deadline), deadline)
             self._cond.notify_all()
-        self._cap_held(tenant, deadline)
+        return True
 
-    def _run_cap(self, tenant: str, deadline: float) -> None:
-        """The writer's part of :meth:`cap_ttl`."""
+    def _run_cap(self, which: tuple[str, str | bytes], deadline: float) -> None:
+        """The writer's part of :meth:`cap_ttl` and :meth:`cap_model_ttl`."""
+        kind, name = which
         try:
-            self._count("ttl_capped", self._cap_tenant(tenant, deadline))
+            if kind == "model":
+                assert isinstance(name, bytes)
+                moved = self._cap_model(name, deadline)
+            else:
+                assert isinstance(name, str)
+                moved = self._cap_tenant(name, deadline)
+            self._count("ttl_capped", moved)
         except Exception as exc:  # noqa: BLE001 - NOTE: counted and logged; the writer must outlive it
             self._count("ttl_cap_failures")
-            log.warning("remote tier: the TTL of %r could not be applied to all its copies (%s): some keep "
-                        "a later deadline until the policy is set again or the server restarts", tenant, exc)
+            shown = f"model {name.hex()}" if isinstance(name, bytes) else repr(name)
+            log.warning("remote tier: the TTL of %s could not be applied to all its copies (%s): some keep "
+                        "a later deadline until the policy is set again or the server restarts", shown, exc)
         finally:
             with self._cond:
                 self._pending -= 1

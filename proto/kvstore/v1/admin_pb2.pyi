@@ -235,3 +235,17 @@ class ListModelsResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class ModelPolicy(_message.Message):
+    __slots__ = ("fingerprint", "ttl_s")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: bytes
+    ttl_s: float
+    def __init__(self, fingerprint: _Optional[bytes] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class ModelPolicyRequest(_message.Message):
+    __slots__ = ("fingerprint",)
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: bytes
+    def __init__(self, fingerprint: _Optional[bytes] = ...) -> None: ...

@@ -80,6 +80,16 @@ class AdminStub:
                 request_serializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.GetModelPolicy = channel.unary_unary(
+                '/kvstore.v1.Admin/GetModelPolicy',
+                request_serializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ModelPolicyRequest.SerializeToString,
+                response_deserializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ModelPolicy.FromString,
+                _registered_method=True)
+        self.SetModelPolicy = channel.unary_unary(
+                '/kvstore.v1.Admin/SetModelPolicy',
+                request_serializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ModelPolicy.SerializeToString,
+                response_deserializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ModelPolicy.FromString,
+                _registered_method=True)
         self.ReadAudit = channel.unary_unary(
                 '/kvstore.v1.Admin/ReadAudit',
                 request_serializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ReadAuditRequest.SerializeToString,
@@ -160,6 +170,19 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelPolicy(self, request, context):
+        """a model fingerprint's policy (its TTL), set in force, saved, then applied to its blocks
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetModelPolicy(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReadAudit(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -233,6 +256,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ListModelsRequest.FromString,
                     response_serializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'GetModelPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelPolicy,
+                    request_deserializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ModelPolicyRequest.FromString,
+                    response_serializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ModelPolicy.SerializeToString,
+            ),
+            'SetModelPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetModelPolicy,
+                    request_deserializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ModelPolicy.FromString,
+                    response_serializer=proto_dot_kvstore_dot_v1_dot_admin__pb2.ModelPolicy.SerializeToString,
             ),
             'ReadAudit': grpc.unary_unary_rpc_method_handler(
                     servicer.ReadAudit,
@@ -498,6 +531,60 @@ class Admin:
             '/kvstore.v1.Admin/ListModels',
             proto_dot_kvstore_dot_v1_dot_admin__pb2.ListModelsRequest.SerializeToString,
             proto_dot_kvstore_dot_v1_dot_admin__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Admin/GetModelPolicy',
+            proto_dot_kvstore_dot_v1_dot_admin__pb2.ModelPolicyRequest.SerializeToString,
+            proto_dot_kvstore_dot_v1_dot_admin__pb2.ModelPolicy.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetModelPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Admin/SetModelPolicy',
+            proto_dot_kvstore_dot_v1_dot_admin__pb2.ModelPolicy.SerializeToString,
+            proto_dot_kvstore_dot_v1_dot_admin__pb2.ModelPolicy.FromString,
             options,
             channel_credentials,
             insecure,
