@@ -395,15 +395,29 @@ def serve(config: ServerConfig, *, echo: Callable[[str], None] = print,
         had_principals = config.auth_file.exists()
         key_file = config.store.master_key_file or config.data_dir / "master.key"
         new_key = config.store.master_key is None and not key_file.exists()
+        # NOTE: marked before the Store can write the key (the key's write fsyncs the directory
+        # after, so the mark is on disk first), removed only once the notice was printed: a
+        # start killed in between (the key written, the notice not yet printed) left a key that
+        # nobody was told to back up, and no later start said it, since the file existed
+        unshown = key_file.with_name(f"{key_file.name}.unshown")
+        if new_key and (config.store.nvme_bytes or config.store.remote is not None):
+            try:
+                unshown.parent.mkdir(parents=True, exist_ok=True)
+                unshown.touch()
+            except OSError as exc:  # the notice still comes from this start, if it lives
+                log.warning("could not mark the master key's notice as not yet shown (%s): %s", unshown, exc)
 
         def announce_key() -> None:
             # NOTE: said only once the server was ready: a first start that failed after the
             # Store made the key (the metrics or gRPC port busy) never said it, and no later
             # start did, since the file existed by then: nobody was told to back it up
             nonlocal new_key
-            if new_key and key_file.exists():
+            if (new_key or unshown.exists()) and key_file.exists():
                 echo(f"generated master key: {key_file} (back it up: without it NVMe blocks are unreadable)")
-                new_key = False
+                if echo is print:  # NOTE: print buffers a pipe: shown is written out
+                    print(end="", flush=True)
+            new_key = False
+            unshown.unlink(missing_ok=True)  # shown, or no key was made (this start failed first)
         recovered = _Counted("recovering blocks from NVMe", progress)
         server, port = create_server(config, clock=clock, progress=recovered)
         server.start()
