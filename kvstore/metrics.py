@@ -14,7 +14,10 @@ Tenant labels (``tenant=``, and the tenant inside ``resource="quota:TENANT:TIER"
 bounded by :class:`TenantLabels`: at most ``[metrics] max_tenant_labels`` tenants have their
 own label value at once, the others are counted under ``tenant="_other"`` (summed, so totals
 over a metric stay right), and a deleted tenant's series go (:meth:`ServiceMetrics.forget_tenant`),
-freeing its place. NOTE: unbounded, 50,000 tenants (one block, a lookup, a Get and a quota
+freeing its place. A count passed ``known`` is dropped when ``known(tenant)`` is false as it is
+counted (under the lock :meth:`ServiceMetrics.forget_tenant` holds): a call authenticated before
+its tenant's deletion and counted after it made the deleted tenant's series again, for good.
+NOTE: unbounded, 50,000 tenants (one block, a lookup, a Get and a quota
 refusal each) were 450,019 series on the endpoint, a 32 MB scrape taking 7 s, and Prometheus's
 memory and the sidecar's grew with every tenant seen; capped at 1,000: 9,028 series, 0.6 MB.
 
@@ -42,6 +45,8 @@ _LABEL_SECTIONS = {"tiers": "tier", "tenants": "tenant", "per_tenant": "tenant",
 OVERFLOW_TENANT = "_other"
 #: ``[metrics] max_tenant_labels``'s default (:class:`kvstore.server_config.MetricsConfig`)
 MAX_TENANT_LABELS = 1000
+#: whether a tenant (or namespace) still is one as its count is made: false once it was deleted
+Known = Callable[[str], bool]
 
 
 class TenantLabels:
@@ -141,30 +146,52 @@ class ServiceMetrics:
         return {sample.labels["resource"] for family in self.rejections.collect()
                 for sample in family.samples if "resource" in sample.labels}
 
-    def rejected(self, resource: str | None) -> None:
+    def _label(self, tenant: str, known: Known | None) -> str | None:
+        """The label value to count ``tenant`` under; None when ``known`` says it is no longer
+        a tenant (deleted): nothing is counted. Call with the tenants' lock held."""
+        # NOTE: checked under the lock forget_tenant takes, and a deletion forgets the tenant
+        # only once known(tenant) is false: a count either comes before (and its series is
+        # removed) or is dropped. Unchecked, a Lookup or Get authenticated before the deletion
+        # and counted after it gave the deleted tenant its series back for as long as the
+        # sidecar ran (and its place under the cap)
+        if known is not None and not known(tenant):
+            return None
+        return self.tenants.counted(tenant)
+
+    def rejected(self, resource: str | None, known: Known | None = None) -> None:
         """A call refused by a limit or quota (``ResourceExhausted.resource``; None: unknown).
-        A quota's resource names its tenant (``quota:TENANT:TIER``): past the cap, ``_other``."""
+        A quota's resource names its tenant (``quota:TENANT:TIER``): past the cap, ``_other``;
+        not counted when ``known(TENANT)`` is false (deleted meanwhile)."""
         resource = resource or "unknown"
         kind, _, rest = resource.partition(":")
         with self.tenants.lock:
             if kind == "quota" and ":" in rest:
                 tenant, _, tier = rest.rpartition(":")
-                resource = f"quota:{self.tenants.counted(tenant)}:{tier}"
+                label = self._label(tenant, known)
+                if label is None:
+                    return
+                resource = f"quota:{label}:{tier}"
             self.rejections.labels(resource=resource).inc()
 
-    def lookup(self, tenant: str, asked: int, found: int) -> None:
-        """Blocks a Lookup found and missed (what it would save is counted when it is served)."""
+    def lookup(self, tenant: str, asked: int, found: int, known: Known | None = None) -> None:
+        """Blocks a Lookup found and missed (what it would save is counted when it is served);
+        nothing when ``known(tenant)`` is false."""
         with self.tenants.lock:
-            label = self.tenants.counted(tenant)
+            label = self._label(tenant, known)
+            if label is None:
+                return
             self.lookup_hits.labels(tenant=label).inc(found)
             self.lookup_misses.labels(tenant=label).inc(asked - found)
 
-    def served(self, tenant: str, blocks: int, block_tokens: int) -> None:
+    def served(self, tenant: str, blocks: int, block_tokens: int, known: Known | None = None) -> None:
         """``blocks`` blocks of ``block_tokens`` tokens served to a client (a Get or GetLocal):
-        the prefill they save. NOTE: counted per Lookup before, so a client that looks up before
-        it saves (HF PrefixCache.save) or once per rank (vLLM) counted what it reused twice."""
+        the prefill they save; nothing when ``known(tenant)`` is false. NOTE: counted per
+        Lookup before, so a client that looks up before it saves (HF PrefixCache.save) or once
+        per rank (vLLM) counted what it reused twice."""
         with self.tenants.lock:
-            self.saved_tokens.labels(tenant=self.tenants.counted(tenant)).inc(blocks * block_tokens)
+            label = self._label(tenant, known)
+            if label is not None:
+                self.saved_tokens.labels(tenant=label).inc(blocks * block_tokens)
 
 
 def _name(parts: list[str]) -> str:

@@ -45,6 +45,7 @@ from kvstore.service_convert import (
     split_keys,
 )
 from kvstore.service_resources import InflightBudget, RegionTable, StagingPool
+from kvstore.service_rpc import known_namespace
 from kvstore.shm_attach import Region
 from kvstore.spec import ModelSpec
 from proto.kvstore.v1 import kvstore_pb2 as pb
@@ -158,7 +159,7 @@ class DataPlane:
         """Longest usable prefix and the tier name of each of its blocks."""
         result = self.store.lookup(b.namespace, b.spec, b.keys, parent=b.parent)
         if self.metrics is not None:
-            self.metrics.lookup(b.namespace, len(b.keys), result.num_blocks)
+            self.metrics.lookup(b.namespace, len(b.keys), result.num_blocks, self._known)
         return result.num_blocks, result.tiers[: result.num_blocks]
 
     def reserve_put(self, b: Blocks, since: int | None, session: str = "") -> PutReservation:
@@ -196,6 +197,11 @@ class DataPlane:
         # NOTE: kvstore_bytes_out counted every leased byte here, bytes never sent included
         return self.store.lease_prefix(b.namespace, b.spec, b.keys, stage, parent=b.parent)
 
+    def _known(self, namespace: str) -> bool:
+        """Whether ``namespace`` is still counted in the metrics as its call ends: not a tenant
+        deleted while the call ran (always, without :attr:`auth`)."""
+        return self.auth is None or known_namespace(self.auth, namespace)
+
     def sent(self, nbytes: int, plane: str) -> None:
         """``nbytes`` block bytes delivered to a client over ``plane`` (``stream``, ``shm``)."""
         if self.metrics is not None:
@@ -205,7 +211,7 @@ class DataPlane:
         """``blocks`` blocks of ``namespace`` delivered whole to a client: the prefill tokens
         they save (kvstore_saved_prefill_tokens)."""
         if self.metrics is not None:
-            self.metrics.served(namespace, blocks, spec.block_tokens)
+            self.metrics.served(namespace, blocks, spec.block_tokens, self._known)
 
     @contextmanager
     def _region(self, principal: Principal, region_id: int, offsets: Sequence[int], nbytes: int,

@@ -17,6 +17,8 @@
   (:class:`~kvstore.service_limits.CallLimiter`) and cancels idle streams
   (:class:`~kvstore.service_limits.IdleWatch`), installed on the stream handlers by
   :meth:`RpcRunner.guard`: see :mod:`kvstore.service_limits`.
+* :func:`known_namespace` — whether a namespace may still be counted in the metrics (not a
+  tenant deleted while the call ran).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -34,11 +37,12 @@ from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 
 from kvstore.audit import Recorder
-from kvstore.auth import AuthRegistry, Principal, Role, bearer_token
+from kvstore.auth import SHARED_PREFIX, AuthRegistry, Principal, Role, bearer_token
 from kvstore.errors import (
     FailedPrecondition,
     InvalidArgument,
     KVStoreError,
+    NotFound,
     PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
@@ -51,6 +55,19 @@ if TYPE_CHECKING:
     from kvstore.server_config import CallLimits
 
 log = logging.getLogger(__name__)
+
+
+def known_namespace(registry: AuthRegistry, namespace: str) -> bool:
+    """Whether ``namespace``'s counts may make metric series (:data:`kvstore.metrics.Known`):
+    a shared namespace (deleting its blocks leaves it), or a principal's own namespace while
+    the principal exists (marked for deletion, it is none). Takes no lock."""
+    if namespace.startswith(SHARED_PREFIX):
+        return True
+    try:
+        registry.get(namespace)
+    except NotFound:
+        return False
+    return True
 
 
 class _Call:
@@ -103,6 +120,7 @@ class RpcRunner:
                  drop_epoch: Callable[[], int] | None = None, calls: CallLimits | None = None) -> None:
         self.registry, self.metrics = registry, metrics
         self._drop_epoch = drop_epoch
+        self._known = partial(known_namespace, registry)
         self.limiter: CallLimiter | None = None
         self.idle: IdleWatch | None = None
         if calls is not None:
@@ -177,7 +195,7 @@ class RpcRunner:
             elif refused is not None and who == "?":
                 _audit_quietly(refused, who, code, name)
             if self.metrics is not None and isinstance(exc, ResourceExhausted):
-                self.metrics.rejected(exc.resource)
+                self.metrics.rejected(exc.resource, self._known)
             context.abort(status, message)
         except Exception:
             if context.code() is not None or not context.is_active():
@@ -212,7 +230,7 @@ class RpcRunner:
             status, message = to_status(exc)
             code = status.name
             if self.metrics is not None and isinstance(exc, ResourceExhausted):
-                self.metrics.rejected(exc.resource)
+                self.metrics.rejected(exc.resource, self._known)
             context.abort(status, message)
         except Exception:
             if context.code() is not None or not context.is_active():
