@@ -118,9 +118,13 @@ class StoreConfig(BaseModel):
     NOTE: it said every put that returned survived: with the default tier sizes none did."""
 
     persist_on_close: bool = True
-    """On a graceful close, write the HBM/DRAM blocks that have no NVMe copy to NVMe (as room
-    allows, ancestors first), so a restart finds the warm cache. A crash keeps only what was
-    already committed."""
+    """On a graceful close, write the HBM/DRAM blocks that have no NVMe copy to NVMe (ancestors
+    first), so a restart finds the warm cache. A block short of NVMe space or quota evicts
+    NVMe blocks the placement policy values less (as if it were demoted into NVMe now: leaves
+    first, never pinned or in flight, a paused session's last; by recency for a policy without
+    comparable keys), and only when nothing colder can go is it written as room allows, or
+    lost (logged, ``Store.uncommitted_at_close``). A crash keeps only what was already
+    committed."""
 
     high_watermark: Annotated[Float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.95
     """A tier starts evicting when a new block would take it above this fraction of capacity."""

@@ -43,10 +43,10 @@ from kvstore.sessions import SessionTable
 from kvstore.sizes import format_size
 from kvstore.spec import ModelSpec
 from kvstore.stats import Counters
-from kvstore.victims import VictimQueue
+from kvstore.victims import CloseVictims, VictimQueue
 from policy.base import EvictionPolicy
 from policy.quantization import QuantizationPolicy
-from policy.registry import TieredPolicy
+from policy.registry import KeyedPolicy, TieredPolicy
 from tiers.base import BlockRef
 from tiers.memory import MemoryTier
 from tiers.nvme import NVMeRecord, NVMeTier
@@ -497,6 +497,34 @@ class Placement:
                 and (tenant is None or m.tenant == tenant)
                 and not (m.children and any(c.tier == Tier.NVME or c.persisted
                                             for c in self._index.children(m))))
+
+    def close_victims(self) -> CloseVictims:
+        """NVMe's own evictable leaves, coldest first by :meth:`close_key`'s order, for a close
+        that commits memory blocks (see :class:`kvstore.victims.CloseVictims`)."""
+        return CloseVictims(self._index.candidates(Tier.NVME, self.protected), self._close_order,
+                            lambda m: self._index.is_candidate(m, Tier.NVME, self.protected))
+
+    def close_key(self, meta: BlockMeta) -> Any | None:
+        """The value of memory block ``meta`` as a block of NVMe (``meta`` leaves memory at
+        close: NVMe or nowhere), in the order of :meth:`close_victims`; None when the policy
+        would drop it rather than write it to NVMe (``demote_to`` names no tier).
+
+        NOTE: a memory block's own key is its value in its tier (cost and gdsf stamp
+        ``H = L_t + value`` per tier), not comparable with NVMe's blocks; ``demote_to`` with
+        NVMe offered values it there, as a demotion into NVMe does (and is learnt from once,
+        as one). A policy without :class:`policy.registry.KeyedPolicy` keys has no value that
+        compares across blocks: recency (``last_access``, deepest first on ties) orders them.
+        As in :meth:`victims`, a paused session's blocks go after every other block (what
+        pause promises to keep) and a tenant of lower priority goes first."""
+        if self.policy.demote_to(meta, meta.tier, [Tier.NVME], self._clock()) is None:
+            return None
+        return self._close_order(meta)
+
+    def _close_order(self, meta: BlockMeta) -> tuple[int, int, Any]:
+        kind, prio = (1 if meta.paused else 0), self.priorities.get(meta.tenant, 0)
+        if isinstance(self.policy, KeyedPolicy):
+            return kind, prio, self.policy.evict_key(meta, Tier.NVME, self._clock())
+        return kind, prio, (meta.last_access, -meta.depth)
 
     def evict_some(self, tier: Tier, queue: VictimQueue) -> bool:
         """Evict the next victim of ``queue`` (a :meth:`victims` of ``tier``) that can go;

@@ -78,6 +78,7 @@ from kvstore.store_reads import LookupResult, ReadPath
 from kvstore.store_reserve import ReservedPuts, _parent
 from kvstore.store_sessions import SessionPins
 from kvstore.validation import check_text
+from kvstore.victims import CloseVictims
 from tiers.base import BlockRef
 from tiers.memory import (
     MemoryTier,
@@ -824,8 +825,9 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
     def _flush(self, progress: Progress | None, *, closing: bool) -> tuple[int, int]:
         """:meth:`flush`'s commit; ``(committed, not committed)`` of the memory blocks it
         considered. ``closing`` (:meth:`close`: what is not committed now is gone): a block
-        that cannot be committed takes its NVMe descendants with it, and a block short of
-        NVMe quota or space first drops them, deepest first, to make room for itself."""
+        short of NVMe quota or space makes room by evicting NVMe's blocks the policy values
+        less, then by dropping its own NVMe descendants, deepest first; one that cannot be
+        committed takes those descendants with it (see :meth:`_room_at_close`)."""
         with self._lock, self._batch():
             self._check_open()
             if self._nvme is None:
@@ -835,6 +837,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                     if not (m.persisted or m.tier == Tier.NVME or m.in_flight)]
             if progress is not None and todo:  # NOTE: the first report came FLUSH_STEP blocks in
                 progress(0, len(todo))
+            colder: list[CloseVictims] = []  # made once, when a block first finds no room
             with self._flush_ahead(todo):
                 for i, m in enumerate(todo, 1):
                     if progress is not None and (i % FLUSH_STEP == 0 or i == len(todo)):
@@ -844,7 +847,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                     parent = self._index.get(m.tenant, m.parent)
                     if parent is not None and not parent.persisted:
                         continue  # a copy without its ancestors could never be served
-                    if closing and not self._room_at_close(m):
+                    if closing and not self._room_at_close(m, colder):
                         continue
                     if not self._nvme.can_fit(m.nbytes):
                         break
@@ -858,10 +861,20 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
             self.counters.add("flushed", n)
             return n, len(todo) - n
 
-    def _room_at_close(self, m: BlockMeta) -> bool:
+    def _room_at_close(self, m: BlockMeta, colder: list[CloseVictims]) -> bool:
         """Whether memory block ``m`` (its parent committed) fits in NVMe, within its tenant's
-        quota, after dropping its own NVMe descendants, deepest first, as far as needed; when
-        it cannot fit, all of them are dropped. Under the lock, at close.
+        quota, after evicting NVMe's blocks the policy values less than ``m`` (coldest first,
+        leaves first; its tenant's own when the quota is short: ``colder`` holds the queue,
+        made on first need), then dropping its own NVMe descendants, deepest first, as far
+        as needed; when it cannot fit, all of them are dropped. Under the lock, at close.
+
+        NOTE: a close with NVMe near capacity committed the first memory blocks that fitted
+        and lost the rest (13-18 of them in a prober's run) while NVMe stayed full of colder
+        blocks: a graceful restart kept the cold cache and lost the hot one. Only NVMe's own
+        leaves go (never a memory block's copy: those are kept blocks; never a pinned or
+        in-flight block, nor one with a child: no kept block loses an ancestor), each only
+        for a block valued above it (:meth:`Placement.close_key`); when none is colder, ``m``
+        is committed as room allows, as before (counted: ``evicted_at_close``).
 
         NOTE: a tenant at its NVMe quota lost its whole cache on a graceful restart: its
         memory blocks (a chain's ancestors) found no quota at close, and the NVMe blocks below
@@ -880,6 +893,19 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
 
         if fits():
             return True
+        bound = self._place.close_key(m)
+        if bound is not None:
+            if not colder:
+                colder.append(self._place.close_victims())
+            while not fits():
+                own = None if self._place.within_quota(m.tenant, Tier.NVME, m.nbytes) else m.tenant
+                v = colder[0].pop_below(bound, own)
+                if v is None:
+                    break
+                self._place.drop(v, reason="evicted_at_close")
+                colder[0].offer(self._index.get(v.tenant, v.parent))
+            if fits():
+                return True
         below = [d for d in self._index.subtree(m) if d is not m and (d.tier == Tier.NVME or d.persisted)]
         for d in below:  # deepest first
             if self._index.get(d.tenant, d.key) is d:
@@ -905,8 +931,10 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         unpinned blocks. When that commit fails (a full disk), the store still closes, then raises it.
 
         Committed ancestors first: a memory block short of NVMe quota or space makes room by
-        dropping its own NVMe descendants (they could not be served without it), and one that
-        cannot be committed takes them with it (counted: ``dropped_at_close``), so the next open
+        evicting NVMe blocks the policy values less (leaves first, never pinned or in flight;
+        counted: ``evicted_at_close``), then by dropping its own NVMe descendants (they could
+        not be served without it), and one that cannot be committed takes them with it
+        (counted: ``dropped_at_close``), so the next open
         finds no orphans. How many memory blocks were not committed (lost) is logged and kept
         in :attr:`uncommitted_at_close`."""
         flushed = 0
@@ -928,8 +956,9 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                     failed = exc
                 if self.uncommitted_at_close:
                     log.warning("close: %d blocks of HBM and DRAM could not be committed to NVMe (NVMe "
-                                "space or their tenant's NVMe quota was short, or an ancestor was not "
-                                "committed): they are lost; %d NVMe blocks below them were dropped too",
+                                "space or their tenant's NVMe quota was short and NVMe held nothing "
+                                "colder to evict, or an ancestor was not committed): they are lost; %d "
+                                "NVMe blocks below them were dropped too",
                                 self.uncommitted_at_close, self.counters.get("dropped_at_close"))
             self._closed = True
             for t in self._mem.values():

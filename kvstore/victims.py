@@ -13,13 +13,16 @@ only about the victims themselves, and the only new candidates a loop creates ar
 victims leave with no child in the tier, which :meth:`evicted` adds as they appear. Entries are checked again when
 they come out (the block may have gone, been pinned or moved meanwhile) and re-queued if their
 key moved. Other policies are re-ranked before each victim, as before.
+
+:class:`CloseVictims` is the order a graceful close gives NVMe's blocks up in for warmer memory
+blocks being committed (:meth:`kvstore.store.Store.close`).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from kvstore.block import BlockMeta, Tier
@@ -87,3 +90,54 @@ class VictimQueue:
             self._order = None  # re-rank before the next victim
         elif self._heap is not None and parent is not None and self._valid(parent):
             heapq.heappush(self._heap, (self._key(parent), next(self._seq), parent))
+
+
+class CloseVictims:
+    """NVMe's own blocks that a close may give up for warmer memory blocks, coldest first.
+
+    At close every block ends where NVMe keeps it or nowhere, so a memory block being committed
+    and an NVMe block are valued alike, as blocks of NVMe: ``key(meta)`` orders them (lower =
+    colder). Only the leaves of NVMe's own blocks are offered (``valid``: unpinned, not in
+    flight, no child in the index), never a memory block's NVMe copy: those are the memory
+    blocks being kept. A parent becomes a candidate once its last child went (:meth:`offer`).
+    Under the Store's lock, at close (nothing reads meanwhile, so the keys stand still; each is
+    checked again as it comes out all the same)."""
+
+    def __init__(self, candidates: Iterable[BlockMeta], key: Callable[[BlockMeta], Any],
+                 valid: Callable[[BlockMeta], bool]) -> None:
+        self._key = key
+        self._valid = valid
+        self._seq = itertools.count()
+        self._heap = [(key(m), next(self._seq), m) for m in candidates]
+        heapq.heapify(self._heap)
+
+    def pop_below(self, bound: Any, tenant: str | None = None) -> BlockMeta | None:
+        """The coldest candidate (of ``tenant`` only, if given) whose key is below ``bound``,
+        taken out; None when there is none."""
+        aside: list[tuple[Any, int, BlockMeta]] = []
+        found = None
+        while self._heap:
+            key, seq, meta = self._heap[0]
+            if not self._valid(meta):
+                heapq.heappop(self._heap)
+                continue
+            now_key = self._key(meta)
+            if now_key != key:
+                heapq.heapreplace(self._heap, (now_key, next(self._seq), meta))
+                continue
+            if not key < bound:
+                break
+            heapq.heappop(self._heap)
+            if tenant is not None and meta.tenant != tenant:
+                aside.append((key, seq, meta))  # NOTE: another tenant's bytes free no quota
+                continue
+            found = meta
+            break
+        for entry in aside:
+            heapq.heappush(self._heap, entry)
+        return found
+
+    def offer(self, meta: BlockMeta | None) -> None:
+        """``meta`` (a victim's parent) may have become a candidate."""
+        if meta is not None and self._valid(meta):
+            heapq.heappush(self._heap, (self._key(meta), next(self._seq), meta))
