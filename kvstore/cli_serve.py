@@ -536,16 +536,9 @@ def model_purge(
 ) -> None:
     """Remove every block of a model fingerprint, every tenant's, on every tier (a rollout's
     old model); print how many blocks went. Audited as model.purge."""
-    from kvstore.spec import FINGERPRINT_BYTES
-
     if timeout is not None and not timeout > 0:
         raise typer.BadParameter(f"--timeout must be more than 0 seconds, got {timeout}")
-    try:
-        fp = bytes.fromhex(fingerprint)
-    except ValueError:
-        fp = b""
-    if len(fp) != FINGERPRINT_BYTES:
-        raise typer.BadParameter(f"FINGERPRINT must be {2 * FINGERPRINT_BYTES} hex digits, got {fingerprint!r}")
+    fp = _fingerprint_arg(fingerprint)
     _need_token(token)  # NOTE: it asked for confirmation first, then said the token was missing
     if not yes:
         typer.confirm(f"purge model {fp.hex()} and destroy all its blocks, every tenant's?", abort=True)
@@ -559,6 +552,19 @@ def model_purge(
         Console(stderr=True, highlight=False).print(
             f"no block of model {fp.hex()} was stored here: `kvstore model list` shows the models stored",
             soft_wrap=True)
+
+
+def _fingerprint_arg(fingerprint: str) -> bytes:
+    """A FINGERPRINT argument (hex digits, as `kvstore model list` shows it) as bytes."""
+    from kvstore.spec import FINGERPRINT_BYTES
+
+    try:
+        fp = bytes.fromhex(fingerprint)
+    except ValueError:
+        fp = b""
+    if len(fp) != FINGERPRINT_BYTES:
+        raise typer.BadParameter(f"FINGERPRINT must be {2 * FINGERPRINT_BYTES} hex digits, got {fingerprint!r}")
+    return fp
 
 
 @model_app.command("policy")
@@ -575,16 +581,9 @@ def model_policy(
 ) -> None:
     """Show a model's policy, or set (--ttl) or remove (--clear) its TTL (a rollout ageing out
     the old model's blocks), and print the policy in force. Audited as model.policy.set."""
-    from kvstore.spec import FINGERPRINT_BYTES
-
     if ttl is not None and clear:
         raise typer.BadParameter("--ttl and --clear exclude each other")
-    try:
-        fp = bytes.fromhex(fingerprint)
-    except ValueError:
-        fp = b""
-    if len(fp) != FINGERPRINT_BYTES:
-        raise typer.BadParameter(f"FINGERPRINT must be {2 * FINGERPRINT_BYTES} hex digits, got {fingerprint!r}")
+    fp = _fingerprint_arg(fingerprint)
     try:
         with _admin(target, token, ca_file, cert_file, key_file, server_name) as admin:
             if ttl is None and not clear:

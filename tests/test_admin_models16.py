@@ -58,9 +58,8 @@ def test_a_tenant_cannot_list_models_and_the_refusal_is_audited(sidecar):
     t = sidecar.tenant("a", local=False)
     from kvstore.admin_client import AdminClient
 
-    with AdminClient(sidecar.target, t._metadata[0][1].split()[-1]) as as_tenant:
-        with pytest.raises(PermissionDenied):
-            as_tenant.list_models()
+    with AdminClient(sidecar.target, t._metadata[0][1].split()[-1]) as as_tenant, pytest.raises(PermissionDenied):
+        as_tenant.list_models()
     entries = [e for e in sidecar.admin().audit() if e["action"] == "model.list"]
     assert [(e["principal"], e["result"]) for e in entries] == [("a", "PERMISSION_DENIED")]
     sidecar.admin().list_models()  # an admin's read is not audited (as stats)
