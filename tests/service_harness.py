@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,7 +14,7 @@ import torch
 from kvstore import server_config
 from kvstore.admin_client import AdminClient
 from kvstore.client import Client
-from kvstore.server import SidecarServer, bootstrap, create_server
+from kvstore.server import SidecarServer, bootstrap, create_server, serve
 from kvstore.spec import ModelSpec
 
 SPEC = ModelSpec(model="test/model", revision="r1", num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=16)
@@ -143,3 +145,16 @@ class HeldPut:
         self.go.set()
         self.thread.join(self.wait)
         return self.outcome[0]
+
+
+def serve_once(data_dir: Path) -> list[str]:
+    """One start of ``kvstore serve`` (its ``serve``) in this process, stopped once ready (its
+    own SIGINT handler is in place then); the lines it printed."""
+    lines: list[str] = []
+
+    def echo(line: str) -> None:
+        lines.append(line)
+        if line.startswith("ready"):
+            os.kill(os.getpid(), signal.SIGINT)
+    serve(config(data_dir), echo=echo)
+    return lines

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -28,14 +27,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from service_harness import config
+from service_harness import serve_once
 
 from kvstore.audit import AuditLog
 from kvstore.auth import AuthRegistry, Role
 from kvstore.config import StoreConfig
 from kvstore.errors import KeyUnavailable, Unauthenticated
 from kvstore.keyring import Keyring
-from kvstore.server import serve
 from kvstore.spec import ModelSpec
 from kvstore.store import Store
 
@@ -139,18 +137,6 @@ _SERVE_CHILD = textwrap.dedent("""
 """).format(tests=str(TESTS), root=str(ROOT))
 
 
-def _serve_once(data_dir: Path) -> list[str]:
-    """One start of serve in this process, stopped once ready; its lines."""
-    lines: list[str] = []
-
-    def echo(line: str) -> None:
-        lines.append(line)
-        if line.startswith("ready"):  # serve's own SIGINT handler is in place: it stops
-            os.kill(os.getpid(), signal.SIGINT)
-    serve(config(data_dir), echo=echo)
-    return lines
-
-
 def test_a_first_start_killed_before_it_printed_the_admin_token_leaves_the_next_one_to(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _SERVE_CHILD, str(tmp_path)], capture_output=True, text=True,
                           timeout=120, env=ENV, cwd=str(ROOT), check=False)
@@ -158,7 +144,7 @@ def test_a_first_start_killed_before_it_printed_the_admin_token_leaves_the_next_
     assert "admin token" not in proc.stdout
     assert "admin" in json.loads((tmp_path / "auth.json").read_text())["principals"]  # saved, never shown
 
-    lines = _serve_once(tmp_path)
+    lines = serve_once(tmp_path)
     shown = [ln for ln in lines if ln.startswith("admin token (shown once, store it now): ")]
     assert len(shown) == 1, lines
     token = shown[0].rsplit(" ", 1)[1]
@@ -169,7 +155,7 @@ def test_a_first_start_killed_before_it_printed_the_admin_token_leaves_the_next_
                                                                        "admin", "OK")
 
     # shown once: the next start prints none, and the token still works
-    lines = _serve_once(tmp_path)
+    lines = serve_once(tmp_path)
     assert not any("admin token" in ln for ln in lines), lines
     assert AuthRegistry(tmp_path / "auth.json", clock=lambda: 0.0).authenticate(token).role is Role.ADMIN
 

@@ -19,7 +19,6 @@ deletion runs between the call's work and its count.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -29,10 +28,9 @@ from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
-from service_harness import SPEC, Sidecar, config, fresh_tokens, random_kv, start
+from service_harness import SPEC, Sidecar, fresh_tokens, random_kv, serve_once, start
 
 from kvstore.errors import ResourceExhausted
-from kvstore.server import serve
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -57,18 +55,6 @@ _KEY_CHILD = textwrap.dedent("""
 """).format(tests=str(TESTS), root=str(ROOT))
 
 
-def _serve_once(data_dir: Path) -> list[str]:
-    """One start of serve in this process, stopped once ready; its lines."""
-    lines: list[str] = []
-
-    def echo(line: str) -> None:
-        lines.append(line)
-        if line.startswith("ready"):  # serve's own SIGINT handler is in place: it stops
-            os.kill(os.getpid(), signal.SIGINT)
-    serve(config(data_dir), echo=echo)
-    return lines
-
-
 def test_a_first_start_killed_after_writing_the_master_key_leaves_its_notice_to_the_next(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _KEY_CHILD, str(tmp_path)], capture_output=True, text=True,
                           timeout=120, env=ENV, cwd=str(ROOT), check=False)
@@ -76,20 +62,20 @@ def test_a_first_start_killed_after_writing_the_master_key_leaves_its_notice_to_
     key = (tmp_path / "master.key").read_bytes()  # written, never announced
     assert NOTICE not in proc.stdout
 
-    lines = _serve_once(tmp_path)
+    lines = serve_once(tmp_path)
     assert [ln for ln in lines if ln.startswith(NOTICE)] == [
         f"{NOTICE}{tmp_path / 'master.key'} (back it up: without it NVMe blocks are unreadable)"], lines
     assert (tmp_path / "master.key").read_bytes() == key  # the same key, not a new one
 
-    lines = _serve_once(tmp_path)  # shown once: no more
+    lines = serve_once(tmp_path)  # shown once: no more
     assert not any(ln.startswith(NOTICE) for ln in lines), lines
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("master.key")) == ["master.key"]
 
 
 def test_a_first_start_that_lives_announces_the_key_once_and_leaves_no_mark(tmp_path):
-    assert sum(ln.startswith(NOTICE) for ln in _serve_once(tmp_path)) == 1
+    assert sum(ln.startswith(NOTICE) for ln in serve_once(tmp_path)) == 1
     assert not (tmp_path / "master.key.unshown").exists()
-    assert not any(ln.startswith(NOTICE) for ln in _serve_once(tmp_path))
+    assert not any(ln.startswith(NOTICE) for ln in serve_once(tmp_path))
 
 
 # -- metrics of a tenant deleted while its call ran ------------------------------------------------
