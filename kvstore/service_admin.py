@@ -48,7 +48,7 @@ from kvstore.block import Tier
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound
 from kvstore.expiry import check_ttl
 from kvstore.service_resources import RegionTable
-from kvstore.spec import FINGERPRINT_BYTES
+from kvstore.spec import check_fingerprint
 from kvstore.store_admin import SessionInfo
 
 log = logging.getLogger(__name__)
@@ -351,13 +351,6 @@ class AdminPlane:
     def purge_model(self, fingerprint: bytes) -> int:
         check_fingerprint(fingerprint)
         return int(self.store.purge_model(fingerprint))
-
-
-def check_fingerprint(fingerprint: bytes) -> None:
-    """InvalidArgument naming the field unless ``fingerprint`` is ``FINGERPRINT_BYTES`` bytes."""
-    if len(fingerprint) != FINGERPRINT_BYTES:
-        raise InvalidArgument(f"fingerprint must be {FINGERPRINT_BYTES} bytes (ModelSpec.fingerprint, as "
-                              f"`kvstore model list` shows it), got {len(fingerprint)}")
 
 
 def quota_by_tier(quota_bytes: Any) -> dict[str, int]:

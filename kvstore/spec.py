@@ -31,6 +31,16 @@ DTYPES: dict[str, tuple[str, int]] = {
 FINGERPRINT_BYTES = 16
 
 
+def check_fingerprint(fingerprint: Any) -> bytes:
+    """``fingerprint`` when it is the ``FINGERPRINT_BYTES`` bytes of a ``ModelSpec.fingerprint``,
+    else InvalidArgument naming the field (the Store and the Admin plane both check with it)."""
+    if not isinstance(fingerprint, bytes) or len(fingerprint) != FINGERPRINT_BYTES:
+        got = f"{len(fingerprint)} bytes" if isinstance(fingerprint, bytes) else type(fingerprint).__name__
+        raise InvalidArgument(f"fingerprint must be {FINGERPRINT_BYTES} bytes (ModelSpec.fingerprint, as "
+                              f"`kvstore model list` shows it), got {got}")
+    return fingerprint
+
+
 #: the largest block a spec may describe (K and V of all layers of block_tokens tokens)
 MAX_BLOCK_BYTES = 16 << 30
 

@@ -70,7 +70,7 @@ from kvstore.memtune import retain_freed_memory
 from kvstore.placement import Placement
 from kvstore.sessions import SessionTable
 from kvstore.sizes import format_size
-from kvstore.spec import FINGERPRINT_BYTES, ModelSpec, check_spec
+from kvstore.spec import ModelSpec, check_fingerprint, check_spec
 from kvstore.stats import Counters
 from kvstore.store_admin import TenantAdmin, TenantPolicy
 from kvstore.store_lease import LeasedGets
@@ -403,11 +403,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
 
     @staticmethod
     def _check_fingerprint(fingerprint: Any) -> bytes:
-        if not isinstance(fingerprint, bytes) or len(fingerprint) != FINGERPRINT_BYTES:
-            raise InvalidArgument(f"fingerprint must be the {FINGERPRINT_BYTES} bytes of ModelSpec.fingerprint, "
-                                  f"got {type(fingerprint).__name__}"
-                                  + (f" of {len(fingerprint)} bytes" if isinstance(fingerprint, bytes) else ""))
-        return fingerprint
+        return check_fingerprint(fingerprint)
 
     # -- keys ---------------------------------------------------------------------------------
     def block_keys(self, tenant: str, spec: ModelSpec, token_ids: Any,
