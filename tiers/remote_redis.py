@@ -198,10 +198,12 @@ class CircuitBreaker:
         with self._lock:
             return self._trips > 0
 
-    def record(self, ok: bool) -> bool:
+    def record(self, ok: bool, *, open_now: bool = False) -> bool:
         """Record one call's outcome; True when this fault opened the breaker (from closed,
         or the probe's fault: the next, longer period). A success closes it. A fault of a
-        call let through before the breaker opened, ending while it is open, changes nothing."""
+        call let through before the breaker opened, ending while it is open, changes nothing.
+        ``open_now``: this fault opens a closed breaker whatever the count (the engines' guard:
+        a call that timed out cost a whole timeout)."""
         with self._lock:
             if ok:
                 self._fails = self._trips = 0
@@ -214,7 +216,7 @@ class CircuitBreaker:
                 self._open()
                 return True
             self._fails += 1
-            if self._fails < self._threshold:
+            if self._fails < self._threshold and not open_now:
                 return False
             self._open()
             return True

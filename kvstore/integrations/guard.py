@@ -34,7 +34,6 @@ INVALID_ARGUMENT...) means the sidecar is working.
 
 from __future__ import annotations
 
-import enum
 import logging
 import random
 import threading
@@ -45,6 +44,7 @@ from typing import ParamSpec, TypeVar
 from redis.backoff import AbstractBackoff
 
 from kvstore.errors import KVStoreError, Unavailable
+from tiers.remote_redis import Admit, CircuitBreaker
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +70,11 @@ class EqualJitter(AbstractBackoff):
         return d / 2 + self._rng() * d / 2
 
 
-class _State(enum.Enum):
-    CLOSED = "closed"  # calls go through; faults in a row are counted
-    OPEN = "open"  # calls are skipped until the period ends; then the next one is the probe
-    PROBING = "probing"  # one call (the probe) is under way; the others are skipped
-
-
 class SidecarGuard:
-    """Fail fast while the sidecar at ``target`` keeps failing; see the module docstring.
+    """Fail fast while the sidecar at ``target`` keeps failing; see the module docstring. The
+    state machine (closed, open, one probe) is the remote tier's
+    :class:`~tiers.remote_redis.CircuitBreaker`; this adds what an engine needs around it: the
+    background probe, ``timeouts_open``, the count of skipped calls and the log lines.
 
     ``clock`` (monotonic seconds) and ``rng`` (uniform in [0, 1)) drive the open periods;
     ``backoff`` replaces :class:`EqualJitter` (its ``compute(n)``: the n-th period in a row).
@@ -91,23 +88,17 @@ class SidecarGuard:
         if failures < 1:
             raise ValueError(f"failures must be >= 1, got {failures}")
         self.target = target
-        self._threshold = failures
+        self._breaker = CircuitBreaker(failures, backoff or EqualJitter(base_s, cap_s, rng), clock)
         self._probe = probe
         self._timeouts_open = timeouts_open
         self._spawn = spawn or _in_background
-        self._backoff = backoff or EqualJitter(base_s, cap_s, rng)
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._state = _State.CLOSED
-        self._fails = 0  # faults in a row while closed
-        self._trips = 0  # open periods in a row (the probe of each failed)
-        self._open_until = 0.0
+        self._lock = threading.Lock()  # over _skipped
         self._skipped = 0
 
     @property
     def is_open(self) -> bool:
         """Whether the breaker is open: calls are skipped, but for one probe after each period."""
-        return self._state is not _State.CLOSED
+        return self._breaker.is_open
 
     def call(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """``fn(*args, **kwargs)``; :class:`Unavailable` at once while the breaker is open
@@ -120,7 +111,7 @@ class SidecarGuard:
             return out
         except KVStoreError as exc:
             verdict = exc.code not in FAULTS
-            if not verdict and self._record_fault(probe, hung=exc.code == "DEADLINE_EXCEEDED"):
+            if not verdict and self._fault(hung=exc.code == "DEADLINE_EXCEEDED") and not probe:
                 log.warning("kvstore sidecar at %s failed %s: skipping calls to it for a while "
                             "(each a miss), then trying one", self.target, exc)
             raise
@@ -128,30 +119,29 @@ class SidecarGuard:
             if verdict:
                 self._working()
             elif verdict is None and probe:
-                self._probe_void()
+                # the probe ended without a word on the sidecar (an exception not of the
+                # client, e.g. a bad argument caught before any call): the next call probes
+                self._breaker.release()
 
     def _admit(self) -> bool:
         """Whether this call may go through (raises Unavailable when not); True when it is the
         probe of an ended open period. With ``probe``, that probe is started in the background
         instead, and this call is skipped too."""
-        background = False
-        with self._lock:
-            if self._state is _State.CLOSED:
-                return False
-            if self._state is _State.OPEN and self._clock() >= self._open_until:
-                self._state = _State.PROBING
-                if self._probe is None:
-                    return True
-                background = True
-            self._skipped += 1
-        if background:
+        admit = self._breaker.admit()
+        if admit is Admit.CALL:
+            return False
+        if admit is Admit.PROBE:
+            if self._probe is None:
+                return True
             try:
                 self._spawn(self._run_probe)
             except Exception as exc:  # noqa: BLE001 - no thread (exhausted, interpreter exiting)
-                # NOTE: the breaker stayed PROBING for good (every later call skipped, the
+                # NOTE: the breaker stayed probing for good (every later call skipped, the
                 # sidecar answering or not) and the engine's call got the RuntimeError
                 log.debug("kvstore sidecar probe of %s could not start: %r", self.target, exc)
-                self._record_fault(True)
+                self._fault()
+        with self._lock:
+            self._skipped += 1
         raise Unavailable(f"kvstore sidecar at {self.target} keeps failing: call skipped")
 
     def _run_probe(self) -> None:
@@ -170,42 +160,16 @@ class SidecarGuard:
         if working:
             self._working()
         else:
-            self._record_fault(True)
+            self._fault()
 
-    def _record_fault(self, probe: bool, *, hung: bool = False) -> bool:
-        """Count a transport fault (``hung``: a timeout); True when it opened the breaker
-        (from closed)."""
-        with self._lock:
-            if self._state is _State.CLOSED:
-                self._fails += 1
-                if self._fails < self._threshold and not (hung and self._timeouts_open):
-                    return False
-                self._open()
-                return True
-            if probe:
-                self._open()
-            # NOTE: a call let through before the breaker opened, failing late, changes nothing
-            return False
-
-    def _open(self) -> None:
-        """Open for the next, longer period (under the lock)."""
-        self._trips += 1
-        self._fails = 0
-        self._state = _State.OPEN
-        self._open_until = self._clock() + self._backoff.compute(self._trips)
-
-    def _probe_void(self) -> None:
-        """The probe ended without a word on the sidecar (an exception not of the client, e.g.
-        a bad argument caught before any call): the next call probes instead."""
-        with self._lock:
-            if self._state is _State.PROBING:
-                self._state = _State.OPEN
+    def _fault(self, *, hung: bool = False) -> bool:
+        """Count a transport fault (``hung``: a timeout); True when it opened the breaker."""
+        return self._breaker.record(False, open_now=hung and self._timeouts_open)
 
     def _working(self) -> None:
+        was_open = self._breaker.is_open
+        self._breaker.record(True)
         with self._lock:
-            was_open = self._state is not _State.CLOSED
-            self._state = _State.CLOSED
-            self._fails = self._trips = 0
             skipped, self._skipped = self._skipped, 0
         if was_open:
             log.info("kvstore sidecar at %s answers again (%d calls were skipped)", self.target, skipped)
