@@ -19,6 +19,7 @@ import typer
 from kvstore.cli_demo import demo
 from kvstore.cli_replay import replay
 from kvstore.cli_serve import register as register_service_commands
+from kvstore.cli_views import one_line_listings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="kvstore: a tiered KV-cache store for LLM inference.")
@@ -27,6 +28,7 @@ app.command("replay")(replay)
 for _ep in entry_points(group="kvstore.commands"):
     app.command(_ep.name)(_ep.load())
 app.command("demo")(demo)
+one_line_listings(app)
 
 
 def main(argv: list[str] | None = None) -> None:

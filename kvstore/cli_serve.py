@@ -76,6 +76,7 @@ from kvstore.cli_views import (
     PlainProgress,
     audit_listing,
     models_listing,
+    one_line_listings,
     policy_view,
     sessions_listing,
     stats_view,
@@ -672,3 +673,4 @@ def register(app: typer.Typer) -> None:
 
 admin_app = typer.Typer(help="kvstore sidecar: serve and administer.", no_args_is_help=True)
 register(admin_app)
+one_line_listings(admin_app)

@@ -7,6 +7,9 @@
   terminal (systemd, docker, a log file), where rich's live bar draws nothing at all.
 * :func:`stats_view`, :func:`policy_view` — the Stats and a tenant's policy as tables, byte
   counts as ``64.0 GiB`` (``--json`` prints the raw document).
+* :func:`one_line_listings` — each command's line in ``--help``'s command list as one
+  paragraph: typer kept the docstring's line breaks there, so ``kvstore tenant --help`` listed
+  ``delete`` over three ragged lines ("... print how many" / "blocks went.").
 * :class:`Listing` (:func:`models_listing`, :func:`sessions_listing`, :func:`tenants_listing`,
   :func:`audit_listing`) — rows an operator copies from, shown as :func:`whole_table` where the
   table fits with every cell whole, else one complete tab-separated line per row
@@ -22,12 +25,14 @@ as escapes): the caller's :func:`kvstore.cli_serve._shown`.
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
+import typer
 from rich import box
 from rich.cells import cell_len
 from rich.console import Console, Group, RenderableType
@@ -299,3 +304,16 @@ def audit_listing(entries: list[dict[str, Any]], when: Callable[[float], str]) -
     return Listing((Field("seq", right=True), Field("time"), Field("principal"), Field("action"),
                     Field("target", wrap=1), Field("result"), Field("ref", right=True), Field("detail", wrap=2)),
                    rows)
+
+
+def one_line_listings(app: typer.Typer) -> None:
+    """Give every command of ``app`` and of its sub-apps without a ``short_help`` one: the first
+    paragraph of its docstring with its line breaks folded (``--help`` of the command itself
+    still shows the whole docstring)."""
+    for info in app.registered_commands:
+        doc = inspect.getdoc(info.callback) if info.callback else None
+        if info.short_help is None and doc:
+            info.short_help = " ".join(doc.split("\n\n", 1)[0].split())
+    for group in app.registered_groups:
+        if group.typer_instance is not None:
+            one_line_listings(group.typer_instance)
