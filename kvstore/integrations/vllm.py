@@ -27,27 +27,16 @@ Contracts:
   loads (nothing is sent to be saved), ``kv_both`` (or none) does both.
 * **Blocks.** One kvstore block = one vLLM block (``block_tokens`` = vLLM's ``block_size``),
   all layers of this worker's shard, shaped ``[2, L, H, T, D]`` (:func:`spec_for` gives the
-  spec). Each layer's cache is moved as vLLM allocated it by :mod:`kernels.paged`, in its
-  layout (``BLOCKS_FIRST``/``KV_FIRST`` on GPU; on CPU ``CPU_SPLIT``: ``[nb, H, bs, 2D]`` written
-  as a K slab then a V slab per block and head). A cache on a device (GPU) is gathered on the
-  device, one layer at a time, and copied to a host staging buffer (page-locked with CUDA;
-  the copies are asynchronous and waited for before the client reads them); loaded blocks go
-  host -> device before they are scattered. CPU caches are gathered into and scattered from
-  the host buffers directly. The order inside a CPU slab is the kernel's and
-  depends on its ISA: for ``vec`` (K dim-major ``[D, bs]``, V token-major) the gather/scatter
-  kernel itself reads K as ``[D, bs]`` (``CPU_SPLIT_KDIM``), so stored blocks are canonical
-  with no transposing pass; other ISAs keep the engine's bytes under the layout tag ``vllm-cpu-<isa>`` (part of the fingerprint), so such blocks
-  round-trip exactly but never mix with canonical ones. Caches must hold the spec's dtype,
-  checked at :meth:`~KVStoreConnector.register_kv_caches`; fp8 caches, which vLLM allocates as
-  ``uint8``, are viewed as the spec's fp8 dtype (same bytes).
-* **fp8 scales.** fp8 bytes mean something only under the layer's k and v scales, so a worker
-  reads every layer's ``_k_scale``/``_v_scale`` at ``register_kv_caches`` (after the weights
-  loaded them) and, unless all are 1.0 (vLLM's default: the fingerprint is unchanged), puts a
-  hash of them in its spec's layout tag; vLLM's handshake gives each worker's to the scheduler
-  before the first request, so engines of one checkpoint (the same scales) share blocks and
-  engines with other scales under the same model name never load each other's. Scales that
-  cannot be read are refused at registration; scales computed from the first batch
-  (``calculate_kv_scales``, vLLM before 0.32) are refused when the connector is built.
+  spec), moved in each layer's own paged layout through host staging buffers: see
+  :mod:`kvstore.integrations.vllm_io`. The spec (model identity, dtype, CPU layout tags, fp8
+  scales, pipeline stages) and what is refused at startup (MLA, context parallelism,
+  speculative decoding with a draft model's KV, fp8 scales computed at run time) are in
+  :mod:`kvstore.integrations.vllm_spec`.
+* **fp8 scales.** A worker reads every layer's ``_k_scale``/``_v_scale`` at
+  ``register_kv_caches`` and, unless all are 1.0, puts a hash of them in its spec's layout tag
+  (:func:`~kvstore.integrations.vllm_spec.scales_tag`); vLLM's handshake gives each worker's to
+  the scheduler before the first request, so engines of one checkpoint share blocks and engines
+  with other scales under the same model name never load each other's.
 * **Keys.** The server-computed chained keys of the prompt's full blocks (the tenant namespace
   is applied by the server), so a block is only ever reused after the same prefix. They are
   computed under each rank's own spec (its shard has its own fingerprint), so the scheduler
@@ -110,13 +99,6 @@ Contracts:
   reported as a block the sidecar no longer has (vLLM recomputes it, and nothing computed over
   it is stored). The kernels' typed errors (a shape or a block table that does not fit) are not
   caught: they are bugs.
-* **Refused at startup** (:func:`refuse_unsupported`, when the connector is built, with a message
-  naming the option): MLA models (DeepSeek-V2/V3 and the like: their cache is one latent per
-  token, ``[blocks, block_size, latent]``; a 3-D cache is also refused at registration);
-  decode or prefill context parallelism > 1 (the scheduler's block is ``block_size x dcp``
-  tokens spread over the ranks); speculative decoding whose draft model has its own KV cache
-  (EAGLE, EAGLE3, MTP, ``draft_model``: vLLM would not recompute the draft's KV of loaded
-  tokens; ``ngram`` and ``suffix`` are fine).
 * **Limits.** One KV cache group (no hybrid/HMA models); prompt tokens only; no multimodal
   requests. A save's metadata carries every rank's keys of the prompt's blocks up to the saved
   ones (32 bytes per block and rank), so the workers can resend a chain from its root.
@@ -125,11 +107,8 @@ Contracts:
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-import hashlib
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -142,9 +121,33 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kernels.paged import PagedLayout, gather_blocks, gather_layer, scatter_blocks
-from kvstore.errors import DTypeMismatch, InvalidArgument, KVStoreError, ParentNotStored, ShapeMismatch, Unavailable
+from kvstore.errors import InvalidArgument, KVStoreError, ParentNotStored, ShapeMismatch, Unavailable
 from kvstore.integrations.guard import SidecarGuard
 from kvstore.integrations.options import DEFAULT_TIMEOUT_S, positive_int, positive_seconds
+from kvstore.integrations.vllm_io import (
+    Transfer,
+    _device_step,
+    _DeviceStepFailed,
+    _host_empty,
+    _host_ready,
+    _Stage,
+    _to_device,
+    _to_host,
+    cache_layout,
+    typed_cache,
+)
+from kvstore.integrations.vllm_spec import (
+    _K_DIM_MAJOR_ISAS,
+    _unkeyable,
+    cpu_isa,
+    make_spec,
+    pipeline_stages,
+    refuse_unsupported,
+    request_adapter,
+    scales_tag,
+    spec_for,
+    stage_layers,
+)
 from kvstore.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -159,184 +162,12 @@ __all__ = ["ConnectorCounts", "KVStoreConnector", "KVStoreConnectorMetadata", "K
 
 log = logging.getLogger(__name__)
 
-_FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
-#: ``--kv-cache-dtype`` values that name a plain torch dtype (vLLM 0.32 accepts "bfloat16"; some
-#: releases also "float16")
-_PLAIN = {"bfloat16": "bfloat16", "float16": "float16"}
 #: default size of the client's shared-memory region (``kvstore_region_mib``)
 DEFAULT_REGION_MIB = 64
 #: the extra key of a request's first block that carries its ``cache_salt``
 _SALT = b"vllm-cache-salt:"
-#: speculative methods whose draft model has attention layers (so KV in the target's blocks), for
-#: vLLM releases without ``SpeculativeConfig.uses_draft_kv_cache`` (0.32 has it)
-_DRAFT_KV_METHODS = frozenset({"eagle", "eagle3", "mtp", "deepseek_mtp", "draft_model", "dflash", "dspark",
-                               "extract_hidden_states"})
 #: the handshake's base class (vLLM sends every worker's to the scheduler once its caches are registered)
 _HandshakeBase: type = getattr(_vllm_base, "KVConnectorHandshakeMetadata", object)
-
-
-def make_spec(model: str, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str,
-              block_size: int, revision: str = "", tp_rank: int = 0, tp_size: int = 1,
-              layout: str = "vllm", adapter: str = "") -> ModelSpec:
-    """The block spec the connector uses (also for callers that inspect the store)."""
-    return ModelSpec(model=model, revision=revision, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                     head_dim=head_dim, dtype=dtype, block_tokens=block_size, layout=layout,
-                     adapter=adapter, tp_rank=tp_rank, tp_size=tp_size)
-
-
-def spec_for(vllm_config: VllmConfig, extra: dict[str, Any], tp_rank: int = 0, adapter: str = "",
-             pp_rank: int = 0) -> ModelSpec:
-    """Spec of one worker's shard (pipeline stage ``pp_rank``, TP rank ``tp_rank``), from vLLM's
-    config (the same in every process); ``adapter``: the request's LoRA adapter
-    (:func:`request_adapter`), "" for the base model.
-
-    NOTE: the identity is the model id (``kvstore_model``, else vLLM's served model name) and
-    ``kvstore_revision`` (else vLLM's ``--revision``, often ""): two checkpoints served under one
-    name share KV unless one of those tells them apart. With pipeline parallelism the stage and
-    its layer range are in the layout tag (so in the fingerprint): stages hold different layers
-    and never share keys; with one stage the tag is unchanged."""
-    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    if cc.cache_dtype == "auto":
-        dtype = str(mc.dtype).removeprefix("torch.")
-    elif cc.cache_dtype in _FP8:
-        dtype = _FP8[cc.cache_dtype]
-    elif cc.cache_dtype in _PLAIN:
-        dtype = _PLAIN[cc.cache_dtype]
-    else:
-        raise InvalidArgument(f"kvstore connector: unsupported kv cache dtype {cc.cache_dtype!r}")
-    model = str(extra.get("kvstore_model") or mc.served_model_name or mc.model)
-    layout = _layout_tag(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype)
-    pp_size = pipeline_stages(vllm_config)
-    if pp_size > 1:
-        start, end = stage_layers(vllm_config, pp_rank)
-        num_layers, layout = end - start, f"{layout};pp={pp_rank}/{pp_size};layers={start}-{end}"
-    else:
-        num_layers = mc.get_num_layers(pc)
-    return make_spec(model, num_layers=num_layers, num_kv_heads=mc.get_num_kv_heads(pc),
-                     head_dim=mc.get_head_size(), dtype=dtype, block_size=cc.block_size,
-                     revision=str(extra.get("kvstore_revision") or mc.revision or ""),
-                     tp_rank=tp_rank, tp_size=pc.tensor_parallel_size, adapter=adapter, layout=layout)
-
-
-def refuse_unsupported(vllm_config: VllmConfig) -> None:
-    """Refuse, when the connector is built (engine startup), what it cannot store correctly:
-    MLA models, context parallelism, speculative decoding with a draft model's KV, and fp8 KV
-    scales computed at run time (InvalidArgument naming the option).
-
-    NOTE: each checked against vLLM 0.32's source. MLA caches hold one latent per token, not
-    per-head K and V. With decode context parallelism the scheduler's block is ``block_size x
-    dcp`` tokens, each rank holding every dcp-th token of it (prefill context parallelism also
-    shards a block's tokens): the connector's blocks and keys are ``block_size`` tokens of one
-    rank. A draft model (EAGLE, MTP, ``draft_model``) keeps its KV in the target's blocks, and
-    vLLM does not recompute it for tokens a connector loaded: the drafts would attend to
-    whatever those blocks held before. Scales computed from the first batch
-    (``calculate_kv_scales``, in vLLM releases before 0.32) differ from engine to engine, and
-    their fp8 bytes decoded under another engine's scales are wrong attention."""
-    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    if getattr(mc, "use_mla", False):
-        raise InvalidArgument("kvstore connector: MLA models (DeepSeek-V2/V3, Kimi K2, ...) are not supported: their "
-                              "KV cache is one compressed latent per token ([blocks, block_size, latent]), not "
-                              "per-head K and V; run without kv_transfer_config")
-    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
-        size = int(getattr(pc, name, 1) or 1)
-        if size > 1:
-            raise InvalidArgument(f"kvstore connector: context parallelism ({name}={size}) is not supported: "
-                                  f"each rank holds every {size}th token of a block of block_size x {size} "
-                                  f"tokens, which the connector's keys and blocks do not describe; set it to 1")
-    sc = getattr(vllm_config, "speculative_config", None)
-    if sc is not None:
-        draft_kv = getattr(sc, "uses_draft_kv_cache", None)
-        method = getattr(sc, "method", None)
-        if draft_kv() if callable(draft_kv) else method in _DRAFT_KV_METHODS:
-            raise InvalidArgument(f"kvstore connector: speculative decoding with a draft model that has its own KV "
-                                  f"cache (speculative_config method {method!r}) is not supported: vLLM does not "
-                                  f"recompute the draft's KV of the tokens a connector loads; use a method "
-                                  f"without one (\"ngram\", \"suffix\") or no speculative_config")
-    if getattr(cc, "calculate_kv_scales", False) and cc.cache_dtype in _FP8:
-        raise InvalidArgument("kvstore connector: fp8 KV scales computed from the first batch "
-                              "(calculate_kv_scales=True) differ from engine to engine, and KV stored under one "
-                              "engine's scales is wrong under another's; use the checkpoint's scales "
-                              "(calculate_kv_scales=False)")
-
-
-def pipeline_stages(vllm_config: VllmConfig) -> int:
-    """vLLM's pipeline-parallel size (1 without pipeline parallelism)."""
-    return int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
-
-
-def stage_layers(vllm_config: VllmConfig, pp_rank: int) -> tuple[int, int]:
-    """Layers ``[start, end)`` of pipeline stage ``pp_rank``, as vLLM splits them in any process.
-
-    NOTE: vLLM's ``ModelConfig.get_layers_start_end_indices`` reads the stage from
-    ``parallel_config.rank`` (ranks laid out DP x PP x TP: a stage spans ``world_size / pp``
-    ranks), which is 0 in the scheduler: it is asked with a copy whose rank is the stage's first.
-    A worker checks the answer against its own (:class:`KVStoreConnector`)."""
-    pc = vllm_config.parallel_config
-    pp_size = pipeline_stages(vllm_config)
-    per_stage = max(1, int(getattr(pc, "world_size", 0) or pc.tensor_parallel_size * pp_size) // pp_size)
-    stage_pc = copy.copy(pc)
-    stage_pc.rank = pp_rank * per_stage
-    start, end = vllm_config.model_config.get_layers_start_end_indices(stage_pc)
-    return int(start), int(end)
-
-
-def request_adapter(request: Any) -> str:
-    """The spec ``adapter`` of a vLLM request: its LoRA adapter's name (else its id), "" without.
-
-    NOTE: the name, not ``lora_int_id``: vLLM numbers adapters per process, and stored blocks
-    outlive the process (NVMe, other engines on the same sidecar)."""
-    lora = getattr(request, "lora_request", None)
-    if lora is None:
-        return ""
-    name = getattr(lora, "lora_name", None) or getattr(lora, "name", None)
-    return f"lora:{name}" if name else f"lora-id:{getattr(lora, 'lora_int_id', '')}"
-
-
-def _unkeyable(request: Any) -> bool:
-    """Whether the request's KV depends on more than its token ids (multimodal inputs, prompt
-    embeddings), across vLLM versions (``mm_features``; ``mm_positions``/``mm_hashes`` before)."""
-    return (any(getattr(request, name, None) for name in ("mm_features", "mm_positions", "mm_hashes"))
-            or getattr(request, "prompt_embeds", None) is not None)
-
-
-#: CPU attention ISAs whose block order the connector converts to the canonical one
-#: (``vec``: K slab dim-major ``[D, bs]``, V slab token-major ``[bs, D]``; checked by tests/vllm_e2e.py)
-_K_DIM_MAJOR_ISAS = frozenset({"vec"})
-
-
-def cpu_isa(dtype: torch.dtype, block_size: int, head_size: int, cache_dtype: str) -> str | None:
-    """The vLLM CPU attention ISA for this cache (None off the CPU build)."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return None
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    return str(_get_attn_isa(dtype, block_size, head_size, cache_dtype))
-
-
-def _layout_tag(dtype: torch.dtype, block_size: int, head_size: int, cache_dtype: str) -> str:
-    """Spec layout tag: ``vllm`` for canonical blocks; ``vllm-cpu-<isa>`` for CPU kernels whose
-    in-block order is kept as is (not verified canonical), so those only match each other."""
-    isa = cpu_isa(dtype, block_size, head_size, cache_dtype)
-    return "vllm" if isa is None or isa in _K_DIM_MAJOR_ISAS else f"vllm-cpu-{isa}"
-
-
-@dataclass(slots=True)
-class Transfer:
-    """Blocks of one request to move this step: the prompt's blocks ``start..len(block_ids)``.
-
-    ``keys[r][i]``: rank r's (PP stage x TP rank, see the module docstring) key of the prompt's
-    block i, for every block up to the last one moved (the ones before ``start`` are the chain
-    the moved blocks continue from, which a save sends again if the store lost it);
-    ``block_ids[i]``: the engine block holding block i;
-    ``adapter``: the request's spec adapter (:func:`request_adapter`)."""
-
-    req_id: str
-    keys: list[list[bytes]]
-    start: int
-    block_ids: list[int]
-    adapter: str = ""
 
 
 @dataclass
@@ -366,81 +197,6 @@ class ConnectorCounts:
     resent_blocks: int = 0  # worker: earlier blocks sent again because their stored chain was gone
     failed_blocks: int = 0  # worker: blocks of saves that failed or followed a failed load (logged, dropped)
     failed_loads: int = 0  # worker: blocks a load did not get (reported to vLLM, recomputed)
-
-
-def _host_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host buffer for blocks moving to or from ``device``: page-locked for a CUDA device (so
-    the copies are asynchronous DMA), plain memory otherwise."""
-    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
-
-
-def _to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Start copying ``src`` (on the cache's device) into the host tensor ``dst``, on the
-    device's current stream; the bytes are there once :func:`_host_ready` returns."""
-    dst.copy_(src, non_blocking=True)
-
-
-def _host_ready(device: torch.device) -> None:
-    """Wait for the copies :func:`_to_host` started on ``device`` (nothing to wait for on the CPU).
-
-    NOTE: the whole current stream (the copies were queued on it after the layers' attention):
-    called once per step, from wait_for_save at the end of the forward pass, or for a chain
-    sent again from its root."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-    elif device.type not in ("cpu", "meta"):
-        torch.accelerator.synchronize(device)
-
-
-def _to_device(blocks: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Blocks the client returned (host memory) on the cache's device, as is on the CPU. The
-    copy and the scatter after it run in order on the device's current stream."""
-    return blocks if blocks.device == device else blocks.to(device, non_blocking=True)
-
-
-class _DeviceStepFailed(Exception):
-    """A device step of a save or a load failed (see :func:`_device_step`); it never leaves
-    the connector's hooks: the save is dropped, the load reported failed."""
-
-
-@contextlib.contextmanager
-def _device_step(what: str) -> Iterator[None]:
-    """Run a move between the cache's device and the host, raising :class:`_DeviceStepFailed`
-    for a RuntimeError in it (``torch.OutOfMemoryError`` for a pinned or device buffer, a CUDA
-    error of a copy or of the wait for it).
-
-    NOTE: these run inside vLLM's forward pass, where an exception ends the engine; a sidecar
-    that fails gives misses, and so does a buffer that cannot be had. Only RuntimeError: the
-    kernels' typed errors (KVStoreError) are bugs, and stay raised."""
-    try:
-        yield
-    except RuntimeError as exc:
-        raise _DeviceStepFailed(f"{what} failed: {type(exc).__name__}: {exc}") from exc
-
-
-@dataclass(slots=True)
-class _Stage:
-    """One save's blocks on their way from the caches to the sidecar.
-
-    On the CPU ``host`` is ``[n, 2, L, H, T, D]`` and each layer is gathered straight into it
-    (no other copy). For a cache on a device it is ``[L, n, 2, H, T, D]`` on the host (pinned
-    with CUDA): each layer is gathered on the device into a buffer of that layer's blocks only
-    (device memory for one layer, not the whole save) and copied into its own contiguous slab."""
-
-    t: Transfer
-    host: torch.Tensor
-    on_device: bool
-    seen: set[int] = field(default_factory=set)
-    failed: _DeviceStepFailed | None = None  # a device step of this save failed: it is not put
-
-    @property
-    def n(self) -> int:
-        return self.host.shape[1] if self.on_device else self.host.shape[0]
-
-    def blocks(self) -> torch.Tensor:
-        """The blocks as the client takes them, ``[n, 2, L, H, T, D]``."""
-        return self.host.permute(1, 2, 0, 3, 4, 5) if self.on_device else self.host
-
 
 @dataclass(slots=True)
 class _ReqState:
@@ -773,43 +529,17 @@ class KVStoreConnector(KVConnectorBase_V1):
         if any(kv_caches[n].dim() == 3 for n in names):
             raise ShapeMismatch(f"kvstore connector: 3-D KV caches {tuple(kv_caches[names[0]].shape)} (MLA: one "
                                 f"latent per token) are not supported, only per-head K and V")
-        caches = [self._typed(n, kv_caches[n]) for n in names]
-        self._tag_scales(self._rank, self._scales_tag(names))
-        layouts = {self._layout_of(c) for c in caches}
+        caches = [typed_cache(self._spec, n, kv_caches[n]) for n in names]
+        self._tag_scales(self._rank, scales_tag(self._spec, self._vllm_config, names))
+        layouts = {cache_layout(self._spec, self._k_dim_major, c) for c in caches}
         if len(layouts) != 1:
             raise ShapeMismatch(f"kvstore connector: layers use different KV layouts {sorted(layouts)}")
         self._layout = layouts.pop()
         self._layers = caches
         self._layer_pos = {n: i for i, n in enumerate(names)}
 
-    def _scales_tag(self, names: list[str]) -> str:
-        """The layout tag part of this worker's fp8 KV scales: "" for a cache that is not fp8 or
-        whose every layer's k and v scale is 1.0 (vLLM's default: the fingerprint is as before),
-        else a hash of them all. Read from vLLM's attention layers once the weights are loaded.
-
-        NOTE: fp8 bytes mean something only under their scales: a checkpoint's own scales (the same
-        in every engine of that checkpoint) give the same tag, so engines share blocks; another
-        checkpoint's, under the same model name, give another fingerprint, so no block of one is
-        ever loaded by the other. Scales that cannot be read are refused (scales computed at run
-        time are refused when the connector is built, see :func:`refuse_unsupported`)."""
-        if self._spec.itemsize != 1:
-            return ""
-        layers = getattr(getattr(self._vllm_config, "compilation_config", None), "static_forward_context", None)
-        scales = []
-        for name in names:
-            layer = (layers or {}).get(name)
-            k, v = getattr(layer, "_k_scale", None), getattr(layer, "_v_scale", None)
-            if k is None or v is None:
-                raise InvalidArgument(f"kvstore connector: cannot read the fp8 KV scales (_k_scale, _v_scale) of "
-                                      f"layer {name}: KV stored under other scales could not be told apart")
-            scales += [torch.as_tensor(x).detach().to("cpu", torch.float32).reshape(-1) for x in (k, v)]
-        flat = torch.cat(scales)
-        if bool((flat == 1.0).all()):
-            return ""
-        return "kv_scales=" + hashlib.blake2b(flat.numpy().tobytes(), digest_size=8).hexdigest()
-
     def _tag_scales(self, rank: int, tag: str) -> None:
-        """Rank ``rank``'s spec with its fp8 scales tag (:meth:`_scales_tag`) in its layout."""
+        """Rank ``rank``'s spec with its fp8 scales tag (:func:`scales_tag`) in its layout."""
         if self._scales[rank] == tag:
             return
         self._scales[rank] = tag
@@ -838,31 +568,6 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         self.set_xfer_handshake_metadata_pp_aware({(0, tp_rank): meta for tp_rank, meta in metadata.items()})
-
-    def _typed(self, name: str, cache: torch.Tensor) -> torch.Tensor:
-        """``cache`` as the spec's dtype: as is, or an fp8 cache vLLM allocated as ``uint8``
-        viewed as the spec's fp8 dtype (the same bytes)."""
-        want = self._spec.torch_dtype
-        if cache.dtype == want:
-            return cache
-        if cache.dtype == torch.uint8 and self._spec.itemsize == 1:
-            return cache.view(want)
-        raise DTypeMismatch(f"kvstore connector: layer {name} caches {cache.dtype}, the spec says {want} "
-                            f"(kv_cache_dtype {self._spec.dtype!r})")
-
-    def _layout_of(self, cache: torch.Tensor) -> PagedLayout:
-        s, bs = self._spec, self._block_size
-        h, d = s.num_kv_heads, s.head_dim
-        if cache.dim() == 4 and tuple(cache.shape[1:]) == (h, bs, 2 * d):
-            # vLLM CPU: [nb, H, bs, 2D] written as [nb, H, 2, bs, D] (K slab | V slab); the
-            # ``vec`` ISA keeps K dim-major, which the kernel turns canonical as it gathers
-            return PagedLayout.CPU_SPLIT_KDIM if self._k_dim_major else PagedLayout.CPU_SPLIT
-        if cache.dim() == 5 and tuple(cache.shape[1:]) == (2, bs, h, d):
-            return PagedLayout.BLOCKS_FIRST
-        if cache.dim() == 5 and cache.shape[0] == 2 and tuple(cache.shape[2:]) == (bs, h, d):
-            return PagedLayout.KV_FIRST
-        raise ShapeMismatch(f"kvstore connector: unknown KV cache layout {tuple(cache.shape)} "
-                            f"(block_size {bs}, {h} heads, head_dim {d})")
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Load every scheduled block, all layers, before the forward pass."""
