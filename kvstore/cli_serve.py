@@ -5,9 +5,9 @@
     kvstore serve [--config kvstore.toml] [--listen HOST:PORT] [--data-dir DIR]
     kvstore tenant add NAME [--role tenant|publisher|admin] [--namespace shared:x ...]
     kvstore tenant rotate NAME | delete NAME [--yes] [--timeout S] | list [--json] | grant NAME shared:x [--revoke]
-    kvstore policy get NAME [--json] | set NAME [--ttl 3600] [--quota hbm=1GiB ...] [--priority N] [--json]
+    kvstore policy get NAME [--json] | set NAME [--ttl 1h] [--quota hbm=1GiB ...] [--priority N] [--json]
     kvstore session list [--tenant NAME] [--json] | close TENANT SESSION_ID
-    kvstore model list [--json] | purge FINGERPRINT [--yes] [--timeout S] | policy FINGERPRINT [--ttl S | --clear]
+    kvstore model list [--json] | purge FINGERPRINT [--yes] [--timeout S] | policy FINGERPRINT [--ttl 7d | --clear]
     kvstore stats [--json]
     kvstore audit [--limit N] [--since SEQ] [--json]
 
@@ -86,6 +86,7 @@ from kvstore.cli_views import (
     waiting,
     whole_table,
 )
+from kvstore.durations import parse_duration
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.server_config import DEFAULT_LISTEN
 
@@ -418,12 +419,21 @@ def _console() -> Console:
     return console if console.width > 0 else Console(width=80)
 
 
+def _duration(text: str) -> float:
+    """``--ttl``'s value in seconds (:func:`kvstore.durations.parse_duration`); a bad one is the
+    option's error."""
+    try:
+        return parse_duration(text)
+    except InvalidArgument as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
 @policy_app.command("set")
 def policy_set(
     name: str,
-    ttl: Annotated[float | None, typer.Option("--ttl", help=(
-        "Block TTL in seconds: the default of a put that gives none, and the most any put gets; "
-        "setting or lowering it caps the blocks already stored at now + TTL (omit: none)."))] = None,
+    ttl: Annotated[float | None, typer.Option("--ttl", parser=_duration, metavar="DURATION", help=(
+        "Block TTL (3600, 90s, 30m, 1.5h, 7d): the default of a put that gives none, and the most any "
+        "put gets; setting or lowering it caps the blocks already stored at now + TTL (omit: none)."))] = None,
     quota: Annotated[list[str] | None, typer.Option("--quota", help=(
         "TIER=SIZE (hbm, dram, nvme, remote), e.g. hbm=2GiB; repeat. 0 keeps the tenant out of that "
         "tier: with hbm=0 a put in a session (pinned in HBM) is refused."))] = None,
@@ -572,9 +582,9 @@ def _fingerprint_arg(fingerprint: str) -> bytes:
 def model_policy(
     fingerprint: Annotated[str, typer.Argument(help=(
         "The model's fingerprint: 32 hex digits, as `kvstore model list` shows it."))],
-    ttl: Annotated[float | None, typer.Option("--ttl", help=(
-        "Block TTL in seconds for every block of the model, every tenant's (at most the tenant's own TTL "
-        "still applies); setting or lowering it caps the blocks already stored at now + TTL."))] = None,
+    ttl: Annotated[float | None, typer.Option("--ttl", parser=_duration, metavar="DURATION", help=(
+        "Block TTL (3600, 90s, 30m, 1.5h, 7d) for every block of the model, every tenant's (at most the "
+        "tenant's own TTL still applies); setting or lowering it caps the blocks already stored at now + TTL."))] = None,
     clear: Annotated[bool, typer.Option("--clear", help="Remove the model's TTL (extends no block).")] = False,
     as_json: JsonOpt = False,
     target: TargetOpt = DEFAULT_LISTEN, token: TokenOpt = "", ca_file: CaOpt = None,
