@@ -62,7 +62,8 @@ Contracts:
   choice) is offered no hit (vLLM asks the connector anyway), and is still saved.
 * **Load.** :meth:`start_load_kv` gets every scheduled load's blocks (under this rank's keys) and
   scatters all layers before the forward pass (so :meth:`wait_for_layer_load` has nothing to
-  wait for). Blocks the sidecar no longer has (evicted since the lookup, on any rank) are
+  wait for), one layer at a time: the device holds one layer of a load's blocks at once, never
+  all layers (:meth:`~KVStoreConnector._scatter`). Blocks the sidecar no longer has (evicted since the lookup, on any rank) are
   reported through :meth:`get_block_ids_with_load_errors`, and vLLM recomputes them; so are
   blocks whose move to the device failed (CUDA out of memory, a failed copy: see **Device steps**).
   **Nothing computed over a failed load is stored** (such a block holds whatever the engine
@@ -120,7 +121,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kernels.paged import PagedLayout, gather_blocks, gather_layer, scatter_blocks
+from kernels.paged import PagedLayout, gather_blocks, gather_layer, scatter_layer
 from kvstore.errors import InvalidArgument, KVStoreError, ParentNotStored, ShapeMismatch, Unavailable
 from kvstore.integrations.guard import SidecarGuard
 from kvstore.integrations.options import DEFAULT_TIMEOUT_S, positive_int, positive_seconds
@@ -570,7 +571,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.set_xfer_handshake_metadata_pp_aware({(0, tp_rank): meta for tp_rank, meta in metadata.items()})
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Load every scheduled block, all layers, before the forward pass."""
+        """Load every scheduled block, all layers (one at a time: :meth:`_scatter`), before the
+        forward pass."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
         for t in meta.loads:
@@ -584,13 +586,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 blocks = None
             n = 0 if blocks is None else blocks.shape[0]
             if n:
-                device = self._device
-                # NOTE: a CPU cache takes the blocks as they are: no device step, nothing caught
-                step = _device_step(f"moving {n} loaded blocks to {device}") if device.type != "cpu" \
-                    else contextlib.nullcontext()
                 try:
-                    with step:
-                        scatter_blocks(_to_device(blocks, device), self._layers, ids[:n], self._layout)
+                    self._scatter(blocks, ids[:n])
                 except _DeviceStepFailed as exc:
                     # NOTE: a scatter cut short left some blocks written: all are reported, and recomputed
                     log.warning("kvstore load failed for %s (vLLM recomputes its %d blocks): %s", t.req_id, n, exc)
@@ -602,6 +599,23 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self._failed_now.update(ids[n:])
                 self._unloaded.update(ids[n:])
                 self.counts.failed_loads += len(ids) - n
+
+    def _scatter(self, blocks: torch.Tensor, ids: list[int]) -> None:
+        """Write loaded ``blocks`` ``[n, 2, L, H, T, D]`` (host memory) into the engine blocks
+        ``ids`` of every layer, one layer at a time: a layer's blocks are copied to the cache's
+        device and scattered before the next layer's are copied, so the device holds one layer
+        of the load (``n`` blocks of ``[2, H, T, D]``), not all ``L``.
+
+        NOTE: the copy is bound to no name, so its buffer is freed (on CUDA, back to the caching
+        allocator, stream-ordered) once its scatter is queued, before the next layer's copy. On
+        the CPU ``_to_device`` gives the host view itself (no copy): the same loop, with no
+        device step and nothing caught."""
+        device = self._device
+        step = _device_step(f"moving {blocks.shape[0]} loaded blocks to {device}, one layer at a time") \
+            if device.type != "cpu" else contextlib.nullcontext()
+        with step:
+            for pos, cache in enumerate(self._layers):
+                scatter_layer(_to_device(blocks[:, :, pos], device), cache, ids, self._layout)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads complete in :meth:`start_load_kv`; nothing to wait for."""

@@ -16,7 +16,9 @@ it calls the device steps (:func:`_host_empty`, :func:`_to_host`, :func:`_host_r
   are viewed as the spec's fp8 dtype (same bytes).
 * **Staging.** A cache on a device (GPU) is gathered on the device, one layer at a time, and
   copied to a host staging buffer (page-locked with CUDA; the copies are asynchronous and waited
-  for before the client reads them); loaded blocks go host -> device before they are scattered.
+  for before the client reads them); loaded blocks go host -> device one layer at a time, each
+  layer's copy scattered (and freed) before the next is made, so a load holds one layer of its
+  blocks on the device, not all of them.
   CPU caches are gathered into and scattered from the host buffers directly.
 * **Device steps.** They run inside vLLM's forward pass: one that fails with a RuntimeError
   (``torch.OutOfMemoryError`` is one, as are CUDA's errors) raises :class:`_DeviceStepFailed`
