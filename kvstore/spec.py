@@ -19,6 +19,9 @@ from typing import Any
 from kvstore.errors import InvalidArgument
 
 #: dtype names accepted in a spec -> (torch attribute name, itemsize). "float8" means e4m3fn.
+#: The ``fnuz`` variants are AMD's (MI300: vLLM's "fp8" KV cache on ROCm): the same byte means
+#: another number there (no negative zero, exponent bias one more), so they are dtypes of
+#: their own, never keyed as e4m3fn/e5m2.
 DTYPES: dict[str, tuple[str, int]] = {
     "float16": ("float16", 2),
     "bfloat16": ("bfloat16", 2),
@@ -26,6 +29,8 @@ DTYPES: dict[str, tuple[str, int]] = {
     "float8": ("float8_e4m3fn", 1),
     "float8_e4m3fn": ("float8_e4m3fn", 1),
     "float8_e5m2": ("float8_e5m2", 1),
+    "float8_e4m3fnuz": ("float8_e4m3fnuz", 1),
+    "float8_e5m2fnuz": ("float8_e5m2fnuz", 1),
 }
 
 FINGERPRINT_BYTES = 16
