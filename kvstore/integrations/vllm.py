@@ -121,7 +121,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kernels.paged import PagedLayout, gather_blocks, gather_layer, scatter_layer
+from kernels.paged import PagedLayout, gather_layer, scatter_layer
 from kvstore.errors import InvalidArgument, KVStoreError, ParentNotStored, ShapeMismatch, Unavailable
 from kvstore.integrations.guard import SidecarGuard
 from kvstore.integrations.options import DEFAULT_TIMEOUT_S, positive_int, positive_seconds
@@ -657,21 +657,24 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._staged is None:
             meta = self._get_connector_metadata()
             assert isinstance(meta, KVStoreConnectorMetadata)
-            s, device = self._spec, self._device
-            on_device = device.type != "cpu"
             self._staged = []
             for t in meta.saves:
                 if self._computable(t):
-                    n = len(t.block_ids) - t.start
-                    shape = (s.num_layers, n, 2, *s.block_shape[2:]) if on_device else (n, *s.block_shape)
                     try:
-                        with _device_step(f"a host buffer for {n} blocks"):
-                            host = _host_empty(shape, s.torch_dtype, device)
+                        self._staged.append(self._stage(t))
                     except _DeviceStepFailed as exc:
-                        self._dropped(t, n, exc)
-                        continue
-                    self._staged.append(_Stage(t, host, on_device))
+                        self._dropped(t, len(t.block_ids) - t.start, exc)
         return self._staged
+
+    def _stage(self, t: Transfer) -> _Stage:
+        """A staging record, with its host buffer, for the transfer's blocks from ``start``."""
+        s, device = self._spec, self._device
+        on_device = device.type != "cpu"
+        n = len(t.block_ids) - t.start
+        shape = (s.num_layers, n, 2, *s.block_shape[2:]) if on_device else (n, *s.block_shape)
+        with _device_step(f"a host buffer for {n} blocks"):
+            host = _host_empty(shape, s.torch_dtype, device)
+        return _Stage(t, host, on_device)
 
     def _dropped(self, t: Transfer, n: int, exc: _DeviceStepFailed) -> None:
         """Drop a save whose device step failed (none of its ``n`` blocks is put: a future miss)."""
@@ -754,16 +757,19 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.counts.resent_blocks += t.start
 
     def _gather_all(self, block_ids: list[int]) -> torch.Tensor:
-        """All layers of the engine blocks ``block_ids`` as store blocks on the host."""
-        s, device = self._spec, self._device
-        with _device_step(f"a host buffer for {len(block_ids)} blocks"):
-            host = _host_empty((len(block_ids), *s.block_shape), s.torch_dtype, device)
-        if device.type == "cpu":
-            return gather_blocks(self._layers, block_ids, self._layout, out=host)
-        with _device_step(f"copying {len(block_ids)} blocks to the host"):
-            _to_host(gather_blocks(self._layers, block_ids, self._layout), host)
-            _host_ready(device)
-        return host
+        """All layers of the engine blocks ``block_ids`` as store blocks on the host, gathered
+        as a save's are (:meth:`_gather`): for a cache on a device one layer at a time, each
+        through a device buffer of that layer's blocks only (``block_ids`` is every block of
+        the prompt before a save: all layers at once held ``L`` times that on the device)."""
+        stage = self._stage(Transfer("", [], 0, block_ids))
+        for pos in range(len(self._layers)):
+            self._gather(pos, stage)
+        if stage.on_device and stage.failed is None:
+            with _device_step(f"waiting for the copies of {len(block_ids)} blocks to the host"):
+                _host_ready(self._device)
+        if stage.failed is not None:
+            raise stage.failed
+        return stage.blocks()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
