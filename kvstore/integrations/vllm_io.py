@@ -14,12 +14,13 @@ it calls the device steps (:func:`_host_empty`, :func:`_to_host`, :func:`_host_r
   kernel reads it as ``[D, bs]``, so stored blocks are canonical with no transposing pass). Caches
   must hold the spec's dtype (:func:`typed_cache`); fp8 caches, which vLLM allocates as ``uint8``,
   are viewed as the spec's fp8 dtype (same bytes).
-* **Staging.** A cache on a device (GPU) is gathered on the device, one layer at a time, and
-  copied to a host staging buffer (page-locked with CUDA; the copies are asynchronous and waited
-  for before the client reads them); loaded blocks go host -> device one layer at a time, each
-  layer's copy scattered (and freed) before the next is made, so a load holds one layer of its
-  blocks on the device, not all of them.
-  CPU caches are gathered into and scattered from the host buffers directly.
+* **Staging.** A cache on a device (GPU) is gathered on the device, one layer at a time (a save's
+  blocks, and a chain sent again from its root), each layer into a device buffer of its own and
+  copied to its own slab of a host staging buffer (page-locked with CUDA; the copies are
+  asynchronous and waited for before the client reads them). Loaded blocks go host -> device one
+  layer at a time too, each layer's copy scattered (and freed) before the next is made. So a move
+  holds one layer of its blocks on the device, never all ``L``. CPU caches are gathered into and
+  scattered from the host buffers directly.
 * **Device steps.** They run inside vLLM's forward pass: one that fails with a RuntimeError
   (``torch.OutOfMemoryError`` is one, as are CUDA's errors) raises :class:`_DeviceStepFailed`
   (:func:`_device_step`), which fails that save or that load, never the engine step. The
@@ -46,7 +47,7 @@ __all__ = ["Transfer", "cache_layout", "typed_cache"]
 class Transfer:
     """Blocks of one request to move this step: the prompt's blocks ``start..len(block_ids)``.
 
-    ``keys[r][i]``: rank r's (PP stage x TP rank, see the module docstring) key of the prompt's
+    ``keys[r][i]``: rank r's (PP stage x TP rank, see :mod:`kvstore.integrations.vllm`) key of the prompt's
     block i, for every block up to the last one moved (the ones before ``start`` are the chain
     the moved blocks continue from, which a save sends again if the store lost it);
     ``block_ids[i]``: the engine block holding block i;
