@@ -41,6 +41,12 @@ the earlier ones stored); the stream's limits then apply (``limits.max_blocks_pe
 ``max_stream_bytes``): put a bigger one from :meth:`Client.local_blocks`, or in calls of your
 own with ``parent=``.
 
+Pages keyed by the engine itself (each block a root of its own, no parent links: SGLang's
+HiCache pages) move many to a call: :meth:`Client.lookup_roots` (each key's tier, or None),
+``put``/``put_bytes(roots=True)`` (all or nothing, as a chain's put) and
+:meth:`Client.get_roots_into` (each key that is stored, and which were), one RPC each where a
+call per key cost one RPC per page (``Target.roots``).
+
 Timeouts: ``timeout`` bounds each verb as a whole (``close`` aside), however many RPCs a put
 or get makes: a registration of the region, pieces of a long chain, fences of calls in doubt
 (these may add up to :data:`HELD_FENCE_WAIT_S` before the call and as much after it). A put
@@ -96,7 +102,7 @@ from kvstore.service_convert import spec_to_pb, tier_names
 from kvstore.shm import ShmRegion, is_local_target
 from kvstore.spec import ModelSpec, check_spec
 from kvstore.status import from_rpc_error
-from kvstore.store_reserve import _parent
+from kvstore.store_reserve import _parent, check_roots
 from kvstore.validation import check_text
 from proto.kvstore.v1 import admin_pb2_grpc, kvstore_pb2_grpc
 from proto.kvstore.v1 import kvstore_pb2 as pb
@@ -216,12 +222,12 @@ def _flat_bytes(kv: Any, n: int, nbytes: int, what: str = "kv") -> np.ndarray:
     return arr.reshape(n, nbytes)
 
 
-def _check_call(spec: Any, parent: Any) -> None:
-    """The Store's checks of a verb's ``spec`` and ``parent`` (InvalidArgument), before the
-    client uses either: a str spec failed as AttributeError, a str or int parent as TypeError
-    from protobuf."""
+def _check_call(spec: Any, parent: Any, roots: Any = False) -> None:
+    """The Store's checks of a verb's ``spec``, ``parent`` and ``roots`` (InvalidArgument),
+    before the client uses them: a str spec failed as AttributeError, a str or int parent as
+    TypeError from protobuf."""
     check_spec(spec)
-    _parent(parent)
+    check_roots(roots, _parent(parent))
 
 
 def _overlapping(t: torch.Tensor) -> bool:
@@ -253,6 +259,28 @@ def _host_staging(out: Any) -> Any:
     if not writable:
         raise InvalidArgument(f"out is read-only ({type(out).__name__})")
     return None
+
+
+def _receiving_rows(out: Any, spec: ModelSpec, n: int) -> tuple[Any, np.ndarray]:
+    """``(host, rows)`` of a get's ``out`` (a tensor, array or buffer of ``n`` blocks): ``rows``
+    the [n, block_nbytes] uint8 view to receive into, ``host`` a host copy of ``out`` that
+    ``rows`` views (copy it back afterwards: :func:`_copy_back`), or None when they view ``out``."""
+    if isinstance(out, torch.Tensor):
+        holding_data(out, "out", writable=True)  # NOTE: a negated view failed in a byte view
+        if not out.is_contiguous() and _overlapping(out):
+            # NOTE: torch refused the copy back into it only after the whole fetch
+            raise ShapeMismatch(f"out has elements that share memory (an expand()ed view: shape "
+                                f"{tuple(out.shape)}, strides {out.stride()}); pass a tensor that "
+                                f"can hold every block, e.g. .clone()")
+    host = _host_staging(out)
+    return host, _flat_bytes(out if host is None else host, n, spec.block_nbytes, "out")
+
+
+def _copy_back(out: Any, host: Any) -> None:
+    if isinstance(out, torch.Tensor):
+        out.copy_(host)
+    else:
+        np.copyto(out, host)
 
 
 def _close_plane_in(pid: int, plane: LocalPlane) -> None:
@@ -287,6 +315,7 @@ class _Put:
     session: str
     ttl_s: float | None
     namespace: str
+    roots: bool = False
 
 
 class Client:
@@ -555,12 +584,13 @@ class Client:
 
     @staticmethod
     def _target(t: pb.Target, spec: ModelSpec, keys: Sequence[bytes] | None, token_ids: Any,
-                namespace: str, parent: bytes | None = None) -> None:
+                namespace: str, parent: bytes | None = None, roots: bool = False) -> None:
         """Fill the request's own ``target`` in place (NOTE: ``Request(target=t)`` would copy
         the packed keys once more: 256 KiB for a 128K-token prompt)."""
         t.spec.CopyFrom(spec_to_pb(spec))
         t.namespace = check_text("namespace", namespace)
         t.parent = parent or b""
+        t.roots = roots
         if token_ids is not None:
             ids = as_token_array(token_ids)
             t.tokens.ids.extend(ids.tolist())
@@ -601,16 +631,36 @@ class Client:
         computed = [r.keys[i : i + KEY_BYTES] for i in range(0, len(r.keys), KEY_BYTES)] if r.keys else None
         return LookupResult(r.num_blocks, tier_names(r.tier_codes), computed)
 
+    def lookup_roots(self, spec: ModelSpec, keys: Sequence[bytes], *, namespace: str = "") -> list[str | None]:
+        """The tier name of each of ``keys`` as an independent root block (a one-block prefix:
+        stored with ``put(roots=True)``, or as the first block of a chain), None where it is
+        absent; one RPC for all of them (``Target.roots``), answering what :meth:`lookup` of
+        each key alone would. No keys: no RPC."""
+        check_spec(spec)
+        keys = check_keys(keys)
+        if not keys:
+            self._usable()
+            return []
+        req = pb.LookupRequest()
+        self._target(req.target, spec, keys, None, namespace, roots=True)
+        codes = self._call(self._kv.Lookup, req).tier_codes
+        if len(codes) != len(keys):
+            raise FailedPrecondition("the server answered a lookup of roots as a chain: it predates "
+                                     "Target.roots (upgrade it, or look keys up one per call)")
+        return [name or None for name in tier_names(codes)]
+
     # -- put ----------------------------------------------------------------------------------
     def put(self, spec: ModelSpec, keys: Sequence[bytes], kv: Any, *, session: str | None = None,
-            ttl_s: float | None = None, namespace: str = "", parent: bytes | None = None) -> None:
+            ttl_s: float | None = None, namespace: str = "", parent: bytes | None = None,
+            roots: bool = False) -> None:
         """Store ``kv`` ([len(keys), 2, L, H, T, D] of the spec's dtype: a tensor or a numpy
         array, whose shape and dtype are checked; a uint8 [len(keys), block_nbytes] array or any
         other buffer of the blocks' bytes is taken as raw bytes, checked only for its size)
         under the key chain; ``parent``: the stored block ``keys[0]`` continues from. All or
         nothing; a DEADLINE_EXCEEDED that came while the server committed may leave the put
-        stored whole (puts are idempotent: retry)."""
-        _check_call(spec, parent)
+        stored whole (puts are idempotent: retry). ``roots``: the keys are independent root
+        blocks, not a chain (no ``parent``; see :meth:`lookup_roots`), stored in one call."""
+        _check_call(spec, parent, roots)
         keys = check_keys(keys)
         if isinstance(kv, np.ndarray) and not (kv.dtype == np.uint8 and kv.shape == (len(keys), spec.block_nbytes)):
             # NOTE: its shape and dtype went unchecked (a wrong layout of the right byte count
@@ -627,16 +677,17 @@ class Client:
             # namespace and parent of an in-band one, the shared-memory plane did not)
             self._usable()
             return
-        self.put_bytes(spec, keys, rows, session=session, ttl_s=ttl_s, namespace=namespace, parent=parent)
+        self.put_bytes(spec, keys, rows, session=session, ttl_s=ttl_s, namespace=namespace, parent=parent,
+                       roots=roots)
 
     def put_bytes(self, spec: ModelSpec, keys: Sequence[bytes], blocks: np.ndarray | Sequence[Any], *,
                   session: str | None = None, ttl_s: float | None = None, namespace: str = "",
-                  parent: bytes | None = None) -> None:
+                  parent: bytes | None = None, roots: bool = False) -> None:
         """Like :meth:`put`, blocks as a [n, block_nbytes] uint8 array or n buffers. A put of
         no blocks stores nothing; as :meth:`kvstore.Store.put_bytes`, it still fails on an unknown
         session, an unstored parent or a namespace the caller may not write (:meth:`put`
-        of none returns at once, as Store.put does)."""
-        _check_call(spec, parent)
+        of none returns at once, as Store.put does). ``roots``: as :meth:`put`."""
+        _check_call(spec, parent, roots)
         keys = check_keys(keys)
         nbytes = spec.block_nbytes
         rows: Any
@@ -649,7 +700,7 @@ class Client:
             rows = [v.cpu().numpy() if isinstance(v, torch.Tensor) else v
                     for v in block_views(spec, blocks, len(keys), "buffer")]
         put = _Put(spec, keys, check_text("session", session or ""), check_ttl(ttl_s),
-                   check_text("namespace", namespace))
+                   check_text("namespace", namespace), roots)
         if not keys:
             # NOTE: as Store.put_bytes, the server checks the session, namespace and parent of a
             # put of no blocks, on either plane (the shared-memory one returned quietly)
@@ -669,7 +720,7 @@ class Client:
 
     def _put_stream(self, put: _Put, rows: Any, parent: bytes | None, deadline: float | None = None) -> None:
         header = pb.PutHeader(session=put.session)
-        self._target(header.target, put.spec, put.keys, None, put.namespace, parent)
+        self._target(header.target, put.spec, put.keys, None, put.namespace, parent, put.roots)
         if put.ttl_s is not None:
             header.ttl_s = put.ttl_s
 
@@ -717,7 +768,7 @@ class Client:
                    staged: int | None = None, deadline: float | None = None) -> None:
         try:
             req = pb.PutLocalRequest(offsets=offsets, session=put.session)
-            self._target(req.target, put.spec, keys, None, put.namespace, parent)
+            self._target(req.target, put.spec, keys, None, put.namespace, parent, put.roots)
             if put.ttl_s is not None:
                 req.ttl_s = put.ttl_s
         except BaseException:
@@ -754,15 +805,7 @@ class Client:
             for i in range(n):
                 copy_bytes(views[i], staged[i])
             return n
-        if isinstance(out, torch.Tensor):
-            holding_data(out, "out", writable=True)  # NOTE: a negated view failed in a byte view
-            if not out.is_contiguous() and _overlapping(out):
-                # NOTE: torch refused the copy back into it only after the whole fetch
-                raise ShapeMismatch(f"out has elements that share memory (an expand()ed view: shape "
-                                    f"{tuple(out.shape)}, strides {out.stride()}); pass a tensor that "
-                                    f"can hold every block, e.g. .clone()")
-        host = _host_staging(out)
-        rows = _flat_bytes(out if host is None else host, len(keys), spec.block_nbytes, "out")
+        host, rows = _receiving_rows(out, spec, len(keys))
         if not keys:
             return 0
         # NOTE: one deadline for the whole get, a registration of the region included: the
@@ -779,11 +822,128 @@ class Client:
         if n is None:
             n = self._get_stream(spec, keys, rows, namespace, parent, self._left(deadline))
         if host is not None and n:
-            if isinstance(out, torch.Tensor):
-                out.copy_(host)
-            else:
-                np.copyto(out, host)
+            _copy_back(out, host)
         return n
+
+    def get_roots_into(self, spec: ModelSpec, keys: Sequence[bytes], out: Any, *,
+                       namespace: str = "") -> list[bool]:
+        """Copy each of ``keys`` stored as an independent root block (see :meth:`lookup_roots`)
+        into its place in ``out`` (as :meth:`get_into` takes it: len(keys) blocks' bytes, or a
+        list of one buffer per key); whether each key was. The place of a miss keeps its
+        bytes. One RPC for all of them (``Target.roots``; more only past the server's
+        ``limits.max_stream_bytes`` in-band, or the free part of the shared region when ``out``
+        is not in it), serving what :meth:`get_into` of each key alone would."""
+        check_spec(spec)
+        keys = check_keys(keys)
+        if isinstance(out, (list, tuple)):  # one buffer per block, as Store.get_roots_into takes
+            views = block_views(spec, out, len(keys), "output buffer", writable=True)
+            staged = np.empty((len(keys), spec.block_nbytes), dtype=np.uint8)
+            present = self.get_roots_into(spec, keys, staged, namespace=namespace)
+            for i, hit in enumerate(present):
+                if hit:
+                    copy_bytes(views[i], staged[i])
+            return present
+        host, rows = _receiving_rows(out, spec, len(keys))
+        if not keys:
+            self._usable()
+            return []
+        deadline = self._deadline()
+        lp = self._plane(deadline)
+        present = None
+        if lp is not None:
+            try:
+                with lp.in_use():
+                    present = self._get_roots_local(spec, keys, rows, namespace, deadline)
+            except _InBand:
+                pass
+        if present is None:
+            present = self._get_roots_stream(spec, keys, rows, namespace, deadline)
+        if host is not None and any(present):
+            _copy_back(out, host)
+        return present
+
+    def _get_roots_stream(self, spec: ModelSpec, keys: list[bytes], rows: np.ndarray, namespace: str,
+                          deadline: float | None) -> list[bool]:
+        """An in-band get of roots, in pieces within one deadline: a piece the server cut at its
+        ``limits.max_stream_bytes`` (``GetHeader.limited``) goes on from the first key it did not
+        answer."""
+        nbytes = spec.block_nbytes
+        present: list[bool] = []
+        while len(present) < len(keys):
+            start = len(present)
+            req = pb.GetRequest(chunk_bytes=self.chunk_bytes, pack_blocks=True, partial=True)
+            self._target(req.target, spec, keys[start:], None, namespace, roots=True)
+            stream = None
+            self._usable()
+            try:
+                stream = self._get_frames(req, metadata=self._metadata, timeout=self._left(deadline))
+                first: Frame = next(stream)
+                if first.error or not first.meta.HasField("header"):
+                    raise IntegrityError(first.error or "the Get stream did not start with its header")
+                head = first.meta.header
+                got = [bool(b) for b in head.present]
+                served = [start + i for i, hit in enumerate(got) if hit]
+                if not got:
+                    raise FailedPrecondition("the server answered a get of roots as a chain: it predates "
+                                             "Target.roots (upgrade it, or get keys one per call)")
+                if (head.num_blocks != len(served) or start + len(got) > len(keys) or head.block_nbytes != nbytes
+                        or (start + len(got) < len(keys) and not head.limited)):
+                    raise IntegrityError("the server announced blocks this request did not ask for")
+                scatter(stream, len(served), nbytes, lambda j, at=served: rows[at[j]], write_into, IntegrityError)
+            except (grpc.RpcError, ValueError) as err:
+                raise self._failure(err) from None
+            finally:
+                if stream is not None:
+                    stream.cancel()
+            present += got
+        return present
+
+    def _get_roots_local(self, spec: ModelSpec, keys: list[bytes], rows: np.ndarray, namespace: str,
+                         deadline: float | None) -> list[bool]:
+        """A get of roots through the shared region: straight into ``rows`` when they live
+        there, else staged through its free part in pieces (roots need no order between them);
+        a piece that finds no room goes in-band."""
+        lp = self._local
+        assert lp is not None
+        nbytes = spec.block_nbytes
+        base = lp.offsets_of(rows)
+        if base is not None:
+            return self._get_roots_slots(spec, keys, [base + i * nbytes for i in range(len(keys))], namespace,
+                                         None, deadline)
+        self._settle_held(lp)
+        present: list[bool] = []
+        while len(present) < len(keys):
+            got = len(present)
+            off, count = lp.reserve_blocks(len(keys) - got, nbytes)
+            if not count:
+                return present + self._get_roots_stream(spec, keys[got:], rows[got:], namespace, deadline)
+            hits = self._get_roots_slots(spec, keys[got : got + count], [off + j * nbytes for j in range(count)],
+                                         namespace, off, deadline)
+            try:
+                for j, hit in enumerate(hits):
+                    if hit:
+                        host_copy(rows[got + j], lp.arena[off + j * nbytes : off + (j + 1) * nbytes])
+            finally:
+                lp.release(off)
+            present += hits
+        return present
+
+    def _get_roots_slots(self, spec: ModelSpec, keys: list[bytes], offsets: list[int], namespace: str,
+                         staged: int | None, deadline: float | None) -> list[bool]:
+        try:
+            req = pb.GetLocalRequest(offsets=offsets)
+            self._target(req.target, spec, keys, None, namespace, roots=True)
+        except BaseException:
+            if staged is not None:
+                self._local.release(staged)  # type: ignore[union-attr]
+            raise
+        present = self._call_local(self._kv.GetLocal, req, staged, deadline).present
+        if len(present) != len(keys):
+            if staged is not None:
+                self._local.release(staged)  # type: ignore[union-attr]
+            raise FailedPrecondition("the server answered a get of roots as a chain: it predates "
+                                     "Target.roots (upgrade it, or get keys one per call)")
+        return [bool(b) for b in present]
 
     def _get_stream(self, spec: ModelSpec, keys: list[bytes], rows: np.ndarray, namespace: str,
                     parent: bytes | None, timeout: float | None = None) -> int:

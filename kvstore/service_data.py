@@ -6,7 +6,9 @@ was granted (read) or publishes (write); see :mod:`kvstore.auth`. A block of ano
 never reachable: the Store scopes every lookup by namespace, so a foreign key is a plain miss.
 
 A target may continue a chain from a stored ``parent`` block (a long chain split across calls);
-every Store call below passes it on.
+every Store call below passes it on. A target with ``roots`` names independent root blocks
+instead of a chain (``Store.put(roots=True)``, ``Store.lookup_roots``, ``Store.lease_roots``):
+presence, puts and gets of many pages in one call, each key answered on its own.
 
 Shared-memory Put and Get copy outside the Store's lock: a Get takes a read lease on the prefix
 (its memory-tier blocks stay in place, pinned, while they are copied into the client's slots;
@@ -48,6 +50,7 @@ from kvstore.service_resources import InflightBudget, RegionTable, StagingPool
 from kvstore.service_rpc import known_namespace
 from kvstore.shm_attach import Region
 from kvstore.spec import ModelSpec
+from kvstore.store_reserve import _parent, check_roots
 from proto.kvstore.v1 import kvstore_pb2 as pb
 
 if TYPE_CHECKING:
@@ -69,6 +72,8 @@ class Blocks:
     #: the call's ``is_active`` (its gRPC context): a shared-memory put commits only while it is
     #: true, as the Put stream does (None: not checked)
     active: Callable[[], bool] | None = None
+    #: the keys are independent roots, not a chain (``Target.roots``)
+    roots: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,10 +145,16 @@ class DataPlane:
 
     def resolve(self, principal: Principal, target: pb.Target, *, write: bool = False,
                 packed: bool = False) -> Blocks:
-        """Validate a Target: spec, namespace (read or write access), keys, parent.
+        """Validate a Target: spec, namespace (read or write access), keys, parent, roots.
         ``packed``: keys sent packed stay so (:class:`kvstore.keys.PackedKeys`, for lookups)."""
         spec = spec_from_pb(target.spec, target.HasField("spec"))
         parent = parent_from_pb(target.parent)
+        if target.roots:
+            if target.WhichOneof("blocks") == "tokens":
+                raise InvalidArgument("roots take keys, not token ids (the keys of token ids are a chain)")
+            check_roots(True, _parent(parent))
+            ns = resolve_namespace(principal, target.namespace, write=write)
+            return Blocks(ns, spec, split_keys(target.keys, self.limits.max_keys_per_call), False, roots=True)
         if target.WhichOneof("blocks") == "tokens":
             extra = [list(e.items) for e in target.tokens.extra]
             ns, keys = self.keys_for(principal, spec, target.namespace, list(target.tokens.ids), extra,
@@ -155,12 +166,18 @@ class DataPlane:
         return Blocks(ns, spec, keys, False, parent)
 
     # -- operations ---------------------------------------------------------------------------
-    def lookup(self, b: Blocks) -> tuple[int, list[str]]:
-        """Longest usable prefix and the tier name of each of its blocks."""
-        result = self.store.lookup(b.namespace, b.spec, b.keys, parent=b.parent)
+    def lookup(self, b: Blocks) -> tuple[int, list[str | None]]:
+        """Longest usable prefix and the tier name of each of its blocks; of roots, how many
+        keys are present and the tier name of each key (None: absent)."""
+        if b.roots:
+            tiers = self.store.lookup_roots(b.namespace, b.spec, b.keys)
+            n = len(tiers) - tiers.count(None)
+        else:
+            result = self.store.lookup(b.namespace, b.spec, b.keys, parent=b.parent)
+            n, tiers = result.num_blocks, result.tiers[: result.num_blocks]
         if self.metrics is not None:
-            self.metrics.lookup(b.namespace, len(b.keys), result.num_blocks, self._known)
-        return result.num_blocks, result.tiers[: result.num_blocks]
+            self.metrics.lookup(b.namespace, len(b.keys), n, self._known)
+        return n, tiers
 
     def reserve_put(self, b: Blocks, since: int | None, session: str = "") -> PutReservation:
         """Reserve tier slots for a put whose bytes arrive later (``Store.reserve_put``;
@@ -168,7 +185,7 @@ class DataPlane:
         # NOTE: the session was not passed: reserving made room (evicting other tenants' blocks)
         # before the commit found the session unknown, or HBM held by other sessions' pins
         return self.store.reserve_put(b.namespace, b.spec, b.keys, parent=b.parent, since=since,
-                                      session=session or None)
+                                      session=session or None, roots=b.roots)
 
     def commit_put(self, b: Blocks, reservation: PutReservation, data: Callable[[int], Any], session: str,
                    ttl_s: float | None, plane: str = "stream", *, p: Principal | None = None) -> int:
@@ -190,12 +207,16 @@ class DataPlane:
     def abort_put(self, reservation: PutReservation) -> None:
         self.store.abort_put(reservation)
 
-    def lease(self, b: Blocks, stage: Callable[[int], np.ndarray]) -> ReadLease:
+    def lease(self, b: Blocks, stage: Callable[[int], np.ndarray]) -> tuple[ReadLease, list[bool] | None]:
         """The longest usable prefix under a read lease (``Store.lease_prefix``): each block's
         bytes in place in its memory tier, or copied into ``stage(i)``. Release it in a finally.
-        Nothing is counted here: the bytes count as they are served (:meth:`sent`, :meth:`served`)."""
+        Nothing is counted here: the bytes count as they are served (:meth:`sent`, :meth:`served`).
+        With ``b.roots``, every key that is stored (``Store.lease_roots``) and whether each
+        was; else the second value is None (the lease's blocks are the leading ones)."""
         # NOTE: kvstore_bytes_out counted every leased byte here, bytes never sent included
-        return self.store.lease_prefix(b.namespace, b.spec, b.keys, stage, parent=b.parent)
+        if b.roots:
+            return self.store.lease_roots(b.namespace, b.spec, b.keys, stage)
+        return self.store.lease_prefix(b.namespace, b.spec, b.keys, stage, parent=b.parent), None
 
     def _known(self, namespace: str) -> bool:
         """Whether ``namespace`` is still counted in the metrics as its call ends: not a tenant
@@ -300,11 +321,12 @@ class DataPlane:
                 self._unstage(principal.name, staged)
 
     def get_local(self, principal: Principal, b: Blocks, region_id: int, offsets: Sequence[int],
-                  seq: int = 0) -> int:
+                  seq: int = 0) -> tuple[int, list[bool] | None]:
         """Copy the longest available prefix into the caller's region slots ``offsets``; the
-        number of blocks. Blocks in host memory tiers are written from their tier slot; the
-        others are decoded straight into the slot where the region is mapped, else into a
-        staging buffer written from there."""
+        number of blocks, and (``b.roots``: every stored key, each into its own slot) whether
+        each key was (None for a chain). Blocks in host memory tiers are written from their
+        tier slot; the others are decoded straight into the slot where the region is mapped,
+        else into a staging buffer written from there."""
         nbytes = b.spec.block_nbytes
         check_slots(offsets, nbytes, len(b.keys))
         with self._region(principal, region_id, offsets, nbytes, seq) as region:
@@ -319,11 +341,13 @@ class DataPlane:
                 return self._stage(principal.name, nbytes, staged)
 
             try:
-                lease = self.lease(b, stage)
+                lease, present = self.lease(b, stage)
                 try:
+                    # the key of each served block (roots: the keys present, in order)
+                    of = range(len(lease.views)) if present is None else [i for i, hit in enumerate(present) if hit]
                     # blocks leased in place are copied here; the others were decoded into their
                     # slot, or into staging
-                    self._copy([(RegionSlot(region, offsets[i]), src) for i, src in enumerate(lease.views)
+                    self._copy([(RegionSlot(region, offsets[i]), src) for i, src in zip(of, lease.views)
                                 if src is not mapped.get(i)])
                     n = len(lease.views)
                 finally:
@@ -331,7 +355,7 @@ class DataPlane:
                 # NOTE: counted when leased before: a copy that failed counted bytes never served
                 self.sent(n * nbytes, "shm")
                 self.served(b.namespace, b.spec, n)
-                return n
+                return n, present
             finally:
                 self._unstage(principal.name, staged)
 
@@ -352,6 +376,8 @@ class DataPlane:
         return self.store.session_verb(ns, session_id, verb, max_sessions=self.limits.max_sessions_per_tenant)
 
     def prefetch(self, b: Blocks, tier: Tier) -> int:
+        if b.roots:
+            raise InvalidArgument("Prefetch takes a chain, not roots (Target.roots)")
         return int(self.store.prefetch(b.namespace, b.spec, b.keys, tier=tier.label, parent=b.parent))
 
     def delete(self, principal: Principal, namespace: str, packed: bytes) -> int:

@@ -31,6 +31,8 @@
   unless the request sets ``partial``: then it serves the leading blocks that fit the limit
   and its header says ``limited`` when the prefix reached that cut (the client asks again from
   the next block). Why: clients learned the limit by parsing the refusal's text.
+  A Get of roots (``Target.roots``) serves every key that is stored, the header saying which
+  (``present``), the frames carrying the served blocks in key order.
 
 Frames are :mod:`kvstore.frames`; the servicer only authenticates and maps errors.
 """
@@ -154,7 +156,7 @@ def get_stream(plane: DataPlane, p: Principal, request: pb.GetRequest) -> Iterat
         return staged[-1]
 
     try:
-        lease = plane.lease(b, stage)
+        lease, present = plane.lease(b, stage)
     except BaseException:
         _give_all(plane.staging, staged)
         raise
@@ -163,8 +165,11 @@ def get_stream(plane: DataPlane, p: Principal, request: pb.GetRequest) -> Iterat
     staged = [buf for buf in staged if id(buf) in served]
     _give_all(plane.staging, unused)
     n = len(lease.views)
-    # limited: the prefix ran to the cut, so it may go on past it (a miss before it ended it)
-    header = encode(pb.GetFrame(header=pb.GetHeader(num_blocks=n, block_nbytes=nbytes, limited=cut and n == fit)))
+    # limited: the prefix ran to the cut, so it may go on past it (a miss before it ended it);
+    # roots: the keys past the cut were not answered
+    limited = cut and (present is not None or n == fit)
+    header = encode(pb.GetFrame(header=pb.GetHeader(num_blocks=n, block_nbytes=nbytes, limited=limited,
+                                                    present=bytes(present) if present is not None else b"")))
     auth = plane.auth
     check = (lambda: auth.check(p, b.namespace)) if auth is not None else None
     frames = _chunks(header, lease, nbytes, chunk, request.pack_blocks, plane.staging, staged, check,

@@ -19,7 +19,7 @@ from kvstore.auth import Principal, Role
 from kvstore.block import SessionState
 from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.frames import Frame, decoder
-from kvstore.service_convert import spec_from_pb, tier_codes, tier_from_pb
+from kvstore.service_convert import spec_from_pb, tier_codes, tier_from_pb, tier_to_pb
 from kvstore.service_data import DataPlane
 from kvstore.service_rpc import Codec, RpcRunner, add_service, parser
 from kvstore.service_streams import get_stream, put_stream
@@ -65,7 +65,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         def call(p: Principal) -> pb.LookupResponse:
             b = self.plane.resolve(p, request.target, packed=True)
             n, tiers = self.plane.lookup(b)
-            return pb.LookupResponse(num_blocks=n, tier_codes=tier_codes(tiers),
+            # roots: one byte per key, TIER_UNSPECIFIED where it is absent
+            codes = bytes(tier_to_pb(t) if t else pb.TIER_UNSPECIFIED for t in tiers) if b.roots \
+                else tier_codes(tiers)
+            return pb.LookupResponse(num_blocks=n, tier_codes=codes,
                                      keys=b"".join(b.keys) if b.computed else b"")
         return self.rpc.run("Lookup", context, call)
 
@@ -115,8 +118,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def GetLocal(self, request, context):
         def call(p: Principal) -> pb.GetLocalResponse:
             b = self.plane.resolve(p, request.target)
-            return pb.GetLocalResponse(num_blocks=self.plane.get_local(p, b, request.region_id, request.offsets,
-                                                                       request.seq))
+            n, present = self.plane.get_local(p, b, request.region_id, request.offsets, request.seq)
+            return pb.GetLocalResponse(num_blocks=n, present=bytes(present) if present is not None else b"")
         return self.rpc.run("GetLocal", context, call)
 
     def FenceRegion(self, request, context):

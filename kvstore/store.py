@@ -28,6 +28,10 @@ Primitives and what each guarantees (see DESIGN.md §7 for the invariants):
   it where the local chain ends and promote what they find. A delete or model purge on another
   server sharing it drops the local copies here too (``_deleted_elsewhere``).
 * chains      — ``parent=`` continues a chain split across calls; keys must chain from it.
+* roots       — ``put(roots=True)``, :meth:`lookup_roots`, :meth:`get_roots_into` and
+  :meth:`lease_roots` take keys that are independent root blocks (each its own one-block
+  prefix, no parent links), as an engine keying its pages itself has them (SGLang's HiCache):
+  one call answers, stores or serves many of them, exactly as one call per key would.
 * reserve/commit_put — a put whose bytes arrive later (the gRPC stream) lands them in reserved
   tier slots and publishes the slots without a copy (:mod:`kvstore.store_reserve`).
 * lease_prefix — a get whose reader reads the blocks in place, outside the lock (the gRPC
@@ -75,7 +79,7 @@ from kvstore.stats import Counters
 from kvstore.store_admin import TenantAdmin, TenantPolicy
 from kvstore.store_lease import LeasedGets
 from kvstore.store_reads import LookupResult, ReadPath
-from kvstore.store_reserve import ReservedPuts, _parent
+from kvstore.store_reserve import ReservedPuts, _parent, check_roots
 from kvstore.store_sessions import SessionPins
 from kvstore.validation import check_text
 from kvstore.victims import CloseVictims
@@ -416,11 +420,13 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
     # -- put ----------------------------------------------------------------------------------
     def put(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes], kv: torch.Tensor, *,
             session: str | None = None, ttl_s: float | None = None,
-            parent: bytes | None = None) -> None:
+            parent: bytes | None = None, roots: bool = False) -> None:
         """Store ``kv`` ([len(keys), 2, L, H, T, D] of the spec's dtype) under the key chain.
 
         ``parent``: the stored block ``keys[0]`` continues from, to split a long chain across
-        calls (default: ``keys[0]`` is the first block of a prefix)."""
+        calls (default: ``keys[0]`` is the first block of a prefix). ``roots``: the keys are
+        not a chain but independent root blocks (no parent links, each block placed as the
+        first of a prefix); all or nothing as a chain's put, and no ``parent``."""
         self._check_tenant(tenant)
         self._check_spec(spec)
         keys = check_keys(keys)
@@ -432,28 +438,30 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         # NOTE: rows of a numpy view on CPU: indexing a torch tensor per block costs several
         # microseconds (a tenth of a 2 MiB block's copy), a numpy row a fraction of one.
         rows = flat.numpy() if flat.device.type == "cpu" else flat
-        self._put(tenant, spec, keys, rows.__getitem__, session, ttl_s, _parent(parent))
+        self._put(tenant, spec, keys, rows.__getitem__, session, ttl_s, _parent(parent), roots=roots)
 
     def put_bytes(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes],
                   buffers: Sequence[Any], *, session: str | None = None,
-                  ttl_s: float | None = None, parent: bytes | None = None) -> None:
+                  ttl_s: float | None = None, parent: bytes | None = None, roots: bool = False) -> None:
         """Like :meth:`put`, each block given as a contiguous buffer of ``spec.block_nbytes``."""
         self._check_tenant(tenant)
         self._check_spec(spec)
         keys = check_keys(keys)
         views = block_views(spec, buffers, len(keys), "buffer")
-        self._put(tenant, spec, keys, views.__getitem__, session, ttl_s, _parent(parent))
+        self._put(tenant, spec, keys, views.__getitem__, session, ttl_s, _parent(parent), roots=roots)
 
     def _put(self, tenant: str, spec: ModelSpec, keys: list[bytes], data: Callable[[int], Any],
-             session: str | None, ttl_s: float | None, parent0: bytes = ROOT_KEY) -> None:
+             session: str | None, ttl_s: float | None, parent0: bytes = ROOT_KEY, *,
+             roots: bool = False) -> None:
         self._check_tenant(tenant)
+        check_roots(roots, parent0)
         check_chain(keys)
         ttl_s = check_ttl(ttl_s)
         held: list[BlockMeta] = []
         done = False
         try:
             with self._lock, self._batch():
-                done = self._put_locked(tenant, spec, keys, data, session, ttl_s, parent0, held)
+                done = self._put_locked(tenant, spec, keys, data, session, ttl_s, parent0, held, roots)
         except NVMeWriteFailed as exc:
             # NOTE: a commit that failed after every block of the put was placed may have hit
             # only other blocks the put pushed down to NVMe (dropped, counted): the put itself
@@ -488,9 +496,11 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                                     f"or in flight); retry once sessions close", resource=top.label)
 
     def _put_locked(self, tenant: str, spec: ModelSpec, keys: list[bytes], data: Callable[[int], Any],
-                    session: str | None, ttl_s: float | None, parent0: bytes, held: list[BlockMeta]) -> bool:
+                    session: str | None, ttl_s: float | None, parent0: bytes, held: list[BlockMeta],
+                    roots: bool = False) -> bool:
         """The body of :meth:`_put` inside its lock and NVMe batch; fills ``held`` with the
-        put's blocks and returns True once every one is placed."""
+        put's blocks and returns True once every one is placed. ``roots``: each key is a root
+        (parent ROOT_KEY, depth 0, placed from the fastest tier down), not the next link."""
         self._check_open()
         self._register_spec(spec)
         sess = None
@@ -509,7 +519,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         # NOTE: checked before the ancestors come up, as reserve_put does: bringing them up
         # first could evict other tenants' blocks for a put then refused
         self._refuse_what_cannot_fit(tenant, spec, [*lift, *keys], pm.tier if pm is not None else parent_tier,
-                                     pinned=sess is not None, parent=pm)
+                                     pinned=sess is not None, parent=pm, roots=roots)
         if pm is not None:
             if lift:
                 # NOTE: session blocks live in the top tier and no block sits above its parent:
@@ -526,17 +536,20 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                 guarded.append((tenant, parent0))
             try:
                 for i, key in enumerate(keys):
-                    parent = keys[i - 1] if i else parent0
+                    parent = ROOT_KEY if roots else keys[i - 1] if i else parent0
+                    if roots:
+                        parent_tier = self.tiers[0]  # each root is placed as a prefix's first block
                     m = self._index.get(tenant, key)
                     if m is not None and self._place.expired(m, now):
                         self._place.drop(m, reason="expired")
                         m = None
                     if m is not None and (m.fingerprint != spec.fingerprint or m.parent != parent):
-                        raise InvalidArgument(f"key {i} is already stored with another "
-                                              f"fingerprint or parent: keys must be a chain "
-                                              f"from block_keys() for this spec")
+                        want = "roots must be keys no chain holds" if roots else \
+                            "keys must be a chain from block_keys() for this spec"
+                        raise InvalidArgument(f"key {i} is already stored with another fingerprint or parent: {want}")
                     if m is None:
-                        m = self._place.insert_new(tenant, spec, key, parent, base_depth + i, data(i), now,
+                        depth = 0 if roots else base_depth + i
+                        m = self._place.insert_new(tenant, spec, key, parent, depth, data(i), now,
                                                    deadline, parent_tier, pinned=sess is not None,
                                                    refuse=self._refusal)
                         inserted.append(m)
@@ -591,12 +604,14 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         return pm
 
     def _refuse_what_cannot_fit(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes], floor: Tier,
-                                *, pinned: bool = False, parent: BlockMeta | None = None) -> None:
+                                *, pinned: bool = False, parent: BlockMeta | None = None,
+                                roots: bool = False) -> None:
         """ResourceExhausted, before anything is evicted, for a put whose new blocks outnumber
         what the tiers it may use could ever hold for this tenant (a put holds its own blocks
         until it ends, so such a put would evict everything it could and still fail), or what
         they could hold now, with pinned, in-flight and protected blocks where they are.
-        ``parent``: the stored block ``keys[0]`` continues from.
+        ``parent``: the stored block ``keys[0]`` continues from. ``roots``: the keys are roots
+        (a stored one sets no floor for the new ones).
 
         NOTE: it counted the put's new blocks only, as if the chain's stored blocks (which the
         put holds while it runs; a session put pins them in HBM) could be evicted for them, and
@@ -616,7 +631,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                 new += 1
                 continue
             stored.append(m)
-            if not new:
+            if not new and not roots:
                 before = m
             if lift and m.tier > Tier.HBM:
                 up += 1

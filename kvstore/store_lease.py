@@ -131,6 +131,31 @@ class LeasedGets:
         lease.views += [outs[start + i] for i in range(got)]
         return lease
 
+    def lease_roots(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes],
+                    stage: Callable[[int], np.ndarray]) -> tuple[ReadLease, list[bool]]:
+        """Serve each of ``keys`` that is stored as an independent root (see
+        ``Store.lookup_roots``) under one read lease: ``(lease, present)``, ``present[i]``
+        whether key i was served; ``lease.views`` holds the served blocks in key order (one per
+        True). Each key is served as :meth:`lease_prefix` of that key alone would, ``stage(i)``
+        being key i's staging buffer. Release the lease in a ``finally``; errors surface here,
+        with nothing held."""
+        self._check_tenant(tenant)
+        keys = check_keys(keys)
+        lease = ReadLease(self)
+        present: list[bool] = []
+        try:
+            for i, key in enumerate(keys):
+                one = self.lease_prefix(tenant, spec, [key], lambda _, i=i: stage(i))
+                with self._lock:  # NOTE: one lease to release: the key's holds move into it
+                    lease._held += one._held
+                    lease.views += one.views
+                    present.append(bool(one.views))
+                    one._held, one.views, one._released = [], [], True
+        except BaseException:
+            self._end_lease(lease)
+            raise
+        return lease, present
+
     def _lease_block(self, lease: ReadLease, meta: BlockMeta) -> np.ndarray | None:
         """Lease ``meta``'s bytes in place (lock held); None when its tier is not host memory."""
         tier = self._mem.get(meta.tier)

@@ -8,6 +8,10 @@ lock, clock, index, placement, tiers, remote tier, device and counters, its help
 * ``lookup`` answers the longest usable prefix and the tier of each block by bisection over the
   chain (:meth:`ReadPath._usable_len`), continuing into the remote tier where the local chain ends
   (a chain continuing from a ``parent`` held neither here nor remotely has no remote part: as get).
+* ``lookup_roots`` and ``get_roots_into`` do the same for keys that are independent roots (each
+  a one-block prefix: parent ROOT_KEY, depth 0), answering and serving each key on its own,
+  exactly as a call per key would (the remote tier is asked about the local misses in one
+  pipelined batch; a get serves each key as a get of that key alone).
 * ``get`` and ``get_into`` walk the chain link by link (:meth:`ReadPath._chain`, which the
   sessions and read leases use too), serve each block from its tier (promoting it), then serve
   the rest from the remote tier and promote what came back (:meth:`ReadPath._remote_plan`,
@@ -138,6 +142,49 @@ class ReadPath:
                 more = remote.prefix_len(refs)
             tiers += ["remote"] * more
         return LookupResult(len(tiers), tiers)
+
+    def lookup_roots(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes]) -> list[str | None]:
+        """The tier name of each of ``keys`` as an independent root block (see ``Store.put(roots=
+        True)``), None where it is not usable: absent, expired, in flight, of another model, or
+        stored as a link of a chain (a root is a one-block prefix). What a :meth:`lookup` of
+        each key alone answers; the remote tier is asked about the local misses, with the lock
+        released, in one pipelined batch. Counted as one lookup per key."""
+        self._check_tenant(tenant)
+        self._check_spec(spec)
+        keys = keys[:] if isinstance(keys, PackedKeys) else check_keys(keys)
+        fp = spec.fingerprint
+        with self._lock:
+            self._check_open()
+            self._expire_due(self._clock())
+            get = self._index.tenant_blocks(tenant).get
+            tiers: list[str | None] = []
+            for key in keys:
+                m = get(key)
+                usable = (m is not None and not m.in_flight and m.fingerprint == fp and m.depth == 0
+                          and m.parent == ROOT_KEY)
+                tiers.append(_LABELS[m.tier] if usable else None)
+            self.counters.add("lookups", len(keys))
+            remote = self._remote
+        missing = [i for i, t in enumerate(tiers) if t is None]
+        if remote is not None and missing:
+            # NOTE: outside the lock, as lookup asks it
+            found = remote.contains_many([BlockRef(tenant, keys[i], spec) for i in missing])
+            for i, hit in zip(missing, found):
+                if hit:
+                    tiers[i] = "remote"
+        return tiers
+
+    def get_roots_into(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes],
+                       outs: Sequence[Any]) -> list[bool]:
+        """Copy each of ``keys`` that is stored as an independent root (see :meth:`lookup_roots`)
+        into its buffer of ``outs`` (one of ``block_nbytes`` per key); whether each was. Each
+        key is served as :meth:`get_into` of that key alone would (promotions, counters); the
+        buffer of a miss is left as it was."""
+        self._check_spec(spec)
+        keys = check_keys(keys)
+        views = block_views(spec, outs, len(keys), "output buffer", writable=True)
+        return [self._get(tenant, spec, [key], lambda _, i=i: views[i], ROOT_KEY) == 1
+                for i, key in enumerate(keys)]
 
     @staticmethod
     def _usable_len(blocks: dict[bytes, BlockMeta], spec: ModelSpec, keys: Sequence[bytes],

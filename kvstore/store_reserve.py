@@ -5,7 +5,9 @@ fastest memory tier with room (:meth:`ReservedPuts.reserve_put`), and the commit
 slots as blocks without copying (:meth:`ReservedPuts.commit_put`); :meth:`ReservedPuts.abort_put`
 gives every reserved byte back. A mixin of :class:`kvstore.store.Store`: it uses the Store's
 lock, index, placement and tiers, and falls back to the ordinary ``Store._put`` whenever the
-chain changed since the reservation, so a put is all or nothing either way.
+chain changed since the reservation, so a put is all or nothing either way. A put of roots
+(``roots=True``: independent one-block prefixes) reserves no slot: its bytes wait outside the
+tiers and the commit is the ordinary put of the roots.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class PutReservation:
     since: int = 0  # the Store's drop epoch the caller's right to write was checked at
     session: str | None = None  # the session the put pins its blocks in (checked at the reserve)
     done: bool = False
+    roots: bool = False  # the keys are independent roots, not a chain (see Store.put)
 
 
 def _parent(parent: bytes | None) -> bytes:
@@ -54,12 +57,21 @@ def _parent(parent: bytes | None) -> bytes:
     return parent
 
 
+def check_roots(roots: object, parent: bytes) -> None:
+    """InvalidArgument unless ``roots`` is a bool, and False when a call names a ``parent``
+    (roots continue from nothing). ``parent`` as :func:`_parent` returns it."""
+    if not isinstance(roots, bool):
+        raise InvalidArgument(f"roots must be True or False, got {type(roots).__name__}")
+    if roots and parent != ROOT_KEY:
+        raise InvalidArgument("roots take no parent: each key is a block of its own, continuing from nothing")
+
+
 class ReservedPuts:
     """Store methods of the two-phase put (see the module docstring)."""
 
     def reserve_put(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes], *,
                     parent: bytes | None = None, since: int | None = None,
-                    session: str | None = None) -> PutReservation:
+                    session: str | None = None, roots: bool = False) -> PutReservation:
         """Prepare a put whose bytes arrive later (e.g. streamed over the network): reserve a
         slot in the fastest memory tier that can make room (the tier order along the chain
         kept) for each block not stored yet, up to the first that finds no room, so the caller
@@ -84,11 +96,15 @@ class ReservedPuts:
         service: before it authenticated the token); when :meth:`drop_tenant` drops the tenant
         after that, this call or the commit fails (Unauthenticated; Aborted when only the
         namespace's blocks were dropped and it stays, a shared one) instead of storing blocks a
-        tenant created later under the same name would read. Default: now."""
+        tenant created later under the same name would read. Default: now.
+
+        ``roots``: the keys are independent roots (:meth:`Store.put`); no slot is reserved (the
+        commit is the ordinary put of the roots), the checks above are all made here."""
         self._check_tenant(tenant)
         self._check_spec(spec)  # NOTE: spec=None raised AttributeError
         keys = check_chain(check_keys(keys))  # NOTE: a slot reserved twice tripped an assert at commit
         parent0 = _parent(parent)
+        check_roots(roots, parent0)
         nbytes = spec.block_nbytes
         with self._lock, self._batch():
             self._check_open()
@@ -106,7 +122,7 @@ class ReservedPuts:
             if session is not None:
                 self._sessions.get(tenant, session)
             res = PutReservation(tenant, spec, keys, parent0, [None] * len(keys), [None] * len(keys), probe,
-                                 since=since, session=session)
+                                 since=since, session=session, roots=roots)
             # NOTE: checked before any room is made: a put under a parent not stored was refused
             # only at the commit, after making room had evicted and demoted the tenant's blocks
             pm = self._stored_parent(tenant, spec, parent0, now) if parent0 != ROOT_KEY else None
@@ -115,7 +131,7 @@ class ReservedPuts:
             lift: list[bytes] = []  # the ancestors a session put brings up into HBM with it
             if pinned and pm is not None and Tier.HBM in self._mem and pm.tier > Tier.HBM:
                 lift = [m.key for m in self._up_chain([pm], Tier.HBM)]
-            self._refuse_what_cannot_fit(tenant, spec, [*lift, *keys], floor, pinned=pinned, parent=pm)
+            self._refuse_what_cannot_fit(tenant, spec, [*lift, *keys], floor, pinned=pinned, parent=pm, roots=roots)
             tiers = [Tier.HBM] if pinned and Tier.HBM in self._mem else self.tiers
             # the stored blocks of the chain stay put while room is made for the others
             guarded = [(tenant, k) for k in (parent0, *keys)
@@ -126,7 +142,7 @@ class ReservedPuts:
             # a put that fitted was refused at the commit after the reservation had evicted and
             # demoted blocks for slots it did not use. Such a put reserves no slot (or gives
             # back those it got): its bytes wait outside the tier for the commit.
-            copied = pinned and any(self._index.get(tenant, k) is not None for k in keys)
+            copied = roots or (pinned and any(self._index.get(tenant, k) is not None for k in keys))
             self._place.protected.update(guarded)
             try:
                 for i, key in enumerate(() if copied else keys):
@@ -217,7 +233,7 @@ class ReservedPuts:
         # the usual shape: [stored already][reserved slots][no room above NVMe], any part empty
         a = next((i for i, s in enumerate(slots) if s is not None), n)
         b = next((i for i in range(a, n) if slots[i] is None), n)
-        if a == b or any(s is not None for s in slots[b:]) or (session is not None and (a or b < n)):
+        if res.roots or a == b or any(s is not None for s in slots[b:]) or (session is not None and (a or b < n)):
             # NOTE: a session's pins on the blocks of a first ordinary put could not be undone
             # if a later part failed: session puts around the slots take the ordinary put
             self._put_from_slots(res, views, session, ttl_s)
@@ -260,7 +276,7 @@ class ReservedPuts:
             if slot is not None:
                 self._place.charge(res.probe, slot[0], -1)
         res.charged = False
-        self._put(res.tenant, res.spec, res.keys, views.__getitem__, session, ttl_s, res.parent)
+        self._put(res.tenant, res.spec, res.keys, views.__getitem__, session, ttl_s, res.parent, roots=res.roots)
 
     def _adopt_reserved(self, res: PutReservation, a: int, b: int, session: str | None,
                         ttl_s: float | None) -> list[BlockMeta]:

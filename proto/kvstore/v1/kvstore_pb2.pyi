@@ -91,18 +91,20 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., extra: _Optional[_Iterable[_Union[ExtraKeys, _Mapping]]] = ...) -> None: ...
 
 class Target(_message.Message):
-    __slots__ = ("spec", "namespace", "keys", "tokens", "parent")
+    __slots__ = ("spec", "namespace", "keys", "tokens", "parent", "roots")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
+    ROOTS_FIELD_NUMBER: _ClassVar[int]
     spec: ModelSpec
     namespace: str
     keys: bytes
     tokens: TokenIds
     parent: bytes
-    def __init__(self, spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., namespace: _Optional[str] = ..., keys: _Optional[bytes] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., parent: _Optional[bytes] = ...) -> None: ...
+    roots: bool
+    def __init__(self, spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., namespace: _Optional[str] = ..., keys: _Optional[bytes] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., parent: _Optional[bytes] = ..., roots: _Optional[bool] = ...) -> None: ...
 
 class BlockKeysRequest(_message.Message):
     __slots__ = ("spec", "namespace", "tokens")
@@ -181,14 +183,16 @@ class GetRequest(_message.Message):
     def __init__(self, target: _Optional[_Union[Target, _Mapping]] = ..., chunk_bytes: _Optional[int] = ..., pack_blocks: _Optional[bool] = ..., partial: _Optional[bool] = ...) -> None: ...
 
 class GetHeader(_message.Message):
-    __slots__ = ("num_blocks", "block_nbytes", "limited")
+    __slots__ = ("num_blocks", "block_nbytes", "limited", "present")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
     LIMITED_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_nbytes: int
     limited: bool
-    def __init__(self, num_blocks: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., limited: _Optional[bool] = ...) -> None: ...
+    present: bytes
+    def __init__(self, num_blocks: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., limited: _Optional[bool] = ..., present: _Optional[bytes] = ...) -> None: ...
 
 class GetFrame(_message.Message):
     __slots__ = ("meta_bytes", "header", "block", "offset", "xxh3", "data")
@@ -281,10 +285,12 @@ class FenceRegionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLocalResponse(_message.Message):
-    __slots__ = ("num_blocks",)
+    __slots__ = ("num_blocks", "present")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
-    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+    present: bytes
+    def __init__(self, num_blocks: _Optional[int] = ..., present: _Optional[bytes] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("session_id", "namespace")
