@@ -63,9 +63,10 @@ Contracts:
 * **Load.** :meth:`start_load_kv` gets every scheduled load's blocks (under this rank's keys) and
   scatters all layers before the forward pass (so :meth:`wait_for_layer_load` has nothing to
   wait for), one layer at a time: the device holds one layer of a load's blocks at once, never
-  all layers (:meth:`~KVStoreConnector._scatter`). Blocks the sidecar no longer has (evicted since the lookup, on any rank) are
-  reported through :meth:`get_block_ids_with_load_errors`, and vLLM recomputes them; so are
-  blocks whose move to the device failed (CUDA out of memory, a failed copy: see **Device steps**).
+  all layers (:meth:`~KVStoreConnector._scatter`). Blocks the sidecar no longer has (evicted
+  since the lookup, on any rank) are reported through :meth:`get_block_ids_with_load_errors`,
+  and vLLM recomputes them; so are blocks whose move to the device failed (CUDA out of memory,
+  a failed copy: see **Device steps**).
   **Nothing computed over a failed load is stored** (such a block holds whatever the engine
   block held, and the blocks after it were computed over it): a worker drops every save whose
   chain holds a block that did not load, in that step and after, until the scheduler sends the
