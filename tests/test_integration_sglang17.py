@@ -230,7 +230,7 @@ def test_a_failing_sidecar_costs_one_call_per_v2_batch_and_gives_misses(sidecar:
         calls.append(1)
         raise Unavailable("sidecar down")
 
-    for verb in ("get_into", "put_bytes", "lookup"):
+    for verb in ("get_into", "put_bytes", "lookup", "get_roots_into", "lookup_roots"):
         monkeypatch.setattr(backend.client, verb, down)
     both = (PoolName.INDEXER, PoolName.MAMBA)
     got = backend.batch_get_v2([PoolTransfer(name=n, host_indices=idx(range(3)), keys=keys) for n in both])

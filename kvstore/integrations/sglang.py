@@ -57,7 +57,17 @@ Contracts:
 * **Hooks.** ``get_stats`` returns ``None`` (SGLang logs empty storage metrics; the sidecar's
   stats are ``client.stats()``); ``clear`` keeps the pages, logs a warning and returns ``False``
   (a tenant token can neither list nor purge pages).
-* **Cost.** Pages are independent roots, so each page is one RPC (lookup, put or get).
+* **Cost.** Pages are independent roots, moved many to an RPC by the client's root verbs
+  (``lookup_roots``, ``put_bytes(roots=True)``, ``get_roots_into``: ``Target.roots``): each
+  batch verb makes one RPC per pool it touches (``batch_exists``, ``batch_get``/``batch_set``
+  and their ``_v1`` forms one; the ``_v2`` verbs one per transfer or side pool), not one per
+  page (0.4-1 ms each: tens of ms for a 64-page batch in SGLang's prefetch and backup
+  threads). A batch of more than 1024 pages, or 128 MiB of pages, goes in several calls (the
+  sidecar's default limits per call, half the client's shared-memory region). Results are as
+  the per-page calls gave them, and after a failed call the pages left are misses, not asked;
+  but a put call that fails (a quota, a sidecar that fails or times out) stores all its pages
+  or none (as a chained put), so every page of it is reported not stored, where the pages
+  before the failing one stayed stored.
 """
 
 from __future__ import annotations
@@ -89,6 +99,11 @@ _FAILED = object()
 _KV_POOL, _MAMBA_POOL = "kv", "mamba"
 #: torch dtype -> kvstore dtype name
 _DTYPE_NAMES = {getattr(torch, attr): name for name, (attr, _) in DTYPES.items() if name == attr}
+#: the most pages, and bytes of pages, one call to the sidecar names or moves: a bigger batch
+#: (SGLang's page size 1, a long prompt) goes in several calls, within the sidecar's default
+#: limits per call (``limits.max_keys_per_call``, ``max_blocks_per_stream``) and half the
+#: client's default shared-memory region (a put staged through it goes in-band when it does not fit)
+_CALL_PAGES, _CALL_BYTES = 1024, 128 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +221,21 @@ def page_key(spec: ModelSpec, key: str) -> bytes:
     return hashlib.blake2b(spec.fingerprint + key.encode(), digest_size=KEY_BYTES, person=_PERSON).digest()
 
 
+def _calls(n: int, page_bytes: int = 0) -> list[slice]:
+    """The pages of a batch of ``n`` that each call to the sidecar takes (see :data:`_CALL_PAGES`);
+    ``page_bytes``: bytes each page moves (0: only keys are sent)."""
+    step = min(_CALL_PAGES, max(1, _CALL_BYTES // page_bytes)) if page_bytes else _CALL_PAGES
+    return [slice(i, i + step) for i in range(0, n, step)]
+
+
+def _check_page(t: Any, nbytes: int) -> None:
+    """InvalidArgument (a caller bug) unless ``t`` is a tensor of ``nbytes`` bytes."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgument(f"a page must be a torch.Tensor, got {type(t).__name__}")
+    if t.numel() * t.element_size() != nbytes:
+        raise InvalidArgument(f"page of {t.numel() * t.element_size()} bytes, the backend stores pages of {nbytes}")
+
+
 def _byte_rows(t: torch.Tensor, nbytes: int) -> torch.Tensor:
     """``t`` as a [1, nbytes] uint8 CPU view (a copy only when not contiguous or not on CPU)."""
     if not isinstance(t, torch.Tensor):
@@ -295,11 +325,9 @@ def hicache_storage_class() -> type:
             return self._present(self.spec, key) is True
 
         def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-            """Number of leading ``keys`` present (stops at the first miss)."""
-            for i, key in enumerate(keys):
-                if not self.exists(key):
-                    return i
-            return len(keys)
+            """Number of leading ``keys`` present (the first miss ends the count); one RPC, 0
+            when the sidecar fails (logged)."""
+            return sum(self._presence(self.spec, keys, leading=True)[0])
 
         def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
             """The page into ``target_location`` (a tensor of ``page_bytes``) or a new flat tensor
@@ -309,30 +337,41 @@ def hicache_storage_class() -> type:
 
         def _get(self, spec: ModelSpec, key: str, target_location: Any) -> Any:
             """:meth:`get` of a page of ``spec``, a failure of the sidecar returned as :data:`_FAILED`."""
-            out = target_location if isinstance(target_location, torch.Tensor) else \
-                torch.empty(spec.block_nbytes // spec.itemsize, dtype=spec.torch_dtype)
-            direct = out.device.type == "cpu" and out.is_contiguous()
-            buf = out if direct else torch.empty(out.shape, dtype=out.dtype)  # CPU staging page
-            n = self._ask(f"get of {key}", self.client.get_into, spec, [page_key(spec, key)],
-                          _byte_rows(buf, spec.block_nbytes))
-            if n is _FAILED:
-                return _FAILED
-            if n != 1:
-                return None
-            if not direct:
-                out.copy_(buf)
-            return out
+            pages, failed = self._fetch(spec, [key], [target_location])
+            return _FAILED if failed else pages[0]
+
+        def _fetch(self, spec: ModelSpec, keys: list[str], targets: list[Any]) -> tuple[list[Any], bool]:
+            """Pages ``keys`` of ``spec``, each into its target (a tensor of ``page_bytes``; else
+            a new flat tensor of the spec's dtype), in one RPC (per :func:`_calls` piece): (the
+            page or ``None`` for a miss, per key; whether the sidecar failed: then the pages
+            left are misses, not asked)."""
+            nbytes = spec.block_nbytes
+            outs = [t if isinstance(t, torch.Tensor) else torch.empty(nbytes // spec.itemsize, dtype=spec.torch_dtype)
+                    for t in targets]
+            for out in outs:  # NOTE: a caller bug, raised before anything is asked
+                _check_page(out, nbytes)
+            pages: list[Any] = [None] * len(keys)
+            for part in _calls(len(keys), nbytes):
+                names = keys[part]
+                staging = torch.empty((len(names), nbytes), dtype=torch.uint8)  # CPU pages, one copy out
+                present = self._ask(f"get of {len(names)} pages ({names[0]}...)", self.client.get_roots_into,
+                                    spec, [page_key(spec, k) for k in names], staging)
+                if present is _FAILED:  # the rest would wait as long: all misses
+                    return pages, True
+                for i, row, hit in zip(range(part.start, part.start + len(names)), staging, present):
+                    if hit:
+                        outs[i].copy_(row.view(outs[i].dtype).view(outs[i].shape))
+                        pages[i] = outs[i]
+            return pages, False
 
         def batch_get(self, keys: list[str], target_locations: Any = None,
                       target_sizes: Any = None) -> list[torch.Tensor | None]:
-            targets = target_locations or [None] * len(keys)
-            out: list[torch.Tensor | None] = [None] * len(keys)
-            for i, (k, t) in enumerate(zip(keys, targets)):
-                page = self._get(self.spec, k, t)
-                if page is _FAILED:  # the rest would wait as long: all misses
-                    break
-                out[i] = page
-            return out
+            """Each page (into its target) or ``None``; one RPC. After a failure of the sidecar
+            every page is a miss (logged). Keys past the targets given are misses."""
+            targets = list(target_locations) if target_locations else [None] * len(keys)
+            asked = min(len(keys), len(targets))
+            pages, _ = self._fetch(self.spec, list(keys[:asked]), targets[:asked])
+            return pages + [None] * (len(keys) - asked)
 
         def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
             """Store one page (``value``, else ``target_location``); ``True`` when stored (or
@@ -340,16 +379,37 @@ def hicache_storage_class() -> type:
             return self._set(self.spec, key, value if value is not None else target_location)
 
         def _set(self, spec: ModelSpec, key: str, page: Any) -> bool:
-            rows = _byte_rows(page, spec.block_nbytes)
-            return self._ask(f"set of {key}", self.client.put_bytes, spec, [page_key(spec, key)],
-                             rows.numpy(), ttl_s=self.config.ttl_s) is not _FAILED
+            return not self._put_pages(spec, [key], [page])[1]
+
+        def _put_pages(self, spec: ModelSpec, keys: list[str], pages: list[Any]) -> tuple[list[bool], bool]:
+            """Store ``pages`` as pages ``keys`` of ``spec`` in one RPC (per :func:`_calls`
+            piece), all or none of a call's (roots: see the module docstring): (per-page
+            success, whether the sidecar failed, logged; then the pages left are not stored,
+            not sent). A page of the wrong size raises before anything is stored."""
+            nbytes = spec.block_nbytes
+            for page in pages:  # NOTE: a caller bug, raised before anything is stored
+                _check_page(page, nbytes)
+            done = [False] * len(keys)
+            for part in _calls(len(keys), nbytes):
+                names = keys[part]
+                rows = torch.empty((len(names), nbytes), dtype=torch.uint8)
+                for row, page in zip(rows, pages[part]):
+                    row.copy_(_byte_rows(page, nbytes)[0])
+                if self._ask(f"set of {len(names)} pages ({names[0]}...)", self.client.put_bytes, spec,
+                             [page_key(spec, k) for k in names], rows.numpy(), ttl_s=self.config.ttl_s,
+                             roots=True) is _FAILED:  # the rest would fail as slowly
+                    return done, True
+                done[part] = [True] * len(names)
+            return done, False
 
         def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                       target_sizes: Any = None) -> bool:
+            """Store every page in one RPC; ``True`` when all are stored, ``False`` on a
+            store-side failure (logged: none of that call's pages is stored)."""
             pages = values if values is not None else target_locations
             if pages is None or len(pages) != len(keys):
                 raise InvalidArgument(f"batch_set of {len(keys)} keys needs as many values")
-            return all(self.set(k, v) for k, v in zip(keys, pages))
+            return not self._put_pages(self.spec, list(keys), list(pages))[1]
 
         # -- host-pool variants ---------------------------------------------------------------
         @staticmethod
@@ -361,27 +421,24 @@ def hicache_storage_class() -> type:
             return [int(host_indices[i * page_size]) for i in range(len(keys))]
 
         def _load(self, spec: ModelSpec, pool: Any, keys: list[str], host_indices: Any) -> tuple[list[bool], bool]:
-            """Pages ``keys`` of ``spec`` into ``pool`` at ``host_indices``: (per-page success,
-            whether the sidecar failed; then the rest are misses, not asked)."""
-            staging = pool.get_dummy_flat_data_page()
-            done = [False] * len(keys)
-            for i, (key, offset) in enumerate(zip(keys, self._page_offsets(pool, keys, host_indices))):
-                page = self._get(spec, key, staging)
-                if page is _FAILED:  # the rest would wait as long: all misses
-                    return done, True
-                done[i] = page is not None
-                if done[i]:
-                    pool.set_from_flat_data_page(offset, staging)
-            return done, False
+            """Pages ``keys`` of ``spec`` into ``pool`` at ``host_indices``, in one RPC:
+            (per-page success, whether the sidecar failed; then every page is a miss)."""
+            offsets = self._page_offsets(pool, keys, host_indices)
+            if not keys:
+                return [], False
+            dummy = pool.get_dummy_flat_data_page()
+            staging = torch.empty((len(keys), *dummy.shape), dtype=dummy.dtype)  # CPU pages
+            pages, failed = self._fetch(spec, keys, list(staging))
+            for offset, page in zip(offsets, pages):
+                if page is not None:
+                    pool.set_from_flat_data_page(offset, page)
+            return [page is not None for page in pages], failed
 
         def _store(self, spec: ModelSpec, pool: Any, keys: list[str], host_indices: Any) -> tuple[list[bool], bool]:
-            """Pool pages at ``host_indices`` as pages ``keys`` of ``spec``; as :meth:`_load`."""
-            done = [False] * len(keys)
-            for i, (key, offset) in enumerate(zip(keys, self._page_offsets(pool, keys, host_indices))):
-                done[i] = self._set(spec, key, pool.get_data_page(offset, flat=True))
-                if not done[i]:  # the sidecar failed (logged): the rest would fail as slowly
-                    return done, True
-            return done, False
+            """Pool pages at ``host_indices`` as pages ``keys`` of ``spec``, in one RPC (all or
+            none of its pages); as :meth:`_load`."""
+            offsets = self._page_offsets(pool, keys, host_indices)
+            return self._put_pages(spec, keys, [pool.get_data_page(offset, flat=True) for offset in offsets])
 
         def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
             """Load pages into the registered host pool at ``host_indices``; per-page success."""
@@ -485,17 +542,20 @@ def hicache_storage_class() -> type:
 
         def _presence(self, spec: ModelSpec, keys: list[str], *, leading: bool,
                       skip: bool = False) -> tuple[list[bool], bool]:
-            """(presence of each page of ``keys``, whether the sidecar failed). ``leading``:
-            stop at the first miss. After a failure (or with ``skip``) the pages left are
-            misses, not asked."""
+            """(presence of each page of ``keys``, whether the sidecar failed), in one RPC (per
+            :func:`_calls` piece). ``leading``: stop at the first miss. After a failure (or
+            with ``skip``) the pages left are misses, not asked."""
             have = [False] * len(keys)
-            for i, key in enumerate([] if skip else keys):
-                hit = self._present(spec, key)
-                if hit is _FAILED:
+            for part in [] if skip else _calls(len(keys)):
+                names = keys[part]
+                tiers = self._ask(f"exists of {len(names)} pages ({names[0]}...)", self.client.lookup_roots, spec,
+                                  [page_key(spec, k) for k in names])
+                if tiers is _FAILED:
                     return have, True
-                if not hit and leading:
-                    break
-                have[i] = hit
+                for i, tier in zip(range(part.start, part.start + len(names)), tiers):
+                    if tier is None and leading:
+                        return have, False
+                    have[i] = tier is not None
             return have, skip
 
         # -- housekeeping ---------------------------------------------------------------------
