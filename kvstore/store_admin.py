@@ -632,10 +632,21 @@ class TenantAdmin:
         blocks = self._session_blocks(tenant, sess)
         nbytes = sum(m.nbytes for m in blocks)
         pinning = sess.pinning
-        only = [m for m in blocks if m.pins == 1] if pinning else []
+        # NOTE: not ``m.pins == 1``: pins also counts read leases (a Get streaming the block),
+        # which made a session alone on its blocks say they stayed pinned by other sessions
+        only = [m for m in blocks if not self._pinned_elsewhere(tenant, sess.sid, m)] if pinning else []
         return SessionInfo(tenant, sess.sid, sess.state, len(blocks), nbytes,
                            len(blocks) if pinning else 0, nbytes if pinning else 0,
                            max(0.0, self._clock() - sess.last_used), len(only), sum(m.nbytes for m in only))
+
+    def _pinned_elsewhere(self, tenant: str, sid: str, meta: BlockMeta) -> bool:
+        """Whether a session of ``tenant`` other than ``sid`` pins ``meta`` (ACTIVE or RESUMED)."""
+        for other in meta.sessions:
+            if other != sid:
+                sess = self._sessions.peek(tenant, other)
+                if sess is not None and sess.pinning:
+                    return True
+        return False
 
     def end_session(self, tenant: str, session: str) -> SessionInfo:
         """Close a session for an operator, as its engine's ``close_session`` would (its blocks
