@@ -16,10 +16,14 @@ from service_harness import SPEC, fresh_tokens, random_kv
 
 from kvstore.errors import InvalidArgument, ResourceExhausted
 from kvstore.keys import KEY_BYTES
+from kvstore.spec import ModelSpec
 from proto.kvstore.v1 import kvstore_pb2 as pb
 from proto.kvstore.v1 import kvstore_pb2_grpc
 
 torch.set_num_threads(1)
+#: the spec of conftest's ``servers`` (the Stores sharing a remote tier)
+SPEC_REMOTE = ModelSpec(model="m", revision="r1", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16",
+                        block_tokens=4)
 
 
 def _roots(n: int, tag: str = "") -> list[bytes]:
@@ -119,6 +123,35 @@ def test_store_reserved_put_of_roots_commits_roots(open_store, spec):
     s.commit_put(res, rows.__getitem__)
     assert s.lookup_roots("a", spec, keys) == ["hbm"] * 3
     assert [s.lookup("a", spec, [k]).num_blocks for k in keys] == [1, 1, 1]
+
+
+def test_store_roots_put_on_one_server_are_found_and_served_by_another_through_remote(servers):
+    """Roots written through to the remote tier by server A: B's lookup of roots answers
+    "remote" for them (a miss elsewhere), its get serves them bit-exact and promotes them,
+    for the same tenant only."""
+    a, b = servers("a"), servers("b")
+    spec = SPEC_REMOTE
+    keys = _roots(4, "remote")
+    kv = make_kv(spec, 4, seed=9)
+    a.put("acme", spec, [keys[0], keys[1], keys[3]], kv[[0, 1, 3]], roots=True)
+    a.flush()  # the write-through queue drained
+
+    assert b.lookup_roots("acme", spec, keys) == ["remote", "remote", None, "remote"]
+    outs = [torch.zeros_like(kv[0]) for _ in keys]
+    assert b.get_roots_into("acme", spec, keys, outs) == [True, True, False, True]
+    assert all(torch.equal(outs[i], kv[i]) for i in (0, 1, 3))
+    assert b.lookup_roots("acme", spec, keys) == ["hbm", "hbm", None, "hbm"]  # promoted on hit
+    assert b.lookup_roots("globex", spec, keys) == [None] * 4
+
+
+def test_store_roots_put_with_a_session_pins_them(open_store, spec):
+    s = open_store(spec, hbm_blocks=4, dram_blocks=4)
+    s.open_session("a", "s1")
+    keys = _roots(2, "session")
+    s.put("a", spec, keys, make_kv(spec, 2), roots=True, session="s1")
+    assert s.lookup_roots("a", spec, keys) == ["hbm", "hbm"]
+    s.pause_session("a", "s1")
+    assert s.lookup_roots("a", spec, keys) == ["dram", "dram"]
 
 
 # -- service and client ---------------------------------------------------------------------------
