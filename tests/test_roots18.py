@@ -178,6 +178,31 @@ def test_client_roots_round_trip_in_one_rpc_each(sidecar, local):
     assert c.lookup_roots(SPEC, keys)[2] == "hbm"
 
 
+def _requests(sc, rpc: str) -> float:
+    """``rpc`` calls the sidecar answered OK so far."""
+    return sc.server.metrics_registry.get_sample_value("kvstore_requests_total", {"rpc": rpc, "code": "OK"}) or 0.0
+
+
+def test_client_roots_in_the_shared_region_move_with_one_copy(sidecar):
+    """Buffers from ``local_blocks``: the server reads and writes each root in its own slot
+    (a miss leaves its slot alone), in one GetLocal. The two buffers fill the region: a get
+    staged through its free part would have gone in-band."""
+    c = sidecar.tenant("roots-local-blocks", local=True, region_bytes=8 * SPEC.block_nbytes)
+    keys = _roots(4, "slots")
+    kv = random_kv(4, seed=13)
+    with c.local_blocks(SPEC, 4) as src, c.local_blocks(SPEC, 4) as dst:
+        src.tensor.copy_(kv)
+        c.put(SPEC, keys[:2] + keys[3:], src.tensor[[0, 1, 3]], roots=True)  # staged (a copy of the rows)
+        c.put(SPEC, keys[2:3], src.tensor[2:3], roots=True)  # in the region: its slot as it is
+        c.delete(keys[1:2])
+        dst.tensor.fill_(5)
+        before = _requests(sidecar, "GetLocal"), _requests(sidecar, "Get")
+        assert c.get_roots_into(SPEC, keys, dst.tensor) == [True, False, True, True]
+        assert (_requests(sidecar, "GetLocal"), _requests(sidecar, "Get")) == (before[0] + 1, before[1])
+        assert torch.equal(dst.tensor[[0, 2, 3]].view(torch.int16), kv[[0, 2, 3]].view(torch.int16))
+        assert torch.equal(dst.tensor[1], torch.full_like(kv[1], 5))
+
+
 def test_client_roots_staged_get_larger_than_the_region_goes_in_pieces(sidecar):
     c = sidecar.tenant("roots-pieces", local=True, region_bytes=3 * SPEC.block_nbytes)
     keys = _roots(7, "pieces")
