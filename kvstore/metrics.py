@@ -6,8 +6,9 @@ Two sources:
   RPC and status code, limit/quota rejections per limit, bytes in/out per plane, blocks hit and
   missed per lookup, prefill tokens saved (blocks served by Get and GetLocal x block tokens).
 * :class:`StoreCollector` — read from ``Store.stats()`` at scrape time (hits and misses per
-  tier, bytes per tier and per tenant, evictions, demotions, promotions, bytes migrated per tier
-  pair, integrity failures, ...). Every numeric leaf of the stats mapping becomes a gauge named
+  tier, bytes per tier and per tenant, evictions, demotions, promotions, blocks moved and bytes
+  written per tier pair (``moved_X_to_Y``, ``bytes_X_to_Y``: see :data:`_HELP`), integrity
+  failures, ...). Every numeric leaf of the stats mapping becomes a gauge named
   ``kvstore_store_<path>``; a mapping whose keys are tier or tenant names becomes a label.
 
 Tenant labels (``tenant=``, and the tenant inside ``resource="quota:TENANT:TIER"``) are
@@ -40,6 +41,15 @@ _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 _TIER_NAMES = {"hbm", "dram", "nvme", "remote"}
 _LABEL_SECTIONS = {"tiers": "tier", "tenants": "tenant", "per_tenant": "tenant", "namespaces": "tenant",
                    "migrations": "pair", "moves": "pair"}
+#: help texts of the store statistics that say more than their name (the rest: "Store statistic")
+_HELP = (
+    (re.compile(r"kvstore_store_counters_moved_([a-z]+)_to_([a-z]+)$"),
+     ("Blocks whose tier changed from {0} to {1}, a demotion onto the NVMe copy a block had included "
+      "(the pairs downward sum to demotions, upward to promotions)")),
+    (re.compile(r"kvstore_store_counters_bytes_([a-z]+)_to_([a-z]+)$"),
+     ("Bytes written into {1} copied from a block in {0}, once per write (a move, an ancestor's NVMe "
+      "copy, a flush); a demotion onto an NVMe copy the block had writes none")),
+)
 #: the label value of the tenants past the cap; no principal can be named so (a name starts
 #: with a letter or digit: :func:`kvstore.auth.check_name`)
 OVERFLOW_TENANT = "_other"
@@ -216,6 +226,13 @@ def flatten(stats: Any, path: list[str] | None = None, labels: dict[str, str] | 
                 yield from flatten(value, [*path, key], labels, _LABEL_SECTIONS.get(key))
 
 
+def _help(name: str) -> str:
+    for pattern, text in _HELP:
+        if (m := pattern.match(name)) is not None:
+            return text.format(*m.groups())
+    return f"Store statistic {name}"
+
+
 class StoreCollector(Collector):
     """Gauges read from ``stats()`` at scrape time. With ``tenants`` (the service's
     :attr:`ServiceMetrics.tenants`), tenants past its cap are summed under ``_other``, the
@@ -243,7 +260,7 @@ class StoreCollector(Collector):
             at = tuple(labels[k] for k in keys)
             values[at] = values.get(at, 0.0) + value
         for (name, keys), values in sums.items():
-            fam = GaugeMetricFamily(name, f"Store statistic {name}", labels=list(keys))
+            fam = GaugeMetricFamily(name, _help(name), labels=list(keys))
             for at, value in values.items():
                 fam.add_metric(list(at), value)
             yield fam

@@ -306,6 +306,10 @@ class Placement:
                                        quant=self.quant_policy.for_block(ref.tenant, ref.spec))
             if ok:
                 meta.persisted = True
+                if meta.tier != Tier.NVME:  # a copy of a memory block (a put into NVMe is no move)
+                    # NOTE: counted here, the one way into NVMe: a move, an ancestor's copy
+                    # (_nvme_room) and a flush each write; only the first was counted
+                    self.counters.add(f"bytes_{meta.tier.label}_to_nvme", meta.nbytes)
             return ok
         return self._mem[tier].put(ref, data)
 
@@ -575,6 +579,9 @@ class Placement:
                         self._nvme.commit_now()
                     self.release(meta, tier)  # the NVMe copy is committed
                     self._index.set_tier(meta, Tier.NVME)
+                    # a move with no write (no bytes_*): NOTE: it was in ``demotions`` only, and
+                    # the moved_* counters downwards summed to less
+                    self.counters.add(f"moved_{tier.label}_to_nvme")
                     self.counters.add("demotions")
                     return True
                 if self.move(meta, dest):
@@ -637,7 +644,8 @@ class Placement:
         self.charge(meta, dest, +1)
         self._index.set_tier(meta, dest)
         self.counters.add(f"moved_{src.label}_to_{dest.label}")
-        self.counters.add(f"bytes_{src.label}_to_{dest.label}", meta.nbytes)
+        if dest != Tier.NVME:  # bytes written into NVMe are counted by write()
+            self.counters.add(f"bytes_{src.label}_to_{dest.label}", meta.nbytes)
         if dest < src:  # NOTE: no promotions counter existed; the metrics name one
             self.counters.add("promotions")
         return True
