@@ -7,7 +7,8 @@ Plain functions of vLLM's config objects; importing this module does not import 
 
 * **Identity.** :func:`spec_for` gives one worker's spec: the model id (``kvstore_model``, else
   vLLM's served model name), ``kvstore_revision`` (else vLLM's ``--revision``), the KV dtype
-  (``--kv-cache-dtype``: ``auto`` is the model's dtype, ``fp8*`` an fp8 dtype, or a plain
+  (``--kv-cache-dtype``: ``auto`` is the model's dtype, ``fp8*`` an fp8 dtype: e4m3 as the
+  platform's kernels read it, AMD's fnuz on MI300 (:func:`fp8_e4m3`), or a plain
   ``bfloat16``/``float16``), the block size, heads and head dim, and the TP rank and size. A rank
   is a worker: TP rank ``r`` of pipeline stage ``s``; a stage's spec holds its own layers and has
   the stage and its layer range in its layout tag (:func:`stage_layers`), so stages never share
@@ -42,10 +43,12 @@ from kvstore.spec import ModelSpec
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["cpu_isa", "make_spec", "pipeline_stages", "refuse_unsupported", "request_adapter", "scales_tag",
+__all__ = ["cpu_isa", "fp8_e4m3", "make_spec", "pipeline_stages", "refuse_unsupported", "request_adapter", "scales_tag",
            "spec_for", "stage_layers"]
 
-_FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+#: ``--kv-cache-dtype`` fp8 values -> kvstore dtype; "e4m3" is the platform's e4m3 (:func:`fp8_e4m3`)
+_FP8 = {"fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "float8_e5m2"}
+_E4M3_NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e4m3fnuz: "float8_e4m3fnuz"}
 #: ``--kv-cache-dtype`` values that name a plain torch dtype (vLLM 0.32 accepts "bfloat16"; some
 #: releases also "float16")
 _PLAIN = {"bfloat16": "bfloat16", "float16": "float16"}
@@ -79,7 +82,7 @@ def spec_for(vllm_config: VllmConfig, extra: dict[str, Any], tp_rank: int = 0, a
     if cc.cache_dtype == "auto":
         dtype = str(mc.dtype).removeprefix("torch.")
     elif cc.cache_dtype in _FP8:
-        dtype = _FP8[cc.cache_dtype]
+        dtype = fp8_e4m3() if _FP8[cc.cache_dtype] == "e4m3" else _FP8[cc.cache_dtype]
     elif cc.cache_dtype in _PLAIN:
         dtype = _PLAIN[cc.cache_dtype]
     else:
@@ -96,6 +99,25 @@ def spec_for(vllm_config: VllmConfig, extra: dict[str, Any], tp_rank: int = 0, a
                      head_dim=mc.get_head_size(), dtype=dtype, block_size=cc.block_size,
                      revision=str(extra.get("kvstore_revision") or mc.revision or ""),
                      tp_rank=tp_rank, tp_size=pc.tensor_parallel_size, adapter=adapter, layout=layout)
+
+
+def fp8_e4m3() -> str:
+    """The kvstore dtype of vLLM's ``fp8``/``fp8_e4m3`` KV cache on this platform: what vLLM's
+    kernels read those bytes as, ``current_platform.fp8_dtype()`` — AMD's ``float8_e4m3fnuz`` on
+    MI300/MI325, OCP ``float8_e4m3fn`` elsewhere (and where vLLM's platform does not say).
+    NOTE: it was e4m3fn everywhere, so an MI300's blocks were keyed as an H100's, whose same
+    bytes are other numbers (1.0 is 0x40 in fnuz, 0x38 in e4m3fn). e5m2 is OCP on every
+    platform in vLLM."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return "float8_e4m3fn"
+    preferred = getattr(current_platform, "fp8_dtype", None)
+    dtype = preferred() if preferred is not None else torch.float8_e4m3fn
+    if dtype not in _E4M3_NAMES:
+        raise InvalidArgument(f"kvstore connector: vLLM's fp8 KV dtype on this platform is {dtype}, "
+                              f"which kvstore does not know")
+    return _E4M3_NAMES[dtype]
 
 
 def refuse_unsupported(vllm_config: VllmConfig) -> None:
