@@ -50,6 +50,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any, Self
 
 import torch
@@ -104,6 +105,13 @@ RECOVERY_STEP = 8192
 FLUSH_STEP = 64
 
 __all__ = ["LookupResult", "Store"]  # LookupResult lives in kvstore.store_reads
+
+
+@dataclass(slots=True)
+class PlacedPut:
+    """A put's blocks, set by the put once every one is placed (see :meth:`Store._put_batch`)."""
+
+    blocks: list[BlockMeta] | None = None
 
 
 def _later(a: float | None, b: float | None, cap: float | None = None) -> float | None:
@@ -337,6 +345,29 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
             self._forget_unwritten(exc.lost)
             raise
 
+    @contextmanager
+    def _put_batch(self, tenant: str) -> Iterator[PlacedPut]:
+        """The lock and NVMe batch of one put of ``tenant`` (:meth:`_put`, :meth:`commit_put`):
+        the body sets ``blocks`` of the :class:`PlacedPut` it is given once every block of the
+        put is placed. When the batch's commit then fails (NVMeWriteFailed) but each of them is
+        still indexed as placed, the commit lost only other blocks the put pushed down to NVMe
+        (dropped and counted by :meth:`_nvme_batch`): the put succeeded, and the failure is
+        logged instead of raised.
+
+        NOTE: a commit that failed after every block of the put was placed may have hit only
+        other blocks; an engine told the put failed would recompute for nothing (and a server
+        answered RESOURCE_EXHAUSTED for a put whose blocks were stored and pinned, while
+        Store.put answered OK: only :meth:`_put` made this check)."""
+        placed = PlacedPut()
+        try:
+            with self._lock, self._batch():
+                yield placed
+        except NVMeWriteFailed as exc:
+            with self._lock:
+                if placed.blocks is None or not all(self._index.get(tenant, m.key) is m for m in placed.blocks):
+                    raise
+            log.warning("put stored its %d blocks, but %s", len(placed.blocks), exc)
+
     def _forget_unwritten(self, lost: Sequence[tuple[str, bytes]]) -> None:
         """Drop from the index what an NVMe commit that failed did not store: a block living
         in NVMe only (with its subtree, unusable without it), or a memory block's NVMe copy."""
@@ -457,19 +488,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         check_roots(roots, parent0)
         check_chain(keys)
         ttl_s = check_ttl(ttl_s)
-        held: list[BlockMeta] = []
-        done = False
-        try:
-            with self._lock, self._batch():
-                done = self._put_locked(tenant, spec, keys, data, session, ttl_s, parent0, held, roots)
-        except NVMeWriteFailed as exc:
-            # NOTE: a commit that failed after every block of the put was placed may have hit
-            # only other blocks the put pushed down to NVMe (dropped, counted): the put itself
-            # succeeded then, and an engine told otherwise would recompute for nothing
-            with self._lock:
-                if not done or not all(self._index.get(tenant, m.key) is m for m in held):
-                    raise
-            log.warning("put stored its %d blocks, but %s", len(held), exc)
+        with self._put_batch(tenant) as placed:
+            placed.blocks = self._put_locked(tenant, spec, keys, data, session, ttl_s, parent0, roots)
 
     def _up_chain(self, blocks: Sequence[BlockMeta], top: Tier) -> list[BlockMeta]:
         """``blocks`` with every ancestor they continue from that lies below ``top``, each once,
@@ -496,10 +516,10 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                                     f"or in flight); retry once sessions close", resource=top.label)
 
     def _put_locked(self, tenant: str, spec: ModelSpec, keys: list[bytes], data: Callable[[int], Any],
-                    session: str | None, ttl_s: float | None, parent0: bytes, held: list[BlockMeta],
-                    roots: bool = False) -> bool:
-        """The body of :meth:`_put` inside its lock and NVMe batch; fills ``held`` with the
-        put's blocks and returns True once every one is placed. ``roots``: each key is a root
+                    session: str | None, ttl_s: float | None, parent0: bytes,
+                    roots: bool = False) -> list[BlockMeta]:
+        """The body of :meth:`_put` inside its lock and NVMe batch; returns the put's blocks
+        once every one is placed. ``roots``: each key is a root
         (parent ROOT_KEY, depth 0, placed from the fastest tier down), not the next link."""
         self._check_open()
         self._register_spec(spec)
@@ -510,6 +530,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         deadline = self._ttl_deadline(tenant, ttl_s, now, spec.fingerprint)
         inserted: list[BlockMeta] = []
         existing: list[BlockMeta] = []  # already stored: touched and re-timed on success
+        held: list[BlockMeta] = []  # every block of the put, in order
         guarded: list[Ident] = []
         parent_tier, base_depth = self.tiers[0], 0
         pm = self._stored_parent(tenant, spec, parent0, now) if parent0 != ROOT_KEY else None
@@ -590,7 +611,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
             finally:
                 self._place.protected.difference_update(guarded)
         self._published(inserted)
-        return True
+        return held
 
     def _stored_parent(self, tenant: str, spec: ModelSpec, parent: bytes, now: float) -> BlockMeta:
         """The stored block a put continues from (``parent``, not ROOT_KEY): visible, of the

@@ -212,7 +212,10 @@ class ReservedPuts:
             if res.done:
                 raise FailedPrecondition("this reservation was already committed or aborted")
             try:
-                with self._batch():
+                # NOTE: the put's batch, as Store.put's: a commit that failed only for other
+                # blocks the put pushed down to NVMe fails the put no longer (it answered
+                # RESOURCE_EXHAUSTED for a put whose blocks were all stored and pinned)
+                with self._put_batch(res.tenant) as placed:
                     self._check_open()
                     self._check_not_dropped(res.tenant, res.since)
                     if session is None:
@@ -223,6 +226,7 @@ class ReservedPuts:
                     bufs = [v if v is not None else data(i) for i, v in enumerate(res.views)]
                     views = block_views(res.spec, bufs, len(res.keys), "buffer")
                     self._commit_reserved(res, views, session, ttl_s)
+                    placed.blocks = [self._index.get(res.tenant, k) for k in res.keys]
             finally:
                 self._release_reservation(res)
 
