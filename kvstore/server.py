@@ -15,8 +15,8 @@ Concurrency: ``workers`` threads serve the calls, each holding one while it runs
 cannot take them all (``limits.max_calls_per_principal``, ``max_streams_per_principal``; the
 tenants together leave ``admin_workers`` to the admin and health checks), a stream that moves
 nothing for ``limits.stream_idle_s`` is cancelled, and past ``workers + max_queued_calls`` calls
-grpc refuses new ones with RESOURCE_EXHAUSTED instead of queueing them (see
-:class:`kvstore.service_rpc.RpcRunner`).
+new ones are refused with RESOURCE_EXHAUSTED instead of queued, and counted (see
+:class:`kvstore.service_rpc.RpcRunner`, :class:`kvstore.service_limits.QueueBound`).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from kvstore.metrics import ServiceMetrics, StoreCollector
 from kvstore.metrics_http import TokenFile, scrape_token, serve_metrics
 from kvstore.server_config import ServerConfig, check_certificates, check_key_pair
 from kvstore.service import AdminPlane, DataPlane, RpcRunner, add_services
+from kvstore.service_limits import REFUSALS_IN_FLIGHT, CallQueue, QueueBound
 from kvstore.shm import is_local_target
 from proto.kvstore.v1 import admin_pb2, kvstore_pb2
 
@@ -312,12 +313,12 @@ def create_server(config: ServerConfig, *, store: Any = None, clock: Callable[[]
         ("grpc.max_send_message_length", limits.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    from concurrent import futures
-
-    # NOTE: past workers + limits.max_queued_calls calls at once grpc refuses new ones with
-    # RESOURCE_EXHAUSTED; without a bound they queued for ever behind calls that never ended
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvstore-rpc"),
-                         options=options, maximum_concurrent_rpcs=calls.max_concurrent_rpcs)
+    # NOTE: past workers + limits.max_queued_calls calls at once new ones are refused with
+    # RESOURCE_EXHAUSTED; without a bound they queued for ever behind calls that never ended.
+    # grpc's own bound refused them uncounted: it is a backstop now (see QueueBound)
+    pool = CallQueue(config.workers, calls.max_concurrent_rpcs)
+    server = grpc.server(pool, options=options, interceptors=(QueueBound(pool, rpc.refuse_queued),),
+                         maximum_concurrent_rpcs=calls.max_concurrent_rpcs + REFUSALS_IN_FLIGHT)
     add_services(server, data, admin, rpc)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -7,6 +7,14 @@ enforces with ``calls`` (:class:`~kvstore.server_config.CallLimits`).
   is not counted, and for health checks); past a bound the call is refused with
   RESOURCE_EXHAUSTED naming the limit. A server-streaming call (Get) keeps its place until its
   last message is sent.
+* :class:`CallQueue` and :class:`QueueBound` — the calls running or waiting for a worker
+  (``max_concurrent_rpcs``: ``workers + limits.max_queued_calls``): a call arriving past them is
+  refused at once (decided on grpc's serving thread, sent from a thread of its own, never
+  queued behind the workers) with RESOURCE_EXHAUSTED in grpc's own words
+  (``Concurrent RPC limit exceeded!``, which the client reads as ``limits.max_queued_calls``)
+  and counted (``refuse``: :meth:`~kvstore.service_rpc.RpcRunner.refuse_queued`). NOTE: grpc's
+  ``maximum_concurrent_rpcs`` refused them before any kvstore code ran: the metrics never saw
+  them. It stays, :data:`REFUSALS_IN_FLIGHT` above the bound, as a backstop.
 * :class:`IdleWatch` — streams that move no message for ``stream_idle_s`` (a Put whose client
   sends nothing, a Get whose client reads nothing) are cancelled from one watcher thread with
   ``context.cancel()`` (thread-safe, unlike ``abort``), which wakes the handler thread blocked in
@@ -21,7 +29,10 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+import grpc
 
 from kvstore.auth import Principal, Role
 from kvstore.errors import ResourceExhausted, StreamIdle
@@ -102,6 +113,78 @@ class CallLimiter:
         """(calls, streams) that principal ``name`` has running."""
         with self._lock:
             return self._calls[name], self._streams[name]
+
+
+#: refusals of :class:`QueueBound` being sent at once (grpc counts them as calls) before grpc's
+#: own bound, this far above the queue's, refuses calls itself (uncounted): a backstop
+REFUSALS_IN_FLIGHT = 32
+
+#: ``refuse(method, context, since)``: count a call :class:`QueueBound` refused and abort it
+Refuse = Callable[[str, grpc.ServicerContext, float], None]
+
+
+class CallQueue(ThreadPoolExecutor):
+    """grpc's pool of ``workers`` threads, counting the calls it holds (running or waiting for
+    a thread); :attr:`full` once they are ``bound``. grpc submits each call it accepts here
+    from its serving thread, the one that asks :class:`QueueBound` first: the count a call is
+    admitted on includes every call admitted before it."""
+
+    def __init__(self, workers: int, bound: int) -> None:
+        super().__init__(max_workers=workers, thread_name_prefix="kvstore-rpc")
+        self.bound = bound
+        self._held = 0
+        self._held_lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        with self._held_lock:
+            self._held += 1
+        try:
+            future = super().submit(fn, *args, **kwargs)
+        except BaseException:
+            self._leave(None)
+            raise
+        future.add_done_callback(self._leave)
+        return future
+
+    def _leave(self, _future: Future | None) -> None:
+        with self._held_lock:
+            self._held -= 1
+
+    @property
+    def full(self) -> bool:
+        return self._held >= self.bound
+
+
+class QueueBound(grpc.ServerInterceptor):
+    """Refuses each call that arrives while ``queue`` is :attr:`~CallQueue.full`: ``refuse``
+    runs on a thread of its own (grpc's ``experimental_thread_pool``), not behind the busy
+    workers, and the request is never read."""
+
+    def __init__(self, queue: CallQueue, refuse: Refuse) -> None:
+        self._queue = queue
+        self._refuse = refuse
+        self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-refuse")
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or not self._queue.full:
+            return handler
+        # NOTE: a stream handler whatever the method: grpc reads no request before calling it
+        return grpc.stream_stream_rpc_method_handler(_Refusal(self._lane, self._refuse, details.method))
+
+
+class _Refusal:
+    """The behaviour of one refused call."""
+
+    __slots__ = ("experimental_thread_pool", "method", "refuse", "since")
+
+    def __init__(self, lane: ThreadPoolExecutor, refuse: Refuse, method: str) -> None:
+        self.experimental_thread_pool = lane  # grpc runs the behaviour there
+        self.refuse, self.method, self.since = refuse, method, time.perf_counter()
+
+    def __call__(self, _requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        self.refuse(self.method, context, self.since)  # aborts the call
+        return iter(())
 
 
 class WatchedStream:

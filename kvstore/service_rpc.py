@@ -17,6 +17,9 @@
   (:class:`~kvstore.service_limits.CallLimiter`) and cancels idle streams
   (:class:`~kvstore.service_limits.IdleWatch`), installed on the stream handlers by
   :meth:`RpcRunner.guard`: see :mod:`kvstore.service_limits`.
+* :meth:`RpcRunner.refuse_queued` — a call past the server's workers + ``limits.max_queued_calls``
+  (:class:`~kvstore.service_limits.QueueBound`), refused with RESOURCE_EXHAUSTED and counted
+  as any other limit's refusal.
 * :func:`known_namespace` — whether a namespace may still be counted in the metrics (not a
   tenant deleted while the call ran).
 """
@@ -49,7 +52,7 @@ from kvstore.errors import (
 )
 from kvstore.metrics import ServiceMetrics
 from kvstore.service_limits import CallLimiter, CallSlot, IdleWatch
-from kvstore.status import to_status
+from kvstore.status import _GRPC_CONCURRENCY, to_status
 
 if TYPE_CHECKING:
     from kvstore.server_config import CallLimits
@@ -127,6 +130,8 @@ class RpcRunner:
             self.limiter = CallLimiter(calls.calls_per_principal, calls.streams_per_principal, calls.tenant_calls)
             self.idle = IdleWatch(calls.stream_idle_s)
         self._calls: dict[Any, _Call] = {}  # context -> what its stream handler said
+        #: "/package.Service/Method" -> the name its calls are counted under (method_handlers)
+        self.names: dict[str, str] = {}
         self._running = 0  # calls inside run(): drain() waits for them
         self._ended = threading.Condition()
 
@@ -214,6 +219,20 @@ class RpcRunner:
             with self._ended:
                 self._running -= 1
                 self._ended.notify_all()
+
+    def refuse_queued(self, method: str, context: grpc.ServicerContext, since: float) -> None:
+        """Refuse a call of ``method`` (its path) that arrived (at ``since``) past the workers +
+        ``limits.max_queued_calls`` calls held: counted as a rejection of that limit (and as a
+        request, for a method of ours), answered in grpc's own words (what grpc answered when
+        its bound refused it, and what clients read as that limit: :func:`kvstore.status.from_rpc_error`)."""
+        exc = ResourceExhausted(_GRPC_CONCURRENCY, resource="limits.max_queued_calls")
+        status, _ = to_status(exc)
+        if self.metrics is not None:
+            self.metrics.rejected(exc.resource)
+            name = self.names.get(method)
+            if name is not None:  # else a health check or reflection: counted nowhere else
+                self.metrics.observe(name, status.name, time.perf_counter() - since)
+        context.abort(status, _GRPC_CONCURRENCY)
 
     def relay(self, name: str, context: grpc.ServicerContext, frames: Iterator[Any], start: float) -> Iterator[Any]:
         """The items of a response stream that :meth:`run` opened (``stream=True``; ``start``:
@@ -349,6 +368,7 @@ def method_handlers(service: ServiceDescriptor, servicer: Any, overrides: Mappin
             behavior = _refusing_malformed(behavior, prefix + m.name, rpc, admin_only)
         if rpc is not None:  # streams: counted, held and watched (see RpcRunner.guard)
             behavior = rpc.guard(behavior, m.client_streaming, m.server_streaming)
+            rpc.names[f"/{service.full_name}/{m.name}"] = prefix + m.name
         handlers[m.name] = factory(behavior, request_deserializer=codec[0], response_serializer=codec[1])
     return handlers
 
