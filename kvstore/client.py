@@ -966,7 +966,7 @@ class Client:
             count = len(keys) - got if cap is None else min(len(keys) - got, max(1, cap // nbytes))
             try:
                 k, limited = self._get_piece(spec, keys[got : got + count], rows[got : got + count], namespace,
-                                             parent, self._left(deadline))
+                                             parent, self._left(deadline), len(keys) - got - count)
             except ResourceExhausted as exc:
                 if count == 1 or _STREAM_LIMIT not in str(exc):
                     raise
@@ -983,10 +983,12 @@ class Client:
         return got
 
     def _get_piece(self, spec: ModelSpec, keys: list[bytes], rows: np.ndarray, namespace: str,
-                   parent: bytes | None, timeout: float | None) -> tuple[int, bool]:
+                   parent: bytes | None, timeout: float | None, keys_after: int = 0) -> tuple[int, bool]:
         """One Get stream of ``keys`` into ``rows``: how many leading blocks it wrote, and
-        whether the server stopped at its stream limit (more may follow) rather than a miss."""
-        req = pb.GetRequest(chunk_bytes=self.chunk_bytes, pack_blocks=True, partial=True)
+        whether the server stopped at its stream limit (more may follow) rather than a miss.
+        ``keys_after``: keys of the get after these, left to later pieces (the server counts
+        them as misses when the prefix ends within these, as one get of them all would)."""
+        req = pb.GetRequest(chunk_bytes=self.chunk_bytes, pack_blocks=True, partial=True, keys_after=keys_after)
         self._target(req.target, spec, keys, None, namespace, parent)
         nbytes = spec.block_nbytes
         stream = None
@@ -1028,7 +1030,7 @@ class Client:
             if not count:
                 return got + self._get_stream(spec, keys[got:], rows[got:], namespace, parent, self._left(deadline))
             k = self._get_slots(spec, keys[got : got + count], [off + j * nbytes for j in range(count)],
-                                namespace, parent, staged=off, deadline=deadline)
+                                namespace, parent, staged=off, deadline=deadline, keys_after=len(keys) - got - count)
             try:
                 for j in range(k):
                     host_copy(rows[got + j], lp.arena[off + j * nbytes : off + (j + 1) * nbytes])
@@ -1041,9 +1043,10 @@ class Client:
         return got
 
     def _get_slots(self, spec: ModelSpec, keys: list[bytes], offsets: list[int], namespace: str,
-                   parent: bytes | None, staged: int | None = None, deadline: float | None = None) -> int:
+                   parent: bytes | None, staged: int | None = None, deadline: float | None = None,
+                   keys_after: int = 0) -> int:
         try:
-            req = pb.GetLocalRequest(offsets=offsets)
+            req = pb.GetLocalRequest(offsets=offsets, keys_after=keys_after)
             self._target(req.target, spec, keys, None, namespace, parent)
         except BaseException:
             if staged is not None:

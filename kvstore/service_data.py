@@ -207,16 +207,24 @@ class DataPlane:
     def abort_put(self, reservation: PutReservation) -> None:
         self.store.abort_put(reservation)
 
-    def lease(self, b: Blocks, stage: Callable[[int], np.ndarray]) -> tuple[ReadLease, list[bool] | None]:
+    def lease(self, b: Blocks, stage: Callable[[int], np.ndarray],
+              keys_after: int = 0) -> tuple[ReadLease, list[bool] | None]:
         """The longest usable prefix under a read lease (``Store.lease_prefix``): each block's
         bytes in place in its memory tier, or copied into ``stage(i)``. Release it in a finally.
         Nothing is counted here: the bytes count as they are served (:meth:`sent`, :meth:`served`).
         With ``b.roots``, every key that is stored (``Store.lease_roots``) and whether each
-        was; else the second value is None (the lease's blocks are the leading ones)."""
+        was; else the second value is None (the lease's blocks are the leading ones).
+
+        ``keys_after``: keys of the same get after ``b.keys``, read by later calls
+        (``GetRequest.keys_after``, and the keys a Get cut at its stream limit): misses too
+        when the prefix ends within ``b.keys``, at most ``limits.max_keys_per_call`` (what one
+        call may ask for; the client says how many). Ignored for roots: the client asks for
+        every root it wants answered, each counted once."""
         # NOTE: kvstore_bytes_out counted every leased byte here, bytes never sent included
         if b.roots:
             return self.store.lease_roots(b.namespace, b.spec, b.keys, stage)
-        return self.store.lease_prefix(b.namespace, b.spec, b.keys, stage, parent=b.parent), None
+        after = min(keys_after, self.limits.max_keys_per_call)
+        return self.store.lease_prefix(b.namespace, b.spec, b.keys, stage, parent=b.parent, keys_after=after), None
 
     def _known(self, namespace: str) -> bool:
         """Whether ``namespace`` is still counted in the metrics as its call ends: not a tenant
@@ -321,12 +329,13 @@ class DataPlane:
                 self._unstage(principal.name, staged)
 
     def get_local(self, principal: Principal, b: Blocks, region_id: int, offsets: Sequence[int],
-                  seq: int = 0) -> tuple[int, list[bool] | None]:
+                  seq: int = 0, keys_after: int = 0) -> tuple[int, list[bool] | None]:
         """Copy the longest available prefix into the caller's region slots ``offsets``; the
         number of blocks, and (``b.roots``: every stored key, each into its own slot) whether
         each key was (None for a chain). Blocks in host memory tiers are written from their
         tier slot; the others are decoded straight into the slot where the region is mapped,
-        else into a staging buffer written from there."""
+        else into a staging buffer written from there. ``keys_after``: as :meth:`lease` takes
+        it (``GetLocalRequest.keys_after``: a chain read in pieces through the region)."""
         nbytes = b.spec.block_nbytes
         check_slots(offsets, nbytes, len(b.keys))
         with self._region(principal, region_id, offsets, nbytes, seq) as region:
@@ -341,7 +350,7 @@ class DataPlane:
                 return self._stage(principal.name, nbytes, staged)
 
             try:
-                lease, present = self.lease(b, stage)
+                lease, present = self.lease(b, stage, keys_after)
                 try:
                     # the key of each served block (roots: the keys present, in order)
                     of = range(len(lease.views)) if present is None else [i for i, hit in enumerate(present) if hit]

@@ -30,7 +30,9 @@
   A Get asking for more bytes than ``limits.max_stream_bytes`` is refused (RESOURCE_EXHAUSTED),
   unless the request sets ``partial``: then it serves the leading blocks that fit the limit
   and its header says ``limited`` when the prefix reached that cut (the client asks again from
-  the next block). Why: clients learned the limit by parsing the refusal's text.
+  the next block). Why: clients learned the limit by parsing the refusal's text. The keys
+  past the cut count as misses when the prefix ends before it (with ``keys_after``, the keys
+  a client left to later requests), so a Get in pieces counts what one Store.get would.
   A Get of roots (``Target.roots``) serves every key that is stored, the header saying which
   (``present``), the frames carrying the served blocks in key order.
 
@@ -145,6 +147,9 @@ def get_stream(plane: DataPlane, p: Principal, request: pb.GetRequest) -> Iterat
     nbytes = b.spec.block_nbytes
     fit = plane.limits.max_stream_bytes // max(nbytes, 1)  # whole blocks within the limit
     cut = request.partial and 0 < fit < len(b.keys)
+    # the keys of the same get after the ones served here: the client's later requests, and
+    # those past the cut (misses too when the prefix ends before it; see Store.lease_prefix)
+    after = request.keys_after + (len(b.keys) - fit if cut else 0)
     if cut:  # NOTE: refused before, and clients learned the limit from the refusal's text
         b = replace(b, keys=list(b.keys[:fit]))
     _check_size(plane, b, count_blocks=False)  # bounds what one Get holds (leased or staged)
@@ -156,7 +161,7 @@ def get_stream(plane: DataPlane, p: Principal, request: pb.GetRequest) -> Iterat
         return staged[-1]
 
     try:
-        lease, present = plane.lease(b, stage)
+        lease, present = plane.lease(b, stage, after)
     except BaseException:
         _give_all(plane.staging, staged)
         raise

@@ -118,7 +118,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def GetLocal(self, request, context):
         def call(p: Principal) -> pb.GetLocalResponse:
             b = self.plane.resolve(p, request.target)
-            n, present = self.plane.get_local(p, b, request.region_id, request.offsets, request.seq)
+            n, present = self.plane.get_local(p, b, request.region_id, request.offsets, request.seq,
+                                              request.keys_after)
             return pb.GetLocalResponse(num_blocks=n, present=bytes(present) if present is not None else b"")
         return self.rpc.run("GetLocal", context, call)
 

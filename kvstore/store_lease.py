@@ -31,6 +31,7 @@ from typing import Self
 import numpy as np
 
 from kvstore.block import BlockMeta
+from kvstore.errors import InvalidArgument
 from kvstore.keys import check_keys
 from kvstore.spec import ModelSpec
 from kvstore.store_reserve import _parent
@@ -70,16 +71,23 @@ class LeasedGets:
     """Store methods of the read lease (see the module docstring)."""
 
     def lease_prefix(self, tenant: str, spec: ModelSpec, keys: Sequence[bytes],
-                     stage: Callable[[int], np.ndarray], *, parent: bytes | None = None) -> ReadLease:
+                     stage: Callable[[int], np.ndarray], *, parent: bytes | None = None,
+                     keys_after: int = 0) -> ReadLease:
         """Serve the longest usable prefix of ``keys`` (as :meth:`get_into` does) under a read
         lease: block i's bytes stay where they are when its tier is host memory, else they are
         copied into ``stage(i)`` (a writable flat uint8 host array of ``spec.block_nbytes`` the
         caller owns; it may be asked for blocks past the prefix that end up unused).
 
+        ``keys_after``: keys of the same get after ``keys`` that the caller reads in later
+        pieces (the service cuts a long Get at its stream limit; a client reads a long chain
+        in pieces): counted as misses too when the prefix ends within ``keys``, so the pieces
+        count what one get of them all would.
+
         Release the returned lease in a ``finally``. Errors surface here, with nothing held."""
         self._check_tenant(tenant)
         keys = check_keys(keys)
         parent0 = _parent(parent)
+        keys_after = _check_keys_after(keys_after)
         lease = ReadLease(self)
         plan = None
         outs: dict[int, np.ndarray] = {}
@@ -116,15 +124,14 @@ class LeasedGets:
             finally:
                 protected.difference_update(idents)
             if plan is None:
-                self.counters.add("hits", len(views))
-                self.counters.add("misses", len(keys) - len(views))
+                self._count_get(len(views), len(keys), keys_after)
                 return lease
         # NOTE: the remote continuation is fetched with the lock released, as get's is (a
         # service Get stuck on a hung Redis held every other call); the leased blocks stay
         # pinned meanwhile, and the staged ones are the caller's buffers
         start = len(lease.views)
         try:
-            got = self._remote_continue(plan, start, len(keys), "lease")
+            got = self._remote_continue(plan, start, len(keys), "lease", keys_after)
         except BaseException:
             self._end_lease(lease)
             raise
@@ -177,6 +184,13 @@ class LeasedGets:
                 meta.pins -= 1  # NOTE: harmless on a block deleted meanwhile (no longer indexed)
                 if not self._closed:  # a closed tier dropped its leases (and its slots) already
                     tier.unlease(token)
+
+
+def _check_keys_after(keys_after: object) -> int:
+    """``keys_after`` of :meth:`LeasedGets.lease_prefix`: an int >= 0, else InvalidArgument."""
+    if isinstance(keys_after, bool) or not isinstance(keys_after, int) or keys_after < 0:
+        raise InvalidArgument(f"keys_after must be an int >= 0, got {keys_after!r}")
+    return keys_after
 
 
 def _staged(stage: Callable[[int], np.ndarray], i: int, spec: ModelSpec) -> np.ndarray:

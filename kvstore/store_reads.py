@@ -280,10 +280,24 @@ class ReadPath:
         # (a local HBM get of another tenant waited out the remote timeouts and retries)
         return served + self._remote_continue(plan, served, len(keys), "get")
 
-    def _remote_continue(self, plan: _RemoteRead, served: int, n_keys: int, what: str) -> int:
+    def _count_get(self, served: int, n_keys: int, keys_after: int = 0) -> None:
+        """Count a get of ``n_keys`` keys that served its ``served`` leading blocks (lock held).
+        ``keys_after``: keys of the same get after these that this call was not given (a long
+        chain read in pieces: the service's Get cut at its stream limit, a client's pieces):
+        a prefix that ended within these misses them too, so the pieces count what one get of
+        every key would; one that ran to their end leaves them to the next piece.
+
+        NOTE: only the piece's own keys were counted: a 40-key Get served in pieces of 8 whose
+        prefix ended at 5 counted 3 misses where Store.get counts 35."""
+        self.counters.add("hits", served)
+        self.counters.add("misses", n_keys - served + (keys_after if served < n_keys else 0))
+
+    def _remote_continue(self, plan: _RemoteRead, served: int, n_keys: int, what: str,
+                         keys_after: int = 0) -> int:
         """Fetch ``plan`` with the lock released, then count the read (``served`` local blocks
-        of ``n_keys``) and promote what came back under the lock; the remote blocks served.
-        A store closed under the fetch makes it a miss, and promotes nothing."""
+        of ``n_keys``, ``keys_after`` as :meth:`_count_get` takes it) and promote what came back
+        under the lock; the remote blocks served. A store closed under the fetch makes it a
+        miss, and promotes nothing."""
         try:
             self._remote_fetch(plan)
         except Exception:
@@ -292,8 +306,7 @@ class ReadPath:
             plan.n = 0  # the store closed (and the remote tier with it) under the fetch: a miss
         n = served + plan.n
         with self._lock:
-            self.counters.add("hits", n)
-            self.counters.add("misses", n_keys - n)
+            self._count_get(n, n_keys, keys_after)
             self.counters.add("hits_remote", plan.n)
             if self._closed:  # closed meanwhile: what was served stands, nothing is promoted
                 return plan.n
@@ -326,8 +339,7 @@ class ReadPath:
             self._place.protected.difference_update(idents)
         if self._remote is not None and served == len(chain) < len(keys):
             return served, self._remote_plan(tenant, spec, keys, served, out, chain, parent)
-        self.counters.add("hits", served)
-        self.counters.add("misses", len(keys) - served)
+        self._count_get(served, len(keys))
         return served, None
 
     def _remote_plan(self, tenant: str, spec: ModelSpec, keys: list[bytes], start: int,

@@ -171,16 +171,18 @@ class PutResponse(_message.Message):
     def __init__(self, blocks_written: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("target", "chunk_bytes", "pack_blocks", "partial")
+    __slots__ = ("target", "chunk_bytes", "pack_blocks", "partial", "keys_after")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     PACK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    KEYS_AFTER_FIELD_NUMBER: _ClassVar[int]
     target: Target
     chunk_bytes: int
     pack_blocks: bool
     partial: bool
-    def __init__(self, target: _Optional[_Union[Target, _Mapping]] = ..., chunk_bytes: _Optional[int] = ..., pack_blocks: _Optional[bool] = ..., partial: _Optional[bool] = ...) -> None: ...
+    keys_after: int
+    def __init__(self, target: _Optional[_Union[Target, _Mapping]] = ..., chunk_bytes: _Optional[int] = ..., pack_blocks: _Optional[bool] = ..., partial: _Optional[bool] = ..., keys_after: _Optional[int] = ...) -> None: ...
 
 class GetHeader(_message.Message):
     __slots__ = ("num_blocks", "block_nbytes", "limited", "present")
@@ -261,16 +263,18 @@ class PutLocalRequest(_message.Message):
     def __init__(self, target: _Optional[_Union[Target, _Mapping]] = ..., region_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., session: _Optional[str] = ..., ttl_s: _Optional[float] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class GetLocalRequest(_message.Message):
-    __slots__ = ("target", "region_id", "offsets", "seq")
+    __slots__ = ("target", "region_id", "offsets", "seq", "keys_after")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    KEYS_AFTER_FIELD_NUMBER: _ClassVar[int]
     target: Target
     region_id: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     seq: int
-    def __init__(self, target: _Optional[_Union[Target, _Mapping]] = ..., region_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ...) -> None: ...
+    keys_after: int
+    def __init__(self, target: _Optional[_Union[Target, _Mapping]] = ..., region_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., keys_after: _Optional[int] = ...) -> None: ...
 
 class FenceRegionRequest(_message.Message):
     __slots__ = ("region_id", "seq")
