@@ -68,7 +68,8 @@ class BlockMeta:
     ``tier`` is the fastest tier holding the block's bytes; ``persisted`` says NVMe also holds a
     committed copy (a block promoted out of NVMe keeps it, so a crash does not lose it). ``in_flight`` is True between the prepare and
     complete phases of a move: such a block is neither a hit nor evictable. ``pins`` counts the
-    sessions that hold it (pinned blocks are never evicted). Times come from the Store's
+    sessions that pin it (ACTIVE or RESUMED, named in ``sessions``) and the read leases on it
+    (a Get stream or a GetLocal copying it out): pinned blocks are never evicted. Times come from the Store's
     injected clock (seconds).
     """
 

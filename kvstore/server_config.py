@@ -214,9 +214,9 @@ class LimitsConfig(BaseModel):
 
     max_queued_calls: Annotated[Int, Field(ge=0, le=65536)] | None = None
     """Calls accepted while every worker is busy, waiting for one; past ``workers +
-    max_queued_calls`` calls at once, grpc refuses new ones at once with RESOURCE_EXHAUSTED
-    ("Concurrent RPC limit exceeded") instead of queueing them without end. None = as many as
-    ``workers``."""
+    max_queued_calls`` calls at once, the server refuses new ones at once with
+    RESOURCE_EXHAUSTED ("Concurrent RPC limit exceeded", counted as a rejection of this limit)
+    instead of queueing them without end. None = as many as ``workers``."""
 
     stream_idle_s: Annotated[Float, Field(gt=0, le=86400, allow_inf_nan=False)] = 30.0
     """A Put stream that receives no message, or a Get stream whose client takes no message,

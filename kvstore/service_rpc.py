@@ -52,7 +52,7 @@ from kvstore.errors import (
 )
 from kvstore.metrics import ServiceMetrics
 from kvstore.service_limits import CallLimiter, CallSlot, IdleWatch
-from kvstore.status import _GRPC_CONCURRENCY, to_status
+from kvstore.status import GRPC_CONCURRENCY, to_status
 
 if TYPE_CHECKING:
     from kvstore.server_config import CallLimits
@@ -225,14 +225,14 @@ class RpcRunner:
         ``limits.max_queued_calls`` calls held: counted as a rejection of that limit (and as a
         request, for a method of ours), answered in grpc's own words (what grpc answered when
         its bound refused it, and what clients read as that limit: :func:`kvstore.status.from_rpc_error`)."""
-        exc = ResourceExhausted(_GRPC_CONCURRENCY, resource="limits.max_queued_calls")
+        exc = ResourceExhausted(GRPC_CONCURRENCY, resource="limits.max_queued_calls")
         status, _ = to_status(exc)
         if self.metrics is not None:
             self.metrics.rejected(exc.resource)
             name = self.names.get(method)
             if name is not None:  # else a health check or reflection: counted nowhere else
                 self.metrics.observe(name, status.name, time.perf_counter() - since)
-        context.abort(status, _GRPC_CONCURRENCY)
+        context.abort(status, GRPC_CONCURRENCY)
 
     def relay(self, name: str, context: grpc.ServicerContext, frames: Iterator[Any], start: float) -> Iterator[Any]:
         """The items of a response stream that :meth:`run` opened (``stream=True``; ``start``:

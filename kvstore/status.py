@@ -90,7 +90,7 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 #: what grpc answers past ``maximum_concurrent_rpcs`` (the server's workers + max_queued_calls)
-_GRPC_CONCURRENCY = "Concurrent RPC limit exceeded!"
+GRPC_CONCURRENCY = "Concurrent RPC limit exceeded!"
 #: in what grpc answers for a message past its size limit ("SERVER: Received message larger
 #: than max (640054 vs. 262144)", "Sent ...", "CLIENT: ..."): the server's and the clients'
 #: limit is ``limits.max_message_bytes`` (a client's own ``max_message_bytes``)
@@ -108,7 +108,7 @@ def from_rpc_error(err: grpc.RpcError) -> errors.KVStoreError:
         exc.code = name
         return exc
     if cls is errors.ResourceExhausted:
-        if message == _GRPC_CONCURRENCY:  # NOTE: grpc's own words named no limit to raise
+        if message == GRPC_CONCURRENCY:  # NOTE: grpc's own words named no limit to raise
             return errors.ResourceExhausted(
                 "the server is running and queueing as many calls as it takes (grpc: Concurrent RPC "
                 "limit exceeded): its workers + limits.max_queued_calls; retry later, or raise them",
