@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import service_harness
+import sglang_fixtures
 import sglang_wheel
 import torch
 
@@ -23,25 +23,13 @@ except sglang_wheel.WheelUnavailable as exc:
 from kvstore.errors import InvalidArgument
 from kvstore.integrations import sglang as kv_sglang
 
+sidecar, _no_failure_injection = sglang_fixtures.sidecar, sglang_fixtures._no_failure_injection
+
 LAYERS, PAGE, HEADS, DIM = 2, 4, 2, 8
 PAGE_SHAPE = (2, LAYERS, PAGE, HEADS, DIM)  # SGLang's flat MHA data page, layer_first
 PAGE_BYTES = 2 * LAYERS * PAGE * HEADS * DIM * 2  # bfloat16
 DYNAMIC = {"backend_name": "kvstore", "module_path": "kvstore.integrations.sglang",
            "class_name": "KVStoreHiCacheStorage"}
-
-
-@pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    sc = service_harness.start(tmp_path_factory.mktemp("sglang"))
-    yield sc
-    sc.stop()
-
-
-@pytest.fixture(autouse=True)
-def _no_failure_injection(monkeypatch: pytest.MonkeyPatch) -> None:
-    # SGLang's factory wraps backends in a random-failure proxy when these are set
-    monkeypatch.delenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", raising=False)
-    monkeypatch.delenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", raising=False)
 
 
 def storage_config(extra: dict[str, Any], **over: Any) -> Any:

@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 import pytest
-import service_harness
+import sglang_fixtures
 import sglang_wheel
 import torch
 
@@ -29,24 +29,13 @@ except sglang_wheel.WheelUnavailable as exc:
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.integrations import sglang as kv_sglang
 
+sidecar, _no_failure_injection = sglang_fixtures.sidecar, sglang_fixtures._no_failure_injection
+
 HS: Any = sys.modules["sglang.srt.mem_cache.hicache_storage"]  # the wheel's module
 PoolName, PoolTransfer, PoolHitPolicy = HS.PoolName, HS.PoolTransfer, HS.PoolHitPolicy
 DYNAMIC = {"backend_name": "kvstore", "module_path": "kvstore.integrations.sglang",
            "class_name": "KVStoreHiCacheStorage"}
 PAGE = 4  # tokens per page
-
-
-@pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    sc = service_harness.start(tmp_path_factory.mktemp("sglang17"))
-    yield sc
-    sc.stop()
-
-
-@pytest.fixture(autouse=True)
-def _no_failure_injection(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", raising=False)
-    monkeypatch.delenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", raising=False)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import service_harness
+import sglang_fixtures
 import sglang_wheel
 import torch
 
@@ -22,20 +22,9 @@ from test_integration_sglang17 import PoolHitPolicy, PoolName, PoolTransfer, att
 
 from kvstore.errors import InvalidArgument, Unavailable
 
+sidecar, _no_failure_injection = sglang_fixtures.sidecar, sglang_fixtures._no_failure_injection
+
 N = 8  # pages per batch (the pools of the test double hold 8 pages)
-
-
-@pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    sc = service_harness.start(tmp_path_factory.mktemp("sglang18"))
-    yield sc
-    sc.stop()
-
-
-@pytest.fixture(autouse=True)
-def _no_failure_injection(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", raising=False)
-    monkeypatch.delenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", raising=False)
 
 
 @pytest.fixture(scope="module")
