@@ -230,6 +230,27 @@ class Placement:
             room += fit(t, self.backend(t).capacity - used, own)
         return min(need, max(room, nvme))
 
+    def fits_now(self, tenant: str, sizes: Sequence[int], tier: Tier,
+                 held: Iterable[BlockMeta] = (), quotas: bool = True) -> bool:
+        """Whether new blocks of ``sizes`` (bytes each) could all go into ``tier`` now if it
+        evicted everything it may: their charges within its capacity less what no eviction
+        can free (:meth:`_held`, ``held`` as in :meth:`room_now`), their bytes within the
+        tenant's quota there (``quotas``). An upper bound, as room_now's.
+
+        NOTE: room_now sizes every block alike; a resume of a session holding blocks of two
+        models (a target and its draft) sized them all as the smallest, passed, and evicted
+        other tenants' blocks before it was refused."""
+        backend = self.backend(tier)
+        need, own_need = sum(backend.charge(n) for n in sizes), sum(sizes)
+        quota = self._quota_of(tenant, tier) if quotas else None
+
+        def fits(used: int, own: int) -> bool:
+            return need <= backend.capacity - used and (quota is None or own_need <= quota - own)
+
+        if fits(backend.used_bytes, self.tenant_usage.get((tenant, tier), 0)):
+            return True
+        return fits(*self._held(tier, tenant, self.lineage(held)))
+
     def _fit(self, tenant: str, tier: Tier, nbytes: int, room: int, quota_used: int) -> int:
         """Blocks of ``nbytes`` that ``room`` bytes of ``tier`` take, within what the tenant's
         quota leaves after ``quota_used``."""

@@ -170,8 +170,8 @@ class SessionPins:
         cannot take them all (the rest of it is pinned by sessions or in flight, or the
         tenant's quota there binds), the session stays PAUSED and ResourceExhausted says so
         (resource ``quota:TENANT:TIER`` when the quota binds, as a put's refusal); retry when
-        room is freed. Checked before anything moves, as a put's room is
-        (``Placement.room_now``): a refused resume evicts nothing."""
+        room is freed. Checked before anything moves, each block at its own size
+        (``Placement.fits_now``): a refused resume evicts nothing."""
         with self._lock, self._batch():
             return self._resume_locked(tenant, session)
 
@@ -188,8 +188,10 @@ class SessionPins:
         # demoted or dropped other tenants' unpinned blocks first, and every retry did again.
         # The session's blocks and all their ancestors are held where they are (promote
         # protects them): an ancestor already in ``top`` (a prefix outside the session) was
-        # counted as room, and the resume was refused only after it had moved blocks
-        if up and self._place.room_now(tenant, min(m.nbytes for m in up), top, True, len(up), blocks) < len(up):
+        # counted as room, and the resume was refused only after it had moved blocks. NOTE:
+        # each block is sized as its own (Placement.fits_now): sized all as the smallest, a
+        # session of a target and a draft model passed, evicted, and was refused
+        if up and not self._place.fits_now(tenant, [m.nbytes for m in up], top, blocks):
             self._turn(tenant, session, pause=True)  # nothing moved: the pins as they were
             raise self._resume_refusal(tenant, session, top, up, blocks, moved=False)
         moved = self._place.promote(chain, top)
@@ -212,9 +214,10 @@ class SessionPins:
         other tenants' sessions pinned ("1 of 6", "4 of 6"); and one refused by the tenant's own
         quota (the tier empty) said the tier was full of pinned blocks, uncounted. Now the
         count is left out, and only the tenant's own quota and usage are named when it binds."""
-        nbytes = min((m.nbytes for m in up), default=0)
-        bound = (self._quota_bound(tenant, [top], nbytes, len(up), now=True, pinned=True, held=held)
-                 if up else None)
+        sizes = [m.nbytes for m in up]
+        fits = self._place.fits_now
+        bound = (top if up and fits(tenant, sizes, top, held, quotas=False)
+                 and not fits(tenant, sizes, top, held) else None)
         if bound is not None:
             quota = self._quota(tenant, bound) or 0
             own = self._place.tenant_usage.get((tenant, bound), 0)

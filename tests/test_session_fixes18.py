@@ -1,0 +1,89 @@
+"""Session defects a prober found (each test failed before its fix).
+
+* A refused resume of a session holding blocks of two block sizes (a target model's and its
+  draft model's) evicted other tenants' blocks first: the up-front room check sized every block
+  as the smallest, passed, and the promotion found out the rest.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_kv, tokens
+
+from kvstore.errors import ResourceExhausted
+from kvstore.spec import ModelSpec
+
+MOVES = ("evictions", "demotions", "promotions", "moved_hbm_to_dram", "moved_dram_to_hbm",
+         "moved_nvme_to_hbm", "moved_nvme_to_dram", "moved_dram_to_nvme")
+
+
+def _moves(s):
+    c = s.stats()["counters"]
+    return {k: c.get(k, 0) for k in MOVES}
+
+
+# -- 1. a resume is checked with each block at its own size -------------------------------------
+
+@pytest.fixture
+def draft(spec):
+    """A model whose blocks are 4x the ``spec``'s (2048 B against 512 B)."""
+    big = ModelSpec(model="draft", revision="r1", num_layers=2, num_kv_heads=2, head_dim=32,
+                    dtype="float16", block_tokens=4)
+    assert big.block_nbytes == 4 * spec.block_nbytes
+    return big
+
+
+def _paused_two_models(s, spec, draft):
+    """Session a/x: two blocks of ``spec`` and one of ``draft`` (3072 B), paused in DRAM."""
+    ks = s.block_keys("a", spec, tokens(2, spec))
+    kd = s.block_keys("a", draft, tokens(1, draft))
+    s.open_session("a", "x")
+    s.put("a", spec, ks, make_kv(spec, 2), session="x")
+    s.put("a", draft, kd, make_kv(draft, 1, seed=1), session="x")
+    s.pause_session("a", "x")
+    assert s.lookup("a", spec, ks).tiers == ["dram", "dram"] and s.lookup("a", draft, kd).tiers == ["dram"]
+    return ks, kd
+
+
+def test_a_refused_resume_of_two_block_sizes_evicts_nothing(open_store, spec, draft):
+    """The prober's case: HBM 4096 B, b pins 1536 B and holds 1024 B unpinned; a's session needs
+    3072 B, of which at most 2560 B can be made: refused, b's blocks still in HBM, nothing moved,
+    and a retry the same."""
+    s = open_store(spec, hbm_blocks=8, dram_blocks=16)
+    _paused_two_models(s, spec, draft)
+    s.open_session("b", "y")
+    s.put("b", spec, s.block_keys("b", spec, tokens(3, spec, start=400)), make_kv(spec, 3, seed=2), session="y")
+    kb = s.block_keys("b", spec, tokens(2, spec, start=800))
+    s.put("b", spec, kb, make_kv(spec, 2, seed=3))
+    assert s.lookup("b", spec, kb).tiers == ["hbm", "hbm"]
+    moves = _moves(s)
+    for _ in range(2):
+        with pytest.raises(ResourceExhausted) as err:
+            s.resume_session("a", "x")
+        assert "nothing was moved" in str(err.value)
+        assert s.session_state("a", "x").value == "paused"
+        assert s.lookup("b", spec, kb).tiers == ["hbm", "hbm"] and _moves(s) == moves
+
+
+def test_a_resume_of_two_block_sizes_over_the_quota_names_it_and_moves_nothing(open_store, spec, draft):
+    """a's HBM quota of 2560 B takes five blocks of the small size but not the session's 3072 B:
+    refused by the quota, up front (the promotion moved the small blocks up and back first)."""
+    s = open_store(spec, hbm_blocks=8, dram_blocks=16)
+    ks, _ = _paused_two_models(s, spec, draft)
+    s.set_tenant_policy("a", quota_bytes={"hbm": 5 * spec.block_nbytes})
+    moves = _moves(s)
+    with pytest.raises(ResourceExhausted) as err:
+        s.resume_session("a", "x")
+    assert err.value.resource == "quota:a:hbm" and "nothing was moved" in str(err.value)
+    assert _moves(s) == moves and s.lookup("a", spec, ks).tiers == ["dram", "dram"]
+
+
+def test_a_resume_of_two_block_sizes_that_fits_goes_through(open_store, spec, draft):
+    """The byte check lets through what fits: 3072 B into HBM of 4096 B, b's unpinned blocks
+    making room."""
+    s = open_store(spec, hbm_blocks=8, dram_blocks=16)
+    ks, kd = _paused_two_models(s, spec, draft)
+    kb = s.block_keys("b", spec, tokens(4, spec, start=800))
+    s.put("b", spec, kb, make_kv(spec, 4, seed=3))
+    assert s.resume_session("a", "x") == 3
+    assert s.lookup("a", spec, ks).tiers == ["hbm", "hbm"] and s.lookup("a", draft, kd).tiers == ["hbm"]
