@@ -171,7 +171,10 @@ class SessionPins:
         tenant's quota there binds), the session stays PAUSED and ResourceExhausted says so
         (resource ``quota:TENANT:TIER`` when the quota binds, as a put's refusal); retry when
         room is freed. Checked before anything moves, each block at its own size
-        (``Placement.fits_now``): a refused resume evicts nothing."""
+        (``Placement.fits_now``): a refused resume evicts nothing. A block that fails its
+        integrity check on the way up is dropped with the blocks after it (counted
+        ``integrity_failures``; a miss later, as for a get) and the session resumes with the
+        rest: the count moved leaves it out."""
         with self._lock, self._batch():
             return self._resume_locked(tenant, session)
 
@@ -195,6 +198,17 @@ class SessionPins:
             self._turn(tenant, session, pause=True)  # nothing moved: the pins as they were
             raise self._resume_refusal(tenant, session, top, up, blocks, moved=False)
         moved = self._place.promote(chain, top)
+        # NOTE: a block that failed its integrity check on the way up is gone (with its
+        # subtree), a miss later as for a get; counted as one that did not fit, it turned the
+        # resume into a ResourceExhausted blaming pinned blocks in an empty HBM. promote stops
+        # at it, so what else the chain holds is brought up again without it
+        while len(kept := [m for m in chain if self._index.get(m.tenant, m.key) is m]) < len(chain):
+            chain = kept
+            moved += self._place.promote(chain, top)
+        if len(kept := [m for m in blocks if self._index.get(m.tenant, m.key) is m]) < len(blocks):
+            log.warning("session %r of %r resumed without %d of its blocks, lost to an integrity "
+                        "failure", session, tenant, len(blocks) - len(kept))
+            blocks = kept
         if any(m.tier != top for m in blocks):
             # NOTE: this returned a smaller count and left pinned blocks in DRAM, silently
             # (the check above is an upper bound: what it let through may still not fit)

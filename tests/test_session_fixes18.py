@@ -3,6 +3,9 @@
 * A refused resume of a session holding blocks of two block sizes (a target model's and its
   draft model's) evicted other tenants' blocks first: the up-front room check sized every block
   as the smallest, passed, and the promotion found out the rest.
+* A resume that found one of the session's blocks damaged on NVMe (dropped, counted as an
+  integrity failure) was refused as ResourceExhausted "hbm cannot make room ... pinned", HBM
+  nearly empty, the session left paused: the dropped block counted as one that did not fit.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from conftest import make_kv, tokens
 
 from kvstore.errors import ResourceExhausted
 from kvstore.spec import ModelSpec
+from tiers.nvme import tenant_prefix
 
 MOVES = ("evictions", "demotions", "promotions", "moved_hbm_to_dram", "moved_dram_to_hbm",
          "moved_nvme_to_hbm", "moved_nvme_to_dram", "moved_dram_to_nvme")
@@ -87,3 +91,55 @@ def test_a_resume_of_two_block_sizes_that_fits_goes_through(open_store, spec, dr
     s.put("b", spec, kb, make_kv(spec, 4, seed=3))
     assert s.resume_session("a", "x") == 3
     assert s.lookup("a", spec, ks).tiers == ["hbm", "hbm"] and s.lookup("a", draft, kd).tiers == ["hbm"]
+
+
+# -- 2. a block lost to an integrity failure on the way up is a miss, not a refusal -------------
+
+def _damage(s, tenant, key):
+    """Overwrite the tail of ``key``'s stored NVMe value (its authentication fails)."""
+    nv = s._nvme
+    with nv._env.begin(db=nv._blocks, write=True) as txn:
+        k = tenant_prefix(tenant) + key
+        v = bytes(txn.get(k))
+        txn.put(k, v[:-40] + bytes(40))
+
+
+def _paused_in_nvme(s, spec, chains):
+    """Session a/x holding ``chains`` (a list of block counts, one chain each), paused and
+    pushed down to NVMe by tenant b's blocks."""
+    keys = [s.block_keys("a", spec, tokens(n, spec, start=1000 * i)) for i, n in enumerate(chains)]
+    s.open_session("a", "x")
+    for i, k in enumerate(keys):
+        s.put("a", spec, k, make_kv(spec, len(k), seed=i), session="x")
+    s.pause_session("a", "x")
+    s.put("b", spec, s.block_keys("b", spec, tokens(5, spec, start=50_000)), make_kv(spec, 5, seed=9))
+    for k in keys:
+        assert s.lookup("a", spec, k).tiers == ["nvme"] * len(k)
+    return keys
+
+
+def test_a_resume_that_loses_a_damaged_block_resumes_the_rest(open_store, spec):
+    """The prober's case: three blocks in NVMe, the last damaged: the resume brings up two, the
+    session is resumed (its blocks pinned in HBM), the damaged block a miss."""
+    s = open_store(spec, hbm_blocks=4, dram_blocks=1)
+    (k,) = _paused_in_nvme(s, spec, [3])
+    _damage(s, "a", k[2])
+    assert s.resume_session("a", "x") == 2
+    assert s.stats()["integrity_failures"] == 1
+    assert s.session_state("a", "x").value == "resumed"
+    assert s.lookup("a", spec, k).tiers == ["hbm", "hbm"]
+    assert [s._index.get("a", key).pins for key in k[:2]] == [1, 1]
+    assert s.get("a", spec, k).shape[0] == 2
+    assert s.resume_session("a", "x") == 0  # resumed already
+
+
+def test_a_resume_that_loses_a_block_brings_up_the_other_chains(open_store, spec):
+    """Two chains of the session; the first one's root is damaged: it goes with its child, and
+    the promotion, which stopped at it, goes on with the other chain."""
+    s = open_store(spec, hbm_blocks=4, dram_blocks=1)
+    k1, k2 = _paused_in_nvme(s, spec, [2, 2])
+    _damage(s, "a", k1[0])
+    assert s.resume_session("a", "x") == 2
+    assert s.session_state("a", "x").value == "resumed"
+    assert s.lookup("a", spec, k1).tiers == [] and s.lookup("a", spec, k2).tiers == ["hbm", "hbm"]
+    assert s.get("a", spec, k2).shape[0] == 2
