@@ -76,7 +76,7 @@ from kvstore.placement import Placement
 from kvstore.sessions import SessionTable
 from kvstore.sizes import format_size
 from kvstore.spec import ModelSpec, check_fingerprint, check_spec
-from kvstore.stats import Counters
+from kvstore.stats import Counters, store_counter_names
 from kvstore.store_admin import TenantAdmin, TenantPolicy
 from kvstore.store_lease import LeasedGets
 from kvstore.store_reads import LookupResult, ReadPath
@@ -152,7 +152,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         # deletes running their remote part without the lock: close waits for them
         self._deletes_open = 0
         self._deletes_done = threading.Condition(self._lock)
-        self.counters = Counters()
+        self.counters = Counters(names=store_counter_names())  # each exported from the start, at 0
         #: memory blocks :meth:`close` could not commit to NVMe (see there)
         self.uncommitted_at_close = 0
         self.policy = make_policy(config.policy, self._specs.get)
