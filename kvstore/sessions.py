@@ -136,10 +136,24 @@ class SessionTable:
         while len(self._ended) > self.ENDED_KEPT:
             self._ended.popitem(last=False)
 
-    def drop_tenant(self, tenant: str) -> None:
+    #: how a session ended when an admin dropped its shared namespace's blocks
+    NAMESPACE_DROPPED = "ended by an admin drop of the namespace's blocks"
+
+    def drop_tenant(self, tenant: str, *, namespace_stays: bool = False) -> None:
+        """End every session of ``tenant``, its blocks gone. A deleted tenant's are forgotten,
+        with how its sessions ended (a new tenant of the name learns nothing); with
+        ``namespace_stays`` (a shared namespace whose blocks an admin dropped, its publishers
+        kept) each is remembered as :attr:`NAMESPACE_DROPPED`.
+
+        NOTE: forgotten there too, a publisher's next verb was told its session did not
+        survive a restart of the store, though none happened."""
+        if namespace_stays:
+            for t, sid in [k for k in self._by_id if k[0] == tenant]:
+                self.remove(t, sid, self.NAMESPACE_DROPPED)
+            return
         for k in [k for k in self._by_id if k[0] == tenant]:
             del self._by_id[k]
-        for k in [k for k in self._ended if k[0] == tenant]:  # a new tenant of the name learns nothing
+        for k in [k for k in self._ended if k[0] == tenant]:
             del self._ended[k]
         self._count.pop(tenant, None)
 

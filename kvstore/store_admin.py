@@ -398,7 +398,7 @@ class TenantAdmin:
                 self._deleted_at[tenant] = self._drop_epoch
             gone |= self._remove_tenant_blocks(tenant)
             n = len(gone)
-            self._sessions.drop_tenant(tenant)
+            self._sessions.drop_tenant(tenant, namespace_stays=namespace_stays)
             self._tenant_policy.pop(tenant, None)
             self._place.priorities.pop(tenant, None)
             self.quant_policy.forget_tenant(tenant)

@@ -6,6 +6,9 @@
 * A resume that found one of the session's blocks damaged on NVMe (dropped, counted as an
   integrity failure) was refused as ResourceExhausted "hbm cannot make room ... pinned", HBM
   nearly empty, the session left paused: the dropped block counted as one that did not fit.
+* An admin drop of a shared namespace's blocks (the namespace, its publishers and grants kept)
+  forgot its sessions: a publisher's next verb was told its session did not survive a restart
+  of the store, though none happened.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import pytest
 from conftest import make_kv, tokens
 
-from kvstore.errors import ResourceExhausted
+from kvstore.errors import NotFound, ResourceExhausted
 from kvstore.spec import ModelSpec
 from tiers.nvme import tenant_prefix
 
@@ -143,3 +146,54 @@ def test_a_resume_that_loses_a_block_brings_up_the_other_chains(open_store, spec
     assert s.session_state("a", "x").value == "resumed"
     assert s.lookup("a", spec, k1).tiers == [] and s.lookup("a", spec, k2).tiers == ["hbm", "hbm"]
     assert s.get("a", spec, k2).shape[0] == 2
+
+
+# -- 3. an admin drop of a shared namespace's blocks says so to its sessions --------------------
+
+def test_sessions_of_a_namespace_whose_blocks_were_dropped_are_told_so(open_store, spec):
+    """drop_tenant(namespace_stays=True): the sessions end, and a later verb is told how, not
+    that the store restarted; open again, the session works."""
+    s = open_store(spec)
+    keys = s.block_keys("shared:x", spec, tokens(2, spec))
+    s.open_session("shared:x", "s")
+    s.put("shared:x", spec, keys, make_kv(spec, 2), session="s")
+    s.open_session("shared:x", "t")
+    s.close_session("shared:x", "t")
+    assert s.drop_tenant("shared:x", namespace_stays=True) == 2
+    for verb in ("pause", "resume", "close"):
+        with pytest.raises(NotFound) as err:
+            s.session_verb("shared:x", "s", verb)
+        assert "ended by an admin drop of the namespace's blocks" in str(err.value)
+        assert "restart" not in str(err.value)
+    with pytest.raises(NotFound, match="was closed"):  # ended before: as it ended
+        s.session_state("shared:x", "t")
+    assert s.stats()["sessions"] == 0
+    assert s.open_session("shared:x", "s").value == "active"
+    s.put("shared:x", spec, keys, make_kv(spec, 2), session="s")
+    assert s.lookup("shared:x", spec, keys).tiers == ["hbm", "hbm"]
+
+
+def test_a_deleted_tenants_sessions_are_forgotten(open_store, spec):
+    """A tenant deleted (its name free for a new one) keeps nothing of its sessions."""
+    s = open_store(spec)
+    s.open_session("a", "s")
+    s.drop_tenant("a")
+    with pytest.raises(NotFound, match="unknown session"):
+        s.session_state("a", "s")
+
+
+def test_a_publisher_told_its_session_ended_by_a_namespace_wipe(sidecar):
+    """The prober's case over gRPC: `kvstore tenant delete shared:x`; the publisher's next verb
+    is NOT_FOUND saying the namespace's blocks were dropped, not that the store restarted."""
+    from service_harness import SPEC, fresh_tokens, random_kv
+
+    adm = sidecar.admin()
+    pub = sidecar.client(adm.create_tenant("pub", role="publisher", namespaces=["shared:x"]), local=False)
+    keys = pub.block_keys(SPEC, fresh_tokens(2), namespace="shared:x")
+    pub.open_session("s", namespace="shared:x")
+    pub.put(SPEC, keys, random_kv(2), session="s", namespace="shared:x")
+    assert adm.delete_tenant("shared:x") == 2
+    with pytest.raises(NotFound) as err:
+        pub.pause_session("s", namespace="shared:x")
+    assert "admin drop of the namespace's blocks" in str(err.value) and "restart" not in str(err.value)
+    assert pub.open_session("s", namespace="shared:x").value == "active"
