@@ -26,13 +26,13 @@ and to end the lease, never while the reader reads.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Self
+from typing import Any, Self
 
 import numpy as np
 
 from kvstore.block import BlockMeta
 from kvstore.errors import InvalidArgument
-from kvstore.keys import check_keys
+from kvstore.keys import ROOT_KEY, check_keys
 from kvstore.spec import ModelSpec
 from kvstore.store_reserve import _parent
 from tiers.memory import MemoryTier
@@ -144,24 +144,56 @@ class LeasedGets:
         ``Store.lookup_roots``) under one read lease: ``(lease, present)``, ``present[i]``
         whether key i was served; ``lease.views`` holds the served blocks in key order (one per
         True). Each key is served as :meth:`lease_prefix` of that key alone would, ``stage(i)``
-        being key i's staging buffer. Release the lease in a ``finally``; errors surface here,
-        with nothing held."""
+        being key i's staging buffer; every key of the call found here is protected for the
+        whole call (as ``Store.get_roots_into``: serving one never evicts another of the call).
+        Release the lease in a ``finally``; errors surface here, with nothing held.
+
+        NOTE: each key was one lease_prefix, protecting only itself: promoting the first keys
+        of a batch evicted later ones of the same batch off the last tier."""
         self._check_tenant(tenant)
+        self._check_spec(spec)
         keys = check_keys(keys)
         lease = ReadLease(self)
-        present: list[bool] = []
+        served: dict[int, np.ndarray] = {}
+        plans: list[tuple[int, Any]] = []
         try:
-            for i, key in enumerate(keys):
-                one = self.lease_prefix(tenant, spec, [key], lambda _, i=i: stage(i))
-                with self._lock:  # NOTE: one lease to release: the key's holds move into it
-                    lease._held += one._held
-                    lease.views += one.views
-                    present.append(bool(one.views))
-                    one._held, one.views, one._released = [], [], True
+            with self._lock, self._batch():
+                self._check_open()
+                now = self._clock()
+                metas = self._roots(tenant, spec, keys, now)
+                idents = self._hold_roots(metas)
+                try:
+                    for i, m in enumerate(metas):
+                        if m is None:
+                            continue
+                        found = self._place.bring_up(m)
+                        if found is None:
+                            continue
+                        view = self._lease_block(lease, m)
+                        if view is None:
+                            view = _staged(stage, i, spec)
+                            if not self._place.copy_out(m, view):
+                                continue
+                        self._place.hit(found)
+                        self._place.touch(m, now)
+                        served[i] = view
+                finally:
+                    self._place.protected.difference_update(idents)
+                for i, m in enumerate(metas):
+                    if m is None and self._remote is not None:
+                        plans.append((i, self._remote_plan(tenant, spec, [keys[i]], 0,
+                                                           lambda _, i=i: _staged(stage, i, spec), [],
+                                                           ROOT_KEY)))
+                self._count_get(len(served), len(keys) - len(plans))
+            # NOTE: the remote keys are fetched with the lock released, as lease_prefix's are
+            for i, plan in plans:
+                if self._remote_continue(plan, 0, 1, "lease") == 1:
+                    served[i] = plan.outs[0]
         except BaseException:
             self._end_lease(lease)
             raise
-        return lease, present
+        lease.views += [served[i] for i in sorted(served)]
+        return lease, [i in served for i in range(len(keys))]
 
     def _lease_block(self, lease: ReadLease, meta: BlockMeta) -> np.ndarray | None:
         """Lease ``meta``'s bytes in place (lock held); None when its tier is not host memory."""

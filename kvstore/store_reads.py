@@ -152,17 +152,9 @@ class ReadPath:
         self._check_tenant(tenant)
         self._check_spec(spec)
         keys = keys[:] if isinstance(keys, PackedKeys) else check_keys(keys)
-        fp = spec.fingerprint
         with self._lock:
             self._check_open()
-            self._expire_due(self._clock())
-            get = self._index.tenant_blocks(tenant).get
-            tiers: list[str | None] = []
-            for key in keys:
-                m = get(key)
-                usable = (m is not None and not m.in_flight and m.fingerprint == fp and m.depth == 0
-                          and m.parent == ROOT_KEY)
-                tiers.append(_LABELS[m.tier] if usable else None)
+            tiers = [None if m is None else _LABELS[m.tier] for m in self._roots(tenant, spec, keys, self._clock())]
             self.counters.add("lookups", len(keys))
             remote = self._remote
         missing = [i for i, t in enumerate(tiers) if t is None]
@@ -179,12 +171,69 @@ class ReadPath:
         """Copy each of ``keys`` that is stored as an independent root (see :meth:`lookup_roots`)
         into its buffer of ``outs`` (one of ``block_nbytes`` per key); whether each was. Each
         key is served as :meth:`get_into` of that key alone would (promotions, counters); the
-        buffer of a miss is left as it was."""
+        buffer of a miss is left as it was.
+
+        Every key of the call found here is protected for the whole call, as a chain get holds
+        its chain: promoting one never evicts (nor drops) another of the same call; a key that
+        finds no room above is served from where it is.
+
+        NOTE: each key was served as its own get, protecting only itself: promoting the first
+        keys of a batch pushed later ones down until they fell off the last tier, so a batch
+        that :meth:`lookup_roots` answered present came back with holes, the keys gone."""
         self._check_spec(spec)
+        self._check_tenant(tenant)
         keys = check_keys(keys)
         views = block_views(spec, outs, len(keys), "output buffer", writable=True)
-        return [self._get(tenant, spec, [key], lambda _, i=i: views[i], ROOT_KEY) == 1
-                for i, key in enumerate(keys)]
+        got = [False] * len(keys)
+        plans: list[tuple[int, _RemoteRead]] = []
+        try:
+            with self._lock, self._batch():
+                self._check_open()
+                now = self._clock()
+                metas = self._roots(tenant, spec, keys, now)
+                idents = self._hold_roots(metas)
+                try:
+                    for i, m in enumerate(metas):
+                        if m is not None:
+                            got[i] = self._place.serve(m, views[i], now)
+                finally:
+                    self._place.protected.difference_update(idents)
+                for i, m in enumerate(metas):
+                    if m is None and self._remote is not None:
+                        plans.append((i, self._remote_plan(tenant, spec, [keys[i]], 0,
+                                                           lambda _, i=i: views[i], [], ROOT_KEY)))
+                self._count_get(sum(got), len(keys) - len(plans))
+        except NVMeWriteFailed as exc:
+            # NOTE: as _get: the blocks served are in the caller's buffers
+            if not any(got):
+                raise
+            log.warning("get of roots served %d blocks, but %s", sum(got), exc)
+        for i, plan in plans:  # NOTE: no lock here, as _get
+            got[i] = self._remote_continue(plan, 0, 1, "get") == 1
+        return got
+
+    def _roots(self, tenant: str, spec: ModelSpec, keys: list[bytes], now: float) -> list[BlockMeta | None]:
+        """Each of ``keys``' block when it is usable as an independent root, else None (lock
+        held; blocks past their deadline are dropped first)."""
+        self._expire_due(now)
+        get = self._index.tenant_blocks(tenant).get
+        fp = spec.fingerprint
+        out: list[BlockMeta | None] = []
+        for key in keys:
+            m = get(key)
+            usable = (m is not None and not m.in_flight and m.fingerprint == fp and m.depth == 0
+                      and m.parent == ROOT_KEY)
+            out.append(m if usable else None)
+        return out
+
+    def _hold_roots(self, metas: list[BlockMeta | None]) -> list[Ident]:
+        """Protect every block of ``metas`` (a roots call's blocks; lock held) for the call, as
+        :meth:`Placement.hold_chain` does a chain's; the idents added, for the caller to discard."""
+        protected = self._place.protected
+        idents = list({(m.tenant, m.key) for m in metas
+                       if m is not None and (m.tenant, m.key) not in protected})
+        protected.update(idents)
+        return idents
 
     @staticmethod
     def _usable_len(blocks: dict[bytes, BlockMeta], spec: ModelSpec, keys: Sequence[bytes],

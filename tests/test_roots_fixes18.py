@@ -1,0 +1,71 @@
+"""Fixes to the independent-root-keys mode (``Target.roots``, ae0bf31), one test per bug the
+prober found (/tmp/probe_roots): a roots get dropping keys of its own batch, chain links read as
+roots through the remote tier, an old server not detected, the SGLang backend and repeated
+pages, and the message of a repeated root."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from service_harness import SPEC, random_kv, start
+
+from kvstore.keys import KEY_BYTES
+
+torch.set_num_threads(1)
+
+
+def _roots(n: int, tag: str) -> list[bytes]:
+    """Keys no chain holds (as an engine hashing its own pages makes them)."""
+    return [hashlib.blake2b(f"{tag}/page-{i}".encode(), digest_size=KEY_BYTES).digest() for i in range(n)]
+
+
+def _page(spec, fill: int) -> np.ndarray:
+    return np.full(spec.block_nbytes, fill, np.uint8)
+
+
+# -- 1. a roots get never evicts keys of its own call ---------------------------------------------
+def test_get_of_roots_serves_every_stored_key_of_its_batch_and_drops_none(open_store, spec):
+    """8 roots put one at a time into HBM 2, DRAM 2, NVMe 8 blocks: all stored. Serving the
+    batch promoted its first keys, whose room was made by pushing later keys of the same batch
+    down until two fell off NVMe: [T,T,T,T,T,F,F,T], keys 5 and 6 gone."""
+    s = open_store(spec, hbm_blocks=2, dram_blocks=2, nvme_blocks=8)
+    keys = _roots(8, "evict")
+    for i, k in enumerate(keys):
+        s.put_bytes("a", spec, [k], [_page(spec, i + 1)], roots=True)
+    assert None not in s.lookup_roots("a", spec, keys)
+
+    outs = [np.zeros(spec.block_nbytes, np.uint8) for _ in keys]
+    assert s.get_roots_into("a", spec, keys, outs) == [True] * 8
+    assert [int(o[0]) for o in outs] == list(range(1, 9))
+    assert None not in s.lookup_roots("a", spec, keys)  # nothing dropped
+
+    lease, present = s.lease_roots("a", spec, keys, lambda i: np.zeros(spec.block_nbytes, np.uint8))
+    try:
+        assert present == [True] * 8
+        assert [int(v[0]) for v in lease.views] == list(range(1, 9))
+    finally:
+        lease.release()
+    assert None not in s.lookup_roots("a", spec, keys)
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["shm", "stream"])
+def test_client_get_of_roots_drops_no_key_of_its_batch(tmp_path: Path, local: bool):
+    nb = SPEC.block_nbytes
+    sc = start(tmp_path, store={"hbm_bytes": nb, "dram_bytes": 0, "nvme_bytes": 4 * nb})
+    try:
+        c = sc.tenant("t", local=local)
+        keys = _roots(4, f"svc{local}")
+        kv = random_kv(4, seed=1)
+        for i in range(4):
+            c.put(SPEC, [keys[i]], kv[i:i + 1], roots=True)
+        assert None not in c.lookup_roots(SPEC, keys)
+        out = torch.zeros_like(kv)
+        assert c.get_roots_into(SPEC, keys, out) == [True] * 4
+        assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
+        assert None not in c.lookup_roots(SPEC, keys)
+    finally:
+        sc.stop()
