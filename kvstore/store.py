@@ -197,6 +197,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         if config.dram_bytes:
             self._mem[Tier.DRAM] = dram_tier(config.dram_bytes)
         self._nvme: NVMeTier | None = None
+        self._nvme_batch_open = False  # an NVMe batch is open (see _nvme_batch)
         self._remote: RemoteTier | None = None
         self.keyring = None
         master = None
@@ -337,6 +338,12 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         """:meth:`NVMeTier.batch`; when a commit fails, the blocks it did not store leave the
         index (or lose their NVMe copy) before the error goes on to the caller."""
         assert self._nvme is not None
+        if self._nvme_batch_open:
+            # NOTE: an inner batch (a put inside commit_put's) joins the outer one, which counts
+            # and handles a failure once: both did, and one failed commit counted twice
+            yield
+            return
+        self._nvme_batch_open = True  # under the lock, as every batch is
         try:
             with self._nvme.batch():
                 yield
@@ -344,6 +351,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
             self.counters.add("nvme_commit_failures")
             self._forget_unwritten(exc.lost)
             raise
+        finally:
+            self._nvme_batch_open = False
 
     @contextmanager
     def _put_batch(self, tenant: str) -> Iterator[PlacedPut]:

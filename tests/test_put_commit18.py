@@ -118,3 +118,18 @@ def test_server_put_whose_blocks_are_stored_answers_ok_when_a_demotion_fails(tmp
         assert 'kvstore_limit_rejections_total{resource="nvme disk"}' not in text
     finally:
         sc.stop()
+
+
+def test_a_commit_that_fails_inside_commit_puts_batch_is_counted_once(open_store, spec):
+    """A reserved put with no slot (an NVMe-only store) is committed by the ordinary put inside
+    commit_put's batch; that put's pipelined commit failing was counted by the inner batch and
+    again by the outer one (nvme_commit_failures +2 for one failed commit)."""
+    s = open_store(spec, hbm_blocks=0, dram_blocks=0, nvme_blocks=64)
+    s._nvme._commit_bytes = 2 * spec.block_nbytes  # a pipelined commit every two blocks
+    keys = s.block_keys("a", spec, tokens(8, spec))
+    res = s.reserve_put("a", spec, keys)
+    failing(s).failures = 1
+    with pytest.raises(NVMeWriteFailed):
+        s.commit_put(res, _rows(make_kv(spec, 8)).__getitem__)
+    assert s.stats()["counters"]["nvme_commit_failures"] == 1
+    assert s.lookup("a", spec, keys).num_blocks == 0
