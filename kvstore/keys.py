@@ -138,12 +138,18 @@ def block_keys(
     return keys
 
 
-def check_chain(keys: list[bytes]) -> list[bytes]:
+def check_chain(keys: list[bytes], *, roots: bool = False) -> list[bytes]:
     """``keys``, or InvalidArgument naming the first key that repeats an earlier one (no chain
-    from :func:`block_keys` holds a key twice; a put of one reserved two slots for one block)."""
+    from :func:`block_keys` holds a key twice; a put of one reserved two slots for one block).
+    ``roots``: the keys are a put's independent roots (``Store.put(roots=True)``), which must
+    be distinct keys; the message says so (it spoke of chains, which a caller of roots does not
+    make)."""
     if len(set(keys)) != len(keys):
         seen: set[bytes] = set()
         dup = next(i for i, k in enumerate(keys) if k in seen or seen.add(k))
+        if roots:
+            raise InvalidArgument(f"key {dup} repeats an earlier key of the same put: the roots of a put "
+                                  f"must be distinct keys (put a page once)")
         raise InvalidArgument(f"key {dup} repeats an earlier key of the same put: keys must be a chain "
                               f"from block_keys() for this spec")
     return keys

@@ -495,7 +495,7 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
              roots: bool = False) -> None:
         self._check_tenant(tenant)
         check_roots(roots, parent0)
-        check_chain(keys)
+        check_chain(keys, roots=roots)
         ttl_s = check_ttl(ttl_s)
         with self._put_batch(tenant) as placed:
             placed.blocks = self._put_locked(tenant, spec, keys, data, session, ttl_s, parent0, roots)

@@ -102,9 +102,10 @@ class ReservedPuts:
         commit is the ordinary put of the roots), the checks above are all made here."""
         self._check_tenant(tenant)
         self._check_spec(spec)  # NOTE: spec=None raised AttributeError
-        keys = check_chain(check_keys(keys))  # NOTE: a slot reserved twice tripped an assert at commit
+        keys = check_keys(keys)
         parent0 = _parent(parent)
         check_roots(roots, parent0)
+        check_chain(keys, roots=roots)  # NOTE: a slot reserved twice tripped an assert at commit
         nbytes = spec.block_nbytes
         with self._lock, self._batch():
             self._check_open()

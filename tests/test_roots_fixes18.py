@@ -69,3 +69,22 @@ def test_client_get_of_roots_drops_no_key_of_its_batch(tmp_path: Path, local: bo
         assert None not in c.lookup_roots(SPEC, keys)
     finally:
         sc.stop()
+
+
+# -- 5. a repeated root is refused with words about roots -----------------------------------------
+def test_a_repeated_root_is_refused_saying_roots_must_be_distinct(open_store, spec, sidecar):
+    from kvstore.errors import InvalidArgument
+
+    k = _roots(1, "dup")[0]
+    s = open_store(spec)
+    for put in (lambda: s.put_bytes("a", spec, [k, k], [_page(spec, 1)] * 2, roots=True),
+                lambda: s.reserve_put("a", spec, [k, k], roots=True)):
+        with pytest.raises(InvalidArgument, match="roots of a put must be distinct") as e:
+            put()
+        assert "chain" not in str(e.value)
+    with pytest.raises(InvalidArgument, match="must be a chain"):  # a chain's message stays
+        s.put_bytes("a", spec, [k, k], [_page(spec, 1)] * 2)
+    for local in (True, False):
+        c = sidecar.tenant(f"dup{int(local)}", local=local)
+        with pytest.raises(InvalidArgument, match="roots of a put must be distinct"):
+            c.put(SPEC, [k, k], random_kv(2), roots=True)
