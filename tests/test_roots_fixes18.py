@@ -88,3 +88,42 @@ def test_a_repeated_root_is_refused_saying_roots_must_be_distinct(open_store, sp
         c = sidecar.tenant(f"dup{int(local)}", local=local)
         with pytest.raises(InvalidArgument, match="roots of a put must be distinct"):
             c.put(SPEC, [k, k], random_kv(2), roots=True)
+
+
+# -- 4. the SGLang backend: a batch naming a page twice -------------------------------------------
+def _sglang_backend(sidecar, monkeypatch, shm: bool):
+    import sglang_wheel
+
+    try:
+        sglang_wheel.load()
+    except sglang_wheel.WheelUnavailable as exc:
+        pytest.skip(f"sglang wheel unavailable, HiCache backend not checked: {exc}")
+    from test_integration_sglang17 import attach, pools
+
+    # SGLang's factory wraps backends in a random-failure proxy when these are set
+    monkeypatch.delenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", raising=False)
+    monkeypatch.delenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", raising=False)
+    token = sidecar.admin().create_tenant(f"sgl-dup-{int(shm)}")
+    return attach(sidecar, token, pools(3), extra_config={
+        "backend_name": "kvstore", "module_path": "kvstore.integrations.sglang",
+        "class_name": "KVStoreHiCacheStorage", "kvstore_target": sidecar.target, "kvstore_token": token,
+        "kvstore_shared_memory": shm})
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "stream"])
+def test_sglang_batch_naming_a_page_twice_stores_it_once_and_reports_every_page(sidecar, monkeypatch, shm):
+    """batch_set_v1 / batch_set of [p0, p1, p0] raised InvalidArgument ("key 2 repeats an
+    earlier key") into SGLang since the batch became one put(roots=True); the per-page loop
+    before stored it: [True, True, True]."""
+    from test_integration_sglang17 import idx
+
+    b = _sglang_backend(sidecar, monkeypatch, shm)
+    keys = ["p0", "p1", "p0"]
+    assert b.batch_set_v1(keys, idx(range(3))) == [True, True, True]
+    assert b.batch_exists(keys) == 3
+    pages = [torch.full((b.spec.block_nbytes,), i + 1, dtype=torch.uint8) for i in range(3)]
+    assert b.batch_set(["q0", "q1", "q0", "q1"], pages + pages[1:2]) is True
+    assert b.batch_exists(["q0", "q1", "q0"]) == 3
+    got = b.batch_get(["q1", "q0", "q1"], [torch.zeros(b.spec.block_nbytes, dtype=torch.uint8) for _ in range(3)])
+    assert [int(g[0]) for g in got] == [2, 1, 2]  # the first value of a repeated page is stored
+    assert b.batch_get_v1(["p1", "p0", "p1"], idx(range(3, 6))) == [True, True, True]

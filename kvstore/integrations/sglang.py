@@ -389,18 +389,29 @@ def hicache_storage_class() -> type:
             nbytes = spec.block_nbytes
             for page in pages:  # NOTE: a caller bug, raised before anything is stored
                 _check_page(page, nbytes)
-            done = [False] * len(keys)
-            for part in _calls(len(keys), nbytes):
-                names = keys[part]
+            # a page named twice is put once (its first value) and reported as its first is:
+            # a put of roots refuses a repeated key
+            # NOTE: the whole batch was one put(roots=True), whose InvalidArgument for the
+            # repeat was raised into SGLang's backup thread (the per-page loop stored it)
+            first: dict[str, int] = {}
+            for i, key in enumerate(keys):
+                first.setdefault(key, i)
+            once = list(first.values())
+            stored = [False] * len(once)
+            failed = False
+            for part in _calls(len(once), nbytes):
+                names = [keys[i] for i in once[part]]
                 rows = torch.empty((len(names), nbytes), dtype=torch.uint8)
-                for row, page in zip(rows, pages[part]):
-                    row.copy_(_byte_rows(page, nbytes)[0])
+                for row, i in zip(rows, once[part]):
+                    row.copy_(_byte_rows(pages[i], nbytes)[0])
                 if self._ask(f"set of {len(names)} pages ({names[0]}...)", self.client.put_bytes, spec,
                              [page_key(spec, k) for k in names], rows.numpy(), ttl_s=self.config.ttl_s,
                              roots=True) is _FAILED:  # the rest would fail as slowly
-                    return done, True
-                done[part] = [True] * len(names)
-            return done, False
+                    failed = True
+                    break
+                stored[part] = [True] * len(names)
+            done_first = dict(zip(once, stored))
+            return [done_first[first[key]] for key in keys], failed
 
         def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                       target_sizes: Any = None) -> bool:
