@@ -818,7 +818,7 @@ class Client:
                 with lp.in_use():
                     n = self._get_local(spec, keys, rows, namespace, parent, deadline)
             except _InBand:
-                pass  # NOTE: pieces before the one refused are in rows: the stream reads all again
+                pass  # refused at its first piece (a later one goes on in-band from there)
         if n is None:
             n = self._get_stream(spec, keys, rows, namespace, parent, self._left(deadline))
         if host is not None and n:
@@ -917,8 +917,11 @@ class Client:
             off, count = lp.reserve_blocks(len(keys) - got, nbytes)
             if not count:
                 return present + self._get_roots_stream(spec, keys[got:], rows[got:], namespace, deadline)
-            hits = self._get_roots_slots(spec, keys[got : got + count], [off + j * nbytes for j in range(count)],
-                                         namespace, off, deadline)
+            try:
+                hits = self._get_roots_slots(spec, keys[got : got + count], [off + j * nbytes for j in range(count)],
+                                             namespace, off, deadline)
+            except _InBand:  # the rest in-band, from here (see _get_local)
+                return present + self._get_roots_stream(spec, keys[got:], rows[got:], namespace, deadline)
             try:
                 for j, hit in enumerate(hits):
                     if hit:
@@ -1029,8 +1032,14 @@ class Client:
             off, count = lp.reserve_blocks(len(keys) - got, nbytes)
             if not count:
                 return got + self._get_stream(spec, keys[got:], rows[got:], namespace, parent, self._left(deadline))
-            k = self._get_slots(spec, keys[got : got + count], [off + j * nbytes for j in range(count)],
-                                namespace, parent, staged=off, deadline=deadline, keys_after=len(keys) - got - count)
+            try:
+                k = self._get_slots(spec, keys[got : got + count], [off + j * nbytes for j in range(count)],
+                                    namespace, parent, staged=off, deadline=deadline,
+                                    keys_after=len(keys) - got - count)
+            except _InBand:
+                # NOTE: the rest in-band, from here: the stream read every key again, and the
+                # pieces already served were counted twice (hits, misses)
+                return got + self._get_stream(spec, keys[got:], rows[got:], namespace, parent, self._left(deadline))
             try:
                 for j in range(k):
                     host_copy(rows[got + j], lp.arena[off + j * nbytes : off + (j + 1) * nbytes])

@@ -173,3 +173,53 @@ def test_a_get_of_roots_in_pieces_counts_each_absent_key_once(tmp_path: Path, lo
         assert _delta(store, before) == (5, 35)
     finally:
         sc.stop()
+
+
+@pytest.mark.parametrize("roots", [False, True], ids=["chain", "roots"])
+def test_a_get_whose_region_is_lost_between_pieces_goes_on_in_band_counting_each_key_once(
+        tmp_path: Path, monkeypatch, roots: bool):
+    """The server forgets the region before the second GetLocal piece and the client cannot
+    register it again: the get went in-band for every key again, so the first piece's keys were
+    served and counted twice; it goes on in-band from the piece refused."""
+    from kvstore import service_data
+    from kvstore.client import Client
+    from kvstore.errors import ResourceExhausted
+
+    sc = start(tmp_path, store={"hbm_bytes": 64 * NB, "dram_bytes": 64 * NB, "nvme_bytes": 256 * NB})
+    try:
+        a = sc.tenant("a", local=True, region_bytes=8 * NB)
+        assert a.uses_shared_memory
+        if roots:
+            keys = _roots(40, "lost-region")
+            hits = [0, 3, 9, 17, 30]
+            a.put(SPEC, [keys[i] for i in hits], random_kv(5), roots=True)
+        else:
+            keys = a.block_keys(SPEC, fresh_tokens(40))
+            hits = list(range(20))
+            a.put(SPEC, keys[:20], random_kv(20))
+        real = service_data.DataPlane.get_local
+        pieces: list[int] = []
+
+        def lose_the_region_at_the_second_piece(plane, p, b, region_id, *args, **kw):
+            pieces.append(len(b.keys))
+            if len(pieces) == 2:
+                plane.regions.unregister(p.name, region_id)
+            return real(plane, p, b, region_id, *args, **kw)
+
+        def refused(self, *args, **kw):
+            raise ResourceExhausted("the principal's regions are all in use")
+
+        monkeypatch.setattr(service_data.DataPlane, "get_local", lose_the_region_at_the_second_piece)
+        monkeypatch.setattr(Client, "_register_region", refused)
+        store = sc.server.store
+        before = _counts(store)
+        out = torch.zeros((40, *SPEC.block_shape), dtype=SPEC.torch_dtype)
+        if roots:
+            assert [i for i, p in enumerate(a.get_roots_into(SPEC, keys, out)) if p] == hits
+        else:
+            assert a.get_into(SPEC, keys, out) == 20
+        assert len(pieces) == 2  # the first piece served through the region, the second refused
+        assert _delta(store, before) == (len(hits), 40 - len(hits))  # was 8 hits more (chain)
+        assert a._local is not None and a._local.region_id == 0  # it went in-band
+    finally:
+        sc.stop()
