@@ -111,7 +111,7 @@ class LeasedGets:
                     self._place.hit(found)
                     self._place.touch(m, now)
                     views.append(view)
-                if self._remote is not None and len(views) == len(chain) < len(keys):
+                if self._remote_asked(tenant, keys, len(views), chain):
 
                     def out(i: int) -> np.ndarray:
                         outs[i] = _staged(stage, i, spec)
@@ -179,8 +179,9 @@ class LeasedGets:
                         served[i] = view
                 finally:
                     self._place.protected.difference_update(idents)
+                held = self._index.tenant_blocks(tenant)
                 for i, m in enumerate(metas):
-                    if m is None and self._remote is not None:
+                    if m is None and self._remote is not None and keys[i] not in held:
                         plans.append((i, self._remote_plan(tenant, spec, [keys[i]], 0,
                                                            lambda _, i=i: _staged(stage, i, spec), [],
                                                            ROOT_KEY)))

@@ -10,8 +10,13 @@ lock, clock, index, placement, tiers, remote tier, device and counters, its help
   (a chain continuing from a ``parent`` held neither here nor remotely has no remote part: as get).
 * ``lookup_roots`` and ``get_roots_into`` do the same for keys that are independent roots (each
   a one-block prefix: parent ROOT_KEY, depth 0), answering and serving each key on its own,
-  exactly as a call per key would (the remote tier is asked about the local misses in one
+  exactly as a call per key would (the remote tier is asked about the keys absent here in one
   pipelined batch; a get serves each key as a get of that key alone).
+* The remote tier is asked only about keys absent here (a key held here, unusable, is no other
+  block there), and a remote copy is served, counted and promoted only when it records the
+  parent the caller's chain or roots imply (:mod:`tiers.remote_envelope`): a copy of a chain's
+  link is no root, and a copy that records no parent (written before it was recorded) is a
+  miss.
 * ``get`` and ``get_into`` walk the chain link by link (:meth:`ReadPath._chain`, which the
   sessions and read leases use too), serve each block from its tier (promoting it), then serve
   the rest from the remote tier and promote what came back (:meth:`ReadPath._remote_plan`,
@@ -131,15 +136,19 @@ class ReadPath:
                 start = end
             remote = self._remote
             # as get: a chain continuing from a parent this server does not hold continues
-            # remotely only while the remote tier holds that parent
+            # remotely only while the remote tier holds that parent; and only from a key this
+            # server does not hold (one it holds, unusable here, is no other block remotely)
             via_parent = not n and parent0 != ROOT_KEY and blocks.get(parent0) is None
-        if remote is not None and n < len(keys):
+            ask = n < len(keys) and keys[n] not in blocks
+        if remote is not None and ask:
             # NOTE: outside the lock: a lookup stuck on a hung Redis held every other call
             refs = [BlockRef(tenant, k, spec) for k in keys[n:]]
+            parents = _parents(keys, n, parent0)  # each copy must record the parent the chain implies
             if via_parent:
-                more = max(0, remote.prefix_len([BlockRef(tenant, parent0, spec), *refs]) - 1)
+                more = max(0, remote.prefix_len([BlockRef(tenant, parent0, spec), *refs],
+                                                parents=[None, *parents]) - 1)
             else:
-                more = remote.prefix_len(refs)
+                more = remote.prefix_len(refs, parents=parents)
             tiers += ["remote"] * more
         return LookupResult(len(tiers), tiers)
 
@@ -147,8 +156,9 @@ class ReadPath:
         """The tier name of each of ``keys`` as an independent root block (see ``Store.put(roots=
         True)``), None where it is not usable: absent, expired, in flight, of another model, or
         stored as a link of a chain (a root is a one-block prefix). What a :meth:`lookup` of
-        each key alone answers; the remote tier is asked about the local misses, with the lock
-        released, in one pipelined batch. Counted as one lookup per key."""
+        each key alone answers; the remote tier is asked about the keys absent here, with the
+        lock released, in one pipelined batch, and answers those its copies record as roots
+        (see :mod:`tiers.remote_envelope`). Counted as one lookup per key."""
         self._check_tenant(tenant)
         self._check_spec(spec)
         keys = keys[:] if isinstance(keys, PackedKeys) else check_keys(keys)
@@ -157,10 +167,14 @@ class ReadPath:
             tiers = [None if m is None else _LABELS[m.tier] for m in self._roots(tenant, spec, keys, self._clock())]
             self.counters.add("lookups", len(keys))
             remote = self._remote
-        missing = [i for i, t in enumerate(tiers) if t is None]
+            held = self._index.tenant_blocks(tenant)
+            # NOTE: only keys absent here: one held here (a chain's link, one in flight) was
+            # answered "remote" when Redis held a copy, as a root
+            missing = [i for i, t in enumerate(tiers) if t is None and keys[i] not in held]
         if remote is not None and missing:
-            # NOTE: outside the lock, as lookup asks it
-            found = remote.contains_many([BlockRef(tenant, keys[i], spec) for i in missing])
+            # NOTE: outside the lock, as lookup asks it; a copy must record no parent (a root)
+            found = remote.contains_many([BlockRef(tenant, keys[i], spec) for i in missing],
+                                         parents=[ROOT_KEY] * len(missing))
             for i, hit in zip(missing, found):
                 if hit:
                     tiers[i] = "remote"
@@ -198,8 +212,9 @@ class ReadPath:
                             got[i] = self._place.serve(m, views[i], now)
                 finally:
                     self._place.protected.difference_update(idents)
+                held = self._index.tenant_blocks(tenant)
                 for i, m in enumerate(metas):
-                    if m is None and self._remote is not None:
+                    if m is None and self._remote is not None and keys[i] not in held:
                         plans.append((i, self._remote_plan(tenant, spec, [keys[i]], 0,
                                                            lambda _, i=i: views[i], [], ROOT_KEY)))
                 self._count_get(sum(got), len(keys) - len(plans))
@@ -386,10 +401,19 @@ class ReadPath:
                 served += 1
         finally:
             self._place.protected.difference_update(idents)
-        if self._remote is not None and served == len(chain) < len(keys):
+        if self._remote_asked(tenant, keys, served, chain):
             return served, self._remote_plan(tenant, spec, keys, served, out, chain, parent)
         self._count_get(served, len(keys))
         return served, None
+
+    def _remote_asked(self, tenant: str, keys: list[bytes], served: int, chain: list[BlockMeta]) -> bool:
+        """Whether a get that served ``served`` blocks of its local prefix ``chain`` goes on
+        into the remote tier (lock held): when it served the whole prefix and the next key is
+        absent here. NOTE: a key held here but unusable (a link of another chain asked as a
+        root, one in flight) was asked remotely, and its copy promoted under the parent the
+        caller assumed (a link as a root)."""
+        return (self._remote is not None and served == len(chain) < len(keys)
+                and self._index.get(tenant, keys[served]) is None)
 
     def _remote_plan(self, tenant: str, spec: ModelSpec, keys: list[bytes], start: int,
                      out: Callable[[int], Any], chain: list[BlockMeta],
@@ -415,8 +439,9 @@ class ReadPath:
         tenant, spec = plan.tenant, plan.spec
         if plan.check_parent and not remote.contains_many([BlockRef(tenant, plan.parent, spec)])[0]:
             return
+        first = plan.chain[-1].key if plan.chain else plan.parent
         n = remote.get_prefix_into([BlockRef(tenant, k, spec) for k in plan.rest], plan.hosts[:],
-                                   info=plan.info)
+                                   info=plan.info, parents=[first, *plan.rest[:-1]])
         for o, h in zip(plan.outs[:n], plan.hosts[:n]):
             if not isinstance(o, np.ndarray) and o.device.type != "cpu":
                 copy_bytes(o, h)
@@ -499,6 +524,11 @@ class ReadPath:
                 self.counters.add("promotions_remote")
         finally:
             protected.difference_update(held)
+
+
+def _parents(keys: Sequence[bytes], n: int, parent0: bytes) -> list[bytes]:
+    """The parent of each of ``keys[n:]`` in the chain ``keys`` continuing from ``parent0``."""
+    return [keys[i - 1] if i else parent0 for i in range(n, len(keys))]
 
 
 @dataclass(slots=True)

@@ -44,8 +44,8 @@ def _during_fetch(s: Store, action: Callable[[], None]) -> list[bool]:
     real = s._remote.get_prefix_into
     held: list[bool] = []
 
-    def hooked(refs: Any, outs: Any, *, info: Any = None) -> int:
-        n = real(refs, outs, info=info)
+    def hooked(refs: Any, outs: Any, **kw: Any) -> int:
+        n = real(refs, outs, **kw)
         held.append(s._lock._is_owned())
         action()
         return n
@@ -227,9 +227,9 @@ def test_a_store_closed_before_the_fetch_serves_its_local_prefix(servers) -> Non
     b, keys, kv = _two_servers(servers)
     real = b._remote.get_prefix_into
 
-    def closed_first(refs: Any, outs: Any, *, info: Any = None) -> int:
+    def closed_first(refs: Any, outs: Any, **kw: Any) -> int:
         b.close()
-        return real(refs, outs, info=info)
+        return real(refs, outs, **kw)
 
     b._remote.get_prefix_into = closed_first  # type: ignore[method-assign]
     got = b.get("acme", SPEC, keys)

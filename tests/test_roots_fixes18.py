@@ -127,3 +127,91 @@ def test_sglang_batch_naming_a_page_twice_stores_it_once_and_reports_every_page(
     got = b.batch_get(["q1", "q0", "q1"], [torch.zeros(b.spec.block_nbytes, dtype=torch.uint8) for _ in range(3)])
     assert [int(g[0]) for g in got] == [2, 1, 2]  # the first value of a repeated page is stored
     assert b.batch_get_v1(["p1", "p0", "p1"], idx(range(3, 6))) == [True, True, True]
+
+
+# -- 2. chain links are no roots through the remote tier ------------------------------------------
+def _chain_on_a(servers, spec, a=None):
+    a = a or servers("a")
+    chain = a.block_keys("acme", spec, list(range(3 * spec.block_tokens)))
+    data = [_page(spec, i + 1) for i in range(3)]
+    a.put_bytes("acme", spec, chain, data)  # an ordinary chain: keys 1 and 2 are links
+    a.flush()  # written through to Redis
+    return a, chain, data
+
+
+def test_chain_links_are_no_roots_through_the_remote_tier(servers, spec):
+    """Server A holds a chain written through to Redis. A's lookup_roots answered its links
+    'remote' (asked remotely though held here); B's answered all three present, its
+    get_roots_into served the links and promoted them as roots (parent ROOT_KEY, depth 0), and a
+    valid put of the chain on B then failed with InvalidArgument."""
+    a, chain, data = _chain_on_a(servers, spec)
+    assert a.lookup_roots("acme", spec, chain) == ["hbm", None, None]
+    outs = [np.zeros(spec.block_nbytes, np.uint8) for _ in chain]
+    assert a.get_roots_into("acme", spec, chain, outs) == [True, False, False]
+
+    b = servers("b")
+    assert b.lookup_roots("acme", spec, chain) == ["remote", None, None]
+    lease, present = b.lease_roots("acme", spec, chain, lambda i: np.zeros(spec.block_nbytes, np.uint8))
+    lease.release()
+    assert present == [True, False, False]
+    outs = [np.zeros(spec.block_nbytes, np.uint8) for _ in chain]
+    assert b.get_roots_into("acme", spec, chain, outs) == [True, False, False]
+    assert int(outs[0][0]) == 1 and not outs[1].any()
+    assert b.lookup("acme", spec, chain).tiers == ["hbm", "remote", "remote"]  # the chain still is one
+    b.put_bytes("acme", spec, chain, data)  # was InvalidArgument: links 1 and 2 stored as roots
+    assert b.lookup("acme", spec, chain).tiers == ["hbm"] * 3
+
+    # the older chain get of a link alone (as if a root) is a miss too, and promotes nothing
+    c = servers("c")
+    assert c.get_into("acme", spec, chain[1:2], [np.zeros(spec.block_nbytes, np.uint8)]) == 0
+    assert c.lookup("acme", spec, chain[1:2]).num_blocks == 0
+    c.put_bytes("acme", spec, chain, data)
+    got = [np.zeros(spec.block_nbytes, np.uint8) for _ in chain]
+    assert c.get_into("acme", spec, chain, got) == 3 and [int(g[0]) for g in got] == [1, 2, 3]
+
+
+def test_a_chain_served_through_the_remote_tier_still_continues_from_its_parent(servers, spec):
+    _a, chain, _ = _chain_on_a(servers, spec)
+    b = servers("b")
+    assert b.lookup("acme", spec, chain).tiers == ["remote"] * 3
+    got = [np.zeros(spec.block_nbytes, np.uint8) for _ in chain]
+    assert b.get_into("acme", spec, chain, got) == 3 and [int(g[0]) for g in got] == [1, 2, 3]
+    assert b.lookup("acme", spec, chain).tiers == ["hbm"] * 3
+    # a continuation split across calls (parent=) is checked against its parent too
+    d = servers("d")
+    assert d.lookup("acme", spec, chain[2:], parent=chain[1]).tiers == ["remote"]
+    assert d.lookup("acme", spec, chain[2:], parent=chain[0]).num_blocks == 0
+
+
+def test_a_remote_copy_that_records_no_parent_is_a_miss(servers, spec):
+    """A copy written before the envelope recorded the parent (version 2) cannot say whether
+    it is a root or a link: it is neither looked up, served nor promoted (a miss is safe)."""
+    import redis
+
+    from tiers.base import BlockRef
+    from tiers.remote_envelope import ENVELOPE, ENVELOPE_MAGIC, ENVELOPE_V2, split_value
+
+    a = servers("a")
+    root = _roots(1, "old")[0]
+    a.put_bytes("acme", spec, [root], [_page(spec, 5)], roots=True)
+    a, chain, _ = _chain_on_a(servers, spec, a)
+    raw = redis.Redis.from_url(servers.url)
+    try:
+        for key in (root, *chain):  # rewrite each copy as version 2 wrote it
+            rk = a._remote.redis_key(BlockRef("acme", key, spec))
+            value = raw.get(rk)
+            _, info = split_value(value)
+            assert info.parent == (chain[chain.index(key) - 1] if key in chain[1:] else bytes(KEY_BYTES))
+            raw.set(rk, ENVELOPE_V2.pack(ENVELOPE_MAGIC, 2, float("nan"), float("nan"), bytes(8))
+                    + value[ENVELOPE.size:])
+            assert split_value(raw.get(rk))[1].parent is None
+    finally:
+        raw.close()
+    b = servers("b")
+    assert b.lookup_roots("acme", spec, [root, *chain]) == [None] * 4
+    outs = [np.zeros(spec.block_nbytes, np.uint8) for _ in range(4)]
+    assert b.get_roots_into("acme", spec, [root, *chain], outs) == [False] * 4
+    assert not any(o.any() for o in outs)  # a miss leaves its buffer alone
+    assert b.lookup("acme", spec, chain).num_blocks == 0
+    assert b.get_into("acme", spec, chain, outs[:3]) == 0
+    assert b.lookup_roots("acme", spec, [root]) == [None]  # nothing promoted

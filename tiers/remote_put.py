@@ -120,7 +120,7 @@ class Writes:
             return 0, scratch
         if keyring is not None and keyring.key_id(tenant) not in (None, kid):
             return _STALE, scratch  # re-read while encoding: which key the codec used is unsure
-        pack_envelope(scratch, deadline, created, kid)
+        pack_envelope(scratch, deadline, created, kid, parent)  # its parent: see remote_envelope
         key = self.redis_key(ref)
         value = memoryview(scratch)[:ENVELOPE.size + n]
         # NOTE: the child goes into its parent's children set (in the same round trip), so a

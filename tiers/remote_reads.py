@@ -21,6 +21,11 @@ accounting's ``_forget``, the tenants' ``_key_matches``/``_dropped_at`` and the 
   made is a miss and deleted.
 * ``contains_many`` / ``prefix_len`` — pipelined ``GETRANGE`` of the values' envelopes, in
   prefix order: a fault or a copy past its deadline reads as absent, as a get would find it.
+* ``parents=`` (the reads and the existence checks): the parent key each block must have (None:
+  any); a copy that records another parent, or none (an envelope older than version 3), is a
+  miss (counted ``misses_parent``), nothing deleted. A block's key does not say whether it is a
+  root or a link, nor of which chain: a roots call and a chain's continuation ask with the
+  parent their keys imply.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import numpy as np
 from kvstore.errors import EncryptionMismatch, FailedPrecondition, IntegrityError, KeyUnavailable
 from tiers.base import BlockRef, as_bytes_view
 from tiers.remote_calls import FAULTS, succeeded
-from tiers.remote_envelope import ENVELOPE, UNKNOWN, RemoteInfo, live_at, split_value
+from tiers.remote_envelope import ENVELOPE, UNKNOWN, RemoteInfo, live_at, parent_of, split_value
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +65,10 @@ class Reads:
                     "blocks are misses here and are kept (counted remote_config_mismatch)",
                     ref.tenant, self.config.namespace, exc)
 
-    def _decode(self, ref: BlockRef, value: Any, out: np.ndarray) -> RemoteInfo | None:
-        """One fetched reply -> out; what its envelope says, or None (counted) on a miss."""
+    def _decode(self, ref: BlockRef, value: Any, out: np.ndarray,
+                parent: bytes | None = None) -> RemoteInfo | None:
+        """One fetched reply -> out; what its envelope says, or None (counted) on a miss.
+        ``parent``: the parent the block must record (None: any)."""
         if value is None:
             self._count("misses_absent")  # never written, expired, evicted or deleted
             self._forget(ref.ident)
@@ -70,6 +77,9 @@ class Reads:
             return None
         try:
             body, info = split_value(value)
+            if parent is not None and info.parent != parent:
+                self._count("misses_parent")  # another chain's link, or a parent not recorded
+                return None
             now = self._clock()
             if info.deadline is not None and now >= info.deadline:
                 # NOTE: Redis' expiry is the same deadline, but on Redis' clock; this one is
@@ -118,12 +128,14 @@ class Reads:
         self._count("get_bytes", ref.nbytes)
         return info
 
-    def get_into(self, ref: BlockRef, out: Any, *, info: list[RemoteInfo] | None = None) -> bool:
+    def get_into(self, ref: BlockRef, out: Any, *, info: list[RemoteInfo] | None = None,
+                 parent: bytes | None = None) -> bool:
         """Copy the block into ``out`` (``ref.nbytes``); False on a miss of any kind.
-        ``info``: a list that receives the block's :class:`RemoteInfo` when served."""
+        ``info``: a list that receives the block's :class:`RemoteInfo` when served.
+        ``parent``: the parent it must record (see the module docstring; None: any)."""
         key = self.redis_key(ref)
         value = self._call(key, lambda: self._client.get(key))
-        got = self._decode(ref, value, as_bytes_view(out))
+        got = self._decode(ref, value, as_bytes_view(out), parent)
         self._count("gets")
         if got is None:
             self._count("misses")
@@ -132,7 +144,7 @@ class Reads:
         return got is not None
 
     def _fetch(self, refs: Sequence[BlockRef], outs: Sequence[Any], stop_at_miss: bool,
-               info: list[RemoteInfo] | None) -> list[bool]:
+               info: list[RemoteInfo] | None, parents: Sequence[bytes | None] | None) -> list[bool]:
         got = [False] * len(refs)
         infos: list[RemoteInfo] = [UNKNOWN] * len(refs)
         budget = self.config.max_inflight_bytes
@@ -144,7 +156,8 @@ class Reads:
                 j += 1
             values = self._batch("GET", [self.redis_key(r) for r in refs[i:j]])
             for k, value in enumerate(values):
-                one = self._decode(refs[i + k], value, as_bytes_view(outs[i + k]))
+                one = self._decode(refs[i + k], value, as_bytes_view(outs[i + k]),
+                                   parents[i + k] if parents is not None else None)
                 if one is not None:
                     got[i + k], infos[i + k] = True, one
                 if stop_at_miss and not got[i + k]:
@@ -159,29 +172,43 @@ class Reads:
         return got
 
     def get_many_into(self, refs: Sequence[BlockRef], outs: Sequence[Any], *,
-                      info: list[RemoteInfo] | None = None) -> list[bool]:
+                      info: list[RemoteInfo] | None = None,
+                      parents: Sequence[bytes | None] | None = None) -> list[bool]:
         """Pipelined gets (batches of at most ``max_inflight_bytes``); per block: served?
-        ``info``: a list set to one :class:`RemoteInfo` per block (meaningful where served)."""
-        return self._fetch(refs, outs, False, info)
+        ``info``: a list set to one :class:`RemoteInfo` per block (meaningful where served).
+        ``parents``: the parent each block must record (see the module docstring)."""
+        return self._fetch(refs, outs, False, info, parents)
 
     def get_prefix_into(self, refs: Sequence[BlockRef], outs: Sequence[Any], *,
-                        info: list[RemoteInfo] | None = None) -> int:
+                        info: list[RemoteInfo] | None = None,
+                        parents: Sequence[bytes | None] | None = None) -> int:
         """Pipelined gets of a chain; returns how many leading blocks were served (a later
-        block is not decoded once one misses). ``info``: as for :meth:`get_many_into`."""
-        return _leading(self._fetch(refs, outs, True, info))
+        block is not decoded once one misses). ``info``, ``parents``: as for
+        :meth:`get_many_into`."""
+        return _leading(self._fetch(refs, outs, True, info, parents))
 
-    def contains_many(self, refs: Sequence[BlockRef]) -> list[bool]:
+    def contains_many(self, refs: Sequence[BlockRef], *,
+                      parents: Sequence[bytes | None] | None = None) -> list[bool]:
         """Pipelined existence checks in the given (prefix) order; a fault reads as absent,
         and so does a copy past its deadline (on this server's clock: each reply is the value's
-        envelope, ``GETRANGE``, not the whole value), as a get would find it."""
+        envelope, ``GETRANGE``, not the whole value), as a get would find it, and one that does
+        not record the parent ``parents`` names for it (see the module docstring)."""
         replies = self._batch("GETRANGE", [self.redis_key(r) for r in refs], 0, ENVELOPE.size - 1)
         self._count("exists_checks", len(refs))
         now = self._clock()
-        return [succeeded(r) and bool(r) and live_at(r, now) for r in replies]
+        found = [succeeded(r) and bool(r) and live_at(r, now) for r in replies]
+        if parents is not None:
+            for i, (r, want) in enumerate(zip(replies, parents)):
+                if found[i] and want is not None and parent_of(r) != want:
+                    found[i] = False
+                    self._count("misses_parent")
+        return found
 
-    def prefix_len(self, refs: Sequence[BlockRef]) -> int:
-        """How many leading blocks of the chain ``refs`` exist remotely."""
-        return _leading(self.contains_many(refs))
+    def prefix_len(self, refs: Sequence[BlockRef], *,
+                   parents: Sequence[bytes | None] | None = None) -> int:
+        """How many leading blocks of the chain ``refs`` exist remotely (``parents``: as for
+        :meth:`contains_many`)."""
+        return _leading(self.contains_many(refs, parents=parents))
 
     def contains(self, ref: BlockRef) -> bool:
         return self.contains_many([ref])[0]
