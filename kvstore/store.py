@@ -535,6 +535,11 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         sess = None
         if session is not None:
             sess = self._sessions.get(tenant, session)
+        # NOTE: a PAUSED session's put is placed as any put is (not pinned, not held to HBM)
+        # and parked with the session's other blocks: it was placed as pinned, in HBM only, so
+        # it was refused with DRAM free while other sessions' pins filled HBM, and a re-put of
+        # its parked blocks pulled them back up
+        pinning = sess is not None and sess.pinning
         now = self._clock()
         deadline = self._ttl_deadline(tenant, ttl_s, now, spec.fingerprint)
         inserted: list[BlockMeta] = []
@@ -544,12 +549,12 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         parent_tier, base_depth = self.tiers[0], 0
         pm = self._stored_parent(tenant, spec, parent0, now) if parent0 != ROOT_KEY else None
         lift: list[bytes] = []  # the ancestors a session put brings up with it
-        if sess is not None and pm is not None and pm.tier > self.tiers[0]:
+        if pinning and pm is not None and pm.tier > self.tiers[0]:
             lift = [m.key for m in self._up_chain([pm], self.tiers[0])]
         # NOTE: checked before the ancestors come up, as reserve_put does: bringing them up
         # first could evict other tenants' blocks for a put then refused
         self._refuse_what_cannot_fit(tenant, spec, [*lift, *keys], pm.tier if pm is not None else parent_tier,
-                                     pinned=sess is not None, parent=pm, roots=roots)
+                                     pinned=pinning, parent=pm, roots=roots)
         if pm is not None:
             if lift:
                 # NOTE: session blocks live in the top tier and no block sits above its parent:
@@ -577,16 +582,16 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
                         want = "roots must be keys no chain holds" if roots else \
                             "keys must be a chain from block_keys() for this spec"
                         raise InvalidArgument(f"key {i} is already stored with another fingerprint or parent: {want}")
+                    if m is not None and pinning and m.tier > self.tiers[0]:  # session blocks live in HBM
+                        m = self._bring_up_stored(m, f"block {i} of session {session!r}")
                     if m is None:
                         depth = 0 if roots else base_depth + i
                         m = self._place.insert_new(tenant, spec, key, parent, depth, data(i), now,
-                                                   deadline, parent_tier, pinned=sess is not None,
+                                                   deadline, parent_tier, pinned=pinning,
                                                    refuse=self._refusal)
                         inserted.append(m)
                     else:
                         existing.append(m)
-                        if sess is not None and m.tier > self.tiers[0]:  # session blocks live in HBM
-                            self._bring_up(m, f"block {i} of session {session!r}")
                     if (tenant, key) not in self._place.protected:
                         self._place.protected.add((tenant, key))
                         guarded.append((tenant, key))
@@ -620,7 +625,21 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
             finally:
                 self._place.protected.difference_update(guarded)
         self._published(inserted)
+        if sess is not None and not pinning:
+            self._park(held)  # DESIGN §5: a paused session's blocks wait in DRAM
         return held
+
+    def _bring_up_stored(self, m: BlockMeta, what: str) -> BlockMeta | None:
+        """:meth:`_bring_up` of a block a put names again; None when its stored value failed
+        its integrity check on the way up and was dropped: the put holds its bytes and stores
+        it anew. NOTE: such a put was refused as "cannot make room" in a tier that had room,
+        and its retry succeeded. Under the lock."""
+        try:
+            self._bring_up(m, what)
+        except ResourceExhausted:
+            if self._index.get(m.tenant, m.key) is m:
+                raise
+        return m if self._index.get(m.tenant, m.key) is m else None
 
     def _stored_parent(self, tenant: str, spec: ModelSpec, parent: bytes, now: float) -> BlockMeta:
         """The stored block a put continues from (``parent``, not ROOT_KEY): visible, of the

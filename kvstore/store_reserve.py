@@ -120,15 +120,14 @@ class ReservedPuts:
             # had evicted and demoted other tenants' blocks: an unknown session was NotFound, a
             # put HBM could not take (other sessions' pins) ResourceExhausted "nothing was
             # evicted", both after eviction; they are refused here first, as Store.put does
-            if session is not None:
-                self._sessions.get(tenant, session)
+            sess = self._sessions.get(tenant, session) if session is not None else None
             res = PutReservation(tenant, spec, keys, parent0, [None] * len(keys), [None] * len(keys), probe,
                                  since=since, session=session, roots=roots)
             # NOTE: checked before any room is made: a put under a parent not stored was refused
             # only at the commit, after making room had evicted and demoted the tenant's blocks
             pm = self._stored_parent(tenant, spec, parent0, now) if parent0 != ROOT_KEY else None
             floor = pm.tier if pm is not None else self.tiers[0]
-            pinned = session is not None
+            pinned = sess is not None and sess.pinning  # a PAUSED session's put is placed as any put
             lift: list[bytes] = []  # the ancestors a session put brings up into HBM with it
             if pinned and pm is not None and Tier.HBM in self._mem and pm.tier > Tier.HBM:
                 lift = [m.key for m in self._up_chain([pm], Tier.HBM)]
@@ -301,7 +300,7 @@ class ReservedPuts:
                 return []
             base_depth = pm.depth + 1
         sess = self._sessions.get(tenant, session) if session is not None else None
-        if sess is not None and Tier.HBM in self._mem and any(s[0] != Tier.HBM for s in slots[a:b]):
+        if sess is not None and sess.pinning and Tier.HBM in self._mem and any(s[0] != Tier.HBM for s in slots[a:b]):
             return []  # session blocks live in HBM: the ordinary put places them
         deadline = self._ttl_deadline(tenant, ttl_s, now, spec.fingerprint)
         adopted: list[BlockMeta] = []
@@ -324,4 +323,6 @@ class ReservedPuts:
             self._unput(adopted)
             raise
         self._published(adopted)
+        if sess is not None and not sess.pinning:
+            self._park(adopted)  # a paused session's blocks wait in DRAM, as Store.put's
         return adopted
