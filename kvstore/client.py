@@ -45,7 +45,9 @@ Pages keyed by the engine itself (each block a root of its own, no parent links:
 HiCache pages) move many to a call: :meth:`Client.lookup_roots` (each key's tier, or None),
 ``put``/``put_bytes(roots=True)`` (all or nothing, as a chain's put) and
 :meth:`Client.get_roots_into` (each key that is stored, and which were), one RPC each where a
-call per key cost one RPC per page (``Target.roots``).
+call per key cost one RPC per page (``Target.roots``). The client asks the server once, before
+its first call with roots, whether it takes them (``WhoAmIResponse.supports_roots``), and refuses
+them (FailedPrecondition) against one that predates them, which would treat the keys as a chain.
 
 Timeouts: ``timeout`` bounds each verb as a whole (``close`` aside), however many RPCs a put
 or get makes: a registration of the region, pieces of a long chain, fences of calls in doubt
@@ -370,6 +372,7 @@ class Client:
         self._register_required = False  # a registration at first use raises when it fails
         # limits.max_stream_bytes of a server that predates GetRequest.partial, once a refusal stated it
         self._stream_cap: int | None = None
+        self._roots_ok = False  # the server said it takes Target.roots (see _require_roots)
         auto = local is None
         if auto:
             local = is_local_target(target)
@@ -597,6 +600,24 @@ class Client:
         else:
             t.keys = _pack(keys or ())
 
+    def _require_roots(self, deadline: float | None = None) -> None:
+        """FailedPrecondition unless the server takes ``Target.roots``, which it says in
+        ``WhoAmIResponse.supports_roots``: asked before this client's first call with roots
+        (within the calling verb's ``deadline``), then known (a server without it is asked
+        again at the next call: it may have been upgraded meanwhile).
+
+        NOTE: a server that predates the field ignores it and treats the keys as a chain: it
+        stored a put of roots as a chain and answered a lookup of that batch all present (a
+        chain of n keys answers n tier codes, so the length check below passed); a lookup of
+        one page alone, or a get, then failed. Checked before the first roots call instead."""
+        if self._roots_ok:
+            return
+        r = self._call(self._kv.WhoAmI, pb.WhoAmIRequest(), self._left(deadline))
+        if not r.supports_roots:
+            raise FailedPrecondition(f"the kvstore server at {self.target} does not support independent root "
+                                     f"keys (Target.roots): it predates them; upgrade it, or use one call per key")
+        self._roots_ok = True
+
     # -- keys and lookup ----------------------------------------------------------------------
     def whoami(self) -> dict[str, Any]:
         r = self._call(self._kv.WhoAmI, pb.WhoAmIRequest())
@@ -641,6 +662,7 @@ class Client:
         if not keys:
             self._usable()
             return []
+        self._require_roots()
         req = pb.LookupRequest()
         self._target(req.target, spec, keys, None, namespace, roots=True)
         codes = self._call(self._kv.Lookup, req).tier_codes
@@ -701,13 +723,15 @@ class Client:
                     for v in block_views(spec, blocks, len(keys), "buffer")]
         put = _Put(spec, keys, check_text("session", session or ""), check_ttl(ttl_s),
                    check_text("namespace", namespace), roots)
+        # NOTE: one deadline for the whole put, a registration of the region included
+        deadline = self._deadline()
+        if roots:
+            self._require_roots(deadline)
         if not keys:
             # NOTE: as Store.put_bytes, the server checks the session, namespace and parent of a
             # put of no blocks, on either plane (the shared-memory one returned quietly)
             self._put_stream(put, rows, parent)
             return
-        # NOTE: one deadline for the whole put, a registration of the region included
-        deadline = self._deadline()
         lp = self._plane(deadline)
         if lp is not None:
             try:
@@ -848,6 +872,7 @@ class Client:
             self._usable()
             return []
         deadline = self._deadline()
+        self._require_roots(deadline)
         lp = self._plane(deadline)
         present = None
         if lp is not None:

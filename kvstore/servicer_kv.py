@@ -51,7 +51,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     def WhoAmI(self, request, context):
         return self.rpc.run("WhoAmI", context, lambda p: pb.WhoAmIResponse(
-            principal=p.name, role=p.role.value, readable=sorted(p.readable), writable=sorted(p.writable)))
+            principal=p.name, role=p.role.value, readable=sorted(p.readable), writable=sorted(p.writable),
+            supports_roots=True))
 
     def BlockKeys(self, request, context):
         def call(p: Principal) -> pb.BlockKeysResponse:

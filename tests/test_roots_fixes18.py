@@ -215,3 +215,64 @@ def test_a_remote_copy_that_records_no_parent_is_a_miss(servers, spec):
     assert b.lookup("acme", spec, chain).num_blocks == 0
     assert b.get_into("acme", spec, chain, outs[:3]) == 0
     assert b.lookup_roots("acme", spec, [root]) == [None]  # nothing promoted
+
+
+# -- 3. a server without roots is found out before the first call with roots ----------------------
+def _whoami_calls(sc) -> float:
+    return sc.server.metrics_registry.get_sample_value("kvstore_requests_total", {"rpc": "WhoAmI", "code": "OK"}) or 0.0
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["shm", "stream"])
+def test_client_refuses_roots_against_a_server_that_predates_them(tmp_path: Path, monkeypatch, local: bool):
+    """A server that ignores Target.roots (an old one drops the unknown field) stored a put of
+    roots as a chain and returned OK; a lookup of that batch answered every key present (n
+    codes for a chain of n keys), a lookup of one page alone raised. The client now asks once
+    whether the server takes roots (WhoAmIResponse.supports_roots, absent from an old server's
+    answer) and refuses every roots verb there with FailedPrecondition, storing nothing."""
+    from kvstore import service_data, servicer_kv
+    from kvstore.errors import FailedPrecondition
+    from proto.kvstore.v1 import kvstore_pb2 as pb
+
+    real_resolve, real_whoami = service_data.DataPlane.resolve, servicer_kv.KVStoreServicer.WhoAmI
+    old = [True]  # the sidecar predates roots until it is "upgraded" below
+
+    def old_resolve(self, principal, target, **kw):
+        if old[0]:
+            t = pb.Target()
+            t.CopyFrom(target)
+            t.ClearField("roots")  # what protobuf does with a field it does not know
+            target = t
+        return real_resolve(self, principal, target, **kw)
+
+    def old_whoami(self, request, context):
+        r = real_whoami(self, request, context)
+        if old[0]:
+            r.ClearField("supports_roots")  # an old server's answer has no such field
+        return r
+
+    monkeypatch.setattr(service_data.DataPlane, "resolve", old_resolve)
+    monkeypatch.setattr(servicer_kv.KVStoreServicer, "WhoAmI", old_whoami)  # bound as the server starts
+    sc = start(tmp_path)
+    try:
+        c = sc.tenant("old", local=local)
+        keys = _roots(3, f"old{local}")
+        kv = random_kv(3, seed=2)
+        for verb in (lambda: c.put(SPEC, keys, kv, roots=True),
+                     lambda: c.put_bytes(SPEC, keys, kv.view(torch.uint8).reshape(3, -1).numpy(), roots=True),
+                     lambda: c.lookup_roots(SPEC, keys),
+                     lambda: c.lookup_roots(SPEC, keys[1:2]),
+                     lambda: c.get_roots_into(SPEC, keys, torch.zeros_like(kv))):
+            with pytest.raises(FailedPrecondition, match="does not support independent root keys"):
+                verb()
+        assert c.lookup(SPEC, keys).num_blocks == 0  # nothing was stored, as a chain or otherwise
+
+        # the sidecar upgraded: the same client asks again, and then only once
+        old[0] = False
+        asked = _whoami_calls(sc)
+        c.put(SPEC, keys, kv, roots=True)
+        assert c.lookup_roots(SPEC, keys) == ["hbm"] * 3
+        assert c.get_roots_into(SPEC, keys, torch.zeros_like(kv)) == [True] * 3
+        assert _whoami_calls(sc) == asked + 1
+        assert c.whoami()["principal"]  # the public verb is unchanged
+    finally:
+        sc.stop()

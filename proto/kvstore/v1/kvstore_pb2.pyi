@@ -355,13 +355,15 @@ class WhoAmIRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WhoAmIResponse(_message.Message):
-    __slots__ = ("principal", "role", "readable", "writable")
+    __slots__ = ("principal", "role", "readable", "writable", "supports_roots")
     PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     READABLE_FIELD_NUMBER: _ClassVar[int]
     WRITABLE_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_ROOTS_FIELD_NUMBER: _ClassVar[int]
     principal: str
     role: str
     readable: _containers.RepeatedScalarFieldContainer[str]
     writable: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, principal: _Optional[str] = ..., role: _Optional[str] = ..., readable: _Optional[_Iterable[str]] = ..., writable: _Optional[_Iterable[str]] = ...) -> None: ...
+    supports_roots: bool
+    def __init__(self, principal: _Optional[str] = ..., role: _Optional[str] = ..., readable: _Optional[_Iterable[str]] = ..., writable: _Optional[_Iterable[str]] = ..., supports_roots: _Optional[bool] = ...) -> None: ...
