@@ -184,7 +184,7 @@ class LeasedGets:
                     if m is None and self._remote is not None and keys[i] not in held:
                         plans.append((i, self._remote_plan(tenant, spec, [keys[i]], 0,
                                                            lambda _, i=i: _staged(stage, i, spec), [],
-                                                           ROOT_KEY)))
+                                                           ROOT_KEY, roots=True)))
                 self._count_get(len(served), len(keys) - len(plans))
             # NOTE: the remote keys are fetched with the lock released, as lease_prefix's are
             for i, plan in plans:

@@ -174,7 +174,7 @@ class ReadPath:
         if remote is not None and missing:
             # NOTE: outside the lock, as lookup asks it; a copy must record no parent (a root)
             found = remote.contains_many([BlockRef(tenant, keys[i], spec) for i in missing],
-                                         parents=[ROOT_KEY] * len(missing))
+                                         parents=[ROOT_KEY] * len(missing), strict=True)
             for i, hit in zip(missing, found):
                 if hit:
                     tiers[i] = "remote"
@@ -216,7 +216,7 @@ class ReadPath:
                 for i, m in enumerate(metas):
                     if m is None and self._remote is not None and keys[i] not in held:
                         plans.append((i, self._remote_plan(tenant, spec, [keys[i]], 0,
-                                                           lambda _, i=i: views[i], [], ROOT_KEY)))
+                                                           lambda _, i=i: views[i], [], ROOT_KEY, roots=True)))
                 self._count_get(sum(got), len(keys) - len(plans))
         except NVMeWriteFailed as exc:
             # NOTE: as _get: the blocks served are in the caller's buffers
@@ -417,8 +417,9 @@ class ReadPath:
 
     def _remote_plan(self, tenant: str, spec: ModelSpec, keys: list[bytes], start: int,
                      out: Callable[[int], Any], chain: list[BlockMeta],
-                     parent: bytes) -> _RemoteRead:
-        """The remote continuation of a get whose local prefix is ``chain`` (lock held)."""
+                     parent: bytes, roots: bool = False) -> _RemoteRead:
+        """The remote continuation of a get whose local prefix is ``chain`` (lock held);
+        ``roots``: of a roots call's key (its copy must record that it is a root)."""
         assert self._remote is not None
         self._register_spec(spec)
         rest = keys[start:]
@@ -429,7 +430,7 @@ class ReadPath:
         # a chain continuing from a parent this server does not hold is served only while the
         # remote tier holds that parent (a deleted parent takes its descendants with it)
         check = not chain and parent != ROOT_KEY and self._index.get(tenant, parent) is None
-        return _RemoteRead(tenant, spec, rest, outs, hosts, chain, parent, check, self._removals)
+        return _RemoteRead(tenant, spec, rest, outs, hosts, chain, parent, check, self._removals, roots=roots)
 
     def _remote_fetch(self, plan: _RemoteRead) -> None:
         """Fetch ``plan``'s blocks into the caller's buffers (no lock needed: it reads no Store
@@ -441,7 +442,7 @@ class ReadPath:
             return
         first = plan.chain[-1].key if plan.chain else plan.parent
         n = remote.get_prefix_into([BlockRef(tenant, k, spec) for k in plan.rest], plan.hosts[:],
-                                   info=plan.info, parents=[first, *plan.rest[:-1]])
+                                   info=plan.info, parents=[first, *plan.rest[:-1]], strict=plan.roots)
         for o, h in zip(plan.outs[:n], plan.hosts[:n]):
             if not isinstance(o, np.ndarray) and o.device.type != "cpu":
                 copy_bytes(o, h)
@@ -547,3 +548,4 @@ class _RemoteRead:
     removals: int  # the Store's removal count when planned
     n: int = 0  # how many leading blocks were fetched
     info: list[RemoteInfo] = field(default_factory=list)
+    roots: bool = False  # a roots call's key: a copy recording no parent is a miss

@@ -183,9 +183,11 @@ def test_a_chain_served_through_the_remote_tier_still_continues_from_its_parent(
     assert d.lookup("acme", spec, chain[2:], parent=chain[0]).num_blocks == 0
 
 
-def test_a_remote_copy_that_records_no_parent_is_a_miss(servers, spec):
+def test_a_remote_copy_that_records_no_parent_is_a_miss_to_roots_and_served_to_chains(servers, spec):
     """A copy written before the envelope recorded the parent (version 2) cannot say whether
-    it is a root or a link: it is neither looked up, served nor promoted (a miss is safe)."""
+    it is a root or a link: a roots call neither looks it up, serves nor promotes it (a miss is
+    safe); a chain read serves it as before the upgrade (refusing it there made every copy
+    written before the upgrade a miss until written again)."""
     import redis
 
     from tiers.base import BlockRef
@@ -212,9 +214,10 @@ def test_a_remote_copy_that_records_no_parent_is_a_miss(servers, spec):
     outs = [np.zeros(spec.block_nbytes, np.uint8) for _ in range(4)]
     assert b.get_roots_into("acme", spec, [root, *chain], outs) == [False] * 4
     assert not any(o.any() for o in outs)  # a miss leaves its buffer alone
-    assert b.lookup("acme", spec, chain).num_blocks == 0
-    assert b.get_into("acme", spec, chain, outs[:3]) == 0
     assert b.lookup_roots("acme", spec, [root]) == [None]  # nothing promoted
+    assert b.lookup("acme", spec, chain).tiers == ["remote"] * 3
+    assert b.get_into("acme", spec, chain, outs[:3]) == 3
+    assert b.lookup("acme", spec, chain).num_blocks == 3  # promoted here as the chain it is
 
 
 # -- 3. a server without roots is found out before the first call with roots ----------------------

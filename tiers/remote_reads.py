@@ -22,10 +22,13 @@ accounting's ``_forget``, the tenants' ``_key_matches``/``_dropped_at`` and the 
 * ``contains_many`` / ``prefix_len`` — pipelined ``GETRANGE`` of the values' envelopes, in
   prefix order: a fault or a copy past its deadline reads as absent, as a get would find it.
 * ``parents=`` (the reads and the existence checks): the parent key each block must have (None:
-  any); a copy that records another parent, or none (an envelope older than version 3), is a
-  miss (counted ``misses_parent``), nothing deleted. A block's key does not say whether it is a
-  root or a link, nor of which chain: a roots call and a chain's continuation ask with the
-  parent their keys imply.
+  any); a copy that records another parent is a miss (counted ``misses_parent``), nothing
+  deleted. A block's key does not say whether it is a root or a link, nor of which chain: a
+  roots call and a chain's continuation ask with the parent their keys imply. A copy that
+  records none (written before envelope version 3) is served to a chain read, as before, and
+  is a miss to a ``strict`` one (a roots call: such a copy cannot say it is a root). NOTE:
+  refusing it to chain reads too made every copy written before the upgrade a miss until
+  written again, and a server that believed Redis held its copy never wrote it again.
 """
 
 from __future__ import annotations
@@ -66,9 +69,10 @@ class Reads:
                     ref.tenant, self.config.namespace, exc)
 
     def _decode(self, ref: BlockRef, value: Any, out: np.ndarray,
-                parent: bytes | None = None) -> RemoteInfo | None:
+                parent: bytes | None = None, strict: bool = False) -> RemoteInfo | None:
         """One fetched reply -> out; what its envelope says, or None (counted) on a miss.
-        ``parent``: the parent the block must record (None: any)."""
+        ``parent``, ``strict``: the parent the block must record (None: any; see the module
+        docstring)."""
         if value is None:
             self._count("misses_absent")  # never written, expired, evicted or deleted
             self._forget(ref.ident)
@@ -77,7 +81,7 @@ class Reads:
             return None
         try:
             body, info = split_value(value)
-            if parent is not None and info.parent != parent:
+            if not _parent_ok(info.parent, parent, strict):
                 self._count("misses_parent")  # another chain's link, or a parent not recorded
                 return None
             now = self._clock()
@@ -129,13 +133,13 @@ class Reads:
         return info
 
     def get_into(self, ref: BlockRef, out: Any, *, info: list[RemoteInfo] | None = None,
-                 parent: bytes | None = None) -> bool:
+                 parent: bytes | None = None, strict: bool = False) -> bool:
         """Copy the block into ``out`` (``ref.nbytes``); False on a miss of any kind.
         ``info``: a list that receives the block's :class:`RemoteInfo` when served.
         ``parent``: the parent it must record (see the module docstring; None: any)."""
         key = self.redis_key(ref)
         value = self._call(key, lambda: self._client.get(key))
-        got = self._decode(ref, value, as_bytes_view(out), parent)
+        got = self._decode(ref, value, as_bytes_view(out), parent, strict)
         self._count("gets")
         if got is None:
             self._count("misses")
@@ -144,7 +148,8 @@ class Reads:
         return got is not None
 
     def _fetch(self, refs: Sequence[BlockRef], outs: Sequence[Any], stop_at_miss: bool,
-               info: list[RemoteInfo] | None, parents: Sequence[bytes | None] | None) -> list[bool]:
+               info: list[RemoteInfo] | None, parents: Sequence[bytes | None] | None,
+               strict: bool = False) -> list[bool]:
         got = [False] * len(refs)
         infos: list[RemoteInfo] = [UNKNOWN] * len(refs)
         budget = self.config.max_inflight_bytes
@@ -157,7 +162,7 @@ class Reads:
             values = self._batch("GET", [self.redis_key(r) for r in refs[i:j]])
             for k, value in enumerate(values):
                 one = self._decode(refs[i + k], value, as_bytes_view(outs[i + k]),
-                                   parents[i + k] if parents is not None else None)
+                                   parents[i + k] if parents is not None else None, strict)
                 if one is not None:
                     got[i + k], infos[i + k] = True, one
                 if stop_at_miss and not got[i + k]:
@@ -173,22 +178,22 @@ class Reads:
 
     def get_many_into(self, refs: Sequence[BlockRef], outs: Sequence[Any], *,
                       info: list[RemoteInfo] | None = None,
-                      parents: Sequence[bytes | None] | None = None) -> list[bool]:
+                      parents: Sequence[bytes | None] | None = None, strict: bool = False) -> list[bool]:
         """Pipelined gets (batches of at most ``max_inflight_bytes``); per block: served?
         ``info``: a list set to one :class:`RemoteInfo` per block (meaningful where served).
         ``parents``: the parent each block must record (see the module docstring)."""
-        return self._fetch(refs, outs, False, info, parents)
+        return self._fetch(refs, outs, False, info, parents, strict)
 
     def get_prefix_into(self, refs: Sequence[BlockRef], outs: Sequence[Any], *,
                         info: list[RemoteInfo] | None = None,
-                        parents: Sequence[bytes | None] | None = None) -> int:
+                        parents: Sequence[bytes | None] | None = None, strict: bool = False) -> int:
         """Pipelined gets of a chain; returns how many leading blocks were served (a later
         block is not decoded once one misses). ``info``, ``parents``: as for
         :meth:`get_many_into`."""
-        return _leading(self._fetch(refs, outs, True, info, parents))
+        return _leading(self._fetch(refs, outs, True, info, parents, strict))
 
     def contains_many(self, refs: Sequence[BlockRef], *,
-                      parents: Sequence[bytes | None] | None = None) -> list[bool]:
+                      parents: Sequence[bytes | None] | None = None, strict: bool = False) -> list[bool]:
         """Pipelined existence checks in the given (prefix) order; a fault reads as absent,
         and so does a copy past its deadline (on this server's clock: each reply is the value's
         envelope, ``GETRANGE``, not the whole value), as a get would find it, and one that does
@@ -199,7 +204,7 @@ class Reads:
         found = [succeeded(r) and bool(r) and live_at(r, now) for r in replies]
         if parents is not None:
             for i, (r, want) in enumerate(zip(replies, parents)):
-                if found[i] and want is not None and parent_of(r) != want:
+                if found[i] and not _parent_ok(parent_of(r), want, strict):
                     found[i] = False
                     self._count("misses_parent")
         return found
@@ -207,7 +212,7 @@ class Reads:
     def prefix_len(self, refs: Sequence[BlockRef], *,
                    parents: Sequence[bytes | None] | None = None) -> int:
         """How many leading blocks of the chain ``refs`` exist remotely (``parents``: as for
-        :meth:`contains_many`)."""
+        :meth:`contains_many`; a chain's read is never strict)."""
         return _leading(self.contains_many(refs, parents=parents))
 
     def contains(self, ref: BlockRef) -> bool:
@@ -215,3 +220,13 @@ class Reads:
 
 
 __all__ = ["Reads"]
+
+
+def _parent_ok(recorded: bytes | None, want: bytes | None, strict: bool) -> bool:
+    """Whether a copy recording parent ``recorded`` (None: an envelope older than version 3)
+    answers a read that wants parent ``want`` (None: any); see the module docstring."""
+    if want is None:
+        return True
+    if recorded is None:
+        return not strict
+    return recorded == want
