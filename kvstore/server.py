@@ -317,8 +317,10 @@ def create_server(config: ServerConfig, *, store: Any = None, clock: Callable[[]
     # RESOURCE_EXHAUSTED; without a bound they queued for ever behind calls that never ended.
     # grpc's own bound refused them uncounted: it is a backstop now (see QueueBound)
     pool = CallQueue(config.workers, calls.max_concurrent_rpcs)
-    server = grpc.server(pool, options=options, interceptors=(QueueBound(pool, rpc.refuse_queued),),
-                         maximum_concurrent_rpcs=calls.max_concurrent_rpcs + REFUSALS_IN_FLIGHT)
+    reserved = config.workers - calls.tenant_calls  # admin_workers: the Admin service's and health checks'
+    bound = QueueBound(pool, rpc.count_queued, rpc.abort_queued, reserved)
+    server = grpc.server(pool, options=options, interceptors=(bound,),
+                         maximum_concurrent_rpcs=calls.max_concurrent_rpcs + reserved + REFUSALS_IN_FLIGHT)
     add_services(server, data, admin, rpc)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -58,6 +58,8 @@ if TYPE_CHECKING:
     from kvstore.server_config import CallLimits
 
 log = logging.getLogger(__name__)
+#: the status of a call refused past the queue's bound (to_status's, for the limit's error)
+_QUEUED_STATUS = to_status(ResourceExhausted(GRPC_CONCURRENCY, resource="limits.max_queued_calls"))[0]
 
 
 def known_namespace(registry: AuthRegistry, namespace: str) -> bool:
@@ -220,19 +222,22 @@ class RpcRunner:
                 self._running -= 1
                 self._ended.notify_all()
 
-    def refuse_queued(self, method: str, context: grpc.ServicerContext, since: float) -> None:
-        """Refuse a call of ``method`` (its path) that arrived (at ``since``) past the workers +
-        ``limits.max_queued_calls`` calls held: counted as a rejection of that limit (and as a
-        request, for a method of ours), answered in grpc's own words (what grpc answered when
-        its bound refused it, and what clients read as that limit: :func:`kvstore.status.from_rpc_error`)."""
-        exc = ResourceExhausted(GRPC_CONCURRENCY, resource="limits.max_queued_calls")
-        status, _ = to_status(exc)
+    def count_queued(self, method: str) -> None:
+        """Count a call of ``method`` (its path) refused past the workers +
+        ``limits.max_queued_calls`` calls held (:class:`~kvstore.service_limits.QueueBound`): a
+        rejection of that limit, and a request of its RPC for a method of ours."""
         if self.metrics is not None:
-            self.metrics.rejected(exc.resource)
+            self.metrics.rejected("limits.max_queued_calls")
             name = self.names.get(method)
             if name is not None:  # else a health check or reflection: counted nowhere else
-                self.metrics.observe(name, status.name, time.perf_counter() - since)
-        context.abort(status, GRPC_CONCURRENCY)
+                self.metrics.observe(name, _QUEUED_STATUS.name, 0.0)
+
+    @staticmethod
+    def abort_queued(context: grpc.ServicerContext) -> None:
+        """End a call :meth:`count_queued` counted, in grpc's own words (what grpc answered when
+        its bound refused it, and what clients read as that limit:
+        :func:`kvstore.status.from_rpc_error`)."""
+        context.abort(_QUEUED_STATUS, GRPC_CONCURRENCY)
 
     def relay(self, name: str, context: grpc.ServicerContext, frames: Iterator[Any], start: float) -> Iterator[Any]:
         """The items of a response stream that :meth:`run` opened (``stream=True``; ``start``:
