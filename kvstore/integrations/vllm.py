@@ -66,7 +66,7 @@ Contracts:
   all layers (:meth:`~KVStoreConnector._scatter`). Blocks the sidecar no longer has (evicted
   since the lookup, on any rank) are reported through :meth:`get_block_ids_with_load_errors`,
   and vLLM recomputes them; so are blocks whose move to the device failed (CUDA out of memory,
-  a failed copy: see **Device steps**).
+  a failed copy: see **Device steps**), and every load of a worker with no registered caches.
   **Nothing computed over a failed load is stored** (such a block holds whatever the engine
   block held, and the blocks after it were computed over it): a worker drops every save whose
   chain holds a block that did not load, in that step and after, until the scheduler sends the
@@ -578,13 +578,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVStoreConnectorMetadata)
         for t in meta.loads:
             keys, ids = t.keys[self._rank], t.block_ids[t.start :]
-            try:
-                blocks = self._guard.call(self._client().get, self._spec_of(t.adapter, self._rank),
-                                          keys[t.start :], parent=keys[t.start - 1] if t.start else None,
-                                          namespace=self._namespace)
-            except KVStoreError as exc:
-                log.log(self._guard.level(), "kvstore load failed for %s: %s", t.req_id, exc)
+            if len(self._layers) != self._spec.num_layers:
+                # NOTE: _scatter writes the registered layers only: with none (register_kv_caches
+                # never ran) the load wrote nothing and was reported loaded, so vLLM ran attention
+                # over whatever the engine blocks held
+                log.warning("kvstore load failed for %s (vLLM recomputes its %d blocks): %d of the spec's %d "
+                            "layers have a registered KV cache (register_kv_caches)", t.req_id, len(ids),
+                            len(self._layers), self._spec.num_layers)
                 blocks = None
+            else:
+                blocks = self._get(t, keys)
             n = 0 if blocks is None else blocks.shape[0]
             if n:
                 try:
@@ -600,6 +603,16 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self._failed_now.update(ids[n:])
                 self._unloaded.update(ids[n:])
                 self.counts.failed_loads += len(ids) - n
+
+    def _get(self, t: Transfer, keys: list[bytes]) -> torch.Tensor | None:
+        """The load's blocks from ``start`` under this rank's ``keys``, as many as the sidecar
+        still has (None for a failed call, logged)."""
+        try:
+            return self._guard.call(self._client().get, self._spec_of(t.adapter, self._rank), keys[t.start :],
+                                    parent=keys[t.start - 1] if t.start else None, namespace=self._namespace)
+        except KVStoreError as exc:
+            log.log(self._guard.level(), "kvstore load failed for %s: %s", t.req_id, exc)
+            return None
 
     def _scatter(self, blocks: torch.Tensor, ids: list[int]) -> None:
         """Write loaded ``blocks`` ``[n, 2, L, H, T, D]`` (host memory) into the engine blocks
