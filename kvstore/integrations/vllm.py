@@ -75,9 +75,14 @@ Contracts:
   saved from there on is computed in that rerun. With more than one rank (TP or PP) the ranks
   whose load succeeded stored that step's blocks (computed over the other rank's garbage, and a
   put keeps what a key holds): the scheduler deletes every rank's blocks the request sent since
-  its lookup, at the rollback, or when vLLM ends the request for the failure
-  (``kv_load_failure_policy="fail"``). NOTE: until then they are no hit, as the failing rank
-  lacks them, unless another request stores those very blocks on that rank in the step between.
+  its lookup, at the rollback; or, for a request vLLM preempts or ends before rerunning it, when
+  it is looked up again or when it finishes, however it ends (vLLM's
+  :meth:`~KVStoreConnector.update_connector_output` tells the scheduler which requests a failed
+  load hit; ``kv_load_failure_policy="fail"`` ends the request before that, and its finish deletes
+  them too). NOTE: the window. Until then they are no hit, as the failing rank lacks them, unless
+  another request stores those very blocks on that rank meanwhile: till the next step (the
+  rerun) or, for a preempted request, as long as it waits to be scheduled again. A step already
+  running when the scheduler deletes them (async scheduling) may store such blocks after.
 * **Save.** Each step, full prompt blocks that become computed in that step and were not yet
   stored or sent to be saved are saved: :meth:`save_kv_layer` gathers each layer into a staging
   buffer right after the layer's attention wrote it, and :meth:`wait_for_save` fills any layer
@@ -157,6 +162,7 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["ConnectorCounts", "KVStoreConnector", "KVStoreConnectorMetadata", "KVStoreHandshake", "Transfer",
@@ -214,6 +220,7 @@ class _ReqState:
     found: int = 0  # leading blocks the lookup found stored on every rank
     planned: int = 0  # tokens computed once the last planned step ran: a step starting lower is vLLM's rollback
     retry: tuple[list[int], str | None] | None = None  # (tokens, cache_salt) to look up again while keys are []
+    failed: int | None = None  # a load failed under the request: first block it sent over it (till deleted)
 
 
 class KVStoreConnector(KVConnectorBase_V1):
@@ -345,6 +352,12 @@ class KVStoreConnector(KVConnectorBase_V1):
             # even once the sidecar answered again (its keys are looked up again, see _plan)
             st = self._reqs[request.request_id] = _ReqState(keys=[], adapter=adapter,
                                                             retry=(prompt[: full * bs], salt))
+        elif st.failed is not None:
+            # NOTE: preempted after a failed load, before vLLM reran it (so no _rolled_back): the
+            # blocks it sent over that load are deleted now, before this lookup can count them
+            self._forget(request.request_id, st, st.failed)
+            st.found = min(st.found, st.failed)
+            st.saved, st.failed = min(st.saved, st.failed), None
         try:
             keys, found = self._lookup(prompt[: full * bs], adapter, salt)
         except KVStoreError as exc:
@@ -440,14 +453,35 @@ class KVStoreConnector(KVConnectorBase_V1):
         what a key already holds. So every rank's blocks this request sent since its lookup are
         deleted here, before the resave. Until then they are no hit: the failing rank lacks them,
         and a hit needs every rank (unless another request stores those very blocks on that rank
-        in the step between)."""
+        in the step between). A request vLLM preempts or ends before rerunning it never comes
+        here: see :meth:`update_connector_output`."""
         first = start // self._block_size
-        if start >= st.planned or first >= st.saved or not st.keys:
-            return  # no rollback, or past the prompt's saved blocks (e.g. rejected draft tokens)
+        if start >= st.planned or not st.keys:
+            return  # no rollback
+        st.failed = None  # the failed load's (update_connector_output): vLLM reruns the request
+        if first >= st.saved:
+            return  # past the prompt's saved blocks (e.g. rejected draft tokens)
         log.info("kvstore connector: vLLM recomputes %s from block %d (a load failed): saving it again "
                  "from there", req_id, first)
         self._forget(req_id, st, max(first, st.found))
         st.saved = first
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Note the requests a failed load hit: those holding a block some worker reported
+        through :meth:`get_block_ids_with_load_errors` (vLLM gives every worker's here, in
+        ``invalid_block_ids``, after it rolled them back). The blocks each sent from there are
+        deleted on every rank when vLLM reruns it (:meth:`_rolled_back`), when it is looked up
+        again after a preemption, or when it finishes, however (:meth:`request_finished`).
+
+        NOTE: a request that shares the failed block (vLLM's prefix cache) computed over it too."""
+        invalid = connector_output.invalid_block_ids
+        if not invalid:
+            return
+        for st in self._reqs.values():
+            bad = next((i for i, b in enumerate(st.block_ids) if b in invalid), None)
+            if bad is not None:
+                first = max(bad, st.found)  # the blocks before were stored on every rank (the lookup)
+                st.failed = first if st.failed is None else min(st.failed, first)
 
     def _forget(self, req_id: str, st: _ReqState, first: int) -> None:
         """Delete every rank's blocks ``first..st.saved`` of the request (TP or PP > 1 only: one rank
@@ -511,10 +545,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
-        if st.loaded_tokens and getattr(getattr(request, "status", None), "name", "") == "FINISHED_ERROR":
-            # NOTE: kv_load_failure_policy="fail" ends the request without a rollback: with TP or PP > 1
-            # the blocks other ranks saved over the failed load are deleted here (see _rolled_back)
-            self._forget(request.request_id, st, st.found)
+        first = st.failed  # aborted or finished before vLLM reran it (see update_connector_output)
+        if first is None and st.loaded_tokens and getattr(getattr(request, "status", None), "name", "") == \
+                "FINISHED_ERROR":
+            # NOTE: kv_load_failure_policy="fail" ends the request before vLLM gives the connector
+            # the failed blocks (update_connector_output), and without a rollback
+            first = st.found
+        if first is not None:
+            # with TP or PP > 1 the blocks other ranks saved over the failed load (see _rolled_back)
+            self._forget(request.request_id, st, first)
         return False, {"kvstore": {"loaded_tokens": st.loaded_tokens, "sent_blocks": st.sent}}
 
     # == worker side ==============================================================================
