@@ -104,3 +104,16 @@ def test_tp2_after_the_rerun_resaved_them_the_finish_deletes_nothing(kvv: Any, e
     req.status = types.SimpleNamespace(name="FINISHED_STOPPED")  # type: ignore[attr-defined]
     ev.eng.sched.request_finished(req, ids)
     assert stored(sidecar, ev, 0, 0, 5) == 5 and stored(sidecar, ev, 1, 0, 5) == 5
+
+
+def test_loaded_tokens_are_the_tokens_sent_to_be_loaded_a_failed_load_included(kvv: Any, engine: Any,
+                                                                                 sidecar: Any) -> None:
+    """The report's ``loaded_tokens`` is what the scheduler handed the workers to load, as
+    ``sent_blocks`` is for saves: a load that failed (vLLM recomputed its tokens) stays counted;
+    the workers count what failed."""
+    ev = evicted(kvv, engine, sidecar, slice(1, 3))
+    _, errors = ev.eng.step(sched_output([("b", [10, 11, 12, 13, 14, 15], ev.ext)], {"b": len(ev.q) - ev.ext}))
+    assert errors == [{11, 12}]
+    report = ev.eng.sched.request_finished(Request("b", ev.q), [10, 11, 12, 13, 14, 15])[1]
+    assert report is not None and report["kvstore"]["loaded_tokens"] == 3 * BS
+    assert ev.eng.workers[0].counts.failed_loads == 2

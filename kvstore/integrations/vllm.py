@@ -93,8 +93,8 @@ Contracts:
   computed: see Load). Any other failed save is logged and dropped (a future miss, never wrong
   data), so :meth:`request_finished` never delays freeing blocks; so is a save whose staging
   failed (see **Device steps**). The scheduler cannot see a
-  worker's outcome: its report says how many blocks it *sent* to be saved; each worker counts
-  what it stored (``counts``).
+  worker's outcome: its report says how many blocks it *sent* to be saved (and tokens sent to be
+  loaded, a failed load's too); each worker counts what it stored (``counts``).
 * **Device steps.** The moves between a cache and the host (a save's host buffer, pinned with
   CUDA; for a cache on a device the per-layer device buffer and its gather, the copies and the
   wait for them, and on a load the copy to the device and the scatter) run inside vLLM's forward
@@ -216,7 +216,7 @@ class _ReqState:
     sent: int = 0  # blocks sent to the workers to save
     block_ids: list[int] = field(default_factory=list)
     load: tuple[int, int] | None = None  # (first block, count) to load at the next schedule
-    loaded_tokens: int = 0
+    loaded_tokens: int = 0  # tokens sent to the workers to load (a load that fails stays counted)
     found: int = 0  # leading blocks the lookup found stored on every rank
     planned: int = 0  # tokens computed once the last planned step ran: a step starting lower is vLLM's rollback
     retry: tuple[list[int], str | None] | None = None  # (tokens, cache_salt) to look up again while keys are []
@@ -538,9 +538,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         return True
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Saves are synchronous, so blocks are never held; reports what kvstore did as far as
-        the scheduler knows: tokens loaded, blocks sent to the workers to save (each worker
-        counts what it stored, :attr:`counts`)."""
+        """Saves are synchronous, so blocks are never held; reports what the scheduler handed to
+        the workers: ``loaded_tokens``, tokens sent to be loaded, and ``sent_blocks``, blocks sent
+        to be saved (each worker counts what it stored and failed to load, :attr:`counts`).
+
+        NOTE: ``loaded_tokens`` counts a load as it is planned: one that failed (vLLM then
+        recomputed its tokens) stays counted, as a failed save stays in ``sent_blocks``."""
         self._skipped.discard(request.request_id)
         st = self._reqs.pop(request.request_id, None)
         if st is None:
