@@ -32,7 +32,7 @@ import numpy as np
 
 from kvstore.block import BlockMeta
 from kvstore.errors import InvalidArgument
-from kvstore.keys import ROOT_KEY, check_keys
+from kvstore.keys import check_keys
 from kvstore.spec import ModelSpec
 from kvstore.store_reserve import _parent
 from tiers.memory import MemoryTier
@@ -179,12 +179,7 @@ class LeasedGets:
                         served[i] = view
                 finally:
                     self._place.protected.difference_update(idents)
-                held = self._index.tenant_blocks(tenant)
-                for i, m in enumerate(metas):
-                    if m is None and self._remote is not None and keys[i] not in held:
-                        plans.append((i, self._remote_plan(tenant, spec, [keys[i]], 0,
-                                                           lambda _, i=i: _staged(stage, i, spec), [],
-                                                           ROOT_KEY, roots=True)))
+                plans = self._roots_remote_plans(tenant, spec, keys, metas, lambda i: _staged(stage, i, spec))
                 self._count_get(len(served), len(keys) - len(plans))
             # NOTE: the remote keys are fetched with the lock released, as lease_prefix's are
             for i, plan in plans:

@@ -212,11 +212,7 @@ class ReadPath:
                             got[i] = self._place.serve(m, views[i], now)
                 finally:
                     self._place.protected.difference_update(idents)
-                held = self._index.tenant_blocks(tenant)
-                for i, m in enumerate(metas):
-                    if m is None and self._remote is not None and keys[i] not in held:
-                        plans.append((i, self._remote_plan(tenant, spec, [keys[i]], 0,
-                                                           lambda _, i=i: views[i], [], ROOT_KEY, roots=True)))
+                plans = self._roots_remote_plans(tenant, spec, keys, metas, views.__getitem__)
                 self._count_get(sum(got), len(keys) - len(plans))
         except NVMeWriteFailed as exc:
             # NOTE: as _get: the blocks served are in the caller's buffers
@@ -226,6 +222,17 @@ class ReadPath:
         for i, plan in plans:  # NOTE: no lock here, as _get
             got[i] = self._remote_continue(plan, 0, 1, "get") == 1
         return got
+
+    def _roots_remote_plans(self, tenant: str, spec: ModelSpec, keys: list[bytes],
+                            metas: list[BlockMeta | None], out: Callable[[int], Any]) -> list[tuple[int, _RemoteRead]]:
+        """The remote reads of a roots call's keys absent here (lock held; ``out(i)``: key i's
+        buffer): one plan per key, whose copy must record that it is a root. A key held here
+        but unusable (a chain's link, in flight) is no other block remotely."""
+        if self._remote is None:
+            return []
+        held = self._index.tenant_blocks(tenant)
+        return [(i, self._remote_plan(tenant, spec, [keys[i]], 0, lambda _, i=i: out(i), [], ROOT_KEY, roots=True))
+                for i, m in enumerate(metas) if m is None and keys[i] not in held]
 
     def _roots(self, tenant: str, spec: ModelSpec, keys: list[bytes], now: float) -> list[BlockMeta | None]:
         """Each of ``keys``' block when it is usable as an independent root, else None (lock
