@@ -540,6 +540,8 @@ class Store(ReadPath, ReservedPuts, LeasedGets, SessionPins, TenantAdmin):
         # it was refused with DRAM free while other sessions' pins filled HBM, and a re-put of
         # its parked blocks pulled them back up
         pinning = sess is not None and sess.pinning
+        if sess is not None and not pinning:
+            self._check_paused_put(tenant, sess, keys, spec.block_nbytes)
         now = self._clock()
         deadline = self._ttl_deadline(tenant, ttl_s, now, spec.fingerprint)
         inserted: list[BlockMeta] = []

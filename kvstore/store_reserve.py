@@ -128,6 +128,8 @@ class ReservedPuts:
             pm = self._stored_parent(tenant, spec, parent0, now) if parent0 != ROOT_KEY else None
             floor = pm.tier if pm is not None else self.tiers[0]
             pinned = sess is not None and sess.pinning  # a PAUSED session's put is placed as any put
+            if sess is not None and not pinned:
+                self._check_paused_put(tenant, sess, keys, nbytes)
             lift: list[bytes] = []  # the ancestors a session put brings up into HBM with it
             if pinned and pm is not None and Tier.HBM in self._mem and pm.tier > Tier.HBM:
                 lift = [m.key for m in self._up_chain([pm], Tier.HBM)]

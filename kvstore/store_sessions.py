@@ -218,6 +218,36 @@ class SessionPins:
             raise self._resume_refusal(tenant, session, top, up, blocks, moved=True)
         return moved
 
+    def _beyond_top(self, tenant: str, total: int) -> str | None:
+        """Why a session of ``total`` bytes could never be resumed into the top memory tier:
+        past its capacity or the tenant's quota there; None when it could. Under the lock."""
+        top = self.tiers[0]
+        if top not in self._mem:
+            return None
+        capacity, quota = self._mem[top].capacity, self._quota(tenant, top)
+        if total > capacity:
+            return f"{format_size(total)}, more than {top.label} holds ({format_size(capacity)})"
+        if quota is not None and total > quota:
+            return f"{format_size(total)}, more than the tenant's quota {top.label}={format_size(quota)}"
+        return None
+
+    def _check_paused_put(self, tenant: str, sess: Session, keys: Sequence[bytes], nbytes: int) -> None:
+        """ResourceExhausted when a put of ``keys`` (``nbytes`` each) naming PAUSED ``sess``
+        would make the session more than the top tier can ever take. Under the lock.
+
+        NOTE: an ACTIVE session's put is held to the top tier, so to its size; a paused one's is
+        placed as any put (0595fa3), and one took a session past it: every resume was refused
+        after that, blaming other sessions' pins when none were left."""
+        get = self._index.tenant_blocks(tenant).get
+        held = sum(m.nbytes for k in sess.keys if (m := get(k)) is not None)
+        new = nbytes * len({k for k in keys if k not in sess.keys})
+        why = self._beyond_top(tenant, held + new)
+        if why is not None:
+            raise ResourceExhausted(
+                f"session {sess.sid!r} of tenant {tenant!r} is paused, and this put would make it {why}: "
+                f"it could never be resumed; put these blocks without the session, or close it",
+                resource=self.tiers[0].label)
+
     def _resume_refusal(self, tenant: str, session: str, top: Tier, up: list[BlockMeta],
                         held: list[BlockMeta], *, moved: bool) -> ResourceExhausted:
         """The error of a refused resume of ``session``, whose blocks ``up`` (and ancestors)
@@ -232,7 +262,12 @@ class SessionPins:
         fits = self._place.fits_now
         bound = (top if up and fits(tenant, sizes, top, held, quotas=False)
                  and not fits(tenant, sizes, top, held) else None)
-        if bound is not None:
+        beyond = self._beyond_top(tenant, sum(m.nbytes for m in held))
+        if beyond is not None:  # NOTE: it blamed other sessions' pins (or told to close the others): no close could help
+            why = f"it holds {beyond}: close it (its blocks stay as prefix cache)"
+            if bound is not None:
+                why += " or raise its quota (kvstore policy set)"
+        elif bound is not None:
             quota = self._quota(tenant, bound) or 0
             own = self._place.tenant_usage.get((tenant, bound), 0)
             why = (f"its quota {bound.label}={format_size(quota)} binds (it holds {format_size(own)} "

@@ -8,12 +8,14 @@ pulled them back up; the damaged block made a session put fail "cannot make room
 
 from __future__ import annotations
 
+import pytest
 import service_harness
 import torch
 from conftest import MASTER, make_kv, tokens
 from service_harness import SPEC, fresh_tokens, random_kv
 
 from kvstore.config import StoreConfig
+from kvstore.errors import ResourceExhausted
 from kvstore.spec import ModelSpec
 from kvstore.store import Store
 from tiers.nvme import tenant_prefix
@@ -114,3 +116,41 @@ def test_a_paused_sessions_put_stream_is_not_refused(tmp_path):
         assert torch.equal(b.get(SPEC, kb), kv)
     finally:
         sc.stop()
+
+
+def test_a_put_cannot_make_a_paused_session_larger_than_hbm(tmp_path):
+    """A paused session's put is placed as any put; one that took the session past HBM left it
+    for ever unresumable, each resume blaming other sessions' pins (there were none)."""
+    s = _open(tmp_path, "d", hbm=4, dram=8)
+    try:
+        s.open_session("A", "x")
+        a = s.block_keys("A", SPEC_S, tokens(3, SPEC_S))
+        s.put("A", SPEC_S, a, make_kv(SPEC_S, 3), session="x")
+        s.pause_session("A", "x")
+        more = s.block_keys("A", SPEC_S, tokens(2, SPEC_S, start=100))
+        with pytest.raises(ResourceExhausted, match="could never be resumed"):
+            s.put("A", SPEC_S, more, make_kv(SPEC_S, 2, seed=1), session="x")
+        assert s.lookup("A", SPEC_S, more).num_blocks == 0  # nothing stored
+        s.put("A", SPEC_S, more[:1], make_kv(SPEC_S, 1, seed=1), session="x")  # 4 blocks: fits hbm
+        s.put("A", SPEC_S, a, make_kv(SPEC_S, 3), session="x")  # a re-put of its own blocks adds nothing
+        s.resume_session("A", "x")
+        assert s.lookup("A", SPEC_S, a).tiers == ["hbm"] * 3
+        assert s.lookup("A", SPEC_S, more[:1]).tiers == ["hbm"]
+    finally:
+        s.close()
+
+
+def test_a_resume_refused_for_a_session_past_the_tenants_hbm_quota_says_so(tmp_path):
+    s = _open(tmp_path, "e", hbm=8, dram=8)
+    try:
+        s.open_session("A", "x")
+        a = s.block_keys("A", SPEC_S, tokens(3, SPEC_S))
+        s.put("A", SPEC_S, a, make_kv(SPEC_S, 3), session="x")
+        s.pause_session("A", "x")
+        s.set_tenant_policy("A", quota_bytes={"hbm": 2 * N})
+        with pytest.raises(ResourceExhausted, match="close it") as err:
+            s.resume_session("A", "x")
+        assert "pinned by sessions" not in str(err.value) and "other sessions" not in str(err.value)
+        assert "raise its quota" in str(err.value)
+    finally:
+        s.close()
