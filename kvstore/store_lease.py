@@ -159,10 +159,7 @@ class LeasedGets:
         try:
             with self._lock, self._batch():
                 self._check_open()
-                now = self._clock()
-                metas = self._roots(tenant, spec, keys, now)
-                idents = self._hold_roots(metas)
-                try:
+                with self._held_roots(tenant, spec, keys) as (metas, now):
                     for i, m in enumerate(metas):
                         if m is None:
                             continue
@@ -177,8 +174,6 @@ class LeasedGets:
                         self._place.hit(found)
                         self._place.touch(m, now)
                         served[i] = view
-                finally:
-                    self._place.protected.difference_update(idents)
                 plans = self._roots_remote_plans(tenant, spec, keys, metas, lambda i: _staged(stage, i, spec))
                 self._count_get(len(served), len(keys) - len(plans))
             # NOTE: the remote keys are fetched with the lock released, as lease_prefix's are

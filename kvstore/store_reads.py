@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -203,15 +204,10 @@ class ReadPath:
         try:
             with self._lock, self._batch():
                 self._check_open()
-                now = self._clock()
-                metas = self._roots(tenant, spec, keys, now)
-                idents = self._hold_roots(metas)
-                try:
+                with self._held_roots(tenant, spec, keys) as (metas, now):
                     for i, m in enumerate(metas):
                         if m is not None:
                             got[i] = self._place.serve(m, views[i], now)
-                finally:
-                    self._place.protected.difference_update(idents)
                 plans = self._roots_remote_plans(tenant, spec, keys, metas, views.__getitem__)
                 self._count_get(sum(got), len(keys) - len(plans))
         except NVMeWriteFailed as exc:
@@ -248,14 +244,20 @@ class ReadPath:
             out.append(m if usable else None)
         return out
 
-    def _hold_roots(self, metas: list[BlockMeta | None]) -> list[Ident]:
-        """Protect every block of ``metas`` (a roots call's blocks; lock held) for the call, as
-        :meth:`Placement.hold_chain` does a chain's; the idents added, for the caller to discard."""
+    @contextmanager
+    def _held_roots(self, tenant: str, spec: ModelSpec, keys: list[bytes]) -> Iterator[tuple[list[BlockMeta | None], float]]:
+        """``(metas, now)``: each of ``keys``' block usable as a root (:meth:`_roots`), every one
+        protected while the body runs, as :meth:`Placement.hold_chain` does a chain's (lock held)."""
+        now = self._clock()
+        metas = self._roots(tenant, spec, keys, now)
         protected = self._place.protected
         idents = list({(m.tenant, m.key) for m in metas
                        if m is not None and (m.tenant, m.key) not in protected})
         protected.update(idents)
-        return idents
+        try:
+            yield metas, now
+        finally:
+            protected.difference_update(idents)
 
     @staticmethod
     def _usable_len(blocks: dict[bytes, BlockMeta], spec: ModelSpec, keys: Sequence[bytes],
